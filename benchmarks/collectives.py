@@ -6,8 +6,14 @@ launches ``mpirun -n N`` for each N, times all_gather / reduce_scatter / all_red
 ``--max-mib`` MiB (S, the full buffer, as nccl-tests counts it), and prints algbw, busbw and the
 ratio zerosim / raw mpi4py (time_raw / time_zerosim: 1.0 means no overhead). zerosim runs with its
 defaults (ledger on, cross-rank argument check on) and with the check off (``validate=False``),
-timed interleaved with the raw calls; the ring column is our explicit ring algorithm over
+timed interleaved with the raw calls; each sample times enough back-to-back calls to last about
+10 ms (as nccl-tests averages over iterations). The ring column is our explicit ring algorithm over
 point-to-point messages, for reference. Target: ratio ≥ 0.95 from 1 MiB up.
+
+The summary also states the fixed cost zerosim adds to every call (its time minus raw's at the
+smallest size, where the transfer is negligible) and the ratio that cost alone allows at 1 MiB:
+the argument checks, the ledger record and, with the check on, one extra small all-gather that
+makes every rank's arguments agree before any data moves.
 """
 
 from __future__ import annotations
@@ -34,19 +40,30 @@ def _sizes(max_mib: float) -> list[int]:
     return sizes
 
 
-def _time(comm, fn, repeats: int) -> float:
-    """Median over repeats of the slowest rank's time for one call."""
+def _time(comm, fn, repeats: int, iters: int = 1) -> float:
+    """Median over repeats of the slowest rank's time per call, over ``iters`` calls in a row.
+
+    As nccl-tests does, each sample times several back-to-back calls, so one call's jitter (a
+    rank descheduled for a moment) is averaged instead of deciding the sample.
+    """
     from mpi4py import MPI
 
     times = []
     for _ in range(repeats):
         comm.Barrier()
         t0 = time.perf_counter()
-        fn()
-        elapsed = np.array([time.perf_counter() - t0])
+        for _ in range(iters):
+            fn()
+        elapsed = np.array([(time.perf_counter() - t0) / iters])
         comm.Allreduce(MPI.IN_PLACE, elapsed, op=MPI.MAX)
         times.append(elapsed[0])
     return float(np.median(times))
+
+
+def _iters(comm, fn, target_s: float = 0.01) -> int:
+    """Calls per sample so that one sample lasts about ``target_s`` (the same on every rank)."""
+    one = _time(comm, fn, 3)
+    return max(1, min(1000, int(target_s / max(one, 1e-7))))
 
 
 def _raw_calls(mpi, full, part) -> dict:
@@ -88,15 +105,16 @@ def worker(max_mib: float, repeats: int) -> None:
             fast = _zerosim_calls(fast_comm, full, part)
             ring = _zerosim_calls(ring_comm, full, part)
             ours[op]()  # warm-up
-            raw[op]()
+            iters = _iters(mpi, raw[op])
             t_raw, t_zs, t_fast = [], [], []
             for _ in range(repeats):  # interleaved, so a change of load hits all three
-                t_raw.append(_time(mpi, raw[op], 1))
-                t_zs.append(_time(mpi, ours[op], 1))
-                t_fast.append(_time(mpi, fast[op], 1))
-            t_ring = _time(mpi, ring[op], max(1, repeats // 2))
-            for c in (zs_comm, fast_comm, ring_comm):
-                c.ledger.reset()
+                t_raw.append(_time(mpi, raw[op], 1, iters))
+                t_zs.append(_time(mpi, ours[op], 1, iters))
+                t_fast.append(_time(mpi, fast[op], 1, iters))
+                for c in (zs_comm, fast_comm):
+                    c.ledger.reset()  # between samples, so the ledger does not grow unbounded
+            t_ring = _time(mpi, ring[op], max(1, repeats // 2), max(1, iters // 4))
+            ring_comm.ledger.reset()
             if rank == 0:
                 row = {
                     "n": n,
@@ -106,6 +124,7 @@ def worker(max_mib: float, repeats: int) -> None:
                     "zerosim": float(np.median(t_zs)),
                     "fast": float(np.median(t_fast)),
                     "ring": t_ring,
+                    "iters": iters,
                 }
                 print(json.dumps(row), flush=True)
 
@@ -134,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--max-mib", type=float, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", help="also write the rows (times in seconds) to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -162,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             check=True,
         )
         rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     print(
         "| N | op | S (MiB) | raw algbw GB/s | raw busbw GB/s | zerosim algbw GB/s | "
         "zerosim busbw GB/s | ring busbw GB/s | ratio zerosim/raw | ratio, check off |"
@@ -180,6 +202,23 @@ def main(argv: list[str] | None = None) -> int:
                 f"from 1 MiB up, {label}: ratio min {min(big):.3f}, median "
                 f"{float(np.median(big)):.3f} (target >= 0.95)"
             )
+    for n in args.ranks:
+        mine = [r for r in rows if r["n"] == n]
+        if not mine:
+            continue
+        small = min(r["bytes"] for r in mine)
+        at_small = [r for r in mine if r["bytes"] == small]
+        at_mib = [r for r in mine if r["bytes"] >= 2**20]
+        for key, label in (("zerosim", "check on"), ("fast", "check off")):
+            extra = float(np.median([r[key] - r["raw"] for r in at_small]))
+            line = f"N={n}, {label}: fixed cost per call {extra * 1e6:.1f} us (at {small} B)"
+            if at_mib:
+                raw = min(r["raw"] for r in at_mib if r["bytes"] == min(x["bytes"] for x in at_mib))
+                line += (
+                    f"; raw takes {raw * 1e6:.0f} us at 1 MiB, so that cost alone caps the "
+                    f"ratio there at {raw / (raw + extra):.3f}"
+                )
+            print(line)
     return 0
 
 

@@ -93,6 +93,12 @@ def is_device_array(x: Any) -> bool:
     return cupy is not None and isinstance(x, cupy.ndarray)
 
 
+def any_device_array(*arrays: Any) -> bool:
+    """True if any of the arrays is a CuPy array (one cached lookup when CuPy is absent)."""
+    cupy = _cupy_or_none()
+    return cupy is not None and any(isinstance(a, cupy.ndarray) for a in arrays)
+
+
 def to_host(x: Any) -> np.ndarray:
     """Copy an array to host memory as numpy (no copy when it already is numpy)."""
     if is_device_array(x):

@@ -17,6 +17,7 @@ ring algorithms, ``_agree`` for the cross-rank check and ``split``.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -86,6 +87,13 @@ def check_collectives(value: str) -> str:
 def _check_op(op: str, x: Any) -> None:
     if op not in OPS:
         raise ValueError(f"op must be one of {list(OPS)}, got {op!r}")
+
+
+@functools.cache
+def _dtype_code(dtype: Any) -> int:
+    """A small non-negative int naming a dtype, for the cross-rank argument check."""
+    code = np.frombuffer(dtype_name(dtype).encode()[:8].ljust(8), dtype=np.int64)[0]
+    return int(code) & 0x7FFFFFFFFFFFFFFF
 
 
 class Communicator(ABC):
@@ -441,9 +449,16 @@ class Communicator(ABC):
     def _signature(
         self, op: str, dtype: Any, count: int, root: int, counts: tuple[int, ...] | None
     ) -> tuple[int, ...]:
-        code = np.frombuffer(dtype_name(dtype).encode()[:8].ljust(8), dtype=np.int64)[0]
         pieces = 0 if counts is None else hash(counts) & 0x7FFFFFFFFFFFFFFF
-        return (OP_CODES[op], int(code), int(count), int(root), pieces)
+        return (OP_CODES[op], _dtype_code(dtype), int(count), int(root), pieces)
+
+    def _all_agree(self, signature: tuple[int, ...]) -> bool:
+        """True when every rank passed the same ``signature`` (the same answer on every rank).
+
+        Worlds may override it with something cheaper than ``_agree``'s all-gather.
+        """
+        every = self._agree(signature)
+        return all(s == every[0] for s in every)
 
     def _check_agreement(
         self, op: str, dtype: Any, count: int, root: int, counts: tuple[int, ...] | None = None
@@ -451,21 +466,23 @@ class Communicator(ABC):
         if not self.validate or self.size == 1:
             return
         mine = self._signature(op, dtype, count, root, counts)
+        if self._all_agree(mine):
+            return
+        # Every rank learnt the same answer, so all of them are here: gather the details.
         every = self._agree(mine)
-        if any(s != every[0] for s in every):
-            names = {v: k for k, v in OP_CODES.items()}
-            described = ", ".join(
-                f"rank {r}: {names.get(s[0], '?')}(count={s[2]}, root={s[3]})"
-                + ("" if s[4] == mine[4] else " with other counts")
-                + ("" if s[1] == mine[1] else " with another dtype")
-                for r, s in enumerate(every)
-            )
-            raise ValueError(
-                f"ranks of group {self.group!r} called different collectives or "
-                f"passed different sizes/dtypes/roots: {described}; every rank must "
-                f"make the same call ({op} here on rank {self.rank}, "
-                f"dtype {dtype_name(dtype)})"
-            )
+        names = {v: k for k, v in OP_CODES.items()}
+        described = ", ".join(
+            f"rank {r}: {names.get(s[0], '?')}(count={s[2]}, root={s[3]})"
+            + ("" if s[4] == mine[4] else " with other counts")
+            + ("" if s[1] == mine[1] else " with another dtype")
+            for r, s in enumerate(every)
+        )
+        raise ValueError(
+            f"ranks of group {self.group!r} called different collectives or "
+            f"passed different sizes/dtypes/roots: {described}; every rank must "
+            f"make the same call ({op} here on rank {self.rank}, "
+            f"dtype {dtype_name(dtype)})"
+        )
 
     def _new_record(
         self,
@@ -478,14 +495,13 @@ class Communicator(ABC):
         recv: int,
         counted: str,
     ) -> Record:
-        itemsize = np.dtype(dtype).itemsize
         return Record(
             op=op,
             phase=self.ledger.current_phase,
             group=self.group,
             dtype=dtype_name(dtype),
             elements=count,
-            size_bytes=count * itemsize,
+            size_bytes=count * dtype.itemsize,
             bytes_sent=sent,
             bytes_recv=recv,
             peers=self.size,
@@ -510,17 +526,20 @@ class Communicator(ABC):
     ) -> None:
         self._sync_nodes()
         self._check_agreement(op, dtype, count, root, counts)
-        itemsize = np.dtype(dtype).itemsize
-        if self._use_ring(ring_fn):
+        itemsize = dtype.itemsize
+        if self._collectives == "ring" and self._use_ring(ring_fn):
             record = self._new_record(op, dtype, count, root, True, 0, 0, "wire")
             record.bytes_sent, record.bytes_recv = ring_fn()
         else:
             sent, recv = ring.model_bytes(op, count, self.size, self.rank, itemsize, root, counts)
             record = self._new_record(op, dtype, count, root, True, sent, recv, "model")
             native()
-        record.intra_bytes, record.inter_bytes = self._split_sent(
-            op, record.bytes_sent, count, itemsize
-        )
+        if self._node_of is None:
+            record.intra_bytes = record.bytes_sent  # one node: every byte stays on it
+        else:
+            record.intra_bytes, record.inter_bytes = self._split_sent(
+                op, record.bytes_sent, count, itemsize
+            )
         record.wall_time = self.ledger.now() - record.start
         self.ledger.append(record)
 
@@ -535,7 +554,7 @@ class Communicator(ABC):
     ) -> Handle:
         self._sync_nodes()
         self._check_agreement(op, dtype, count, 0, counts)
-        itemsize = np.dtype(dtype).itemsize
+        itemsize = dtype.itemsize
         if self._use_ring(ring_fn):
             # Our ring is synchronous: it runs now and the handle is already complete.
             record = self._new_record(op, dtype, count, 0, False, 0, 0, "wire")

@@ -47,7 +47,7 @@ def busbw_factor(op: str, n: int) -> float:
     return 1.0
 
 
-@dataclass
+@dataclass(slots=True)
 class Record:
     """One collective call as seen by one rank."""
 

@@ -21,6 +21,7 @@ ends the whole job within seconds instead of leaving the others blocked in a col
 
 from __future__ import annotations
 
+import array
 import sys
 import time
 import traceback
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from zerosim.backend import DTYPES, is_device_array, is_half, to_host
+from zerosim.backend import DTYPES, any_device_array, is_device_array, is_half, to_host
 from zerosim.comm.base import Communicator
 from zerosim.comm.ledger import Ledger
 
@@ -67,12 +68,16 @@ def _mpi_op(dtype: np.dtype, op: str) -> MPI.Op:
     return _half_op(dtype, op) if is_half(dtype) else _NATIVE_OPS[op]
 
 
+# dtype → (the dtype its words travel as, or None to send it as it is; the MPI datatype)
+_WIRE = {
+    dtype: (np.dtype(np.uint16) if is_half(dtype) else None, t) for dtype, t in _MPI_TYPES.items()
+}
+
+
 def _spec(x: np.ndarray) -> list:
     """[buffer, MPI datatype] for a contiguous numpy array (16-bit floats as raw words)."""
-    data = x.reshape(-1)
-    if is_half(x.dtype):
-        data = data.view(np.uint16)
-    return [data, _MPI_TYPES[np.dtype(x.dtype)]]
+    view, mpi_type = _WIRE[x.dtype]
+    return [x if view is None else x.view(view), mpi_type]
 
 
 _abort_hook_installed = False
@@ -100,13 +105,20 @@ def install_abort_on_exception() -> None:
 
 
 class _Staged:
-    """Host copies of CuPy arrays for one collective, copied back to the device when done."""
+    """Host copies of CuPy arrays for one collective, copied back to the device when done.
+
+    NumPy arrays pass through untouched (``host`` is the very list given).
+    """
 
     def __init__(self, arrays: list[Any]) -> None:
-        self.device = [a for a in arrays]
-        self.host = [to_host(a) if is_device_array(a) else a for a in arrays]
+        self.device = arrays
+        self.host = arrays
+        if any_device_array(*arrays):
+            self.host = [to_host(a) if is_device_array(a) else a for a in arrays]
 
     def copy_back(self, *indices: int) -> None:
+        if self.host is self.device:
+            return
         for i in indices:
             if is_device_array(self.device[i]):
                 self.device[i].set(self.host[i])
@@ -127,6 +139,7 @@ class MPIComm(Communicator):
         super().__init__(
             self.mpi.Get_rank(), self.mpi.Get_size(), ledger, collectives, group, validate
         )
+        self._agree_buf: array.array | None = None
         if MPI.COMM_WORLD.Get_size() > 1:
             install_abort_on_exception()
 
@@ -228,6 +241,15 @@ class MPIComm(Communicator):
         s = _Staged([buf])
         self.mpi.Recv(_spec(s.host[0]), source, self._RING_TAG)
         s.copy_back(0)
+
+    def _all_agree(self, signature: tuple[int, ...]) -> bool:
+        # The all-gather of _agree without building tuples: equal bytes mean equal signatures.
+        # (array.array is cheaper than a NumPy array for a handful of ints.)
+        mine = array.array("q", signature)
+        if self._agree_buf is None or len(self._agree_buf) != len(mine) * self.size:
+            self._agree_buf = array.array("q", bytes(8 * len(mine) * self.size))
+        self.mpi.Allgather([mine, MPI.INT64_T], [self._agree_buf, MPI.INT64_T])
+        return self._agree_buf.tobytes() == mine.tobytes() * self.size
 
     def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:
         mine = np.asarray(signature, dtype=np.int64)
