@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerosim.nn import Parameter
+from zerosim.zero.buffers import MAX_IN_FLIGHT
 from zerosim.zero.grad_ready import GradReadyTracker
 from zerosim.zero.partition import Range, piece_counts, reduction_buckets
 from zerosim.zero.stage0 import BucketQueue, bucket_members
@@ -35,7 +36,7 @@ class Stage2(Strategy):
     stage = 2
 
     def setup_gradients(self) -> None:
-        self.pending: list[tuple[Any, Any, Any, int]] = []  # (handle, out, destination, bytes)
+        self.pending: list[tuple[Any, Any, Any, tuple]] = []  # (handle, out, dest, pooled views)
         self.queues: list[BucketQueue] = []
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (group, index)
         for gi, g in enumerate(self.groups):
@@ -61,8 +62,7 @@ class Stage2(Strategy):
 
     def _buffer(self, g: FlatGroup, b: int) -> Any:
         if b not in g.buffers:
-            g.buffers[b] = g.xp.zeros(g.buckets[b].size, dtype=self.dtype)
-            self.track_transient(g.buffers[b].nbytes)
+            g.buffers[b] = self.take_buffer(g.buckets[b].size)
         return g.buffers[b]
 
     def _move_grad(self, p: Parameter) -> None:
@@ -88,8 +88,8 @@ class Stage2(Strategy):
             for i in g.bucket_members[b]:  # parameters whose uses never completed
                 self._move_grad(g.named_params[i][1])
             buf = self._buffer(g, b)
-            out = g.xp.empty(counts[self.comm.rank], dtype=self.dtype)
-            self.track_transient(out.nbytes)
+            self.complete_reductions(self.pending, leave=MAX_IN_FLIGHT - 1)  # free a buffer
+            out = self.take_buffer(counts[self.comm.rank])
             part = bucket.intersect(own)
             dest = (
                 None
@@ -101,8 +101,10 @@ class Stage2(Strategy):
             else:
                 self.comm.reduce_scatter_v(out, buf, counts)
                 handle = None
-            del g.buffers[b]  # the communicator holds what it still needs until the wait
-            self.pending.append((handle, out, dest, buf.nbytes + out.nbytes))
+            del g.buffers[b]  # given back to the pool once the reduction completes
+            self.pending.append((handle, out, dest, (buf, out)))
+            if handle is None:  # already reduced: add it in now and give its buffers back
+                self.complete_reductions(self.pending)
 
         return launch
 

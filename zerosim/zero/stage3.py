@@ -34,6 +34,7 @@ import numpy as np
 from zerosim.backend import array_module, to_host
 from zerosim.nn import Parameter
 from zerosim.zero import zeropp
+from zerosim.zero.buffers import MAX_IN_FLIGHT
 from zerosim.zero.coordinator import ParamCoordinator
 from zerosim.zero.grad_ready import GradReadyTracker
 from zerosim.zero.offload import read_param_chunk
@@ -93,7 +94,7 @@ class Stage3(Strategy):
 
     def setup_gradients(self) -> None:
         self.where: dict[int, tuple[int, int]] = {}
-        self.pending: list[tuple[Any, Any, Any, int]] = []
+        self.pending: list[tuple[Any, Any, Any, tuple]] = []  # (handle, out, dest, pooled views)
         self.queues: list[BucketQueue] = []
         self.gathered: dict[int, Any] = {}
         self.released = self.groups[0].xp.empty(0, dtype=self.dtype)
@@ -197,16 +198,22 @@ class Stage3(Strategy):
         if p.grad is None:
             return
         members = g.buckets[b]
-        width = sum(g.partition.chunks[j] for j in members)
-        if b not in g.buffers:
-            g.buffers[b] = g.xp.zeros((self.comm.size, width), dtype=self.dtype)
-            self.track_transient(g.buffers[b].nbytes)
         column = g.partition.offsets[i] - g.partition.offsets[members[0]]
         chunk = g.partition.chunks[i]
-        padded = g.xp.zeros(chunk * self.comm.size, dtype=self.dtype)
-        padded[: p.numel] = p.grad.reshape(-1)
-        g.buffers[b][:, column : column + chunk] = padded.reshape(self.comm.size, chunk)
+        block = self._bucket_buffer(g, b)[:, column : column + chunk]  # rank r's chunk in row r
+        grad = p.grad.reshape(-1)
+        rows, rest = divmod(p.numel, chunk) if chunk else (0, 0)
+        block[:rows] = grad[: rows * chunk].reshape(rows, chunk)
+        if rest:  # the last chunk is partly padding, which stays zero
+            block[rows, :rest] = grad[rows * chunk :]
         p.grad = None
+
+    def _bucket_buffer(self, g: ShardGroup, b: int) -> Any:
+        """Bucket b's (N, width) buffer, rank-major: taken from the pool when first needed."""
+        if b not in g.buffers:
+            width = sum(g.partition.chunks[j] for j in g.buckets[b])
+            g.buffers[b] = self.take_buffer((self.comm.size, width))
+        return g.buffers[b]
 
     def _launcher(self, g: ShardGroup) -> Any:
         def launch(b: int) -> None:
@@ -214,12 +221,10 @@ class Stage3(Strategy):
             for j in members:  # gradients of parameters whose uses never completed
                 self._pack(g, b, j, g.named_params[j][1])
             width = sum(g.partition.chunks[j] for j in members)
-            if b not in g.buffers:
-                g.buffers[b] = g.xp.zeros((self.comm.size, width), dtype=self.dtype)
-                self.track_transient(g.buffers[b].nbytes)
-            buf = g.buffers.pop(b)
-            out = g.xp.empty(width, dtype=self.dtype)
-            self.track_transient(out.nbytes)
+            buf = self._bucket_buffer(g, b)
+            del g.buffers[b]
+            self.complete_reductions(self.pending, leave=MAX_IN_FLIGHT - 1)  # free a buffer
+            out = self.take_buffer(width)
             start = g.partition.offsets[members[0]]
             dest = g.grad_shard[start : start + width]
             handle = None
@@ -229,7 +234,9 @@ class Stage3(Strategy):
                 handle = self.comm.ireduce_scatter(out, buf.reshape(-1))
             else:
                 self.comm.reduce_scatter(out, buf.reshape(-1))
-            self.pending.append((handle, out, dest, buf.nbytes + out.nbytes))
+            self.pending.append((handle, out, dest, (buf, out)))
+            if handle is None:  # already reduced: add it in now and give its buffers back
+                self.complete_reductions(self.pending)
 
         return launch
 

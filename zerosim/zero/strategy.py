@@ -30,6 +30,7 @@ import numpy as np
 from zerosim.backend import array_module, to_host
 from zerosim.comm import Communicator
 from zerosim.nn import Parameter
+from zerosim.zero.buffers import BufferPool
 from zerosim.zero.offload import Offload
 from zerosim.zero.partition import Layout, Range, deepspeed_layout
 
@@ -130,6 +131,8 @@ class Strategy(ABC):
         self.offload.params_to_files(self.groups)
         self.live_transient = 0
         self.peak_transient = 0
+        xp = self.groups[0].xp if self.groups else np
+        self.pool = BufferPool(xp, self.dtype)  # gradient bucket buffers (stages 2 and 3)
         self.setup_gradients()
         param_groups = []
         self.shards: list[list[Shard]] = []
@@ -290,16 +293,27 @@ class Strategy(ABC):
             for s in shards:
                 s.grad *= coef
 
-    def complete_reductions(self, pending: list[tuple[Any, Any, Any, int]]) -> None:
-        """Wait for each (handle, out, dest, bytes) reduce-scatter, add ``out`` into ``dest``
-        (this rank's gradient shard; None when the bucket holds nothing of it) and free it."""
-        for handle, out, dest, nbytes in pending:
+    def complete_reductions(
+        self, pending: list[tuple[Any, Any, Any, tuple]], leave: int = 0
+    ) -> None:
+        """Complete (handle, out, dest, views) reduce-scatters, oldest first, until ``leave``
+        remain: wait, add ``out`` into ``dest`` (this rank's gradient shard; None when the
+        bucket holds nothing of it) and give the bucket's pooled ``views`` back."""
+        while len(pending) > leave:
+            handle, out, dest, views = pending.pop(0)
             if handle is not None:
                 handle.wait()
             if dest is not None:
                 dest += out
-            self.track_transient(-nbytes)
-        pending.clear()
+            for view in views:
+                self.track_transient(-view.nbytes)
+                self.pool.give(view)
+
+    def take_buffer(self, shape: int | tuple[int, ...]) -> Any:
+        """A zero-filled bucket buffer from the pool (zerosim/zero/buffers.py)."""
+        view = self.pool.take(shape)
+        self.track_transient(view.nbytes)
+        return view
 
     def track_transient(self, nbytes: int) -> None:
         """Count bytes of a temporary buffer allocated (+) or freed (−)."""
@@ -355,6 +369,7 @@ class Strategy(ABC):
                 name = f"optimizer_state.{key}"
                 report[name] = report.get(name, 0) + total
         report["peak_transient"] = self.peak_transient
+        report["bucket_buffers"] = self.pool.nbytes
         report.update(self.offload.split(self, report))
         return report
 
