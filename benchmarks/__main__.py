@@ -1,9 +1,12 @@
 """Every benchmark in one run: ``python -m benchmarks [--quick] [--out docs/benchmarks.md]``.
 
-Runs the collectives, optimizer-step, model-step and training-step scripts one after the other
-(each compares zerosim with a baseline measured in the same run: raw mpi4py, NumPy's copy and
-matmul rates, PyTorch), and writes their tables, with the machine, the versions and the date, to
-a Markdown file. ``--quick`` uses small sizes (a couple of minutes) to check that everything runs.
+Runs the collectives, optimizer-step, model-step, training-step and scaling scripts one after the
+other (each compares zerosim with a baseline measured in the same run: raw mpi4py, NumPy's copy
+and matmul rates, PyTorch, the memory formulas), and writes their tables, with the machine, the
+versions and the date, to a Markdown file. Each script also writes its rows as JSON (``--json``,
+to a temporary folder); ``benchmarks/figures.py`` turns them into ``figures/bench_<module>.png``
+beside the Markdown file, embedded under each section. ``--quick`` uses small sizes (a couple of
+minutes) to check that everything runs.
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ import io
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.figures import make_figure  # noqa: E402  (after the path set-up above)
 
 # (title, module, full-size arguments, quick arguments, what the ratio means and its target)
 SUITE = [
@@ -57,6 +64,25 @@ SUITE = [
         "with and without prefetch, and its model-state memory per rank against 1/N. Target: "
         "ratio ≤ 1.",
     ),
+    (
+        "Scaling",
+        "scaling",
+        [],
+        ["--quick"],
+        "Model-state memory and step time per rank for N = 1, 2, 4, 8 and MLPs of Ψ, 10Ψ and "
+        "100Ψ parameters, ZeRO stages 1-3, float32 Adam: the memory against the formulas of "
+        "zerosim.analysis.memory (target: equal to the byte), and the step time against a "
+        "least-squares line in Ψ (target: linear growth, R² near 1 at full size).",
+    ),
+    (
+        "Allocations",
+        "allocations",
+        [],
+        ["--stages", "2", "--dtypes", "fp32", "--steps", "1"],
+        "Bytes allocated at once during a steady-state training step, per rank (tracemalloc), "
+        "against the model's parameter bytes Ψ·b. Target: no model-sized buffer allocated per "
+        "step (gradient buckets come from a pool filled in the first step).",
+    ),
 ]
 
 
@@ -83,7 +109,6 @@ def run_one(module: str, argv: list[str]) -> tuple[str, float]:
     """Run a benchmark's ``main(argv)`` in this process, capturing what it prints."""
     import importlib
 
-    sys.path.insert(0, str(ROOT))
     mod = importlib.import_module(f"benchmarks.{module}")
     out = io.StringIO()
     t0 = time.perf_counter()
@@ -102,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     parser.add_argument("--only", nargs="+", help="module names to run (default: all)")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    figures = out.parent / "figures"
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     parts = [
@@ -114,7 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     for title, module, full, quick, about in SUITE:
         if args.only and module not in args.only:
             continue
-        text, seconds = run_one(module, quick if args.quick else full)
+        with tempfile.TemporaryDirectory(prefix="zerosim-bench-") as json_dir:
+            json_path = Path(json_dir) / f"{module}.json"
+            text, seconds = run_one(
+                module, [*(quick if args.quick else full), "--json", str(json_path)]
+            )
+            png = make_figure(module, json_path, figures)  # None when no rows were written
         print(f"{title}: {seconds:.0f} s", file=sys.stderr)
         parts += [
             "",
@@ -129,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             text.rstrip(),
             "```",
         ]
-    Path(args.out).write_text("\n".join(parts) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+        if png is not None:
+            parts += ["", f"![{title}]({png.relative_to(out.parent).as_posix()})"]
+    out.write_text("\n".join(parts) + "\n")
+    print(f"wrote {out} and its figures in {figures}", file=sys.stderr)
     return 0
 
 

@@ -13,6 +13,7 @@ OMP_NUM_THREADS before starting); torch is set to the same count.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -39,6 +40,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     return p.parse_args(argv)
 
 
@@ -164,13 +166,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(matmuls); {threads()} threads; medians of {a.steps} interleaved repetitions"
     )
     print(f"{'':34} {'s/step':>8} {'GFLOP/s':>9} {'vs matmul':>10}")
-    print(
-        f"{'numpy matmul (B*T, C) @ (C, 4C)':34} {'':8} "
-        f"{statistics.median(matmul_rates) / 1e9:9.1f} {1.0:10.2f}"
-    )
+    matmul_gflops = statistics.median(matmul_rates) / 1e9
+    print(f"{'numpy matmul (B*T, C) @ (C, 4C)':34} {'':8} {matmul_gflops:9.1f} {1.0:10.2f}")
+    records = [{"name": "numpy matmul", "seconds": None, "gflops": matmul_gflops, "vs_matmul": 1.0}]
     for name in runs:
         t = statistics.median(times[name])
         print(f"{name:34} {t:8.3f} {flops / t / 1e9:9.1f} {statistics.median(ratios[name]):10.2f}")
+        records.append(
+            {
+                "name": name.removesuffix(" GPT forward+backward"),
+                "seconds": t,
+                "gflops": flops / t / 1e9,
+                "vs_matmul": statistics.median(ratios[name]),
+            }
+        )
+    if a.json:
+        Path(a.json).write_text(json.dumps(records, indent=1) + "\n")
     return 0
 
 

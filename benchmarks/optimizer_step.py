@@ -15,6 +15,7 @@ least disturbed by other processes on a shared machine).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)"
     )
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     if args.numel < 1 or args.repeats < 1:
         parser.error(f"--numel and --repeats must be >= 1; got {args.numel}, {args.repeats}")
@@ -157,6 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("GB/s: bytes the update must read + write (Adam/AdamW 7, SGD-momentum 5 float32")
     print("arrays per element) / time. zerosim speed-up: that row's time / zerosim's time.")
+    if args.json:
+        records = [
+            {
+                "optimizer": name,
+                "implementation": impl,
+                "numel": args.numel,
+                "seconds": seconds,
+                "gbps": bandwidth / 1e9,
+                "copy_gbps": copy_bw / 1e9,
+            }
+            for name, impl, seconds, bandwidth, _ in rows
+        ]
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
     return 0
 
 

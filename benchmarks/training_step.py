@@ -2,7 +2,7 @@
 
     python benchmarks/training_step.py [--ranks 2 4] [--steps 20] [--model mlp|gpt|both]
         [--stages 0 1 2 3] [--repeats 2] [--memory-ranks 1 2 4 8] [--check] [--profile [STAGE]]
-        [--quick]
+        [--quick] [--json PATH]
 
 For each N in ``--ranks``, model and configuration the driver launches ``--repeats`` separate
 ``mpirun -n N`` jobs of this file (``--worker``), zerosim's and torch's alternating so that a
@@ -504,6 +504,22 @@ def row(n: int, model: str, stage: int, zs: dict, th: dict) -> str:
     )
 
 
+def record(n: int, model: str, stage: int, zs: dict, th: dict) -> dict:
+    """A main-table row for ``--json``: step times in ms (None when a side failed)."""
+    return {
+        "n": n,
+        "model": model,
+        "stage": stage,
+        "params": zs.get("params", th.get("params")),
+        "counterpart": COUNTERPART[stage],
+        "zerosim_ms": zs.get("ms"),
+        "torch_ms": th.get("ms"),
+        "ratio": zs["ms"] / th["ms"] if "ms" in zs and "ms" in th else None,
+        "zerosim_rss_mib": max(zs["rss_mib"]) if "rss_mib" in zs else None,
+        "torch_rss_mib": max(th["rss_mib"]) if "rss_mib" in th else None,
+    }
+
+
 # -- stage 3: exposed communication and model-state memory -----------------------------------------
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -654,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also compare torch's and zerosim's gradients at initialisation (adds to RSS)",
     )
+    p.add_argument("--json", metavar="PATH", help="also write the main table's rows as JSON")
     a = p.parse_args(argv)
     if a.worker:
         a.model = a.model if a.model != "both" else "mlp"
@@ -675,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
+    records: list[dict] = []  # --json: one per row of the main table
     stage3: dict[tuple[int, str], dict] = {}
     for n in a.ranks:
         for model in models:
@@ -689,6 +707,7 @@ def main(argv: list[str] | None = None) -> int:
                         off_runs.append(launch(a, n, model, "zerosim", 3, overlap=False))
                 zs, th = combine(zs_runs), combine(th_runs)
                 lines.append(row(n, model, stage, zs, th))
+                records.append(record(n, model, stage, zs, th))
                 if stage == 3:
                     stage3[(n, model)] = {"on": zs, "off": combine(off_runs)}
                 if th.get("grad_gap") is not None:
@@ -704,6 +723,8 @@ def main(argv: list[str] | None = None) -> int:
     if 3 in a.stages:
         more, runs = exposed_table(a, models, stage3)
         print("\n".join(more + memory_table(a, models, runs)))
+    if a.json:
+        Path(a.json).write_text(json.dumps(records, indent=1) + "\n")
     print(
         f"\n{time.perf_counter() - t0:.0f} s; load average 1 min {load:.2f} at start, "
         f"{os.getloadavg()[0]:.2f} at end, {os.cpu_count()} CPUs"

@@ -9,8 +9,10 @@ zerosim's loss, well below the loss at initialisation (ln V).
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import struct
 import subprocess
 import sys
 
@@ -48,10 +50,13 @@ def stage3_psi_pad(sizes: list[int], n: int) -> int:
 
 
 @pytest.mark.slow
-def test_training_step_quick_reports_stage3_against_fsdp2_and_memory_falling_as_one_over_n():
+def test_training_step_quick_reports_stage3_against_fsdp2_and_memory_falling_as_one_over_n(
+    tmp_path,
+):
     mlp_sizes = [256, 1024, 512, 256, 10]  # the benchmark's MLP
     psi = stage3_psi_pad(mlp_sizes, 1)
-    cmd = [sys.executable, "benchmarks/training_step.py", "--quick"]
+    rows_path = tmp_path / "training_step.json"
+    cmd = [sys.executable, "benchmarks/training_step.py", "--quick", "--json", str(rows_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -66,6 +71,11 @@ def test_training_step_quick_reports_stage3_against_fsdp2_and_memory_falling_as_
     assert float(cells[4]) > 0 and float(cells[6]) > 0
     zs_loss, torch_loss = (float(v) for v in cells[10].split("/"))
     assert zs_loss == pytest.approx(torch_loss, rel=1e-4), rows[0]
+    (record,) = json.loads(rows_path.read_text())  # --json: the same row, unrounded
+    assert (record["n"], record["model"], record["stage"]) == (2, "mlp", 3)
+    assert record["params"] == psi
+    assert record["zerosim_ms"] == pytest.approx(float(cells[4]), abs=0.051)
+    assert record["ratio"] == pytest.approx(record["zerosim_ms"] / record["torch_ms"])
 
     # exposed communication: with and without prefetch; times inside the step; 3(N−1)/N·Ψ·b sent
     for prefetch in ("on", "off"):
@@ -123,3 +133,170 @@ def test_python_m_benchmarks_quick_writes_every_table(tmp_path):
     for title in ("## Collectives", "## Optimizer step", "## Model step"):
         assert title in text
     assert "ratio zerosim/raw" in text and "Measured " in text
+    for title, module in (
+        ("Collectives", "collectives"),
+        ("Optimizer step", "optimizer_step"),
+        ("Model step", "model_step"),
+    ):  # each section embeds its PNG, written to figures/ beside the Markdown
+        assert f"![{title}](figures/bench_{module}.png)" in text
+        assert (tmp_path / "figures" / f"bench_{module}.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+# -- scaling benchmark and figures ----------------------------------------------------------------
+def mlp_numels(width: int) -> list[int]:
+    """The scaling benchmark's MLP [W, W, W, W, 10]: three W×W weights, a 10×W head, biases."""
+    return [width * width] * 3 + [10 * width] + [width] * 3 + [10]
+
+
+def zero_fp32_adam_bytes(width: int, n: int, stage: int) -> int:
+    """ZeRO paper Sec. 5 for float32 Adam without a master copy: params 4Ψ, grads 4Ψ, Adam m and
+    v 8Ψ; stage 1 splits the Adam states over N, stage 2 also the grads, stage 3 also the params.
+    Ψ padded as zerosim pads: stages 0-2 the flat buffer to a multiple of N, stage 3 each
+    parameter to a multiple of N."""
+    numels = mlp_numels(width)
+    if stage == 3:
+        psi = sum(-(-k // n) * n for k in numels)
+    else:
+        psi = -(-sum(numels) // n) * n
+    params = 4 * psi // (n if stage >= 3 else 1)
+    grads = 4 * psi // (n if stage >= 2 else 1)
+    adam = 8 * psi // (n if stage >= 1 else 1)
+    return params + grads + adam
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_scaling_quick_memory_per_rank_equals_the_zero_formula_with_padding(tmp_path):
+    rows_path = tmp_path / "scaling.json"
+    cmd = [sys.executable, "benchmarks/scaling.py", "--quick", "--json", str(rows_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(rows_path.read_text())
+    widths = sorted({r["width"] for r in rows})
+    assert len(widths) == 3
+    assert {(r["n"], r["stage"]) for r in rows} == {(n, s) for n in (1, 2) for s in (1, 2, 3)}
+    assert len(rows) == 2 * 3 * len(widths)
+    for r in rows:
+        assert r["params"] == sum(mlp_numels(r["width"]))
+        expected = zero_fp32_adam_bytes(r["width"], r["n"], r["stage"])
+        assert r["model_state_bytes"] == [expected] * r["n"], r
+        assert r["formula_bytes"] == expected, r
+        assert r["ms"] > 0 and len(r["rank_ms"]) == r["n"]
+    # stage 3 at N = 2 pads some parameter of an odd width: the padding must be in the count
+    odd = [w for w in widths if any(k % 2 for k in mlp_numels(w))]
+    assert odd, widths
+    memory = out.stdout.split("Step time per rank", 1)[0]
+    assert memory.count("| yes |") == len(rows) and "| NO |" not in memory, out.stdout
+    assert "intercept ms" in out.stdout and "R²" in out.stdout
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def sample_rows() -> dict[str, list[dict]]:
+    """Small synthetic rows in each benchmark's --json format."""
+    collectives = [
+        {
+            "n": n,
+            "op": op,
+            "bytes": b,
+            "raw": b / 4e9,
+            "zerosim": b / 3e9,
+            "fast": b / 3.5e9,
+            "ring": b / 2e9,
+        }
+        for n in (2, 4)
+        for op in ("all_gather", "reduce_scatter", "all_reduce")
+        for b in (2**12, 2**20, 2**24)
+    ]
+    optimizer = [
+        {
+            "optimizer": o,
+            "implementation": i,
+            "numel": 1024,
+            "seconds": s,
+            "gbps": 7 * 4096 / s / 1e9,
+            "copy_gbps": 30.0,
+        }
+        for o in ("Adam", "SGD-momentum")
+        for i, s in (("zerosim", 1e-6), ("torch single", 2e-6))
+    ]
+    model = [
+        {"name": "numpy matmul", "seconds": None, "gflops": 150.0, "vs_matmul": 1.0},
+        {"name": "zerosim", "seconds": 1.4, "gflops": 100.0, "vs_matmul": 0.66},
+        {"name": "torch", "seconds": 1.2, "gflops": 120.0, "vs_matmul": 0.8},
+    ]
+    training = [
+        {
+            "n": n,
+            "model": "mlp",
+            "stage": s,
+            "params": 1000,
+            "counterpart": "DDP",
+            "zerosim_ms": 10.0 + s,
+            "torch_ms": 11.0,
+            "ratio": (10.0 + s) / 11.0,
+            "zerosim_rss_mib": 100.0,
+            "torch_rss_mib": 200.0,
+        }
+        for n in (2, 4)
+        for s in range(4)
+    ]
+    scaling = [
+        {
+            "n": n,
+            "stage": s,
+            "width": w,
+            "params": sum(mlp_numels(w)),
+            "padded_numel": 0,
+            "model_state_bytes": [zero_fp32_adam_bytes(w, n, s)] * n,
+            "ms": 1.0 + 1e-5 * sum(mlp_numels(w)) / n,
+            "rank_ms": [1.0] * n,
+        }
+        for n in (1, 2, 4)
+        for s in (1, 2, 3)
+        for w in (16, 51, 160)
+    ]
+    return {
+        "collectives": collectives,
+        "optimizer_step": optimizer,
+        "model_step": model,
+        "training_step": training,
+        "scaling": scaling,
+    }
+
+
+@pytest.mark.slow
+def test_figures_write_a_png_for_each_benchmark_and_skip_missing_json(tmp_path):
+    from benchmarks import figures
+
+    samples = sample_rows()
+    assert set(samples) == set(figures.PLOTS)
+    json_dir = tmp_path / "json"
+    json_dir.mkdir()
+    for module, rows in samples.items():
+        (json_dir / f"{module}.json").write_text(json.dumps(rows))
+    (json_dir / "scaling.json").unlink()  # a benchmark that wrote no rows: its figure is skipped
+    made = figures.make_all(json_dir, tmp_path / "figures")
+    assert sorted(made) == sorted(set(samples) - {"scaling"})
+    assert figures.make_figure("scaling", json_dir / "scaling.json", tmp_path) is None
+    made["scaling"] = figures.scaling(samples["scaling"], tmp_path / "figures" / "s.png")
+    for module, path in made.items():
+        data = path.read_bytes()
+        assert data[:8] == PNG_SIGNATURE, module
+        width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
+        assert width > 300 and height > 200, (module, width, height)
+        assert len(data) > 5000, module
+    assert made["collectives"].name == "bench_collectives.png"
+
+
+def test_busbw_factor_is_the_ring_bytes_per_rank_over_the_message():
+    from benchmarks.figures import busbw_factor
+
+    # ring all-gather / reduce-scatter: each rank sends N−1 of N pieces; all-reduce does both
+    assert busbw_factor("all_gather", 4) == 3 / 4
+    assert busbw_factor("reduce_scatter", 8) == 7 / 8
+    assert busbw_factor("all_reduce", 4) == 2 * 3 / 4
+    with pytest.raises(ValueError, match="broadcast"):
+        busbw_factor("broadcast", 4)

@@ -1,0 +1,268 @@
+"""PNG plots of the benchmarks' JSON rows (``--json PATH`` of each ``benchmarks/<module>.py``).
+
+    python benchmarks/figures.py JSON_DIR OUT_DIR   # OUT_DIR/bench_<module>.png for each
+                                                    # JSON_DIR/<module>.json that exists
+
+One function per benchmark turns its rows into one figure:
+
+* collectives: bus bandwidth against message size, raw mpi4py against zerosim, per N and
+  operation; busbw = bytes / time · f with f = (N−1)/N for all_gather and reduce_scatter and
+  2(N−1)/N for all_reduce (the bytes each rank's link carries, nccl-tests' convention);
+* optimizer_step: effective GB/s of each optimizer and implementation, against numpy's copy;
+* model_step: GFLOP/s of the GPT step in zerosim and torch against numpy's matmul;
+* training_step: zerosim's step time over its torch counterpart's, per stage and N;
+* scaling: model-state bytes per rank against N (log-log, with the 1/N line), and step time
+  against Ψ with the least-squares line t = a·Ψ + c, one panel per stage.
+
+Figures are drawn on a matplotlib ``Figure`` with the Agg canvas (no pyplot, no display), as in
+``zerosim.plots``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+Rows = Sequence[dict]
+COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce")
+PLAIN = FuncFormatter(lambda value, _: f"{value:g}")
+
+
+def _figure(width: float, height: float, panels: int = 1) -> tuple[Figure, list]:
+    fig = Figure(figsize=(width, height), dpi=90, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def _colors(count: int) -> list:
+    cmap = colormaps["tab10"]
+    return [cmap(i % 10) for i in range(count)]
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """Bus-bandwidth factor: (N−1)/N for all_gather / reduce_scatter, 2(N−1)/N for all_reduce."""
+    if op not in COLLECTIVE_OPS:
+        raise ValueError(f"op must be one of {COLLECTIVE_OPS}, got {op!r}")
+    return (2 if op == "all_reduce" else 1) * (n - 1) / n
+
+
+def collectives(rows: Rows, path: str | Path) -> Path:
+    """busbw (GB/s) against message size, one panel per operation: raw dashed, zerosim solid."""
+    ops = [op for op in COLLECTIVE_OPS if any(r["op"] == op for r in rows)]
+    ranks = sorted({r["n"] for r in rows})
+    fig, axes = _figure(4.2 * len(ops), 3.6, len(ops))
+    for ax, op in zip(axes, ops, strict=True):
+        for n, color in zip(ranks, _colors(len(ranks)), strict=True):
+            mine = sorted(
+                (r for r in rows if r["op"] == op and r["n"] == n), key=lambda r: r["bytes"]
+            )
+            if not mine:
+                continue
+            size = np.array([r["bytes"] for r in mine], float)
+            for key, style in (("raw", "--"), ("zerosim", "-")):
+                bw = size / np.array([r[key] for r in mine]) * busbw_factor(op, n) / 1e9
+                ax.plot(size / 2**20, bw, style, color=color, marker=".", label=f"N={n} {key}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (MiB)")
+        ax.set_ylabel("bus bandwidth (GB/s)")
+        ax.set_title(op)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("collectives: zerosim against raw mpi4py")
+    return _save(fig, path)
+
+
+def optimizer_step(rows: Rows, path: str | Path) -> Path:
+    """Effective GB/s bars per optimizer and implementation; numpy's copy bandwidth as a line."""
+    names = list(dict.fromkeys(r["optimizer"] for r in rows))
+    impls = list(dict.fromkeys(r["implementation"] for r in rows))
+    fig, (ax,) = _figure(6.5, 3.8)
+    width = 0.8 / len(impls)
+    for i, (impl, color) in enumerate(zip(impls, _colors(len(impls)), strict=True)):
+        gbps = [
+            next(
+                (r["gbps"] for r in rows if r["optimizer"] == o and r["implementation"] == impl),
+                0.0,
+            )
+            for o in names
+        ]
+        ax.bar(
+            np.arange(len(names)) + (i - (len(impls) - 1) / 2) * width,
+            gbps,
+            width,
+            color=color,
+            label=impl,
+        )
+    copy = max(r["copy_gbps"] for r in rows)
+    ax.axhline(copy, color="black", linestyle=":", label=f"numpy copy {copy:.1f} GB/s")
+    ax.set_xticks(np.arange(len(names)), names)
+    ax.set_ylabel("effective bandwidth (GB/s)")
+    ax.set_title(f"optimizer step on a float32 shard of {rows[0]['numel']:,} elements")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def model_step(rows: Rows, path: str | Path) -> Path:
+    """GFLOP/s bars: numpy's matmul, zerosim's and torch's GPT forward+backward."""
+    fig, (ax,) = _figure(5.0, 3.6)
+    names = [r["name"] for r in rows]
+    ax.bar(names, [r["gflops"] for r in rows], color=_colors(len(rows)))
+    for i, r in enumerate(rows):
+        ax.annotate(
+            f"{r['vs_matmul']:.2f}× matmul", (i, r["gflops"]), ha="center", va="bottom", fontsize=8
+        )
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title("GPT forward+backward against numpy's matmul")
+    return _save(fig, path)
+
+
+def training_step(rows: Rows, path: str | Path) -> Path:
+    """zerosim / torch step-time ratio per stage, one bar per (N, model); 1 = as fast."""
+    rows = [r for r in rows if r.get("ratio") is not None]
+    stages = sorted({r["stage"] for r in rows})
+    groups = sorted({(r["n"], r["model"]) for r in rows})
+    fig, (ax,) = _figure(6.5, 3.8)
+    width = 0.8 / max(1, len(groups))
+    for i, ((n, model), color) in enumerate(zip(groups, _colors(len(groups)), strict=True)):
+        ratio = [
+            next(
+                (r["ratio"] for r in rows if (r["n"], r["model"], r["stage"]) == (n, model, s)),
+                np.nan,
+            )
+            for s in stages
+        ]
+        ax.bar(
+            np.arange(len(stages)) + (i - (len(groups) - 1) / 2) * width,
+            ratio,
+            width,
+            color=color,
+            label=f"N={n} {model}",
+        )
+    ax.axhline(1.0, color="black", linestyle=":")
+    ax.set_xticks(np.arange(len(stages)), [f"stage {s}" for s in stages])
+    ax.set_ylabel("zerosim ms / torch ms")
+    ax.set_title("training step: zerosim against its torch counterpart")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def scaling(rows: Rows, path: str | Path) -> Path:
+    """Left: bytes per rank against N (log-log) per stage and model, with the 1/N line from N=1.
+    Then one panel per stage: step time against Ψ for each N, with the fit t = a·Ψ + c."""
+    stages = sorted({r["stage"] for r in rows})
+    ranks = sorted({r["n"] for r in rows})
+    widths = sorted({r["width"] for r in rows})
+    fig, axes = _figure(3.8 * (1 + len(stages)), 3.8, 1 + len(stages))
+    markers = "os^Dv"
+    ax = axes[0]
+    for stage, color in zip(stages, _colors(len(stages)), strict=True):
+        for k, w in enumerate(widths):
+            mine = sorted(
+                (r for r in rows if r["stage"] == stage and r["width"] == w), key=lambda r: r["n"]
+            )
+            n = np.array([r["n"] for r in mine], float)
+            mem = np.array([max(r["model_state_bytes"]) for r in mine], float)
+            label = f"stage {stage}" if k == len(widths) - 1 else None
+            ax.plot(n, mem, "-", color=color, marker=markers[k % len(markers)], label=label)
+            if stage == stages[0] and n.size and n[0] == 1:
+                ax.plot(
+                    n, mem[0] / n, ":", color="black", zorder=3, label="1/N" if k == 0 else None
+                )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(ranks, [str(n) for n in ranks])
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("model-state bytes per rank")
+    ax.set_title("memory per rank (markers: Ψ sizes)")
+    ax.legend(fontsize=8)
+    for ax, stage in zip(axes[1:], stages, strict=True):
+        for n, color in zip(ranks, _colors(len(ranks)), strict=True):
+            mine = sorted(
+                (r for r in rows if r["stage"] == stage and r["n"] == n), key=lambda r: r["params"]
+            )
+            psi = np.array([r["params"] for r in mine], float)
+            ms = np.array([r["ms"] for r in mine])
+            ax.plot(psi, ms, "o", color=color, label=f"N={n}")
+            if psi.size >= 2:
+                slope, intercept = np.polyfit(psi, ms, 1)
+                grid = np.geomspace(psi.min(), psi.max(), 50)
+                line = slope * grid + intercept  # a negative intercept: drawn where positive
+                ax.plot(grid[line > 0], line[line > 0], "-", color=color, alpha=0.7)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        measured = [r["ms"] for r in rows if r["stage"] == stage]
+        ax.set_ylim(min(measured) / 1.5, max(measured) * 1.5)
+        ax.yaxis.set_major_formatter(PLAIN)  # plain numbers (1, 10, 100 ms), not powers of ten
+        ax.set_xlabel("parameters Ψ")
+        ax.set_ylabel("step time per rank (ms)")
+        ax.set_title(f"stage {stage}: t = a·Ψ + c")
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+PLOTS: dict[str, Callable[[Rows, str | Path], Path]] = {
+    "collectives": collectives,
+    "optimizer_step": optimizer_step,
+    "model_step": model_step,
+    "training_step": training_step,
+    "scaling": scaling,
+}
+
+
+def figure_name(module: str) -> str:
+    return f"bench_{module}.png"
+
+
+def make_figure(module: str, json_path: str | Path, out_dir: str | Path) -> Path | None:
+    """``out_dir/bench_<module>.png`` from the module's JSON rows; None when the JSON file is
+    missing or holds no rows (that figure is skipped)."""
+    if module not in PLOTS:
+        raise ValueError(f"module must be one of {sorted(PLOTS)}, got {module!r}")
+    json_path = Path(json_path)
+    if not json_path.is_file():
+        return None
+    rows = json.loads(json_path.read_text())
+    if not rows:
+        return None
+    return PLOTS[module](rows, Path(out_dir) / figure_name(module))
+
+
+def make_all(json_dir: str | Path, out_dir: str | Path) -> dict[str, Path]:
+    """Every figure whose ``json_dir/<module>.json`` exists: {module: PNG path}."""
+    made = {}
+    for module in PLOTS:
+        path = make_figure(module, Path(json_dir) / f"{module}.json", out_dir)
+        if path is not None:
+            made[module] = path
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    for module, path in make_all(*args).items():
+        print(f"{module}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
