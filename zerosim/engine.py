@@ -144,7 +144,14 @@ class Engine:
         zero = cfg.zero_optimization
         strategy_cls = STRATEGIES[zero.stage]
         self.strategy: Strategy = strategy_cls(
-            groups, comm, zero, cfg.model_dtype, opt_cls, cfg.zerosim.layout, cfg.master_dtype
+            groups,
+            comm,
+            zero,
+            cfg.model_dtype,
+            opt_cls,
+            cfg.zerosim.layout,
+            cfg.master_dtype,
+            None if cfg.communication_data_type is None else cfg.communication_dtype,
         )
         self.loss_scaler = build_loss_scaler(cfg.loss_scaler())
         self.skipped_steps = 0
@@ -170,8 +177,9 @@ class Engine:
             (
                 "communication_data_type",
                 cfg.communication_data_type,
-                cfg.communication_dtype != cfg.model_dtype,
-                f"null or the model dtype {cfg.model_dtype} (gradients are reduced in it)",
+                cfg.communication_data_type is not None
+                and cfg.zero_optimization.zero_quantized_gradients,
+                "null with zero_quantized_gradients (qgZ sends its own int4 codes)",
             ),
             (
                 "zerosim.backend",

@@ -18,30 +18,37 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 MAX_IN_FLIGHT = 2  # launched reductions in flight at once (double buffering)
 
 
 class BufferPool:
-    """Flat buffers of one dtype, lent out as zero-filled views and given back when done."""
+    """Flat buffers, lent out as zero-filled views and given back when done.
+
+    ``dtype`` is the default; ``take`` may ask for another (a buffer serves only its own dtype).
+    """
 
     def __init__(self, xp: Any, dtype: Any) -> None:
         self.xp = xp
-        self.dtype = dtype
-        self.free: list[Any] = []
+        self.dtype = np.dtype(dtype)
+        self.free: dict[np.dtype, list[Any]] = {}
         self.lent: dict[int, Any] = {}  # id(view) -> the buffer it is a view of
         self.nbytes = 0
         self.allocations = 0
 
-    def take(self, shape: int | tuple[int, ...]) -> Any:
-        """A zero-filled array of this shape, a view of a pooled buffer."""
+    def take(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
+        """A zero-filled array of this shape (and dtype), a view of a pooled buffer."""
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
         numel = 1
         for d in shape if isinstance(shape, tuple) else (shape,):
             numel *= d
-        fits = [i for i, b in enumerate(self.free) if b.size >= numel]
+        free = self.free.setdefault(dtype, [])
+        fits = [i for i, b in enumerate(free) if b.size >= numel]
         if fits:  # the smallest free buffer that is large enough
-            buf = self.free.pop(min(fits, key=lambda i: self.free[i].size))
+            buf = free.pop(min(fits, key=lambda i: free[i].size))
         else:
-            buf = self.xp.empty(max(numel, 1), dtype=self.dtype)
+            buf = self.xp.empty(max(numel, 1), dtype=dtype)
             self.nbytes += buf.nbytes
             self.allocations += 1
         view = buf[:numel].reshape(shape)
@@ -51,7 +58,8 @@ class BufferPool:
 
     def give(self, view: Any) -> None:
         """Return a view obtained from ``take``; its memory may be lent again."""
-        self.free.append(self.lent.pop(id(view)))
+        buf = self.lent.pop(id(view))
+        self.free[buf.dtype].append(buf)
 
     def lent_nbytes(self) -> int:
         return sum(b.nbytes for b in self.lent.values())

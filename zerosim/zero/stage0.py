@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerosim.nn import Parameter
+from zerosim.zero.buffers import MAX_IN_FLIGHT
 from zerosim.zero.grad_ready import GradReadyTracker
 from zerosim.zero.partition import Range, reduction_buckets
 from zerosim.zero.strategy import FlatGroup, Strategy
@@ -67,6 +68,7 @@ class Stage0(Strategy):
 
     def setup_gradients(self) -> None:
         self.handles: list[Any] = []
+        self.cast: list[tuple[Any, Any, Any, tuple]] = []  # reductions of cast copies
         self.reducing = False
         self.queues: list[BucketQueue] = []
         self.owner_of: dict[int, int] = {}
@@ -84,7 +86,17 @@ class Stage0(Strategy):
     def _launcher(self, g: FlatGroup, buckets: list[Range]) -> Any:
         def launch(i: int) -> None:
             view = g.flat_grad[buckets[i].start : buckets[i].stop]
-            if self.zero.overlap_comm:
+            wire = self.wire_dtype(view.dtype)
+            if wire != view.dtype:  # communication_data_type: reduce a cast copy, add it back
+                self.complete_reductions(self.cast, leave=MAX_IN_FLIGHT - 1)
+                buf = self.take_buffer(view.size, wire)
+                buf[...] = view
+                view.fill(0)
+                handle = self.comm.iall_reduce(buf) if self.zero.overlap_comm else None
+                if handle is None:
+                    self.comm.all_reduce(buf)
+                self.cast.append((handle, buf, view, (buf,)))
+            elif self.zero.overlap_comm:
                 self.handles.append(self.comm.iall_reduce(view))
             else:
                 self.comm.all_reduce(view)
@@ -109,6 +121,7 @@ class Stage0(Strategy):
         for h in self.handles:
             h.wait()
         self.handles.clear()
+        self.complete_reductions(self.cast)
         self.reducing = False
         for g in self.groups:
             g.flat_grad /= self.comm.size

@@ -68,9 +68,20 @@ class Stage1(Strategy):
         if not boundary:
             return
         for g in self.groups:
+            wire = self.wire_dtype(g.flat_grad.dtype)
             for unit, own in zip(g.layout.units, g.owned, strict=True):
                 mine = g.flat_grad[own.start : own.stop]
-                self.comm.reduce_scatter(mine, g.flat_grad[unit.start : unit.stop])
+                full = g.flat_grad[unit.start : unit.stop]
+                if wire == full.dtype:
+                    self.comm.reduce_scatter(mine, full)
+                else:  # communication_data_type: reduce a cast copy in place, keep our piece
+                    buf = self.take_buffer(full.size, wire)
+                    buf[...] = full
+                    piece = buf[own.start - unit.start : own.stop - unit.start]
+                    self.comm.reduce_scatter(piece, buf)
+                    mine[...] = piece
+                    self.track_transient(-buf.nbytes)
+                    self.pool.give(buf)
                 mine /= self.comm.size
 
     def grad_view(self, group: FlatGroup, rng: Range) -> Any:

@@ -62,7 +62,7 @@ class Stage2(Strategy):
 
     def _buffer(self, g: FlatGroup, b: int) -> Any:
         if b not in g.buffers:
-            g.buffers[b] = self.take_buffer(g.buckets[b].size)
+            g.buffers[b] = self.take_buffer(g.buckets[b].size, self.wire_dtype(self.dtype))
         return g.buffers[b]
 
     def _move_grad(self, p: Parameter) -> None:
@@ -89,7 +89,7 @@ class Stage2(Strategy):
                 self._move_grad(g.named_params[i][1])
             buf = self._buffer(g, b)
             self.complete_reductions(self.pending, leave=MAX_IN_FLIGHT - 1)  # free a buffer
-            out = self.take_buffer(counts[self.comm.rank])
+            out = self.take_buffer(counts[self.comm.rank], buf.dtype)
             part = bucket.intersect(own)
             dest = (
                 None

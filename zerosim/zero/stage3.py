@@ -212,7 +212,7 @@ class Stage3(Strategy):
         """Bucket b's (N, width) buffer, rank-major: taken from the pool when first needed."""
         if b not in g.buffers:
             width = sum(g.partition.chunks[j] for j in g.buckets[b])
-            g.buffers[b] = self.take_buffer((self.comm.size, width))
+            g.buffers[b] = self.take_buffer((self.comm.size, width), self.wire_dtype(self.dtype))
         return g.buffers[b]
 
     def _launcher(self, g: ShardGroup) -> Any:
@@ -224,7 +224,7 @@ class Stage3(Strategy):
             buf = self._bucket_buffer(g, b)
             del g.buffers[b]
             self.complete_reductions(self.pending, leave=MAX_IN_FLIGHT - 1)  # free a buffer
-            out = self.take_buffer(width)
+            out = self.take_buffer(width, buf.dtype)
             start = g.partition.offsets[members[0]]
             dest = g.grad_shard[start : start + width]
             handle = None

@@ -118,8 +118,12 @@ class Strategy(ABC):
         optimizer_cls: type,
         layout: str = "deepspeed",
         master_dtype: Any = None,
+        comm_dtype: Any = None,
     ) -> None:
         self.comm = comm
+        # communication_data_type: gradients are cast to it for their reduction (None: reduced
+        # in their buffer's own dtype, the model dtype or fp32 for Megatron's bf16 buffers)
+        self.comm_dtype = None if comm_dtype is None else np.dtype(comm_dtype)
         self.zero = zero
         self.dtype = np.dtype(dtype)
         self.offload = Offload(zero, comm.rank)
@@ -309,9 +313,13 @@ class Strategy(ABC):
                 self.track_transient(-view.nbytes)
                 self.pool.give(view)
 
-    def take_buffer(self, shape: int | tuple[int, ...]) -> Any:
+    def wire_dtype(self, grads: Any) -> np.dtype:
+        """The dtype gradients of this dtype are reduced in (communication_data_type)."""
+        return np.dtype(grads) if self.comm_dtype is None else self.comm_dtype
+
+    def take_buffer(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
         """A zero-filled bucket buffer from the pool (zerosim/zero/buffers.py)."""
-        view = self.pool.take(shape)
+        view = self.pool.take(shape, dtype)
         self.track_transient(view.nbytes)
         return view
 
