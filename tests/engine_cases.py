@@ -37,6 +37,8 @@ class Case:
     reuse: int = 0  # stage 3: stage3_max_reuse_distance
     prefetch: int = 50_000_000  # stage 3: stage3_prefetch_bucket_size
     max_live: int = 10**9  # stage 3: stage3_max_live_parameters
+    prescale: bool = False  # prescale_gradients
+    predivide: float = 1.0  # gradient_predivide_factor
 
     def with_(self, **kw) -> Case:
         return replace(self, **kw)
@@ -95,6 +97,8 @@ def config(case: Case) -> dict:
         "train_micro_batch_size_per_gpu": case.micro,
         "gradient_accumulation_steps": case.accumulation,
         "gradient_clipping": case.clip,
+        "prescale_gradients": case.prescale,
+        "gradient_predivide_factor": case.predivide,
         "steps_per_print": 10**6,
         "optimizer": optimizer_section(case),
         "zero_optimization": {

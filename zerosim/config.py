@@ -101,7 +101,7 @@ class Config:
     wall_clock_breakdown: bool = knob(False, boolean(), "time forward/backward/step")
     prescale_gradients: bool = knob(False, boolean(), "divide gradients before reducing")
     gradient_predivide_factor: float = knob(
-        1.0, number(0, above=True), "divide by this before, by N/this after the reduction"
+        1.0, number(0, above=True), "multiply by 1/this before the sum, by this/N after"
     )
     communication_data_type: str | None = knob(
         None, optional(choice(*COMMUNICATION_DTYPES)), "dtype of gradient collectives"

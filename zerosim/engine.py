@@ -152,6 +152,8 @@ class Engine:
             cfg.zerosim.layout,
             cfg.master_dtype,
             None if cfg.communication_data_type is None else cfg.communication_dtype,
+            cfg.prescale_gradients,
+            cfg.gradient_predivide_factor,
         )
         self.loss_scaler = build_loss_scaler(cfg.loss_scaler())
         self.skipped_steps = 0
@@ -186,18 +188,6 @@ class Engine:
                 cfg.zerosim.backend,
                 cfg.zerosim.backend != "numpy",
                 "'numpy' (the engine has not been run on cupy yet)",
-            ),
-            (
-                "prescale_gradients",
-                cfg.prescale_gradients,
-                cfg.prescale_gradients,
-                "false (gradients are averaged after the reduction)",
-            ),
-            (
-                "gradient_predivide_factor",
-                cfg.gradient_predivide_factor,
-                cfg.gradient_predivide_factor != 1.0,
-                "1.0 (gradients are averaged after the reduction)",
             ),
         ]
         for key, value, bad, allowed in unbuilt:

@@ -92,13 +92,16 @@ class Stage0(Strategy):
                 buf = self.take_buffer(view.size, wire)
                 buf[...] = view
                 view.fill(0)
+                self.before_reduction(buf)
                 handle = self.comm.iall_reduce(buf) if self.zero.overlap_comm else None
                 if handle is None:
                     self.comm.all_reduce(buf)
                 self.cast.append((handle, buf, view, (buf,)))
             elif self.zero.overlap_comm:
+                self.before_reduction(view)
                 self.handles.append(self.comm.iall_reduce(view))
             else:
+                self.before_reduction(view)
                 self.comm.all_reduce(view)
 
         return launch
@@ -124,7 +127,7 @@ class Stage0(Strategy):
         self.complete_reductions(self.cast)
         self.reducing = False
         for g in self.groups:
-            g.flat_grad /= self.comm.size
+            self.average(g.flat_grad)
 
     def grad_view(self, group: FlatGroup, rng: Range) -> Any:
         return group.flat_grad[rng.start : rng.stop]

@@ -73,16 +73,18 @@ class Stage1(Strategy):
                 mine = g.flat_grad[own.start : own.stop]
                 full = g.flat_grad[unit.start : unit.stop]
                 if wire == full.dtype:
+                    self.before_reduction(full)
                     self.comm.reduce_scatter(mine, full)
                 else:  # communication_data_type: reduce a cast copy in place, keep our piece
                     buf = self.take_buffer(full.size, wire)
                     buf[...] = full
+                    self.before_reduction(buf)
                     piece = buf[own.start - unit.start : own.stop - unit.start]
                     self.comm.reduce_scatter(piece, buf)
                     mine[...] = piece
                     self.track_transient(-buf.nbytes)
                     self.pool.give(buf)
-                mine /= self.comm.size
+                self.average(mine)
 
     def grad_view(self, group: FlatGroup, rng: Range) -> Any:
         return group.flat_grad[rng.start : rng.stop]

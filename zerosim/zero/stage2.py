@@ -89,6 +89,7 @@ class Stage2(Strategy):
                 self._move_grad(g.named_params[i][1])
             buf = self._buffer(g, b)
             self.complete_reductions(self.pending, leave=MAX_IN_FLIGHT - 1)  # free a buffer
+            self.before_reduction(buf)
             out = self.take_buffer(counts[self.comm.rank], buf.dtype)
             part = bucket.intersect(own)
             dest = (
@@ -119,7 +120,7 @@ class Stage2(Strategy):
         self.complete_reductions(self.pending)
         if boundary:
             for g in self.groups:
-                g.grad_shard /= self.comm.size
+                self.average(g.grad_shard)
 
     def grad_view(self, group: FlatGroup, rng: Range) -> Any:
         (own,) = group.owned

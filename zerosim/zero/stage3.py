@@ -224,6 +224,7 @@ class Stage3(Strategy):
             buf = self._bucket_buffer(g, b)
             del g.buffers[b]
             self.complete_reductions(self.pending, leave=MAX_IN_FLIGHT - 1)  # free a buffer
+            self.before_reduction(buf)
             out = self.take_buffer(width, buf.dtype)
             start = g.partition.offsets[members[0]]
             dest = g.grad_shard[start : start + width]
@@ -258,7 +259,7 @@ class Stage3(Strategy):
         self.in_backward = False
         if boundary:
             for g in self.groups:
-                g.grad_shard /= self.comm.size
+                self.average(g.grad_shard)
 
     def grad_view(self, group: ShardGroup, rng: Range) -> Any:
         return group.grad_shard[rng.start : rng.stop]

@@ -119,8 +119,11 @@ class Strategy(ABC):
         layout: str = "deepspeed",
         master_dtype: Any = None,
         comm_dtype: Any = None,
+        prescale: bool = False,
+        predivide: float = 1.0,
     ) -> None:
         self.comm = comm
+        self.prescale, self.predivide = bool(prescale), float(predivide)
         # communication_data_type: gradients are cast to it for their reduction (None: reduced
         # in their buffer's own dtype, the model dtype or fp32 for Megatron's bf16 buffers)
         self.comm_dtype = None if comm_dtype is None else np.dtype(comm_dtype)
@@ -312,6 +315,24 @@ class Strategy(ABC):
             for view in views:
                 self.track_transient(-view.nbytes)
                 self.pool.give(view)
+
+    def before_reduction(self, grads: Any) -> None:
+        """Scale gradients about to be summed over ranks, as DeepSpeed does: with
+        ``prescale_gradients`` divide by N; with ``gradient_predivide_factor`` f multiply by 1/f
+        (then ``average`` multiplies by f/N); by default leave them (``average`` divides by N)."""
+        if self.prescale:
+            grads /= self.comm.size
+        elif self.predivide != 1.0:
+            grads *= 1.0 / self.predivide
+
+    def average(self, grads: Any) -> None:
+        """Turn the sum over ranks into the mean (what ``before_reduction`` left to do)."""
+        if self.prescale:
+            return
+        if self.predivide == 1.0:
+            grads /= self.comm.size
+        elif self.predivide != self.comm.size:
+            grads *= self.predivide / self.comm.size
 
     def wire_dtype(self, grads: Any) -> np.dtype:
         """The dtype gradients of this dtype are reduced in (communication_data_type)."""
