@@ -16,11 +16,11 @@ from typing import Any
 
 from zerosim.optim._rules_common import (
     add_ratio_,
-    add_square_,
     blocks,
     check_arrays,
     effective_grad,
     lerp_,
+    scalar,
     state_dtype,
     xp_of,
 )
@@ -33,14 +33,35 @@ def _check_variant(variant: str) -> None:
         raise ValueError(f"variant={variant!r} is not supported; allowed: {list(VARIANTS)}")
 
 
-def _update_moments_(m: Any, v: Any, g: Any, beta1: float, beta2: float, tmp: Any) -> None:
-    """Adam's biased first and second moment estimates, updated in place (Kingma & Ba, Alg. 1)::
+class _Moments:
+    """Adam's biased first and second moment estimates (Kingma & Ba, Alg. 1), in place::
 
-    m ← β₁·m + (1 − β₁)·g
-    v ← β₂·v + (1 − β₂)·g²
+        m ← β₁·m + (1 − β₁)·g      as torch.lerp computes it (see ``lerp_``)
+        v ← β₂·v + (1 − β₂)·g²     as torch's addcmul computes it: ((1 − β₂)·g)·g
+
+    The coefficients are rounded to the state dtype once per step (``scalar``); ``update_``
+    then makes 7 ufunc calls per block.
     """
-    lerp_(m, g, 1.0 - beta1, tmp=tmp)
-    add_square_(v, g, beta2, tmp=tmp)
+
+    def __init__(self, param: Any, beta1: float, beta2: float) -> None:
+        self.weight = 1.0 - beta1
+        lerp_scale = self.weight if self.weight < 0.5 else 1.0 - self.weight
+        self.lerp_scale = scalar(lerp_scale, param)
+        self.beta2 = scalar(beta2, param)
+        self.one_minus_beta2 = scalar(1.0 - beta2, param)
+
+    def update_(self, m: Any, v: Any, g: Any, tmp: Any) -> None:
+        xp = xp_of(m)
+        xp.subtract(g, m, out=tmp)
+        xp.multiply(tmp, self.lerp_scale, out=tmp)
+        if self.weight < 0.5:
+            xp.add(m, tmp, out=m)
+        else:
+            xp.subtract(g, tmp, out=m)
+        xp.multiply(g, self.one_minus_beta2, out=tmp)
+        xp.multiply(tmp, g, out=tmp)
+        xp.multiply(v, self.beta2, out=v)
+        xp.add(v, tmp, out=v)
 
 
 def adam(
@@ -74,7 +95,10 @@ def adam(
         torch:  θ ← θ − lr/(1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + ε)
         keras:  θ ← θ − lr·√(1 − β₂ᵗ)/(1 − β₁ᵗ) · m / (√v + ε)
 
-    ``max_exp_avg_sq`` is required when amsgrad is True.
+    ``max_exp_avg_sq`` is required when amsgrad is True. A block takes 12 ufunc calls
+    (7 for the moments, then √v, + ε, m ÷ denominator, × −step size, + θ), one more for
+    AdamW's decay; each call is one arithmetic operation, and none of them can be folded
+    into another without a call to scale a stored state.
     """
     _check_variant(variant)
     lr, beta1, beta2, eps = float(lr), float(beta1), float(beta2), float(eps)
@@ -87,21 +111,28 @@ def adam(
     bias_correction1 = 1.0 - beta1**step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
     # torch's form is Keras's with ε scaled by √(1 − β₂ᵗ); computing it so saves a pass.
-    step_size = lr * bias_correction2_sqrt / bias_correction1
-    eps_hat = eps * bias_correction2_sqrt if variant == "torch" else eps
+    neg_step_size = scalar(-lr * bias_correction2_sqrt / bias_correction1, exp_avg)
+    eps_hat = scalar(eps * bias_correction2_sqrt if variant == "torch" else eps, exp_avg)
+    decay = scalar(1.0 - lr * weight_decay, exp_avg)
+    decoupled = decoupled_weight_decay and weight_decay != 0
     coupled_decay = 0.0 if decoupled_weight_decay else weight_decay
+    moments = _Moments(exp_avg, beta1, beta2)
     states = [exp_avg, exp_avg_sq, max_exp_avg_sq]
-    for p, g, (m, v, v_max), (g_buf, denom) in blocks(param, grad, states, 2, scratch):
-        if decoupled_weight_decay and weight_decay != 0:
-            p *= 1.0 - lr * weight_decay
+    for p, g, (m, v, v_max), (g_buf, tmp) in blocks(param, grad, states, 2, scratch):
+        # g_buf holds the gradient only when it is negated or decayed: a plain step touches
+        # five block-sized arrays (θ, g, m, v, tmp), the fewer the better for the cache.
         g = effective_grad(g, p, maximize=maximize, weight_decay=coupled_decay, out=g_buf)
-        _update_moments_(m, v, g, beta1, beta2, tmp=denom)
+        moments.update_(m, v, g, tmp=tmp)
         if amsgrad:
             xp.maximum(v_max, v, out=v_max)
             v = v_max
-        xp.sqrt(v, out=denom)
-        denom += eps_hat
-        add_ratio_(p, m, denom, -step_size, tmp=g_buf)
+        xp.sqrt(v, out=tmp)
+        xp.add(tmp, eps_hat, out=tmp)
+        xp.divide(m, tmp, out=tmp)
+        xp.multiply(tmp, neg_step_size, out=tmp)
+        if decoupled:  # torch scales θ first; nothing above reads θ, so the result is the same
+            xp.multiply(p, decay, out=p)
+        xp.add(p, tmp, out=p)
 
 
 def adamax(
@@ -184,20 +215,21 @@ def nadam(
     weight_decay, momentum_decay, step = float(weight_decay), float(momentum_decay), float(step)
     check_arrays(param, grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     xp = xp_of(param)
-    scalar = state_dtype(param.dtype).type
+    rounded = state_dtype(param.dtype).type
     bias_correction2 = 1.0 - beta2**step
     mu = beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
     mu_next = beta1 * (1.0 - 0.5 * 0.96 ** ((step + 1.0) * momentum_decay))
-    mu_product = float(scalar(mu_product) * scalar(mu))
+    mu_product = float(rounded(mu_product) * rounded(mu))
     grad_coef = -lr * (1.0 - mu) / (1.0 - mu_product)
     avg_coef = -lr * mu_next / (1.0 - mu_product * mu_next)
     coupled_decay = 0.0 if decoupled_weight_decay else weight_decay
+    moments = _Moments(exp_avg, beta1, beta2)
     states = [exp_avg, exp_avg_sq]
     for p, g, (m, v), (g_buf, denom, tmp) in blocks(param, grad, states, 3, scratch):
         if decoupled_weight_decay and weight_decay != 0:
             p *= 1.0 - lr * weight_decay
         g = effective_grad(g, p, maximize=maximize, weight_decay=coupled_decay, out=g_buf)
-        _update_moments_(m, v, g, beta1, beta2, tmp=tmp)
+        moments.update_(m, v, g, tmp=tmp)
         xp.divide(v, bias_correction2, out=denom)
         xp.sqrt(denom, out=denom)
         denom += eps
@@ -248,12 +280,13 @@ def radam(
             (rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
         )
     coupled_decay = 0.0 if decoupled_weight_decay else weight_decay
+    moments = _Moments(exp_avg, beta1, beta2)
     states = [exp_avg, exp_avg_sq]
     for p, g, (m, v), (g_buf, tmp) in blocks(param, grad, states, 2, scratch):
         if decoupled_weight_decay and weight_decay != 0:
             p *= 1.0 - lr * weight_decay
         g = effective_grad(g, p, maximize=maximize, weight_decay=coupled_decay, out=g_buf)
-        _update_moments_(m, v, g, beta1, beta2, tmp=tmp)
+        moments.update_(m, v, g, tmp=tmp)
         xp.divide(m, bias_correction1, out=g_buf)
         g_buf *= lr
         if rho_t > 5.0:

@@ -1,12 +1,17 @@
 """Shared machinery of the update rules: the state dtype, and walking arrays in cache-sized blocks.
 
-An optimizer update is a chain of element-wise operations (Adam needs about fifteen).
-Done naively over whole arrays, every operation streams full-size arrays through main
-memory and needs full-size temporaries. The rules here instead walk the flat arrays in
-blocks of ``block_length`` elements (64 Ki on the CPU, small enough that a block of every
+An optimizer update is a chain of element-wise operations (Adam needs twelve). Done
+naively over whole arrays, every operation streams full-size arrays through main memory
+and needs full-size temporaries. The rules here instead walk the flat arrays in blocks of
+``block_length`` elements (64 Ki to 256 Ki on the CPU, small enough that a block of every
 array stays in the CPU cache), so main memory sees each array about once per step and the
 only temporaries are a few block-sized work buffers: the *scratch*. Blocks change nothing
 numerically: every operation is element-wise.
+
+Each operation is one ufunc call with an explicit output (``xp.multiply(a, c, out=a)``
+rather than ``a *= c``); the hot rules (Adam, SGD) also make their scalars once per step
+with ``scalar``. On the CPU a call costs a fixed ~0.4 µs on top of its arithmetic, and a
+Python float argument or an in-place operator adds about as much again.
 
 16-bit parameters keep their optimizer state in float32 (the mixed-precision recipe of
 Micikevicius et al. 2018); a block of such a parameter is upcast into a work buffer,
@@ -22,11 +27,15 @@ import numpy as np
 
 from zerosim.backend import DTYPES, array_module, dtype_name
 
-# Elements per block: with 64 Ki, one Adam block of its 6 arrays (1.5 MiB in float32) stays
-# in the L2/L3 cache, and the ~12 ufunc calls per block cost little next to the arithmetic
-# (on a 2-core EPYC, 32 Ki to 128 Ki blocks all reach 10-12 GB/s). On a GPU each block is
+# Elements per block on the CPU: a 32nd of the parameter, between 64 Ki and 256 Ki. Each
+# block costs ~12 ufunc calls of ~0.4 µs each on top of the arithmetic, so longer blocks are
+# cheaper; at 256 Ki, one Adam block of its 5 arrays (5 MiB in float32) still stays in the L3
+# cache. On a 2-core EPYC (512 KiB L2 per core), 256 Ki blocks are 2-4% faster than 64 Ki
+# ones, 16 Ki blocks (L2-sized) ~10% slower and 512 Ki ones ~5% slower. A 32nd keeps the
+# scratch (``SCRATCH_SLOTS`` blocks) well below the parameter's size. On a GPU each block is
 # a kernel launch, so a block is a whole array up to 16 Mi elements.
-CPU_BLOCK_LENGTH = 2**16
+CPU_BLOCK_LENGTH = 2**18
+CPU_MIN_BLOCK_LENGTH = 2**16
 GPU_BLOCK_LENGTH = 2**24
 # The most work buffers any rule needs at once (NAdam's three plus the float32 copies
 # of a 16-bit parameter and gradient block).
@@ -36,6 +45,18 @@ SCRATCH_SLOTS = 5
 def xp_of(x: Any) -> Any:
     """The array module of ``x``: numpy without asking the backend (cheap on the hot path)."""
     return np if isinstance(x, np.ndarray) else array_module(x)
+
+
+def scalar(value: float, param: Any) -> Any:
+    """``value`` rounded to the state dtype of ``param``, ready to pass to ufuncs.
+
+    On NumPy it is a 0-d array: a Python float rounds to the array's dtype just the same
+    (NEP 50), but costs every ufunc call a conversion. Elsewhere (CuPy) it stays a float.
+    Make the scalars of a rule once per step, before walking the blocks.
+    """
+    if isinstance(param, np.ndarray):
+        return np.array(value, dtype=state_dtype(param.dtype))
+    return float(value)
 
 
 def state_dtype(param_dtype: Any) -> np.dtype:
@@ -56,8 +77,12 @@ def state_dtype(param_dtype: Any) -> np.dtype:
 
 def block_length(param: Any) -> int:
     """How many elements of ``param`` one block holds (at least 1)."""
-    limit = CPU_BLOCK_LENGTH if isinstance(param, np.ndarray) else GPU_BLOCK_LENGTH
-    return max(1, min(int(param.size), limit))
+    size = int(param.size)
+    if isinstance(param, np.ndarray):
+        limit = min(CPU_BLOCK_LENGTH, max(CPU_MIN_BLOCK_LENGTH, size // 32))
+    else:
+        limit = GPU_BLOCK_LENGTH
+    return max(1, min(size, limit))
 
 
 def make_scratch(param: Any, slots: int = SCRATCH_SLOTS) -> Any:
@@ -143,21 +168,27 @@ def blocks(
         states = [None if s is None else s.reshape(-1) for s in states]
     else:
         buffers = [b.reshape(param.shape) for b in buffers]
-    for start in range(0, int(param.size), length):
+    p_buf = buffers.pop() if cast_param else None
+    g_buf = buffers.pop() if cast_grad else None
+    size = int(param.size)
+    for start in range(0, size, length):
+        p, g, state_blocks, work = param, grad, states, buffers
         if flat:
-            stop = min(start + length, int(param.size))
-            p, g = param[start:stop], grad[start:stop]
-            state_blocks = [None if s is None else s[start:stop] for s in states]
-            work = [b[: stop - start] for b in buffers]
-        else:
-            p, g, state_blocks, work = param, grad, list(states), list(buffers)
+            block = slice(start, min(start + length, size))
+            p, g = param[block], grad[block]
+            state_blocks = [None if s is None else s[block] for s in states]
+            if size - start < length:  # the last, shorter block
+                n = size - start
+                work = [b[:n] for b in buffers]
+                p_buf = None if p_buf is None else p_buf[:n]
+                g_buf = None if g_buf is None else g_buf[:n]
         p_out = p
         if cast_param:
-            p = work.pop()
-            xp.copyto(p, p_out)
+            xp.copyto(p_buf, p_out)
+            p = p_buf
         if cast_grad:
-            xp.copyto(work[-1], g)
-            g = work.pop()
+            xp.copyto(g_buf, g)
+            g = g_buf
         yield p, g, state_blocks, work
         if cast_param:
             xp.copyto(p_out, p)
@@ -190,20 +221,20 @@ def lerp_(start: Any, end: Any, weight: float, tmp: Any) -> None:
     xp = xp_of(start)
     xp.subtract(end, start, out=tmp)
     if weight < 0.5:
-        tmp *= weight
-        start += tmp
+        xp.multiply(tmp, weight, out=tmp)
+        xp.add(start, tmp, out=start)
     else:
-        tmp *= 1.0 - weight
+        xp.multiply(tmp, 1.0 - weight, out=tmp)
         xp.subtract(end, tmp, out=start)
 
 
 def add_square_(avg: Any, g: Any, beta: float, tmp: Any) -> None:
     """The second-moment update ``avg ← beta·avg + (1 − beta)·g²`` in place."""
     xp = xp_of(avg)
-    avg *= beta
+    xp.multiply(avg, beta, out=avg)
     xp.multiply(g, 1.0 - beta, out=tmp)
-    tmp *= g
-    avg += tmp
+    xp.multiply(tmp, g, out=tmp)
+    xp.add(avg, tmp, out=avg)
 
 
 def add_ratio_(p: Any, num: Any, denom: Any, coef: float, tmp: Any) -> None:
@@ -213,5 +244,5 @@ def add_ratio_(p: Any, num: Any, denom: Any, coef: float, tmp: Any) -> None:
     """
     xp = xp_of(p)
     xp.multiply(num, coef, out=tmp)
-    tmp /= denom
-    p += tmp
+    xp.divide(tmp, denom, out=tmp)
+    xp.add(p, tmp, out=p)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.optim._rules_common import blocks, check_arrays, effective_grad, xp_of
+from zerosim.optim._rules_common import blocks, check_arrays, effective_grad, scalar, xp_of
 
 
 def sgd(
@@ -44,6 +44,8 @@ def sgd(
         raise ValueError(f"momentum={momentum} needs a momentum_buffer array; got None")
     check_arrays(param, grad, momentum_buffer=momentum_buffer if momentum != 0 else None)
     xp = xp_of(param)
+    mu, neg_lr = scalar(momentum, param), scalar(-lr, param)
+    one_minus_dampening = scalar(1.0 - dampening, param)
     buffers = [momentum_buffer if momentum != 0 else None]
     for p, g, (b,), (g_buf, tmp) in blocks(param, grad, buffers, 2, scratch):
         g = effective_grad(g, p, maximize=maximize, weight_decay=weight_decay, out=g_buf)
@@ -52,19 +54,19 @@ def sgd(
             if first_step:
                 xp.copyto(b, g)
             else:
-                b *= momentum
+                xp.multiply(b, mu, out=b)
                 if dampening == 0:
-                    b += g
+                    xp.add(b, g, out=b)
                 else:
-                    xp.multiply(g, 1.0 - dampening, out=tmp)
-                    b += tmp
+                    xp.multiply(g, one_minus_dampening, out=tmp)
+                    xp.add(b, tmp, out=b)
             if nesterov:
-                xp.multiply(b, momentum, out=tmp)
+                xp.multiply(b, mu, out=tmp)
                 d = xp.add(g, tmp, out=tmp)
             else:
                 d = b
-        xp.multiply(d, -lr, out=tmp)
-        p += tmp
+        xp.multiply(d, neg_lr, out=tmp)
+        xp.add(p, tmp, out=p)
 
 
 def lion(
