@@ -103,6 +103,56 @@ def test_attention_backward_matches_finite_differences(shape):
     assert_gradcheck(attn, rand(*shape))
 
 
+@pytest.mark.parametrize("t", [5, 7])
+def test_attention_backward_matches_finite_differences_across_query_blocks(monkeypatch, t):
+    """Blocks of 2 positions, so the causal block loops (and a ragged last block) are
+    exercised on a sequence small enough for finite differences."""
+    from zerosim.nn import attention
+
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 2)
+    attn = nn.CausalSelfAttention(6, n_head=2, rng=3, dtype="float64")
+    assert_gradcheck(attn, rand(2, t, 6))
+
+
+@pytest.mark.parametrize("t", [64, 65, 150])
+def test_attention_forward_and_backward_match_torch_autograd_on_long_sequences(t):
+    """T beyond one query block of 64 (exactly one, one plus a row, and a ragged third
+    block): output, input gradient and every weight gradient against torch autograd."""
+    c, h = 16, 4
+    attn = nn.CausalSelfAttention(c, n_head=h, rng=1, dtype="float64")
+    x, dy = rand(2, t, c, seed=1), rand(2, t, c, seed=2)
+    y = attn(x)
+    dx = attn.backward(dy)
+
+    tx = torch.tensor(x, requires_grad=True)
+    w = {n: torch.tensor(p.data, requires_grad=True) for n, p in attn.named_parameters()}
+    qkv = F.linear(tx, w["c_attn.weight"], w["c_attn.bias"]).reshape(2, t, 3, h, c // h)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)
+    ty = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ty = F.linear(ty.transpose(1, 2).reshape(2, t, c), w["c_proj.weight"], w["c_proj.bias"])
+    ty.backward(torch.tensor(dy))
+
+    assert relative_error(y, ty.detach().numpy()) < 1e-12
+    assert relative_error(dx, tx.grad.numpy()) < 1e-12
+    for name, p in attn.named_parameters():
+        assert relative_error(p.grad, w[name].grad.numpy()) < 1e-12, name
+
+
+def test_attention_dropout_mask_is_the_same_with_and_without_query_blocks(monkeypatch):
+    """Blocks change only which products are computed: with dropout on, the same seed
+    gives the same output and gradients whatever the block length."""
+    from zerosim.nn import attention
+
+    x, dy = rand(2, 9, 6, seed=4), rand(2, 9, 6, seed=5)
+    results = []
+    for block in (64, 2):
+        monkeypatch.setattr(attention, "QUERY_BLOCK", block)
+        attn = nn.CausalSelfAttention(6, n_head=2, dropout=0.3, rng=7, dtype="float64")
+        results.append((attn(x), attn.backward(dy), attn.c_attn.weight.grad.copy()))
+    for a, b in zip(*results, strict=True):
+        assert relative_error(a, b) < 1e-13
+
+
 def test_block_and_feedforward_backward_match_finite_differences():
     block = nn.Block(4, n_head=2, gelu_approximate="none", rng=4, dtype="float64")
     for p in block.parameters():  # LayerNorm weights away from 1, biases away from 0

@@ -56,31 +56,42 @@ class LayerNorm(Module):
         xp = xp_of(x)
         xc = upcast(x)
         mean = xc.mean(axis=-1, keepdims=True)
-        xhat = xc - mean
-        rstd = (xhat * xhat).mean(axis=-1, keepdims=True)
-        rstd += self.eps
-        rstd = 1 / xp.sqrt(rstd, out=rstd)
-        xhat *= rstd
+        y = xc - mean  # the only new (…, C) array: x − μ, then x̂, then the output
+        var = xp.einsum("...i,...i->...", y, y)[..., None]  # Σ (x − μ)², no temporary
+        var *= 1.0 / self.normalized_shape
+        var += self.eps
+        rstd = 1 / xp.sqrt(var, out=var)
+        y *= rstd
         self.save_for_backward(x, mean, rstd)
         if self.weight is not None:
-            xhat *= upcast(self.weight.data)
+            y *= upcast(self.weight.data)
         if self.bias is not None:
-            xhat += upcast(self.bias.data)
-        return downcast(xhat, x.dtype)
+            y += upcast(self.bias.data)
+        return downcast(y, x.dtype)
 
     def _backward(self, grad: Any) -> Any:
         x, mean, rstd = self.pop_saved()
-        xhat = upcast(x) - mean
+        xp = xp_of(grad)
+        xhat = upcast(x) - mean  # recomputed from x, which is kept anyway (the caller's)
         xhat *= rstd
         g = upcast(grad)
-        dxhat = g
         if self.weight is not None:
-            rows = (-1, self.normalized_shape)
-            accumulate_grad(self.weight, (g * xhat).reshape(rows).sum(axis=0))
+            g_rows = g.reshape(-1, self.normalized_shape)
+            xhat_rows = xhat.reshape(g_rows.shape)
+            accumulate_grad(self.weight, xp.einsum("ij,ij->j", g_rows, xhat_rows))  # Σ g·x̂
             if self.bias is not None:
-                accumulate_grad(self.bias, g.reshape(rows).sum(axis=0))
-            dxhat = g * upcast(self.weight.data)
-        return downcast(_normalized_grad(dxhat, xhat, rstd, (-1,)), x.dtype)
+                accumulate_grad(self.bias, g_rows.sum(axis=0))
+            dx = g * upcast(self.weight.data)  # dx̂, turned into dx in place below
+        else:
+            dx = g.copy()
+        # dx = rstd · (dx̂ − mean(dx̂) − x̂ · mean(dx̂ · x̂)), without further (…, C) arrays
+        mean_dxhat_xhat = xp.einsum("...i,...i->...", dx, xhat)[..., None]
+        mean_dxhat_xhat *= 1.0 / self.normalized_shape
+        dx -= dx.mean(axis=-1, keepdims=True)
+        xhat *= mean_dxhat_xhat
+        dx -= xhat
+        dx *= rstd
+        return downcast(dx, x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
