@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if png is not None:
             parts += ["", f"![{title}]({png.relative_to(out.parent).as_posix()})"]
-    out.write_text("\n".join(parts) + "\n")
+        out.write_text("\n".join(parts) + "\n")  # after each section: a failure keeps the rest
     print(f"wrote {out} and its figures in {figures}", file=sys.stderr)
     return 0
 

@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     **next(r for r in ranks if r["rank"] == 0),
                     "peak_max": max(r["peak"] for r in ranks),
+                    "psi_bytes": 4 * psi,
+                    "largest_bytes": 4 * largest,
                 }
             )
     print(

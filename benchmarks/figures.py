@@ -12,7 +12,9 @@ One function per benchmark turns its rows into one figure:
 * model_step: GFLOP/s of the GPT step in zerosim and torch against numpy's matmul;
 * training_step: zerosim's step time over its torch counterpart's, per stage and N;
 * scaling: model-state bytes per rank against N (log-log, with the 1/N line), and step time
-  against Ψ with the least-squares line t = a·Ψ + c, one panel per stage.
+  against Ψ with the least-squares line t = a·Ψ + c, one panel per stage;
+* allocations: the peak bytes allocated in one steady-state step over Ψ·b, per stage and dtype,
+  against the largest parameter's bytes (a layer's worth) and the whole model's.
 
 Figures are drawn on a matplotlib ``Figure`` with the Agg canvas (no pyplot, no display), as in
 ``zerosim.plots``.
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
@@ -89,27 +92,32 @@ def collectives(rows: Rows, path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def _grouped_bars(ax: Axes, series: dict[str, list[float]]) -> None:
+    """One bar per series side by side at each x position 0, 1, …; the series' names label them."""
+    width = 0.8 / max(1, len(series))
+    for i, ((label, values), color) in enumerate(
+        zip(series.items(), _colors(len(series)), strict=True)
+    ):
+        x = np.arange(len(values)) + (i - (len(series) - 1) / 2) * width
+        ax.bar(x, values, width, color=color, label=label)
+
+
 def optimizer_step(rows: Rows, path: str | Path) -> Path:
     """Effective GB/s bars per optimizer and implementation; numpy's copy bandwidth as a line."""
     names = list(dict.fromkeys(r["optimizer"] for r in rows))
     impls = list(dict.fromkeys(r["implementation"] for r in rows))
     fig, (ax,) = _figure(6.5, 3.8)
-    width = 0.8 / len(impls)
-    for i, (impl, color) in enumerate(zip(impls, _colors(len(impls)), strict=True)):
-        gbps = [
+    gbps = {
+        impl: [
             next(
                 (r["gbps"] for r in rows if r["optimizer"] == o and r["implementation"] == impl),
                 0.0,
             )
             for o in names
         ]
-        ax.bar(
-            np.arange(len(names)) + (i - (len(impls) - 1) / 2) * width,
-            gbps,
-            width,
-            color=color,
-            label=impl,
-        )
+        for impl in impls
+    }
+    _grouped_bars(ax, gbps)
     copy = max(r["copy_gbps"] for r in rows)
     ax.axhline(copy, color="black", linestyle=":", label=f"numpy copy {copy:.1f} GB/s")
     ax.set_xticks(np.arange(len(names)), names)
@@ -139,22 +147,17 @@ def training_step(rows: Rows, path: str | Path) -> Path:
     stages = sorted({r["stage"] for r in rows})
     groups = sorted({(r["n"], r["model"]) for r in rows})
     fig, (ax,) = _figure(6.5, 3.8)
-    width = 0.8 / max(1, len(groups))
-    for i, ((n, model), color) in enumerate(zip(groups, _colors(len(groups)), strict=True)):
-        ratio = [
+    ratios = {
+        f"N={n} {model}": [
             next(
                 (r["ratio"] for r in rows if (r["n"], r["model"], r["stage"]) == (n, model, s)),
                 np.nan,
             )
             for s in stages
         ]
-        ax.bar(
-            np.arange(len(stages)) + (i - (len(groups) - 1) / 2) * width,
-            ratio,
-            width,
-            color=color,
-            label=f"N={n} {model}",
-        )
+        for n, model in groups
+    }
+    _grouped_bars(ax, ratios)
     ax.axhline(1.0, color="black", linestyle=":")
     ax.set_xticks(np.arange(len(stages)), [f"stage {s}" for s in stages])
     ax.set_ylabel("zerosim ms / torch ms")
@@ -217,12 +220,32 @@ def scaling(rows: Rows, path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def allocations(rows: Rows, path: str | Path) -> Path:
+    """Peak bytes allocated in a steady-state step ÷ Ψ·b, bars per stage and dtype, with the
+    largest parameter's share of Ψ·b as the layer-sized line."""
+    stages = sorted({r["stage"] for r in rows})
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    fig, (ax,) = _figure(6.5, 3.8)
+    share = {(r["stage"], r["dtype"]): r["peak_max"] / r["psi_bytes"] for r in rows}
+    peaks = {dtype: [share.get((s, dtype), np.nan) for s in stages] for dtype in dtypes}
+    _grouped_bars(ax, peaks)
+    layer = rows[0]["largest_bytes"] / rows[0]["psi_bytes"]
+    ax.axhline(layer, color="black", linestyle=":", label=f"largest parameter ({layer:.2f} Ψ·b)")
+    ax.axhline(1.0, color="grey", linestyle="--", label="the whole model (Ψ·b)")
+    ax.set_xticks(np.arange(len(stages)), [f"stage {s}" for s in stages])
+    ax.set_ylabel("peak allocated in a step ÷ Ψ·b")
+    ax.set_title(f"allocations per step, per rank (N = {rows[0]['n']})")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 PLOTS: dict[str, Callable[[Rows, str | Path], Path]] = {
     "collectives": collectives,
     "optimizer_step": optimizer_step,
     "model_step": model_step,
     "training_step": training_step,
     "scaling": scaling,
+    "allocations": allocations,
 }
 
 

@@ -122,6 +122,7 @@ def test_python_m_benchmarks_quick_writes_every_table(tmp_path):
             "collectives",
             "optimizer_step",
             "model_step",
+            "allocations",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -130,13 +131,14 @@ def test_python_m_benchmarks_quick_writes_every_table(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
-    for title in ("## Collectives", "## Optimizer step", "## Model step"):
+    for title in ("## Collectives", "## Optimizer step", "## Model step", "## Allocations"):
         assert title in text
     assert "ratio zerosim/raw" in text and "Measured " in text
     for title, module in (
         ("Collectives", "collectives"),
         ("Optimizer step", "optimizer_step"),
         ("Model step", "model_step"),
+        ("Allocations", "allocations"),
     ):  # each section embeds its PNG, written to figures/ beside the Markdown
         assert f"![{title}](figures/bench_{module}.png)" in text
         assert (tmp_path / "figures" / f"bench_{module}.png").read_bytes()[:8] == PNG_SIGNATURE
@@ -258,7 +260,20 @@ def sample_rows() -> dict[str, list[dict]]:
         for s in (1, 2, 3)
         for w in (16, 51, 160)
     ]
+    allocations = [
+        {
+            "stage": s,
+            "dtype": dtype,
+            "n": 2,
+            "peak_max": 1000 * (s + 1),
+            "psi_bytes": 10_000,
+            "largest_bytes": 2_000,
+        }
+        for s in range(4)
+        for dtype in ("fp32", "bf16")
+    ]
     return {
+        "allocations": allocations,
         "collectives": collectives,
         "optimizer_step": optimizer,
         "model_step": model,
@@ -270,9 +285,10 @@ def sample_rows() -> dict[str, list[dict]]:
 @pytest.mark.slow
 def test_figures_write_a_png_for_each_benchmark_and_skip_missing_json(tmp_path):
     from benchmarks import figures
+    from benchmarks.__main__ import SUITE
 
     samples = sample_rows()
-    assert set(samples) == set(figures.PLOTS)
+    assert set(samples) == set(figures.PLOTS) == {module for _, module, *_ in SUITE}
     json_dir = tmp_path / "json"
     json_dir.mkdir()
     for module, rows in samples.items():
