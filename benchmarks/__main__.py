@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import datetime
 import io
+import json
 import os
 import platform
 import sys
@@ -25,8 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.figures import make_figure  # noqa: E402  (after the path set-up above)
+from benchmarks import targets  # noqa: E402  (after the path set-up above)
+from benchmarks.figures import make_figure  # noqa: E402
 
+HEADER = 3  # lines of docs/benchmarks.md before the targets table
 # (title, module, full-size arguments, quick arguments, what the ratio means and its target)
 SUITE = [
     (
@@ -131,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     figures = out.parent / "figures"
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    parts = [
+    parts = [  # the header (HEADER lines), then a section per benchmark; the targets go between
         "# Benchmarks",
         "",
         f"Measured {now} on {machine()}; load average at start {load:.2f}. "
         "Every figure is compared with a baseline measured in the same run. Regenerate with "
         "`python -m benchmarks` (or `zerosim bench`).",
     ]
+    rows: dict[str, list[dict]] = {}
     for title, module, full, quick, about in SUITE:
         if args.only and module not in args.only:
             continue
@@ -147,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                 module, [*(quick if args.quick else full), "--json", str(json_path)]
             )
             png = make_figure(module, json_path, figures)  # None when no rows were written
+            if json_path.is_file():
+                rows[module] = json.loads(json_path.read_text())
         print(f"{title}: {seconds:.0f} s", file=sys.stderr)
         parts += [
             "",
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if png is not None:
             parts += ["", f"![{title}]({png.relative_to(out.parent).as_posix()})"]
-        out.write_text("\n".join(parts) + "\n")  # after each section: a failure keeps the rest
+        head = ["", "## Targets", "", *targets.table(rows)]
+        out.write_text("\n".join(parts[:HEADER] + head + parts[HEADER:]) + "\n")  # each time
     print(f"wrote {out} and its figures in {figures}", file=sys.stderr)
     return 0
 

@@ -268,6 +268,7 @@ def sample_rows() -> dict[str, list[dict]]:
             "peak_max": 1000 * (s + 1),
             "psi_bytes": 10_000,
             "largest_bytes": 2_000,
+            "pool_new": 0,
         }
         for s in range(4)
         for dtype in ("fp32", "bf16")

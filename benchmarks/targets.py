@@ -1,0 +1,212 @@
+"""The performance targets, checked against the rows the benchmarks wrote (their ``--json``).
+
+``python -m benchmarks`` puts :func:`table` at the top of ``docs/benchmarks.md``: one line per
+target with what this run measured and whether it met the target, then, for each target this run
+missed, the cause found by measurement (the numbers quoted there come from the sections below
+and from the profiling described in each benchmark's docstring).
+
+A check is a function of the rows of one benchmark, returning (what was measured, met?). A target
+whose benchmark did not run (``--only``) is listed as not measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import numpy as np
+
+Rows = list[dict]
+Check = Callable[[Rows], tuple[str, bool]]
+
+MIB = 2**20
+
+
+def collectives(rows: Rows) -> tuple[str, bool]:
+    """raw / zerosim time ≥ 0.95 for every operation and N from 1 MiB up (defaults: ledger on,
+    cross-rank check on); the check-off ratio is reported beside it."""
+    big = [r for r in rows if r["bytes"] >= MIB]
+    if not big:
+        return "no message of 1 MiB or more", False
+    on = [r["raw"] / r["zerosim"] for r in big]
+    off = [r["raw"] / r["fast"] for r in big]
+    text = (
+        f"check on: min {min(on):.2f}, median {statistics.median(on):.2f}; check off: min "
+        f"{min(off):.2f}, median {statistics.median(off):.2f} ({len(big)} sizes × ops × N)"
+    )
+    return text, min(on) >= 0.95
+
+
+def adam(rows: Rows) -> tuple[str, bool]:
+    """zerosim's Adam at ≥ 0.4 of NumPy's copy bandwidth."""
+    ours = next(r for r in rows if r["optimizer"] == "Adam" and r["implementation"] == "zerosim")
+    torch = [r for r in rows if r["optimizer"] == "Adam" and r["implementation"] != "zerosim"]
+    ratio = ours["gbps"] / ours["copy_gbps"]
+    times = ", ".join(
+        f"{r['implementation']} takes {r['seconds'] / ours['seconds']:.2f}× as long" for r in torch
+    )
+    return f"{ratio:.2f} of copy bandwidth ({times})", ratio >= 0.4
+
+
+def model(rows: Rows) -> tuple[str, bool]:
+    """zerosim's GPT forward+backward at ≥ 0.5 of NumPy's matmul rate."""
+    ours = next(r for r in rows if r["name"] == "zerosim")
+    torch = next((r for r in rows if r["name"] == "torch"), None)
+    text = f"{ours['vs_matmul']:.2f} of the matmul rate"
+    if torch is not None:
+        text += f" (torch {torch['vs_matmul']:.2f})"
+    return text, ours["vs_matmul"] >= 0.5
+
+
+def training(rows: Rows) -> tuple[str, bool]:
+    """Every stage's step time ≤ its torch counterpart's (ratio zerosim / torch ≤ 1)."""
+    done = [r for r in rows if r.get("ratio") is not None]
+    if not done:
+        return "no configuration ran on both sides", False
+    over = [r for r in done if r["ratio"] > 1]
+    worst = max(done, key=lambda r: r["ratio"])
+    text = (
+        f"{len(done) - len(over)} of {len(done)} configurations at or under 1; ratios "
+        f"{min(r['ratio'] for r in done):.2f} to {worst['ratio']:.2f} (worst: N={worst['n']} "
+        f"{worst['model']} stage {worst['stage']} against {worst['counterpart']})"
+    )
+    return text, not over and len(done) == len(rows)
+
+
+def scaling_memory(rows: Rows) -> tuple[str, bool]:
+    """Model-state bytes per rank equal to the formula, to the byte, on every rank."""
+    equal = [
+        all(b == r["formula_bytes"] for b in r["model_state_bytes"])
+        and r["padded_numel"] == r["expected_padded_numel"]
+        for r in rows
+    ]
+    return f"{sum(equal)} of {len(equal)} (N, stage, Ψ) equal on every rank", all(equal)
+
+
+def scaling_time(rows: Rows) -> tuple[str, bool]:
+    """Step time linear in Ψ: R² of the least-squares line ≥ 0.99 for every (N, stage) whose N
+    fits the machine's cores (oversubscribed N are reported, not judged)."""
+    from benchmarks.scaling import linear_fit
+    from benchmarks.training_step import usable_cores
+
+    cores = usable_cores()
+    fits = {}
+    for n, stage in sorted({(r["n"], r["stage"]) for r in rows}):
+        mine = sorted((r["params"], r["ms"]) for r in rows if (r["n"], r["stage"]) == (n, stage))
+        if len(mine) >= 3:
+            x, y = np.array(mine, dtype=float).T
+            fits[(n, stage)] = linear_fit(x, y)[2]
+    judged = [r2 for (n, _), r2 in fits.items() if n <= cores]
+    if not judged:
+        return "no (N, stage) with three model sizes within the cores", False
+    rest = [r2 for (n, _), r2 in fits.items() if n > cores]
+    text = f"R² ≥ {min(judged):.4f} at N ≤ {cores}"
+    if rest:
+        text += f" (N > {cores}, oversubscribed: R² ≥ {min(rest):.3f})"
+    return text, min(judged) >= 0.99
+
+
+def allocations(rows: Rows) -> tuple[str, bool]:
+    """No model-sized buffer allocated in a steady-state step: peak < Ψ·b, pool makes nothing."""
+    worst = max(rows, key=lambda r: r["peak_max"] / r["psi_bytes"])
+    made = sum(r["pool_new"] for r in rows)
+    layer = worst["largest_bytes"] / worst["psi_bytes"]
+    text = (
+        f"peak ≤ {worst['peak_max'] / worst['psi_bytes']:.2f} Ψ·b (stage {worst['stage']} "
+        f"{worst['dtype']}; the largest parameter is {layer:.2f} Ψ·b); {made} pool allocations "
+        "after the first step"
+    )
+    return text, worst["peak_max"] < worst["psi_bytes"] and made == 0
+
+
+# (target, benchmark module, check, the measured cause of a miss)
+TARGETS: list[tuple[str, str, Check, str]] = [
+    (
+        "collectives ≥ 0.95 of raw mpi4py from 1 MiB",
+        "collectives",
+        collectives,
+        "Each zerosim call costs a fixed time on top of the raw call: argument checks, the ledger "
+        "record, and with the check on (the default) one 8-byte-per-field all-gather that makes "
+        "every rank agree on the call before any data moves (the issue asks for it: a mismatch "
+        "raises instead of hanging). The collectives section prints that fixed cost, measured at "
+        "4 KiB, and the ratio it alone allows at 1 MiB: on this 2-core machine a 1 MiB collective "
+        "takes 0.1-0.2 ms at N = 2, so a fixed cost of 8-25 µs caps the ratio at 0.87-0.95 there; "
+        "from 4-16 MiB the ratio is at or near 1. With the check off the median from 1 MiB meets "
+        "the target. At N = 4 the 4 ranks share 2 cores: a message waits for the peer's time "
+        "slice, raw and zerosim alike, so single ratios scatter on both sides of 1.",
+    ),
+    (
+        "Adam ≥ 0.4 of copy bandwidth",
+        "optimizer_step",
+        adam,
+        "NumPy cannot fuse an element-wise chain: Adam's update is 12 one-operation ufunc calls "
+        "per cache-sized block (zerosim/optim/_rules_adam.py). Each call over a block in cache "
+        "costs about 0.17 ns per element here, so the chain costs 2.0-2.1 ns per element, while "
+        "0.4 of a 33 GB/s copy bandwidth allows 28 B / 13.4 GB/s = 2.1 ns for Adam's 7 float32 "
+        "arrays. The ratio therefore lands at 0.36-0.41 from run to run (2× faster than torch's "
+        "CPU Adam all the same); reaching memory speed needs a fused kernel, which is the GPU "
+        "path's ElementwiseKernel.",
+    ),
+    (
+        "model ≥ 0.5 of the matmul rate",
+        "model_step",
+        model,
+        "Attention's batched matmuls are small (T × d per head) and run well below the rate of "
+        "the large (B·T, C) @ (C, 4C) product that defines the baseline.",
+    ),
+    (
+        "every stage's step time ≤ its torch counterpart's",
+        "training_step",
+        training,
+        "The training-step section names the slower configurations. Measured causes: on the "
+        "small GPT the step is short (tens of ms), and zerosim's Python dispatch of every "
+        "layer and hook (cProfile: --profile) is a fixed cost torch pays in C++; with glibc's "
+        "default malloc thresholds every step also page-faults its activations back in "
+        "(the benchmark keeps freed memory for both sides; --glibc-default shows the "
+        "difference). At N = 4 on 2 cores both sides are oversubscribed and step times vary "
+        "by ±20% between repeats.",
+    ),
+    (
+        "model-state memory equal to the formula, to the byte",
+        "scaling",
+        scaling_memory,
+        "A difference here is a bug: the engine's memory_report() disagrees with "
+        "zerosim.analysis.memory.",
+    ),
+    (
+        "step time linear in Ψ (Ψ, 10Ψ, 100Ψ)",
+        "scaling",
+        scaling_time,
+        "A fixed cost per step (Python dispatch, collective latency) is the intercept of the "
+        "line; when ranks outnumber cores their time slices add a cost that depends on the "
+        "number and size of messages, not linearly on Ψ (see the scaling section's notes).",
+    ),
+    (
+        "no model-sized buffer allocated per step",
+        "allocations",
+        allocations,
+        "The allocations section names the lines that hold the peak.",
+    ),
+]
+
+
+def table(rows: dict[str, Rows]) -> list[str]:
+    """Markdown: the targets against ``rows`` ({module: its JSON rows}), then the causes of the
+    misses."""
+    lines = ["| target | measured in this run | met |", "|---|---|---|"]
+    causes = []
+    for target, module, check, cause in TARGETS:
+        if not rows.get(module):
+            lines.append(f"| {target} | not measured (`{module}` did not run) | – |")
+            continue
+        measured, met = check(rows[module])
+        lines.append(f"| {target} | {measured} | {'yes' if met else 'no'} |")
+        if not met:
+            causes.append(f"- **{target}.** {cause}")
+    lines.append(
+        "| the engine on CuPy with NCCL, fused optimizer kernels (`benchmarks/gpu.py`) | not "
+        "built: no GPU was available to build and test it on | – |"
+    )
+    if causes:
+        lines += ["", "Where a target was missed, the cause as measured:", "", *causes]
+    return lines
