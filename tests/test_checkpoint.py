@@ -77,7 +77,10 @@ def test_checkpoint_loads_at_another_world_size_stage_and_layout(tmp_path, saved
     ref = reference(case_a, [n * case_a.micro] * 3)
     assert all(rel_error(before[k], ref[k]) < 1e-12 for k in ref)  # the saved state is right
     ref_after = reference(case_a, [n * case_a.micro] * 3 + [m * case_a.micro] * 10)["master"]
-    assert rel_error(out[0][2], ref_after) <= 1e-12
+    # float64, 13 steps; the runs sum gradients over N ranks, the reference in one process, and
+    # Adam's 1/√v magnifies those last-bit differences (measured up to 1.8e-12 here). A lost or
+    # misplaced state after the load shows as 1e-4 or more.
+    assert rel_error(out[0][2], ref_after) <= 1e-11
     assert all(o[3] == 13 for o in out)
 
 
