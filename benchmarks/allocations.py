@@ -102,7 +102,9 @@ def worker(stage: int, dtype: str, steps: int) -> None:
         "pool_new": engine.strategy.pool.allocations - pool_before,
         "top": top,
     }
-    print(json.dumps(out), flush=True)
+    every = comm.mpi.gather(out, root=0)  # one line from rank 0: ranks' prints interleave
+    if comm.rank == 0:
+        print(json.dumps(every), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 str(a.steps),
             ]
             res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-            ranks = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+            (ranks,) = [json.loads(line) for line in res.stdout.splitlines() if line[:1] == "["]
             rows.append(
                 {
                     **next(r for r in ranks if r["rank"] == 0),

@@ -486,6 +486,20 @@ def test_unknown_keys_are_reported_even_when_the_config_is_then_rejected():
     assert "train_batch_sise (did you mean train_batch_size?)" in str(caught[0].message)
 
 
+@pytest.mark.parametrize("key", ["reduce_scatter", "allgather_partitions"])
+def test_a_deepspeed_switch_zerosim_does_not_build_is_warned_about_only_when_set_off(key):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config({**BATCH, "zero_optimization": {"stage": 2, key: True}}, 2)
+        assert not caught
+        loaded = load_config({**BATCH, "zero_optimization": {"stage": 2, key: False}}, 2)
+    assert len(caught) == 1 and caught[0].category is UserWarning
+    message = str(caught[0].message)
+    assert message.startswith(f"zero_optimization.{key}=false is ignored: DeepSpeed would ")
+    assert "always runs as with true" in message
+    assert getattr(loaded.zero_optimization, key) is False  # kept as given, for the record
+
+
 # --- fp16 loss scaler: DeepSpeed's two cases -----------------------------------------------
 
 

@@ -287,6 +287,28 @@ def _warn_unknown(keys: list[str]) -> None:
     )
 
 
+# DeepSpeed switches whose other value zerosim does not build: what DeepSpeed would do instead.
+# The result is the same either way; the bytes on the wire are zerosim's default's.
+UNBUILT_ALTERNATIVES = {
+    "reduce_scatter": (True, "all-reduce each gradient bucket instead of reduce-scattering it"),
+    "allgather_partitions": (True, "broadcast each updated partition instead of all-gathering"),
+}
+
+
+def _warn_unbuilt(cfg: Config) -> None:
+    """One UserWarning for each ``zero_optimization`` switch set to a value zerosim ignores."""
+    for key, (default, instead) in UNBUILT_ALTERNATIVES.items():
+        value = getattr(cfg.zero_optimization, key)
+        if value != default:
+            warnings.warn(
+                f"zero_optimization.{key}={json.dumps(value)} is ignored: DeepSpeed would "
+                f"{instead}; zerosim always runs as with {json.dumps(default)} (same results, "
+                "its own byte counts)",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
 def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> Config:
     """Read and validate a DeepSpeed config (a dict, or a path to a JSON file) for ``world_size``.
 
@@ -321,4 +343,5 @@ def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> C
     )
     cfg = Config(world_size=world_size, **values)
     _check_consistency(cfg)
+    _warn_unbuilt(cfg)
     return cfg
