@@ -143,10 +143,15 @@ def _pieces(xp: ModuleType, size: int) -> list[slice]:
     return [slice(i, min(i + step, size)) for i in range(0, size, step)]
 
 
-def _minus_2u(x: Any) -> Any:
-    """−2u = −2·√(2/π)·(x + 0.044715·x³) as a new array: the tanh form's argument, doubled."""
-    e = x * x
-    e *= -2 * _TANH_C * _TANH_A
+def _minus_2u(x: Any, x2: Any = None) -> Any:
+    """−2u = −2·√(2/π)·(x + 0.044715·x³) as a new array: the tanh form's argument, doubled.
+
+    ``x2``, when given, is x² already computed (the backward needs it again)."""
+    if x2 is None:
+        e = x * x
+        e *= -2 * _TANH_C * _TANH_A
+    else:
+        e = x2 * (-2 * _TANH_C * _TANH_A)
     e -= 2 * _TANH_C
     e *= x
     return e
@@ -174,9 +179,7 @@ def _gelu_tanh_backward(x: Any, grad: Any, out: Any) -> None:
     """out = grad · s·(1 + p·(1 − s)), s = σ(2u), p = 2·√(2/π)·x·(1 + 3·0.044715·x²)."""
     xp = xp_of(x)
     x2 = x * x
-    s = x2 * (-2 * _TANH_C * _TANH_A)  # s = 1 / (1 + exp(−2u)), −2u = x·(−2c − 2ca·x²)
-    s -= 2 * _TANH_C
-    s *= x
+    s = _minus_2u(x, x2)  # s = 1 / (1 + exp(−2u))
     with np.errstate(over="ignore"):  # s = 1 / (1 + inf) = 0 where exp overflows
         xp.exp(s, out=s)
     s += 1

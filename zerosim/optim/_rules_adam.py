@@ -16,10 +16,12 @@ from typing import Any
 
 from zerosim.optim._rules_common import (
     add_ratio_,
+    add_square_,
     blocks,
     check_arrays,
     effective_grad,
     lerp_,
+    lerp_scale,
     scalar,
     state_dtype,
     xp_of,
@@ -45,23 +47,13 @@ class _Moments:
 
     def __init__(self, param: Any, beta1: float, beta2: float) -> None:
         self.weight = 1.0 - beta1
-        lerp_scale = self.weight if self.weight < 0.5 else 1.0 - self.weight
-        self.lerp_scale = scalar(lerp_scale, param)
+        self.lerp_scale = scalar(lerp_scale(self.weight), param)
         self.beta2 = scalar(beta2, param)
         self.one_minus_beta2 = scalar(1.0 - beta2, param)
 
     def update_(self, m: Any, v: Any, g: Any, tmp: Any) -> None:
-        xp = xp_of(m)
-        xp.subtract(g, m, out=tmp)
-        xp.multiply(tmp, self.lerp_scale, out=tmp)
-        if self.weight < 0.5:
-            xp.add(m, tmp, out=m)
-        else:
-            xp.subtract(g, tmp, out=m)
-        xp.multiply(g, self.one_minus_beta2, out=tmp)
-        xp.multiply(tmp, g, out=tmp)
-        xp.multiply(v, self.beta2, out=v)
-        xp.add(v, tmp, out=v)
+        lerp_(m, g, self.weight, tmp, scale=self.lerp_scale)
+        add_square_(v, g, self.beta2, tmp, one_minus_beta=self.one_minus_beta2)
 
 
 def adam(

@@ -212,27 +212,34 @@ def effective_grad(g: Any, p: Any, *, maximize: bool, weight_decay: float, out: 
     return xp.add(out, g, out=out)
 
 
-def lerp_(start: Any, end: Any, weight: float, tmp: Any) -> None:
+def lerp_scale(weight: float) -> float:
+    """The factor :func:`lerp_` multiplies ``end − start`` by: weight, or 1 − weight from 0.5."""
+    return weight if weight < 0.5 else 1.0 - weight
+
+
+def lerp_(start: Any, end: Any, weight: float, tmp: Any, scale: Any = None) -> None:
     """``start ← start + weight·(end − start)`` in place; ``tmp`` is a work buffer.
 
     Like torch.lerp, for weight ≥ 0.5 it computes ``end − (1 − weight)·(end − start)``
     instead, so that weight = 1 gives ``end`` exactly (β = 0 makes a moment the gradient).
+    ``scale`` is ``lerp_scale(weight)`` when the caller made it once per step (``scalar``).
     """
     xp = xp_of(start)
     xp.subtract(end, start, out=tmp)
+    xp.multiply(tmp, lerp_scale(weight) if scale is None else scale, out=tmp)
     if weight < 0.5:
-        xp.multiply(tmp, weight, out=tmp)
         xp.add(start, tmp, out=start)
     else:
-        xp.multiply(tmp, 1.0 - weight, out=tmp)
         xp.subtract(end, tmp, out=start)
 
 
-def add_square_(avg: Any, g: Any, beta: float, tmp: Any) -> None:
-    """The second-moment update ``avg ← beta·avg + (1 − beta)·g²`` in place."""
+def add_square_(avg: Any, g: Any, beta: Any, tmp: Any, one_minus_beta: Any = None) -> None:
+    """The second-moment update ``avg ← beta·avg + (1 − beta)·g²`` in place, as torch's
+    ``mul_(beta).addcmul_(g, g, value=1 − beta)`` computes it: ((1 − beta)·g)·g.
+    ``one_minus_beta`` is 1 − beta when the caller made it once per step (``scalar``)."""
     xp = xp_of(avg)
     xp.multiply(avg, beta, out=avg)
-    xp.multiply(g, 1.0 - beta, out=tmp)
+    xp.multiply(g, 1.0 - beta if one_minus_beta is None else one_minus_beta, out=tmp)
     xp.multiply(tmp, g, out=tmp)
     xp.add(avg, tmp, out=avg)
 
