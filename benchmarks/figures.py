@@ -17,7 +17,7 @@ One function per benchmark turns its rows into one figure:
   against the largest parameter's bytes (a layer's worth) and the whole model's.
 
 Figures are drawn on a matplotlib ``Figure`` with the Agg canvas (no pyplot, no display), as in
-``zerosim.plots``.
+``zerosim.report.plots``.
 """
 
 from __future__ import annotations

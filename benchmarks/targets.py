@@ -142,7 +142,7 @@ TARGETS: list[tuple[str, str, Check, str]] = [
         "optimizer_step",
         adam,
         "NumPy cannot fuse an element-wise chain: Adam's update is 12 one-operation ufunc calls "
-        "per cache-sized block (zerosim/optim/_rules_adam.py). Each call over a block in cache "
+        "per cache-sized block (zerosim/optim/functional/adam.py). Each call over a block in cache "
         "costs about 0.17 ns per element here, so the chain costs 2.0-2.1 ns per element, while "
         "0.4 of a 33 GB/s copy bandwidth allows 28 B / 13.4 GB/s = 2.1 ns for Adam's 7 float32 "
         "arrays. The ratio therefore lands at 0.36-0.41 from run to run (2× faster than torch's "

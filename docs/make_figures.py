@@ -3,8 +3,8 @@
     python docs/make_figures.py            # writes into docs/
     python docs/make_figures.py --docs DIR # writes DIR/figures/*.png and DIR/table1.md
 
-Every figure is drawn by ``zerosim.plots`` from numbers that zerosim computes or measures: the
-formulas of ``zerosim.analysis`` and runs of the engine on a ``LocalWorld``. The timeline is a real
+Every figure is drawn by ``zerosim.report.plots`` from numbers that zerosim computes or measures:
+the formulas of ``zerosim.analysis`` and runs of the engine on a ``LocalWorld``. The timeline is a real
 measurement, so it differs a little from run to run; everything else is deterministic.
 """
 
@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import zerosim as zs  # noqa: E402  (after the path set-up, so the script runs from a clone)
-from zerosim import plots  # noqa: E402
-from zerosim.compare import STAGES, run_stage  # noqa: E402
-from zerosim.tables import MEMORY_STAGES, memory_data, table1_page  # noqa: E402
+from zerosim.report import plots  # noqa: E402
+from zerosim.report.compare import STAGES, run_stage  # noqa: E402
+from zerosim.report.tables import MEMORY_STAGES, memory_data, table1_page  # noqa: E402
 from zerosim.zero import deepspeed_layout, megatron_layout  # noqa: E402
 
 FIGURES = (

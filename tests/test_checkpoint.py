@@ -29,15 +29,15 @@ from ckpt_worker import (
 )
 
 import zerosim as zs
-from zerosim import checkpoint_io
-from zerosim.checkpoint import (
+from zerosim.checkpoint import files as checkpoint_io
+from zerosim.checkpoint.files import SavedIndex, consolidate, read_metadata
+from zerosim.checkpoint.sharded import (
     CheckpointError,
     CheckpointNotFoundError,
     load_checkpoint,
     plan_reads,
     save_checkpoint,
 )
-from zerosim.checkpoint_io import SavedIndex, consolidate, read_metadata
 from zerosim.data import ArrayDataset
 from zerosim.engine import initialize
 from zerosim.nn import GPT
@@ -455,8 +455,8 @@ def test_metadata_is_plain_json_describing_every_rank(tmp_path):
 
 
 def test_train_command_resumes_from_its_saved_checkpoint(tmp_path):
-    from zerosim import train_demo
     from zerosim.cli import build_parser
+    from zerosim.cli import train as train_demo
 
     def run(comm, *extra):
         argv = ["train", "--model", "mlp", "--quiet", *extra]

@@ -219,7 +219,7 @@ def test_compare_stage3_moves_three_times_the_shard_and_holds_a_nth_of_everythin
 
 
 def test_stage3_persistent_parameters_are_gathered_after_the_step_and_held_whole():
-    from zerosim.compare import run_stage
+    from zerosim.report.compare import run_stage
 
     n, threshold = 3, 300
     zero = {"stage3_param_persistence_threshold": threshold}
@@ -289,7 +289,7 @@ def test_memory_precision_is_deepspeeds_name_for_the_dtype(precision, dtype, cap
 
 
 def test_compare_exits_1_and_says_mismatch_when_a_formula_disagrees(monkeypatch, capsys):
-    from zerosim import compare
+    from zerosim.report import compare
 
     real = compare.step_bytes
 
@@ -386,7 +386,7 @@ def test_compare_under_mpirun_exits_0_with_equal_bytes_on_every_rank(n):
 @pytest.mark.parametrize("shape", [(1, 8, 13, 5), (2, 16, 50, 7), (3, 24, 11, 9)])
 def test_gpt_parameter_count_equals_the_built_model(shape):
     from zerosim.nn import GPT
-    from zerosim.tables import model_params
+    from zerosim.report.tables import model_params
 
     n_layer, n_embd, vocab, block = shape
     model = GPT(vocab, block, n_layer, 2, n_embd, seed=0)
@@ -394,7 +394,7 @@ def test_gpt_parameter_count_equals_the_built_model(shape):
 
 
 def test_project_model_equals_project_params_of_the_same_size(capsys):
-    from zerosim.tables import model_params
+    from zerosim.report.tables import model_params
 
     cluster = str(ROOT / "examples" / "cluster_64gpu.json")
     by_model = run_json(capsys, "project", "--cluster", cluster, "--model", "gpt-7b", "--json")

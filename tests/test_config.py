@@ -15,14 +15,14 @@ from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
 from zerosim.config import Config, ConfigError, load_config, resolve_batch_size
-from zerosim.config_optim import (
+from zerosim.config.optimizer import (
     DEEPSPEED_SCHEDULERS,
     HYPERPARAMETERS,
     OPTIMIZER_TYPES,
     PYTHON_ONLY_SCHEDULERS,
     TORCH_SCHEDULERS,
 )
-from zerosim.config_values import knob_fields, known_key_paths, short_repr
+from zerosim.config.values import knob_fields, known_key_paths, short_repr
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = {"train_batch_size": 8}

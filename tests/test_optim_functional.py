@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import zerosim.optim as zo
-from zerosim.optim import _rules_common
 from zerosim.optim import functional as F
+from zerosim.optim.functional import common
 
 
 class Param:
@@ -133,7 +133,7 @@ def test_blocks_of_7_elements_give_bitwise_the_unblocked_result(cls, kwargs, mon
     init = np.random.default_rng(6).standard_normal((9, 11))
     grads = random_grads((9, 11), 12, seed=7)
     whole, _ = run_class(cls, init, grads, **kwargs)
-    monkeypatch.setattr(_rules_common, "CPU_BLOCK_LENGTH", 7)
+    monkeypatch.setattr(common, "CPU_BLOCK_LENGTH", 7)
     assert F.block_length(init) == 7
     blocked, _ = run_class(cls, init, grads, **kwargs)
     np.testing.assert_array_equal(blocked.data, whole.data)
@@ -143,7 +143,7 @@ def test_blocks_of_7_elements_give_bitwise_the_unblocked_result(cls, kwargs, mon
 def test_non_contiguous_parameter_is_updated_in_place_like_a_contiguous_one(
     cls, kwargs, monkeypatch
 ):
-    monkeypatch.setattr(_rules_common, "CPU_BLOCK_LENGTH", 7)  # parameter larger than scratch
+    monkeypatch.setattr(common, "CPU_BLOCK_LENGTH", 7)  # parameter larger than scratch
     init = np.random.default_rng(8).standard_normal((6, 5))
     grads = random_grads((6, 5), 10, seed=9)
     ref, _ = run_class(cls, init, grads, **kwargs)

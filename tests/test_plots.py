@@ -1,4 +1,4 @@
-"""zerosim.plots draws PNGs from data; docs/make_figures.py regenerates the docs' figures."""
+"""zerosim.report.plots draws PNGs from data; docs/make_figures.py regenerates the docs' figures."""
 
 import subprocess
 import sys
@@ -8,8 +8,8 @@ import pytest
 from mpi_helpers import ROOT
 
 import zerosim as zs
-from zerosim import plots
 from zerosim.comm.ledger import Record
+from zerosim.report import plots
 from zerosim.zero import deepspeed_layout, megatron_layout
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

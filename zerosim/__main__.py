@@ -1,4 +1,4 @@
-"""``python -m zerosim …`` is the ``zerosim`` command (see zerosim/cli.py)."""
+"""``python -m zerosim …`` is the ``zerosim`` command (see zerosim/cli/main.py)."""
 
 from zerosim.cli import main
 

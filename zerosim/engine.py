@@ -390,7 +390,7 @@ class Engine:
         report["buffers"] = sum(to_host(b).nbytes for _, b in self.module.named_buffers())
         return report
 
-    # -- checkpoints (zerosim/checkpoint.py) -----------------------------------------------------
+    # -- checkpoints (zerosim/checkpoint/sharded.py) ---------------------------------------------
     def save_checkpoint(
         self, save_dir: Any, tag: str | None = None, client_state: Any = None
     ) -> Any:

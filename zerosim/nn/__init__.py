@@ -7,7 +7,6 @@ checkpointing. See docs/nn.md.
 
 from zerosim.nn.activation import GELU, Dropout, ReLU, Tanh
 from zerosim.nn.attention import CausalSelfAttention
-from zerosim.nn.checkpoint import Checkpoint, checkpoint, saved_bytes
 from zerosim.nn.containers import ModuleList, Sequential
 from zerosim.nn.grad_mode import enable_grad, is_grad_enabled, no_grad
 from zerosim.nn.linear import Embedding, Linear
@@ -16,6 +15,7 @@ from zerosim.nn.models import GPT, MLP, LossModel
 from zerosim.nn.module import LoadResult, Module, RemovableHandle, StateDictError
 from zerosim.nn.norm import BatchNorm1d, LayerNorm
 from zerosim.nn.parameter import Parameter, accumulate_grad
+from zerosim.nn.recompute import Checkpoint, checkpoint, saved_bytes
 from zerosim.nn.transformer import Block, FeedForward
 
 __all__ = [

@@ -16,7 +16,7 @@ are bit-for-bit torch's):
   Where a closed form exists it is written next to the recursive one.
 
 DeepSpeed's schedulers (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) live in
-``_ds_schedulers.py`` and are re-exported here; ``build_scheduler`` maps a DeepSpeed JSON
+``deepspeed_schedulers.py`` and are re-exported here; ``build_scheduler`` maps a DeepSpeed JSON
 ``"scheduler"`` section (DeepSpeed's or torch's type names) to an instance.
 """
 
@@ -30,7 +30,13 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._ds_schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, per_group
+from zerosim.optim.deepspeed_schedulers import (
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    per_group,
+)
 
 __all__ = [
     "LRScheduler",

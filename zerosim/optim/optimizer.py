@@ -23,7 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.optim._rules_common import SCRATCH_SLOTS, block_length, state_dtype, xp_of, zeros_state
+from zerosim.optim.functional.common import (
+    SCRATCH_SLOTS,
+    block_length,
+    state_dtype,
+    xp_of,
+    zeros_state,
+)
 
 # Keys of torch's param groups that choose an implementation, not the arithmetic; dropped
 # when a torch state_dict is loaded.

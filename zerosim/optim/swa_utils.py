@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ._ds_schedulers import per_group
+from zerosim.optim.deepspeed_schedulers import per_group
+
 from .lr_scheduler import LRScheduler
 
 __all__ = [

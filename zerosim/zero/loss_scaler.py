@@ -45,7 +45,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from zerosim.backend import array_module
-from zerosim.config_sections import LossScaleSettings
+from zerosim.config.sections import LossScaleSettings
 
 logger = logging.getLogger(__name__)
 

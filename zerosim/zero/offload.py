@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.config_values import ConfigError
+from zerosim.config.values import ConfigError
 
 log = logging.getLogger(__name__)
 

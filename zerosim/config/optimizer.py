@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from zerosim.config_values import (
+from zerosim.config.values import (
     ConfigError,
     Parser,
     Section,

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from zerosim.config_values import (
+from zerosim.config.values import (
     ConfigError,
     Section,
     boolean,

@@ -1,11 +1,10 @@
 """The teaching subcommands of ``zerosim``: memory, volume, project, compare and plot.
 
 Each prints a table (``--json``: the numbers as JSON) computed by ``zerosim.analysis`` through
-``zerosim.tables`` and, with ``--plot FILE.png``, draws it with ``zerosim.plots``. ``compare``
-runs the engine on the current world and checks the measured bytes and memory against the
-formulas (``zerosim.compare``), in fp32/fp64 or fp16/bf16 mixed precision (``--precision``);
-the others are formulas only. ZeRO++ joins ``compare`` and ``plot timeline`` when the engine runs
-it (extend ``compare.STAGES``).
+``zerosim.report.tables`` and, with ``--plot FILE.png``, draws it with ``zerosim.report.plots``.
+``compare`` runs the engine on the current world and checks the measured bytes and memory against
+the formulas (``zerosim.report.compare``), in fp32/fp64 or fp16/bf16 mixed precision
+(``--precision``); the others are formulas only.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import json
 from typing import Any
 
 from zerosim import analysis
-from zerosim.tables import (
+from zerosim.report.tables import (
     DTYPE_NAMES,
     MEMORY_STAGES,
     PAPER_NAMES,
@@ -48,7 +47,7 @@ def _volume(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    from zerosim import plots
+    from zerosim.report import plots
 
     if args.table1:
         data = {
@@ -95,7 +94,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_volume(args: argparse.Namespace) -> int:
-    from zerosim import plots
+    from zerosim.report import plots
 
     try:
         data = _volume(args)
@@ -124,8 +123,8 @@ def cmd_volume(args: argparse.Namespace) -> int:
 
 
 def cmd_project(args: argparse.Namespace) -> int:
-    from zerosim import plots
-    from zerosim.tables import model_params
+    from zerosim.report import plots
+    from zerosim.report.tables import model_params
 
     try:
         if args.model is not None:
@@ -184,7 +183,7 @@ def _run_on_world(args: argparse.Namespace, fn: Any, *fn_args: Any) -> tuple[Any
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from zerosim import compare, plots
+    from zerosim.report import compare, plots
 
     stages = _stages(args.stage, tuple(compare.STAGES))
     if args.precision != "fp32" and args.dtype != "float32":
@@ -212,14 +211,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _timeline(comm: Any, stage: str, model: str, steps: int) -> dict[str, list[dict]]:
-    from zerosim import compare
+    from zerosim.report import compare
 
     out = compare.run_stage(comm, stage, model, steps, keep_records=True)
     return {"records": out["records"], "events": out["events"]}
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from zerosim import plots
+    from zerosim.report import plots
 
     if args.what == "memory":
         dtype = _dtype(args)
@@ -328,7 +327,7 @@ def _world_options(p: argparse.ArgumentParser, steps: int) -> None:
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Register memory, volume, project, compare and plot on the ``zerosim`` parser."""
-    from zerosim.compare import STAGES
+    from zerosim.report.compare import STAGES
 
     stage_help = "stages to show (default all)"
     memory = sub.add_parser(

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from zerosim.backend import array_module, to_host
-from zerosim.checkpoint_io import (
+from zerosim.checkpoint.files import (
     FORMAT_VERSION,
     METADATA,
     CheckpointError,

@@ -1,14 +1,20 @@
-"""Momentum rules without a per-element step size: SGD (heavy-ball or Nesterov) and Lion.
+"""SGD with heavy-ball or Nesterov momentum, dampening and weight decay, as torch.optim.SGD.
 
 Each function updates ``param`` and its state arrays in place, block by block (see
-``_rules_common``). Hyperparameters are trusted here; the optimizer classes validate them.
+``common.blocks``). Hyperparameters are trusted here; the optimizer classes validate them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from zerosim.optim._rules_common import blocks, check_arrays, effective_grad, scalar, xp_of
+from zerosim.optim.functional.common import (
+    blocks,
+    check_arrays,
+    effective_grad,
+    scalar,
+    xp_of,
+)
 
 
 def sgd(
@@ -67,43 +73,3 @@ def sgd(
                 d = b
         xp.multiply(d, neg_lr, out=tmp)
         xp.add(p, tmp, out=p)
-
-
-def lion(
-    param: Any,
-    grad: Any,
-    exp_avg: Any,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float = 0.0,
-    maximize: bool = False,
-    scratch: Any = None,
-) -> None:
-    """One Lion step (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Alg. 2).
-
-    With g = ±∇ (sign by ``maximize``), m = ``exp_avg`` and decoupled weight decay λ::
-
-        c = β₁·m + (1 − β₁)·g
-        θ ← θ − lr·(sign(c) + λ·θ)
-        m ← β₂·m + (1 − β₂)·g
-
-    The update has the same size lr in every coordinate; only its sign comes from c.
-    """
-    lr, beta1, beta2, weight_decay = float(lr), float(beta1), float(beta2), float(weight_decay)
-    check_arrays(param, grad, exp_avg=exp_avg)
-    xp = xp_of(param)
-    for p, g, (m,), (g_buf, c, tmp) in blocks(param, grad, [exp_avg], 3, scratch):
-        g = effective_grad(g, p, maximize=maximize, weight_decay=0.0, out=g_buf)
-        xp.multiply(m, beta1, out=c)
-        xp.multiply(g, 1.0 - beta1, out=tmp)
-        c += tmp
-        xp.sign(c, out=c)
-        if weight_decay != 0:
-            p *= 1.0 - lr * weight_decay
-        c *= lr
-        p -= c
-        m *= beta2
-        xp.multiply(g, 1.0 - beta2, out=tmp)
-        m += tmp

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zerosim.config_optim import OptimizerConfig, SchedulerConfig
-from zerosim.config_sections import (
+from zerosim.config.optimizer import OptimizerConfig, SchedulerConfig
+from zerosim.config.sections import (
     BF16Config,
     CheckpointConfig,
     FP16Config,
@@ -36,7 +36,7 @@ from zerosim.config_sections import (
     ZeroConfig,
     ZerosimConfig,
 )
-from zerosim.config_values import (
+from zerosim.config.values import (
     ConfigError,
     Parser,
     as_mapping,

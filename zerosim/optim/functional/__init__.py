@@ -20,16 +20,22 @@ The formulas, with their sources, are in each function's docstring; docs/optim.m
 compares them with torch.optim and Keras.
 """
 
-from zerosim.optim._rules_adam import VARIANTS, adam, adamax, nadam, radam
-from zerosim.optim._rules_adaptive import adagrad, rmsprop
-from zerosim.optim._rules_common import (
+from zerosim.optim.functional.adagrad import adagrad
+from zerosim.optim.functional.adam import adam
+from zerosim.optim.functional.adamax import adamax
+from zerosim.optim.functional.common import (
     SCRATCH_SLOTS,
+    VARIANTS,
     block_length,
     make_scratch,
     state_dtype,
     zeros_state,
 )
-from zerosim.optim._rules_sgd import lion, sgd
+from zerosim.optim.functional.lion import lion
+from zerosim.optim.functional.nadam import nadam
+from zerosim.optim.functional.radam import radam
+from zerosim.optim.functional.rmsprop import rmsprop
+from zerosim.optim.functional.sgd import sgd
 
 __all__ = [
     "SCRATCH_SLOTS",

@@ -20,9 +20,8 @@ import numpy as np
 from zerosim.analysis import clip_bytes, full_precision_model_states, step_bytes
 from zerosim.checkpoint import load_checkpoint, save_checkpoint
 from zerosim.comm import Communicator
-from zerosim.data import CharDataset, make_classification
 from zerosim.engine import initialize
-from zerosim.nn import GPT, MLP
+from zerosim.report import workloads
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 4,
@@ -51,15 +50,15 @@ PHASES = ("forward", "backward", "step", "clip")
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(model, dataset) for ``--model``; built the same way, with the same seed, on every rank."""
-    if args.model == "gpt":
-        data = CharDataset(block_size=args.block_size)
-        model = GPT(
-            data.vocab_size, args.block_size, args.n_layer, args.n_head, args.n_embd, seed=args.seed
-        )
-        return model, data
-    data = make_classification(4096, 32, 10, seed=args.seed)
-    return MLP([32, 256, 256, 10], seed=args.seed), data
+    """(model, dataset) for ``--model`` and the GPT's shape options (``report.workloads``)."""
+    return workloads.build(
+        args.model,
+        seed=args.seed,
+        block_size=args.block_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+    )
 
 
 def _gather_rows(comm: Communicator, values: list[int]) -> np.ndarray:

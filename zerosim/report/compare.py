@@ -25,7 +25,6 @@ ZeRO++ adds rows here once the engine runs it: extend ``STAGES`` and ``_formula_
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import asdict
 from typing import Any
@@ -41,7 +40,8 @@ from zerosim.analysis import (
 )
 from zerosim.comm import Communicator
 from zerosim.engine import initialize
-from zerosim.tables import element_bytes, model_states
+from zerosim.report import workloads
+from zerosim.report.tables import element_bytes, model_states
 
 PHASES = ("forward", "backward", "step", "clip")
 MEMORY = ("params", "grads", "master_params", "optimizer_states")
@@ -102,10 +102,7 @@ def stage_config(
 
 def build_model(model: str, seed: int = 0) -> tuple[Any, Any]:
     """(model, dataset): the ``zerosim train`` models at a size that steps in milliseconds."""
-    from zerosim import train_demo
-
-    args = argparse.Namespace(model=model, block_size=16, n_layer=1, n_head=2, n_embd=32, seed=seed)
-    return train_demo.build(args)
+    return workloads.build(model, seed=seed, block_size=16, n_layer=1, n_head=2, n_embd=32)
 
 
 def fit_world(comm: Communicator, repeats: int = 5) -> dict[str, float] | None:

@@ -81,7 +81,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     ok = data["bytes"]["equal"] and data["memory"]["equal"]
     if args.plot:
-        from zerosim.plots import lines
+        from zerosim.report.plots import lines
 
         lines(
             {"loss": data["losses"]},
@@ -97,13 +97,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_and_report(comm: Communicator, args: argparse.Namespace) -> dict:
-    from zerosim import train_demo
+    from zerosim.cli import train as train_demo
 
     return train_demo.report_data(comm, train_demo.train(comm, args))
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from zerosim.checkpoint_io import consolidate
+    from zerosim.checkpoint.files import consolidate
 
     out = consolidate(args.ckpt_dir, args.out, args.tag, args.with_optimizer)
     if args.json:
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cons.add_argument("--json", action="store_true", help="print the arrays written as JSON")
     cons.set_defaults(func=cmd_consolidate)
-    from zerosim import cli_teaching  # memory, volume, project, compare, plot
+    from zerosim.cli import teaching as cli_teaching  # memory, volume, project, compare, plot
 
     cli_teaching.add_subcommands(sub)
     return parser

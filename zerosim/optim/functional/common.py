@@ -253,3 +253,11 @@ def add_ratio_(p: Any, num: Any, denom: Any, coef: float, tmp: Any) -> None:
     xp.multiply(num, coef, out=tmp)
     xp.divide(tmp, denom, out=tmp)
     xp.add(p, tmp, out=p)
+
+
+VARIANTS = ("torch", "keras")  # whose arithmetic a rule follows where torch and Keras differ
+
+
+def check_variant(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} is not supported; allowed: {list(VARIANTS)}")

@@ -1,0 +1,118 @@
+"""Adam and AdamW (with AMSGrad; Kingma & Ba 2015, Loshchilov & Hutter 2019), and Keras's variant.
+
+``adam`` updates ``param`` and its state arrays in place, block by block (see
+``common.blocks``). Hyperparameters are trusted here; the optimizer classes validate them.
+
+``variant="keras"`` selects Keras/TensorFlow's arithmetic where it differs from torch's:
+Adam adds ε to the *uncorrected* root and folds both bias corrections into the step size
+(the "more efficient order" below Algorithm 1 of Kingma & Ba). (Adamax's Keras variant: adamax.py.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from zerosim.optim.functional.common import (
+    add_square_,
+    blocks,
+    check_arrays,
+    check_variant,
+    effective_grad,
+    lerp_,
+    lerp_scale,
+    scalar,
+    xp_of,
+)
+
+
+class Moments:
+    """Adam's biased first and second moment estimates (Kingma & Ba, Alg. 1), in place::
+
+        m ← β₁·m + (1 − β₁)·g      as torch.lerp computes it (see ``lerp_``)
+        v ← β₂·v + (1 − β₂)·g²     as torch's addcmul computes it: ((1 − β₂)·g)·g
+
+    The coefficients are rounded to the state dtype once per step (``scalar``); ``update_``
+    then makes 7 ufunc calls per block.
+    """
+
+    def __init__(self, param: Any, beta1: float, beta2: float) -> None:
+        self.weight = 1.0 - beta1
+        self.lerp_scale = scalar(lerp_scale(self.weight), param)
+        self.beta2 = scalar(beta2, param)
+        self.one_minus_beta2 = scalar(1.0 - beta2, param)
+
+    def update_(self, m: Any, v: Any, g: Any, tmp: Any) -> None:
+        lerp_(m, g, self.weight, tmp, scale=self.lerp_scale)
+        add_square_(v, g, self.beta2, tmp, one_minus_beta=self.one_minus_beta2)
+
+
+def adam(
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    max_exp_avg_sq: Any = None,
+    *,
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    decoupled_weight_decay: bool = False,
+    variant: str = "torch",
+    scratch: Any = None,
+) -> None:
+    """One Adam step (Kingma & Ba 2015, "Adam: A Method for Stochastic Optimization", Alg. 1).
+
+    With g = ±∇ (plus λ·θ unless decoupled), m = ``exp_avg``, v = ``exp_avg_sq`` and
+    t = ``step`` (1 on the first update)::
+
+        θ ← θ·(1 − lr·λ)                            (decoupled: AdamW, Loshchilov & Hutter 2019)
+        m ← β₁·m + (1 − β₁)·g
+        v ← β₂·v + (1 − β₂)·g²
+        v̂ ← max(v̂, v), use v̂ for v below          (amsgrad: Reddi, Kale & Kumar 2018)
+        torch:  θ ← θ − lr/(1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + ε)
+        keras:  θ ← θ − lr·√(1 − β₂ᵗ)/(1 − β₁ᵗ) · m / (√v + ε)
+
+    ``max_exp_avg_sq`` is required when amsgrad is True. A block takes 12 ufunc calls
+    (7 for the moments, then √v, + ε, m ÷ denominator, × −step size, + θ), one more for
+    AdamW's decay; each call is one arithmetic operation, and none of them can be folded
+    into another without a call to scale a stored state.
+    """
+    check_variant(variant)
+    lr, beta1, beta2, eps = float(lr), float(beta1), float(beta2), float(eps)
+    weight_decay, step = float(weight_decay), float(step)
+    if amsgrad and max_exp_avg_sq is None:
+        raise ValueError("amsgrad=True needs a max_exp_avg_sq array; got None")
+    max_exp_avg_sq = max_exp_avg_sq if amsgrad else None
+    check_arrays(param, grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
+    xp = xp_of(param)
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    # torch's form is Keras's with ε scaled by √(1 − β₂ᵗ); computing it so saves a pass.
+    neg_step_size = scalar(-lr * bias_correction2_sqrt / bias_correction1, exp_avg)
+    eps_hat = scalar(eps * bias_correction2_sqrt if variant == "torch" else eps, exp_avg)
+    decay = scalar(1.0 - lr * weight_decay, exp_avg)
+    decoupled = decoupled_weight_decay and weight_decay != 0
+    coupled_decay = 0.0 if decoupled_weight_decay else weight_decay
+    moments = Moments(exp_avg, beta1, beta2)
+    states = [exp_avg, exp_avg_sq, max_exp_avg_sq]
+    for p, g, (m, v, v_max), (g_buf, tmp) in blocks(param, grad, states, 2, scratch):
+        # g_buf holds the gradient only when it is negated or decayed: a plain step touches
+        # five block-sized arrays (θ, g, m, v, tmp), the fewer the better for the cache.
+        g = effective_grad(g, p, maximize=maximize, weight_decay=coupled_decay, out=g_buf)
+        moments.update_(m, v, g, tmp=tmp)
+        if amsgrad:
+            xp.maximum(v_max, v, out=v_max)
+            v = v_max
+        xp.sqrt(v, out=tmp)
+        xp.add(tmp, eps_hat, out=tmp)
+        xp.divide(m, tmp, out=tmp)
+        xp.multiply(tmp, neg_step_size, out=tmp)
+        if decoupled:  # torch scales θ first; nothing above reads θ, so the result is the same
+            xp.multiply(p, decay, out=p)
+        xp.add(p, tmp, out=p)
