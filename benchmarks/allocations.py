@@ -16,7 +16,7 @@ the layers in use, bounded by ``stage3_max_live_parameters``) and, under fp16/bf
 copy of the rank's gradient shard that the optimizer step reads (Ψ/N elements; DeepSpeed's ZeRO
 optimizer makes the same copy per step and frees it, which keeps the model-state memory equal to
 the ZeRO paper's formula). Gradient bucket
-buffers come from a pool (zerosim/zero/buffers.py) that allocates nothing after the first step.
+buffers come from a pool (zerosim/zero/buckets.py) that allocates nothing after the first step.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
     python docs/make_figures.py --docs DIR # writes DIR/figures/*.png and DIR/table1.md
 
 Every figure is drawn by ``zerosim.report.plots`` from numbers that zerosim computes or measures:
-the formulas of ``zerosim.analysis`` and runs of the engine on a ``LocalWorld``. The timeline is a real
-measurement, so it differs a little from run to run; everything else is deterministic.
+the formulas of ``zerosim.analysis`` and runs of the engine on a ``LocalWorld``. The timeline is a
+real measurement, so it differs a little from run to run; everything else is deterministic.
 """
 
 from __future__ import annotations

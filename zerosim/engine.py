@@ -144,21 +144,20 @@ class Engine:
         zero = cfg.zero_optimization
         strategy_cls = STRATEGIES[zero.stage]
         self.strategy: Strategy = strategy_cls(
-            groups,
-            comm,
-            zero,
-            cfg.model_dtype,
-            opt_cls,
-            cfg.zerosim.layout,
-            cfg.master_dtype,
-            None if cfg.communication_data_type is None else cfg.communication_dtype,
-            cfg.prescale_gradients,
-            cfg.gradient_predivide_factor,
+            groups=groups,
+            comm=comm,
+            zero=zero,
+            dtype=cfg.model_dtype,
+            optimizer_cls=opt_cls,
+            layout=cfg.zerosim.layout,
+            master_dtype=cfg.master_dtype,
+            comm_dtype=None if cfg.communication_data_type is None else cfg.communication_dtype,
+            prescale=cfg.prescale_gradients,
+            predivide=cfg.gradient_predivide_factor,
         )
         self.loss_scaler = build_loss_scaler(cfg.loss_scaler())
         self.skipped_steps = 0
-        if hasattr(self.strategy, "attach"):
-            self.strategy.attach(model)
+        self.strategy.attach(model)
         self.optimizer = self.strategy.optimizer
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps

@@ -13,52 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from zerosim.nn import Parameter
-from zerosim.zero.buffers import MAX_IN_FLIGHT
-from zerosim.zero.grad_ready import GradReadyTracker
+from zerosim.zero.buckets import (
+    MAX_IN_FLIGHT,
+    BucketQueue,
+    GradReadyTracker,
+    PendingReductions,
+    bucket_members,
+)
 from zerosim.zero.partition import Range, reduction_buckets
 from zerosim.zero.strategy import FlatGroup, Strategy
-
-
-def bucket_members(group: FlatGroup, buckets: list[Range]) -> list[list[int]]:
-    """For each bucket of a flat layout, the ids of the parameters overlapping it."""
-    return [
-        [
-            id(p)
-            for (_, p), slot in zip(group.named_params, group.slots, strict=True)
-            if slot.range.intersect(b) is not None
-        ]
-        for b in buckets
-    ]
-
-
-class BucketQueue:
-    """Buckets that become ready as their parameters do, launched strictly in bucket order.
-
-    Every rank launches the same buckets in the same order, so their collectives match even when
-    the parameters become ready in another order.
-    """
-
-    def __init__(self, members: list[list[int]], launch: Any) -> None:
-        self.members = members
-        self.launch = launch
-        self.start()
-
-    def start(self) -> None:
-        self.waiting = [set(m) for m in self.members]
-        self.next = 0
-
-    def ready(self, p: Parameter) -> None:
-        for waiting in self.waiting[self.next :]:
-            waiting.discard(id(p))
-        while self.next < len(self.members) and not self.waiting[self.next]:
-            self.next += 1
-            self.launch(self.next - 1)
-
-    def flush(self) -> None:
-        """Launch every bucket not launched yet (parameters without gradients count as zero)."""
-        while self.next < len(self.members):
-            self.next += 1
-            self.launch(self.next - 1)
 
 
 class Stage0(Strategy):
@@ -67,18 +30,19 @@ class Stage0(Strategy):
     stage = 0
 
     def setup_gradients(self) -> None:
-        self.handles: list[Any] = []
-        self.cast: list[tuple[Any, Any, Any, tuple]] = []  # reductions of cast copies
-        self.reducing = False
-        self.queues: list[BucketQueue] = []
-        self.owner_of: dict[int, int] = {}
+        self.handles: list[Any] = []  # in-place all-reduces in flight (overlap_comm)
+        self.cast = PendingReductions(self.give_buffer)  # reductions of cast copies
+        self.reducing = False  # only the boundary backward reduces
+        self.queues: list[BucketQueue] = []  # per group
+        self.owner_of: dict[int, int] = {}  # id(param) -> its group
         for gi, g in enumerate(self.groups):
             g.flat_grad = g.xp.zeros_like(g.flat_param)
             for i, (_, p) in enumerate(g.named_params):
                 p.grad = g.param_view(i, g.flat_grad)
                 self.owner_of[id(p)] = gi
             buckets = reduction_buckets(g.layout, self.zero.reduce_bucket_size, self.comm.size)
-            self.queues.append(BucketQueue(bucket_members(g, buckets), self._launcher(g, buckets)))
+            members = bucket_members(g.named_params, g.slots, buckets)
+            self.queues.append(BucketQueue(members, self._launcher(g, buckets)))
 
     def attach(self, model: Any) -> None:
         self.tracker = GradReadyTracker(model, self._ready)
@@ -88,7 +52,7 @@ class Stage0(Strategy):
             view = g.flat_grad[buckets[i].start : buckets[i].stop]
             wire = self.wire_dtype(view.dtype)
             if wire != view.dtype:  # communication_data_type: reduce a cast copy, add it back
-                self.complete_reductions(self.cast, leave=MAX_IN_FLIGHT - 1)
+                self.cast.complete(leave=MAX_IN_FLIGHT - 1)
                 buf = self.take_buffer(view.size, wire)
                 buf[...] = view
                 view.fill(0)
@@ -96,7 +60,7 @@ class Stage0(Strategy):
                 handle = self.comm.iall_reduce(buf) if self.zero.overlap_comm else None
                 if handle is None:
                     self.comm.all_reduce(buf)
-                self.cast.append((handle, buf, view, (buf,)))
+                self.cast.add(handle, buf, view, (buf,))
             elif self.zero.overlap_comm:
                 self.before_reduction(view)
                 self.handles.append(self.comm.iall_reduce(view))
@@ -124,7 +88,7 @@ class Stage0(Strategy):
         for h in self.handles:
             h.wait()
         self.handles.clear()
-        self.complete_reductions(self.cast)
+        self.cast.complete()
         self.reducing = False
         for g in self.groups:
             self.average(g.flat_grad)

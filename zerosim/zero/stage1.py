@@ -82,8 +82,7 @@ class Stage1(Strategy):
                     piece = buf[own.start - unit.start : own.stop - unit.start]
                     self.comm.reduce_scatter(piece, buf)
                     mine[...] = piece
-                    self.track_transient(-buf.nbytes)
-                    self.pool.give(buf)
+                    self.give_buffer(buf)
                 self.average(mine)
 
     def grad_view(self, group: FlatGroup, rng: Range) -> Any:

@@ -23,10 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 from zerosim.nn import Parameter
-from zerosim.zero.buffers import MAX_IN_FLIGHT
-from zerosim.zero.grad_ready import GradReadyTracker
+from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, GradReadyTracker, bucket_members
 from zerosim.zero.partition import Range, piece_counts, reduction_buckets
-from zerosim.zero.stage0 import BucketQueue, bucket_members
 from zerosim.zero.strategy import FlatGroup, Strategy
 
 
@@ -36,26 +34,25 @@ class Stage2(Strategy):
     stage = 2
 
     def setup_gradients(self) -> None:
-        self.pending: list[tuple[Any, Any, Any, tuple]] = []  # (handle, out, dest, pooled views)
-        self.queues: list[BucketQueue] = []
+        self.queues: list[BucketQueue] = []  # per group
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (group, index)
         for gi, g in enumerate(self.groups):
             (own,) = g.owned
             g.grad_shard = g.xp.zeros(own.size, dtype=self.dtype)
             g.buckets = reduction_buckets(g.layout, self.zero.reduce_bucket_size)
-            g.counts = [piece_counts(b, g.layout) for b in g.buckets]
+            g.bucket_counts = [piece_counts(b, g.layout) for b in g.buckets]
             g.bucket_of = [  # parameter index -> its bucket (buckets cut at parameter starts)
                 next(b for b, r in enumerate(g.buckets) if r.start <= slot.range.start < r.stop)
                 for slot in g.slots
             ]
-            g.bucket_members = [
+            g.bucket_params = [
                 [i for i, b in enumerate(g.bucket_of) if b == k] for k in range(len(g.buckets))
             ]
-            g.buffers = {}
             for i, (_, p) in enumerate(g.named_params):
                 p.grad = None
                 self.where[id(p)] = (gi, i)
-            self.queues.append(BucketQueue(bucket_members(g, g.buckets), self._launcher(g)))
+            members = bucket_members(g.named_params, g.slots, g.buckets)
+            self.queues.append(BucketQueue(members, self._launcher(g)))
 
     def attach(self, model: Any) -> None:
         self.tracker = GradReadyTracker(model, self._ready)
@@ -83,12 +80,12 @@ class Stage2(Strategy):
 
     def _launcher(self, g: FlatGroup) -> Any:
         def launch(b: int) -> None:
-            bucket, counts = g.buckets[b], g.counts[b]
+            bucket, counts = g.buckets[b], g.bucket_counts[b]
             (own,) = g.owned
-            for i in g.bucket_members[b]:  # parameters whose uses never completed
+            for i in g.bucket_params[b]:  # parameters whose uses never completed
                 self._move_grad(g.named_params[i][1])
             buf = self._buffer(g, b)
-            self.complete_reductions(self.pending, leave=MAX_IN_FLIGHT - 1)  # free a buffer
+            self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
             self.before_reduction(buf)
             out = self.take_buffer(counts[self.comm.rank], buf.dtype)
             part = bucket.intersect(own)
@@ -103,9 +100,7 @@ class Stage2(Strategy):
                 self.comm.reduce_scatter_v(out, buf, counts)
                 handle = None
             del g.buffers[b]  # given back to the pool once the reduction completes
-            self.pending.append((handle, out, dest, (buf, out)))
-            if handle is None:  # already reduced: add it in now and give its buffers back
-                self.complete_reductions(self.pending)
+            self.pending.add(handle, out, dest, (buf, out))
 
         return launch
 
@@ -117,7 +112,7 @@ class Stage2(Strategy):
         self.tracker.reset()
         for q in self.queues:
             q.flush()
-        self.complete_reductions(self.pending)
+        self.pending.complete()
         if boundary:
             for g in self.groups:
                 self.average(g.grad_shard)

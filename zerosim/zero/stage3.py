@@ -34,18 +34,19 @@ import numpy as np
 from zerosim.backend import array_module, to_host
 from zerosim.nn import Parameter
 from zerosim.zero import zeropp
-from zerosim.zero.buffers import MAX_IN_FLIGHT
+from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, GradReadyTracker
 from zerosim.zero.coordinator import ParamCoordinator
-from zerosim.zero.grad_ready import GradReadyTracker
 from zerosim.zero.offload import read_param_chunk
 from zerosim.zero.partition import Range, per_param_partition
-from zerosim.zero.stage0 import BucketQueue
 from zerosim.zero.strategy import Segment, Strategy
 from zerosim.zero.zeropp import HierarchicalReducer, QuantizedGather, SecondaryPartition
 
 
 class ShardGroup:
-    """One parameter group under stage 3: this rank's chunks of every parameter, end to end."""
+    """One parameter group under stage 3: this rank's chunks of every parameter, end to end.
+
+    Every field is declared here; ``Stage3.setup_gradients`` fills the gradient and bucket ones.
+    """
 
     def __init__(self, named: list[tuple[str, Parameter]], strategy: Stage3, hyper: dict) -> None:
         comm = strategy.comm
@@ -55,7 +56,14 @@ class ShardGroup:
         self.xp = array_module(named[0][1].data)
         self.flat_param = self.xp.zeros(part.shard_numel, dtype=strategy.dtype)
         self.owned = [Range(0, part.shard_numel)]
-        self.persistent_buffers: dict[int, Any] = {}
+        self.persistent_buffers: dict[int, Any] = {}  # id(param) -> its whole copy
+        self.grad_shard: Any = None  # the reduced gradient of this rank's chunks
+        self.master: Any = None  # fp32 master of the chunks (mixed precision, offload)
+        self.master_grads: Any = None  # (never used at stage 3; declared for the base class)
+        self.buckets: list[list[int]] = []  # reduction buckets: parameter indices, last first
+        self.bucket_of: dict[int, int] = {}  # parameter index -> its bucket
+        self.buffers: dict[int, Any] = {}  # bucket -> its (N, width) buffer while being filled
+        self.secondary: SecondaryPartition | None = None  # hpZ's secondary chunks
         for i, (_, p) in enumerate(named):
             full = p.data.reshape(-1).astype(strategy.dtype)
             lo, n = comm.rank * part.chunks[i], part.valid(i, comm.rank)
@@ -81,10 +89,10 @@ class Stage3(Strategy):
     stage = 3
 
     def __init__(
-        self, *args: Any, quantization_block_size: int = zeropp.WEIGHT_BLOCK_SIZE, **kwargs: Any
+        self, *, quantization_block_size: int = zeropp.WEIGHT_BLOCK_SIZE, **kwargs: Any
     ) -> None:
         self.quantization_block_size = quantization_block_size  # ZeRO++ blocks (qwZ and qgZ)
-        super().__init__(*args, **kwargs)
+        super().__init__(**kwargs)
 
     def is_persistent(self, p: Parameter) -> bool:
         return p.numel <= self.zero.stage3_param_persistence_threshold
@@ -94,7 +102,6 @@ class Stage3(Strategy):
 
     def setup_gradients(self) -> None:
         self.where: dict[int, tuple[int, int]] = {}
-        self.pending: list[tuple[Any, Any, Any, tuple]] = []  # (handle, out, dest, pooled views)
         self.queues: list[BucketQueue] = []
         self.gathered: dict[int, Any] = {}
         self.released = self.groups[0].xp.empty(0, dtype=self.dtype)
@@ -104,7 +111,6 @@ class Stage3(Strategy):
                 self.where[id(p)] = (gi, i)
             g.buckets = self._buckets(g)
             g.bucket_of = {i: k for k, members in enumerate(g.buckets) for i in members}
-            g.buffers = {}
             members = [[id(g.named_params[i][1]) for i in b] for b in g.buckets]
             self.queues.append(BucketQueue(members, self._launcher(g)))
         self._setup_zeropp()
@@ -150,7 +156,7 @@ class Stage3(Strategy):
         qwZ), or in backward under hpZ the fresh secondary chunks over the hpZ group."""
         gi, i = self.where[id(p)]
         g = self.groups[gi]
-        secondary = getattr(g, "secondary", None)
+        secondary = g.secondary
         if self.in_backward and secondary is not None and secondary.fresh[i]:
             comm, chunk = secondary.comm, secondary.chunk(i)
         else:
@@ -176,7 +182,7 @@ class Stage3(Strategy):
         gi, i = self.where[id(p)]
         g = self.groups[gi]
         full = self.gathered[id(p)]
-        secondary = getattr(g, "secondary", None)
+        secondary = g.secondary
         if secondary is not None and not secondary.fresh[i]:  # a full gather: cut the chunk
             secondary.store(i, full)
         p.data = full[: p.numel].reshape(p.shape)
@@ -223,7 +229,7 @@ class Stage3(Strategy):
             width = sum(g.partition.chunks[j] for j in members)
             buf = self._bucket_buffer(g, b)
             del g.buffers[b]
-            self.complete_reductions(self.pending, leave=MAX_IN_FLIGHT - 1)  # free a buffer
+            self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
             self.before_reduction(buf)
             out = self.take_buffer(width, buf.dtype)
             start = g.partition.offsets[members[0]]
@@ -235,9 +241,7 @@ class Stage3(Strategy):
                 handle = self.comm.ireduce_scatter(out, buf.reshape(-1))
             else:
                 self.comm.reduce_scatter(out, buf.reshape(-1))
-            self.pending.append((handle, out, dest, (buf, out)))
-            if handle is None:  # already reduced: add it in now and give its buffers back
-                self.complete_reductions(self.pending)
+            self.pending.add(handle, out, dest, (buf, out))
 
         return launch
 
@@ -254,7 +258,7 @@ class Stage3(Strategy):
         self.tracker.reset()
         for q in self.queues:
             q.flush()
-        self.complete_reductions(self.pending)
+        self.pending.complete()
         self.coordinator.end_micro_step()
         self.in_backward = False
         if boundary:
@@ -268,7 +272,7 @@ class Stage3(Strategy):
         """After the step: refresh the whole copies of persistent parameters from the chunks;
         hpZ's secondary chunks are stale until the next forward gather cuts them again."""
         for g in self.groups:
-            if hasattr(g, "secondary"):
+            if g.secondary is not None:
                 g.secondary.invalidate()
             for i, (_, p) in enumerate(g.named_params):
                 if id(p) in g.persistent_buffers:

@@ -7,11 +7,14 @@ rank updates (``.data`` a view of the flat parameters, ``.grad`` a view of the r
 at most ``sub_group_size`` elements each. The optimizer's update rules are element-wise, so
 stepping tiles of a flat shard gives the same numbers as stepping whole parameters.
 
-The engine drives a strategy through a few calls, in this order, every micro-step:
-``before_backward(boundary)``, the model's backward, ``after_backward(boundary)``; and at the
-accumulation boundary ``grad_norm()``, ``clip(coef)``, ``optimizer.step()``, ``gather()``,
-``zero_grad()``. Subclasses (one per stage, in this package) decide where gradients live, how they
-are reduced and what is gathered.
+The engine drives a strategy through a few calls. Once, after construction: ``attach(model)``
+(stages that act during forward or backward install their module hooks). Every micro-step:
+``before_forward()``, the model's forward, ``before_backward(boundary)``, the model's backward,
+``after_backward(boundary)``. At the accumulation boundary: ``grad_norm_sq(inv_scale)`` (summed
+over ranks by the engine), ``overflow()`` under fp16, ``unscale_grads(inv_scale)``, ``clip(coef)``,
+``optimizer.step()``, ``master_to_params()``, ``gather()``, ``zero_grad()``. Subclasses (one per
+stage, in this package) decide where gradients live, how they are reduced and what is gathered;
+the bucket machinery that stages 0, 2 and 3 share is ``zerosim/zero/buckets.py``.
 
 Offload (``zero.offload_optimizer`` / ``offload_param``, ``zerosim/zero/offload.py``): whenever
 anything is offloaded the optimizer steps a separate master copy (of the model dtype in fp32/fp64
@@ -30,7 +33,7 @@ import numpy as np
 from zerosim.backend import array_module, to_host
 from zerosim.comm import Communicator
 from zerosim.nn import Parameter
-from zerosim.zero.buffers import BufferPool
+from zerosim.zero.buckets import BufferPool, PendingReductions
 from zerosim.zero.offload import Offload
 from zerosim.zero.partition import Layout, Range, deepspeed_layout
 
@@ -65,7 +68,10 @@ class Shard:
 
 
 class FlatGroup:
-    """One parameter group laid end to end in a flat buffer; module params become views of it."""
+    """One parameter group laid end to end in a flat buffer; module params become views of it.
+
+    Every field a stage may fill is declared here (None or empty where a stage has no such thing).
+    """
 
     def __init__(
         self,
@@ -87,7 +93,16 @@ class FlatGroup:
             view = self.flat_param[slot.range.start : slot.range.stop]
             view[...] = p.data.reshape(-1)
             p.data = view.reshape(p.shape)
-        self.owned = layout.owned_ranges(rank)
+        self.owned = layout.owned_ranges(rank)  # the flat ranges this rank owns
+        self.flat_grad: Any = None  # stages 0-1: gradients laid out like flat_param
+        self.grad_shard: Any = None  # stage 2: the reduced gradient of the owned shard
+        self.master: Any = None  # fp32 master of the stepped ranges (mixed precision, offload)
+        self.master_grads: Any = None  # Megatron's fp16 recipe: a persistent fp32 gradient shard
+        self.buckets: list[Range] = []  # stage 2: the reduction buckets of the flat buffer
+        self.bucket_counts: list[list[int]] = []  # stage 2: per bucket, each rank's piece of it
+        self.bucket_of: list[int] = []  # stage 2: parameter index -> its bucket
+        self.bucket_params: list[list[int]] = []  # stage 2: bucket -> its parameter indices
+        self.buffers: dict[int, Any] = {}  # stage 2: bucket -> its buffer while being filled
 
     def param_view(self, index: int, flat: Any) -> Any:
         """Parameter ``index``'s piece of a flat buffer laid out like the parameters."""
@@ -111,6 +126,7 @@ class Strategy(ABC):
 
     def __init__(
         self,
+        *,
         groups: list[tuple[list[tuple[str, Parameter]], dict[str, Any]]],
         comm: Communicator,
         zero: Any,
@@ -139,7 +155,8 @@ class Strategy(ABC):
         self.live_transient = 0
         self.peak_transient = 0
         xp = self.groups[0].xp if self.groups else np
-        self.pool = BufferPool(xp, self.dtype)  # gradient bucket buffers (stages 2 and 3)
+        self.pool = BufferPool(xp, self.dtype)  # gradient bucket buffers (stages 0, 2 and 3)
+        self.pending = PendingReductions(self.give_buffer)  # launched bucket reductions
         self.setup_gradients()
         param_groups = []
         self.shards: list[list[Shard]] = []
@@ -169,6 +186,10 @@ class Strategy(ABC):
 
     def make_layout(self, named: list[tuple[str, Parameter]]) -> Layout:
         return deepspeed_layout([(n, p.shape) for n, p in named], self.comm.size)
+
+    def attach(self, model: Any) -> None:  # noqa: B027 (a no-op by default)
+        """Once, after construction: install module hooks (stages that reduce or gather
+        during forward and backward)."""
 
     @abstractmethod
     def setup_gradients(self) -> None:
@@ -261,7 +282,7 @@ class Strategy(ABC):
                 view = self.grad_view(g, t)
                 if view.dtype == self.master_dtype and array_module(view) is array_module(s.data):
                     s.grad = view  # fp32 gradient storage next to the master: use it in place
-                elif hasattr(g, "master_grads"):  # a persistent fp32 gradient shard
+                elif g.master_grads is not None:  # a persistent fp32 gradient shard
                     s.grad = g.master_grads[at : at + t.size]
                     s.grad[...] = view
                 else:  # a transient fp32 copy, freed after the step (DeepSpeed's way)
@@ -300,22 +321,6 @@ class Strategy(ABC):
             for s in shards:
                 s.grad *= coef
 
-    def complete_reductions(
-        self, pending: list[tuple[Any, Any, Any, tuple]], leave: int = 0
-    ) -> None:
-        """Complete (handle, out, dest, views) reduce-scatters, oldest first, until ``leave``
-        remain: wait, add ``out`` into ``dest`` (this rank's gradient shard; None when the
-        bucket holds nothing of it) and give the bucket's pooled ``views`` back."""
-        while len(pending) > leave:
-            handle, out, dest, views = pending.pop(0)
-            if handle is not None:
-                handle.wait()
-            if dest is not None:
-                dest += out
-            for view in views:
-                self.track_transient(-view.nbytes)
-                self.pool.give(view)
-
     def before_reduction(self, grads: Any) -> None:
         """Scale gradients about to be summed over ranks, as DeepSpeed does: with
         ``prescale_gradients`` divide by N; with ``gradient_predivide_factor`` f multiply by 1/f
@@ -339,10 +344,15 @@ class Strategy(ABC):
         return np.dtype(grads) if self.comm_dtype is None else self.comm_dtype
 
     def take_buffer(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
-        """A zero-filled bucket buffer from the pool (zerosim/zero/buffers.py)."""
+        """A zero-filled bucket buffer from the pool (zerosim/zero/buckets.py)."""
         view = self.pool.take(shape, dtype)
         self.track_transient(view.nbytes)
         return view
+
+    def give_buffer(self, view: Any) -> None:
+        """Give a buffer from ``take_buffer`` back to the pool."""
+        self.track_transient(-view.nbytes)
+        self.pool.give(view)
 
     def track_transient(self, nbytes: int) -> None:
         """Count bytes of a temporary buffer allocated (+) or freed (−)."""
@@ -384,9 +394,9 @@ class Strategy(ABC):
         report = {
             "params": sum(g.flat_param.nbytes for g in self.groups),
             "grads": self.grad_bytes(),
-            "master_params": sum(g.master.nbytes for g in self.groups if hasattr(g, "master")),
+            "master_params": sum(g.master.nbytes for g in self.groups if g.master is not None),
         }
-        if any(hasattr(g, "master_grads") for g in self.groups):
+        if any(g.master_grads is not None for g in self.groups):
             report["master_grads"] = sum(g.master_grads.nbytes for g in self.groups)
         for group, shards in zip(self.optimizer.param_groups, self.shards, strict=True):
             for key in self.optimizer.state_keys(group):

@@ -14,7 +14,7 @@ from tests.mpi_helpers import ROOT
 from zerosim.comm import LocalWorld
 from zerosim.engine import initialize
 from zerosim.nn import MLP
-from zerosim.zero.buffers import MAX_IN_FLIGHT, BufferPool
+from zerosim.zero.buckets import MAX_IN_FLIGHT, BufferPool
 
 SIZES = [128] * 25 + [4]  # 24 equal layers and a small head: no layer is much of Ψ
 BUCKET = 10_000  # elements: each bucket is one layer (weight and bias)
