@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import zerosim as zs  # noqa: E402  (after the path set-up, so the script runs from a clone)
+from zerosim.analysis.stages import STAGES  # noqa: E402
 from zerosim.report import plots  # noqa: E402
-from zerosim.report.compare import STAGES, run_stage  # noqa: E402
-from zerosim.report.tables import MEMORY_STAGES, memory_data, table1_page  # noqa: E402
+from zerosim.report.compare import run_stage  # noqa: E402
+from zerosim.report.tables import memory_data, table1_page  # noqa: E402
 from zerosim.zero import deepspeed_layout, megatron_layout  # noqa: E402
 
 FIGURES = (
@@ -65,10 +66,8 @@ def make(docs: Path) -> list[Path]:
     plots.rank_holdings(gathered, out / FIGURES[4], "after all-gather: every shard everywhere")
 
     dp = [1, 4, 16, 64, 256, 1024]
-    data = memory_data(7.5e9, dp, list(MEMORY_STAGES))
-    series = {
-        f"stage {s}": [r["total"] for r in data["rows"] if r["stage"] == s] for s in MEMORY_STAGES
-    }
+    data = memory_data(7.5e9, dp, list(STAGES))
+    series = {f"stage {s}": [r["total"] for r in data["rows"] if r["stage"] == s] for s in STAGES}
     plots.memory_vs_dp(dp, series, out / FIGURES[5], "Ψ = 7.5e9, fp16 + Adam: memory per device")
 
     bars = {}

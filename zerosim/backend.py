@@ -28,6 +28,8 @@ DTYPES: dict[str, np.dtype] = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
 }
 HALF_DTYPES = (DTYPES["float16"], DTYPES["bfloat16"])
+# DeepSpeed's precision names (fp16/bf16 sections, communication_data_type) -> dtype names.
+PRECISION_DTYPES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def resolve_dtype(dtype: str | np.dtype | type) -> np.dtype:
@@ -85,6 +87,12 @@ def array_module(*arrays: Any) -> ModuleType:
     if cupy is not None:
         return cupy.get_array_module(*arrays)
     return np
+
+
+def xp_of(x: Any) -> ModuleType:
+    """The array module of one array: numpy for numpy arrays and scalars without asking CuPy
+    (this runs in every layer call and every optimizer block), else ``array_module``."""
+    return np if isinstance(x, np.ndarray | np.generic) else array_module(x)
 
 
 def is_device_array(x: Any) -> bool:

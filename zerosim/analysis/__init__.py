@@ -48,6 +48,7 @@ from zerosim.analysis.timing import (
 )
 from zerosim.analysis.volume import (
     clip_bytes,
+    collective_schedule,
     quantized_nbytes,
     ring_split,
     step_bytes,
@@ -55,6 +56,7 @@ from zerosim.analysis.volume import (
 )
 
 __all__ = [
+    "collective_schedule",
     "CATEGORIES",
     "AlphaBetaFit",
     "Cluster",

@@ -38,10 +38,12 @@ from dataclasses import dataclass, field
 from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
+from zerosim.analysis.stages import ZERO_STAGES
+from zerosim.backend import PRECISION_DTYPES, resolve_dtype
+
 CATEGORIES = ("params", "grads", "master_params", "master_grads", "optimizer_states")
 PLACES = ("device", "host", "nvme")
 OFFLOAD_DEVICES = {"none": "device", "cpu": "host", "nvme": "nvme"}
-STAGES = (0, 1, 2, 3)
 
 Number = int | float
 
@@ -109,8 +111,8 @@ def zero_model_states(
     """
     psi = _count("num_params", num_params, 0)
     n = _count("dp_degree", dp_degree, 1)
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"stage must be one of {ZERO_STAGES}, got {stage!r}")
     grad_bytes = param_bytes if grad_bytes is None else grad_bytes
     for name, b in (
         ("param_bytes", param_bytes),
@@ -188,7 +190,7 @@ def zero_paper_bytes(num_params: float, dp_degree: int, stage: int, k: int = 12)
         3: Fraction((4 + k) * psi, n),
     }
     if stage not in forms:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        raise ValueError(f"stage must be one of {ZERO_STAGES}, got {stage!r}")
     return _exact(forms[stage])
 
 
@@ -243,7 +245,7 @@ class MegatronRow:
     sharded: int
 
 
-_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+_DTYPE_BYTES = {k: resolve_dtype(v).itemsize for k, v in PRECISION_DTYPES.items()}
 
 
 def megatron_table() -> list[MegatronRow]:
@@ -282,7 +284,7 @@ def table1(k: int = 12) -> list[Table1Row]:
     rows = []
     for label, psi in TABLE1_MODELS:
         for n in TABLE1_DP:
-            gb = [zero_paper_bytes(psi, n, s, k) / 1e9 for s in STAGES]
+            gb = [zero_paper_bytes(psi, n, s, k) / 1e9 for s in ZERO_STAGES]
             rows.append(Table1Row(label, int(psi), n, *gb))
     return rows
 

@@ -28,6 +28,49 @@ float64 all-reduce (phase ``clip``, ``clip_bytes``); the forward phase moves not
 from __future__ import annotations
 
 
+def collective_schedule(
+    stage: int,
+    padded_numel: int,
+    accumulation: int = 1,
+    persistent_numel: int = 0,
+    backward_gather: bool = True,
+) -> list[tuple[str, str, str, int]]:
+    """The collectives of one optimizer step: (phase, op, "params" | "grads", elements).
+
+    One entry per kind of collective per micro-step (buckets are not modelled: a stage's buckets
+    together cover its buffer once). Stage 0: one all-reduce of the gradients at the boundary.
+    Stages 1 and megatron: a reduce-scatter of the gradients at the boundary, an all-gather of the
+    parameters after the step; stage 2 reduce-scatters every micro-step. Stage 3, every
+    micro-step: an all-gather of the non-persistent parameters in forward, another in backward
+    (unless reuse keeps them), a reduce-scatter of all gradients; after the step, an all-gather
+    of the persistent parameters. The clipping all-reduce is ``clip_bytes``'s.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if accumulation < 1:
+        raise ValueError(f"accumulation must be ≥ 1, got {accumulation}")
+    k = accumulation
+    if stage == 0:
+        return [("backward", "all_reduce", "grads", padded_numel)]
+    if stage == 1:
+        return [
+            ("backward", "reduce_scatter", "grads", padded_numel),
+            ("step", "all_gather", "params", padded_numel),
+        ]
+    if stage == 2:
+        return [("backward", "reduce_scatter", "grads", padded_numel)] * k + [
+            ("step", "all_gather", "params", padded_numel)
+        ]
+    if not 0 <= persistent_numel <= padded_numel:
+        raise ValueError(f"persistent_numel must be in [0, padded_numel], got {persistent_numel}")
+    gathered = padded_numel - persistent_numel
+    micro = [("forward", "all_gather", "params", gathered)]
+    if backward_gather:
+        micro.append(("backward", "all_gather", "params", gathered))
+    micro.append(("backward", "reduce_scatter", "grads", padded_numel))
+    return micro * k + [("step", "all_gather", "params", persistent_numel)]
+
+
 def step_bytes(
     stage: int,
     world_size: int,
@@ -39,37 +82,29 @@ def step_bytes(
 ) -> dict[str, int]:
     """{phase: bytes one rank sends} for one optimizer step (megatron = stage 1).
 
-    For stage 3, ``persistent_numel`` is Ψ_persist and ``backward_gather`` says whether the
-    non-persistent parameters are gathered again in backward (False when reuse keeps them).
+    The ring model applied to ``collective_schedule``: (N−1)/N of each all-gather's or
+    reduce-scatter's buffer, 2(N−1)/N of each all-reduce's. For stage 3, ``persistent_numel`` is
+    Ψ_persist and ``backward_gather`` says whether the non-persistent parameters are gathered
+    again in backward (False when reuse keeps them).
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if world_size < 1 or padded_numel % world_size:
         raise ValueError(
             f"padded_numel must be a multiple of world_size ≥ 1, got {padded_numel} and "
             f"{world_size}"
         )
-    if accumulation < 1:
-        raise ValueError(f"accumulation must be ≥ 1, got {accumulation}")
-    once = (world_size - 1) * (padded_numel // world_size) * itemsize
-    if stage == 0:
-        return {"forward": 0, "backward": 2 * once, "step": 0}
-    if stage == 1:
-        return {"forward": 0, "backward": once, "step": once}
-    if stage == 3:
-        if persistent_numel % world_size or not 0 <= persistent_numel <= padded_numel:
-            raise ValueError(
-                f"persistent_numel must be a multiple of world_size in [0, padded_numel], got "
-                f"{persistent_numel}"
-            )
-        unit = (world_size - 1) * itemsize
-        gathered = unit * (padded_numel - persistent_numel) // world_size
-        return {
-            "forward": accumulation * gathered,
-            "backward": accumulation * (once + (gathered if backward_gather else 0)),
-            "step": unit * persistent_numel // world_size,
-        }
-    return {"forward": 0, "backward": accumulation * once, "step": once}
+    if persistent_numel % world_size:
+        raise ValueError(
+            f"persistent_numel must be a multiple of world_size, got {persistent_numel} and "
+            f"{world_size}"
+        )
+    out = {"forward": 0, "backward": 0, "step": 0}
+    schedule = collective_schedule(
+        stage, padded_numel, accumulation, persistent_numel, backward_gather
+    )
+    for phase, op, _, numel in schedule:
+        sends = (world_size - 1) * (numel // world_size) * itemsize
+        out[phase] += 2 * sends if op == "all_reduce" else sends
+    return out
 
 
 def clip_bytes(world_size: int, rank: int) -> int:

@@ -14,11 +14,10 @@ import json
 from typing import Any
 
 from zerosim import analysis
+from zerosim.analysis.stages import STAGES
+from zerosim.backend import PRECISION_DTYPES
 from zerosim.report.tables import (
     DTYPE_NAMES,
-    MEMORY_STAGES,
-    PAPER_NAMES,
-    PRECISION_DTYPES,
     load_cluster,
     memory_data,
     project_data,
@@ -56,7 +55,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         }
         _emit(args, data, table1_page())
         return 0
-    allowed = MEMORY_STAGES
+    allowed = STAGES
     if "all" in args.stage and args.offload_param != "none":
         allowed = ("3",)  # parameter offload exists for stage 3 only
     elif "all" in args.stage and args.offload_optimizer != "none":
@@ -76,7 +75,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"zerosim memory: {err}") from err
     cell = {(r["dp"], r["stage"]): r["device"] for r in data["rows"]}
-    heads = [f"{PAPER_NAMES[s]} ({s})" if s != "megatron" else s for s in stages]
+    heads = [f"{STAGES[s].paper_name} ({s})" if s != "megatron" else s for s in stages]
     lines = [
         f"model-state memory per device (GB = 1e9 B), Ψ = {args.params:,.0f}, {dtype}, "
         f"K_s = {args.num_states}, offload optimizer {args.offload_optimizer}, "
@@ -185,7 +184,7 @@ def _run_on_world(args: argparse.Namespace, fn: Any, *fn_args: Any) -> tuple[Any
 def cmd_compare(args: argparse.Namespace) -> int:
     from zerosim.report import compare, plots
 
-    stages = _stages(args.stage, tuple(compare.STAGES))
+    stages = _stages(args.stage, tuple(STAGES))
     if args.precision != "fp32" and args.dtype != "float32":
         raise SystemExit(f"zerosim compare: --precision {args.precision} needs --dtype float32")
     result, rank = _run_on_world(
@@ -222,10 +221,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     if args.what == "memory":
         dtype = _dtype(args)
-        data = memory_data(args.params, args.dp, list(MEMORY_STAGES), dtype, args.num_states)
+        data = memory_data(args.params, args.dp, list(STAGES), dtype, args.num_states)
         series = {
-            f"stage {s}": [r["device"] for r in data["rows"] if r["stage"] == s]
-            for s in MEMORY_STAGES
+            f"stage {s}": [r["device"] for r in data["rows"] if r["stage"] == s] for s in STAGES
         }
         plots.memory_vs_dp(args.dp, series, args.out, f"Ψ = {args.params:.3g}, {dtype}")
     elif args.what == "volume":
@@ -327,7 +325,6 @@ def _world_options(p: argparse.ArgumentParser, steps: int) -> None:
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Register memory, volume, project, compare and plot on the ``zerosim`` parser."""
-    from zerosim.report.compare import STAGES
 
     stage_help = "stages to show (default all)"
     memory = sub.add_parser(
@@ -338,7 +335,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     _memory_options(memory)
     memory.add_argument(
-        "--stage", nargs="+", choices=[*MEMORY_STAGES, "all"], default=["all"], help=stage_help
+        "--stage", nargs="+", choices=[*STAGES, "all"], default=["all"], help=stage_help
     )
     memory.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default="none")
     memory.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default="none")

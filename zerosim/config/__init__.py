@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zerosim.backend import PRECISION_DTYPES
 from zerosim.config.optimizer import OptimizerConfig, SchedulerConfig
 from zerosim.config.sections import (
     BF16Config,
@@ -70,7 +71,7 @@ __all__ = [
     "resolve_batch_size",
 ]
 
-COMMUNICATION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+COMMUNICATION_DTYPES = PRECISION_DTYPES  # communication_data_type's values
 
 
 def _zero_section() -> Parser:
@@ -128,7 +129,9 @@ class Config:
     @property
     def model_dtype(self) -> str:
         """Dtype of module parameters, activations and gradients."""
-        return {"fp16": "float16", "bf16": "bfloat16"}.get(self.mixed_precision, self.zerosim.dtype)
+        if self.mixed_precision is None:
+            return self.zerosim.dtype
+        return PRECISION_DTYPES[self.mixed_precision]
 
     @property
     def master_dtype(self) -> str:

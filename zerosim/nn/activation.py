@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.nn.functional import downcast, gelu, gelu_backward, upcast, xp_of
+from zerosim.backend import xp_of
+from zerosim.nn.functional import downcast, gelu, gelu_backward, upcast
 from zerosim.nn.init import RngLike, as_generator
 from zerosim.nn.module import Module
 

@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from zerosim.backend import xp_of
 from zerosim.nn.activation import Dropout
-from zerosim.nn.functional import downcast, softmax_, softmax_backward_, upcast, xp_of
+from zerosim.nn.functional import downcast, softmax_, softmax_backward_, upcast
 from zerosim.nn.init import RngLike, as_generator, check_positive_int
 from zerosim.nn.linear import Linear
 from zerosim.nn.module import Module

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from numpy.polynomial import chebyshev
 
-from zerosim.backend import DTYPES, array_module, is_half
+from zerosim.backend import DTYPES, is_half, xp_of
 
 _SQRT_2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -38,12 +38,6 @@ def compute_dtype(dtype: Any) -> np.dtype:
     """
     dtype = np.dtype(dtype)
     return np.dtype(np.float32) if is_half(dtype) else dtype
-
-
-def xp_of(x: Any) -> ModuleType:
-    """The array module of ``x``: numpy for numpy arrays and scalars without asking the
-    backend (this runs in every layer call), else ``backend.array_module``."""
-    return np if isinstance(x, np.ndarray | np.generic) else array_module(x)
 
 
 def is_floating(dtype: Any) -> bool:

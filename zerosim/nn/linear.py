@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import resolve_dtype
-from zerosim.nn.functional import compute_dtype, downcast, upcast, xp_of
+from zerosim.backend import resolve_dtype, xp_of
+from zerosim.nn.functional import compute_dtype, downcast, upcast
 from zerosim.nn.init import RngLike, as_generator, check_positive_int, linear_default, normal
 from zerosim.nn.module import Module
 from zerosim.nn.parameter import Parameter, accumulate_grad

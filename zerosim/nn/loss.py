@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.nn.functional import downcast, upcast, xp_of
+from zerosim.backend import xp_of
+from zerosim.nn.functional import downcast, upcast
 from zerosim.nn.module import Module
 
 REDUCTIONS = ("mean", "sum")

@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import resolve_dtype
+from zerosim.backend import resolve_dtype, xp_of
 from zerosim.nn.activation import GELU, Dropout, ReLU, Tanh
 from zerosim.nn.containers import ModuleList, Sequential
-from zerosim.nn.functional import compute_dtype, xp_of
+from zerosim.nn.functional import compute_dtype
 from zerosim.nn.init import check_positive_int, normal
 from zerosim.nn.linear import Embedding, Linear
 from zerosim.nn.loss import CrossEntropyLoss, MSELoss

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import resolve_dtype
-from zerosim.nn.functional import downcast, upcast, xp_of
+from zerosim.backend import resolve_dtype, xp_of
+from zerosim.nn.functional import downcast, upcast
 from zerosim.nn.init import check_positive_int
 from zerosim.nn.module import Module
 from zerosim.nn.parameter import Parameter, accumulate_grad

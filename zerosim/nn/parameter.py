@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.nn.functional import downcast, is_floating, xp_of
+from zerosim.backend import xp_of
+from zerosim.nn.functional import downcast, is_floating
 
 
 class Parameter:

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from zerosim.backend import DTYPES, Backend, get_backend, resolve_dtype, to_host
-from zerosim.nn.functional import is_floating, xp_of
+from zerosim.backend import DTYPES, Backend, get_backend, resolve_dtype, to_host, xp_of
+from zerosim.nn.functional import is_floating
 
 if TYPE_CHECKING:
     from zerosim.nn.module import Module

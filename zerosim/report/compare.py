@@ -20,7 +20,8 @@ every rank:
 
 ``compare`` is collective (every rank calls it and gets the same report); ``format_report``
 writes it as text. The ``zerosim compare`` command and notebooks 02, 04 and 05 use both.
-ZeRO++ adds rows here once the engine runs it: extend ``STAGES`` and ``_formula_bytes``.
+ZeRO++ adds rows here once the engine runs it: extend ``analysis.stages.STAGES`` and
+``_formula_bytes``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from zerosim.analysis import (
     fit_alpha_beta,
     step_bytes,
 )
+from zerosim.analysis.stages import STAGES, stage_info
+from zerosim.backend import PRECISION_DTYPES
 from zerosim.comm import Communicator
 from zerosim.engine import initialize
 from zerosim.report import workloads
@@ -45,16 +48,6 @@ from zerosim.report.tables import element_bytes, model_states
 
 PHASES = ("forward", "backward", "step", "clip")
 MEMORY = ("params", "grads", "master_params", "optimizer_states")
-# name -> (zero stage, layout); the order in which the report lists them
-STAGES: dict[str, tuple[int, str]] = {
-    "0": (0, "deepspeed"),
-    "1": (1, "deepspeed"),
-    "2": (2, "deepspeed"),
-    "3": (3, "deepspeed"),
-    "megatron": (1, "megatron"),
-}
-# precision -> the 16-bit model dtype (None: one precision, the ``dtype`` argument)
-PRECISIONS: dict[str, str | None] = {"fp32": None, "fp16": "float16", "bf16": "bfloat16"}
 # compare's stage-3 knobs: nothing persistent, nothing reused, so the formula is 3(N−1)/N·Ψ_pad·b
 STAGE3_PLAIN = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 FIT_ELEMENTS = (256, 4096, 32768, 131072)  # elements per rank of the timed all-gathers
@@ -73,16 +66,15 @@ def stage_config(
     ``precision`` fp16 or bf16 adds that section with ``enabled`` (fp16 starts its loss scale at
     2**8 so that no step of a short run is skipped); ``zero`` overrides ``zero_optimization`` keys.
     """
-    if name not in STAGES:
-        raise ValueError(f"stage must be one of {list(STAGES)}, got {name!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    info = stage_info(name)
+    if precision not in PRECISION_DTYPES:
+        raise ValueError(f"precision must be one of {list(PRECISION_DTYPES)}, got {precision!r}")
     if precision != "fp32" and dtype != "float32":
         raise ValueError(
             f"dtype must be 'float32' with precision {precision!r} (fp32 master weights), "
             f"got {dtype!r}"
         )
-    stage, layout = STAGES[name]
+    stage, layout = info.stage, info.layout
     section = {"stage": stage, "reduce_bucket_size": bucket, **(STAGE3_PLAIN if stage == 3 else {})}
     config = {
         "train_micro_batch_size_per_gpu": 4,
@@ -178,7 +170,7 @@ def _formula_bytes(
 ) -> dict[str, int]:
     """{phase: bytes} of one optimizer step; Megatron's bf16 gradients are fp32 (``grad_b``)."""
     param_b, grad_b = element_bytes(name, dtype)
-    phases = step_bytes(STAGES[name][0], n, padded, param_b, k, persistent, gather)
+    phases = step_bytes(STAGES[name].stage, n, padded, param_b, k, persistent, gather)
     if grad_b != param_b:  # only Megatron (stage 1): backward is its gradient reduce-scatter
         phases["backward"] = step_bytes(1, n, padded, grad_b, k)["backward"]
     return phases
@@ -220,7 +212,7 @@ def _predicted(
 ) -> dict[str, Any]:
     """The formulas' side of :func:`run_stage`: bytes per phase per rank, memory per category."""
     strategy, n = engine.strategy, engine.comm.size
-    model_dtype = PRECISIONS[precision] or config["zerosim"]["dtype"]
+    model_dtype = config["zerosim"]["dtype"] if precision == "fp32" else PRECISION_DTYPES[precision]
     k = config["gradient_accumulation_steps"]
     pad, knobs = strategy.padded_numel, config["zero_optimization"]
     persistent = 0

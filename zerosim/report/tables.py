@@ -4,8 +4,8 @@ Each function returns exactly what the matching ``zerosim`` command prints with 
 (``memory_data`` → ``zerosim memory``, ``volume_data`` → ``zerosim volume``, ``project_data`` →
 ``zerosim project``), computed only by ``zerosim.analysis``, so tests and notebooks can use them
 and compare them with the library. ``table1_page`` writes docs/table1.md. A new stage joins
-``volume_data`` and ``project_data`` by an entry in ``VOLUME_STAGES`` and its collectives in
-``stage_collectives``.
+``volume_data`` and ``project_data`` by an entry in ``analysis.stages.STAGES`` and its
+collectives in ``analysis.collective_schedule``.
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from zerosim import analysis
+from zerosim.analysis.stages import STAGES, stage_info
 from zerosim.backend import resolve_dtype
 from zerosim.zero.partition import padded_size
 
-MEMORY_STAGES = ("0", "1", "2", "3", "megatron")
-VOLUME_STAGES = ("0", "1", "2", "3", "megatron")  # those analysis.step_bytes covers
-PAPER_NAMES = {"0": "baseline", "1": "P_os", "2": "P_os+g", "3": "P_os+g+p", "megatron": "megatron"}
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 # DeepSpeed's names for the training precision -> the dtype of the parameters
-PRECISION_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def element_bytes(name: str, dtype: str) -> tuple[int, int]:
@@ -50,8 +47,7 @@ def model_states(
     float16 / bfloat16 train with fp32 master weights and fp32 states (the ZeRO paper's K = 12 for
     Adam); float32 / float64 keep no master copy and states in their own dtype.
     """
-    if name not in MEMORY_STAGES:
-        raise ValueError(f"stage must be one of {MEMORY_STAGES}, got {name!r}")
+    stage_info(name)
     param_b, grad_b = element_bytes(name, dtype)
     mixed = param_b == 2
     if name == "megatron":
@@ -111,7 +107,7 @@ def volume_data(
     """
     b = resolve_dtype(dtype).itemsize
     stages = {}
-    for s in VOLUME_STAGES:
+    for s in STAGES:
         multiple = math.lcm(dp, 128) if s == "megatron" else dp
         pad = padded_size(int(params), multiple)
         stage = 1 if s == "megatron" else int(s)
@@ -137,20 +133,15 @@ def volume_data(
 def stage_collectives(
     name: str, padded_numel: int, param_bytes: int, grad_bytes: int, accumulation: int = 1
 ) -> list[tuple[str, int]]:
-    """(op, buffer bytes S) of the collectives of one optimizer step of stage ``name``.
-
-    Stage 0: one all-reduce of the gradients. Stages 1 and megatron: a reduce-scatter of the
-    gradients and an all-gather of the parameters; stage 2 reduce-scatters every micro-step.
-    Stage 3, every micro-step: an all-gather of the parameters in forward, another in backward,
-    and a reduce-scatter of the gradients (no persistent parameters, no reuse). Then the 8-byte
-    clip all-reduce. Buckets are not modelled: a kind of collective counts once per micro-step.
-    """
-    params, grads, k = padded_numel * param_bytes, padded_numel * grad_bytes, accumulation
-    calls = {
-        "0": [("all_reduce", grads)],
-        "2": [("reduce_scatter", grads)] * k + [("all_gather", params)],
-        "3": [("all_gather", params), ("all_gather", params), ("reduce_scatter", grads)] * k,
-    }.get(name, [("reduce_scatter", grads), ("all_gather", params)])
+    """(op, buffer bytes S) of the collectives of one optimizer step of stage ``name``:
+    ``analysis.collective_schedule`` (no persistent parameters, no reuse) with its bytes, then
+    the 8-byte clip all-reduce."""
+    schedule = analysis.collective_schedule(STAGES[name].stage, padded_numel, accumulation)
+    calls = [
+        (op, numel * (param_bytes if what == "params" else grad_bytes))
+        for _, op, what, numel in schedule
+        if numel
+    ]
     return [*calls, ("all_reduce", 8)]
 
 
@@ -196,7 +187,7 @@ def project_data(
     flops = analysis.transformer_training_flops(params, tokens_per_step / n, recompute)
     compute = cluster.compute_time(flops, efficiency)
     out: dict[str, Any] = {"world_size": n, "compute_flops_per_device": flops, "stages": {}}
-    for s in VOLUME_STAGES:
+    for s in STAGES:
         pad = padded_size(int(params), math.lcm(n, 128) if s == "megatron" else n)
         memory = model_states(s, pad, n, dtype)
         calls = stage_collectives(s, pad, *element_bytes(s, dtype), accumulation)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import DTYPES, array_module, dtype_name
+from zerosim.backend import DTYPES, dtype_name, xp_of
 
 # Elements per block on the CPU: a 32nd of the parameter, between 64 Ki and 256 Ki. Each
 # block costs ~12 ufunc calls of ~0.4 µs each on top of the arithmetic, so longer blocks are
@@ -40,11 +40,6 @@ GPU_BLOCK_LENGTH = 2**24
 # The most work buffers any rule needs at once (NAdam's three plus the float32 copies
 # of a 16-bit parameter and gradient block).
 SCRATCH_SLOTS = 5
-
-
-def xp_of(x: Any) -> Any:
-    """The array module of ``x``: numpy without asking the backend (cheap on the hot path)."""
-    return np if isinstance(x, np.ndarray) else array_module(x)
 
 
 def scalar(value: float, param: Any) -> Any:
