@@ -25,7 +25,7 @@ import numpy as np
 from zerosim import optim
 from zerosim.backend import to_host
 from zerosim.comm import Communicator, LocalWorld, world_size_from_env
-from zerosim.config import Config, ConfigError, load_config
+from zerosim.config import Config, ConfigError, load_config, reject_unbuilt
 from zerosim.data import build_loader
 from zerosim.nn import Module
 from zerosim.optim.lr_scheduler import build_scheduler
@@ -129,7 +129,7 @@ class Engine:
         lr_scheduler: Any = None,
     ) -> None:
         cfg = config
-        self._reject_unbuilt(cfg)
+        reject_unbuilt(cfg)
         check_nvme_paths(cfg.zero_optimization, comm)  # collective, only when nvme is used
         self.config = cfg
         self.comm = comm
@@ -170,30 +170,6 @@ class Engine:
         self.wall_clock = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # seconds, cumulative
         self._printed_clock = dict(self.wall_clock)
         self.training_dataloader = None
-
-    @staticmethod
-    def _reject_unbuilt(cfg: Config) -> None:
-        """Config values that parse but that this engine does not implement yet."""
-        unbuilt = [
-            (
-                "communication_data_type",
-                cfg.communication_data_type,
-                cfg.communication_data_type is not None
-                and cfg.zero_optimization.zero_quantized_gradients,
-                "null with zero_quantized_gradients (qgZ sends its own int4 codes)",
-            ),
-            (
-                "zerosim.backend",
-                cfg.zerosim.backend,
-                cfg.zerosim.backend != "numpy",
-                "'numpy' (the engine has not been run on cupy yet)",
-            ),
-        ]
-        for key, value, bad, allowed in unbuilt:
-            if bad:
-                raise ConfigError(
-                    f"{key} = {value!r} is not supported by this engine; use {allowed}"
-                )
 
     def _build_scheduler(self, client: Any) -> Any:
         if client is not None and self.config.scheduler is not None:

@@ -290,26 +290,57 @@ def _warn_unknown(keys: list[str]) -> None:
     )
 
 
-# DeepSpeed switches whose other value zerosim does not build: what DeepSpeed would do instead.
-# The result is the same either way; the bytes on the wire are zerosim's default's.
-UNBUILT_ALTERNATIVES = {
-    "reduce_scatter": (True, "all-reduce each gradient bucket instead of reduce-scattering it"),
-    "allgather_partitions": (True, "broadcast each updated partition instead of all-gathering"),
-}
+# The one table of what parses but is not built: (key, value of cfg, when it applies, what to do,
+# why). "warn": the result is the same either way (zerosim's own bytes on the wire), so loading
+# warns; "reject": the engine refuses it (``reject_unbuilt``) before building any state.
+def _unbuilt(cfg: Config) -> list[tuple[str, Any, bool, str, str]]:
+    zero = cfg.zero_optimization
+    return [
+        (
+            "zero_optimization.reduce_scatter",
+            zero.reduce_scatter,
+            zero.reduce_scatter is not True,
+            "warn",
+            "DeepSpeed would all-reduce each gradient bucket instead of reduce-scattering it; "
+            "zerosim always runs as with true (same results, its own byte counts)",
+        ),
+        (
+            "zero_optimization.allgather_partitions",
+            zero.allgather_partitions,
+            zero.allgather_partitions is not True,
+            "warn",
+            "DeepSpeed would broadcast each updated partition instead of all-gathering; "
+            "zerosim always runs as with true (same results, its own byte counts)",
+        ),
+        (
+            "communication_data_type",
+            cfg.communication_data_type,
+            cfg.communication_data_type is not None and zero.zero_quantized_gradients,
+            "reject",
+            "use null with zero_quantized_gradients (qgZ sends its own int4 codes)",
+        ),
+        (
+            "zerosim.backend",
+            cfg.zerosim.backend,
+            cfg.zerosim.backend != "numpy",
+            "reject",
+            "use 'numpy' (the engine has not been run on cupy yet)",
+        ),
+    ]
 
 
 def _warn_unbuilt(cfg: Config) -> None:
-    """One UserWarning for each ``zero_optimization`` switch set to a value zerosim ignores."""
-    for key, (default, instead) in UNBUILT_ALTERNATIVES.items():
-        value = getattr(cfg.zero_optimization, key)
-        if value != default:
-            warnings.warn(
-                f"zero_optimization.{key}={json.dumps(value)} is ignored: DeepSpeed would "
-                f"{instead}; zerosim always runs as with {json.dumps(default)} (same results, "
-                "its own byte counts)",
-                UserWarning,
-                stacklevel=3,
-            )
+    """One UserWarning for each key set to a value zerosim ignores (same results)."""
+    for key, value, applies, action, why in _unbuilt(cfg):
+        if applies and action == "warn":
+            warnings.warn(f"{key}={json.dumps(value)} is ignored: {why}", UserWarning, stacklevel=3)
+
+
+def reject_unbuilt(cfg: Config) -> None:
+    """Raise ConfigError for a value that parses but that the engine does not implement."""
+    for key, value, applies, action, why in _unbuilt(cfg):
+        if applies and action == "reject":
+            raise ConfigError(f"{key} = {value!r} is not supported by this engine; {why}")
 
 
 def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> Config:
