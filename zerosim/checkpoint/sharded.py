@@ -157,7 +157,8 @@ def save_checkpoint(
             body = lambda: _check_manifests(manifests)  # noqa: E731
         _agree(comm, body)
         _agree(comm, lambda: write_latest(tag_dir) if comm.rank == 0 else None)
-    log.info("saved checkpoint %s", tag_dir)
+    if comm.rank == 0:  # one line for the job, not one per rank
+        log.info("saved checkpoint %s", tag_dir)
     return tag_dir
 
 
