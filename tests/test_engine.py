@@ -303,3 +303,37 @@ def test_wall_clock_breakdown_times_each_phase_and_logs_it(caplog):
     with caplog.at_level(logging.INFO, logger="zerosim.engine"):
         zs.LocalWorld(1).run(fn, False)
     assert not any("time over the last" in r.message for r in caplog.records)
+
+
+def _seeded_by_rank(comm, stage):
+    """Each rank builds the model with its own seed; initialize must start them all from rank 0's."""
+    rank0 = {n: p.data.copy() for n, p in MLP([6, 5, 3], seed=0).named_parameters()}
+    model = MLP([6, 5, 3], seed=comm.rank)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "zerosim": {"dtype": "float64"},
+    }
+    engine, *_ = initialize(model, cfg, comm=comm)
+    start = engine.full_state_dict()
+    init_bytes = comm.ledger.bytes_sent(op="broadcast", phase="init")
+    x = np.random.default_rng(comm.rank).normal(size=(2, 6))
+    engine.backward(engine(x, np.array([0, 2])))
+    engine.step()
+    after = engine.full_state_dict()
+    return start, rank0, init_bytes, after
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_initialize_broadcasts_rank_0_weights_so_per_rank_seeds_do_not_matter(stage):
+    results = zs.LocalWorld(3).run(_seeded_by_rank, stage)
+    n_params = 6 * 5 + 5 + 5 * 3 + 3
+    for r, (start, rank0, init_bytes, after) in enumerate(results):
+        for name, want in rank0.items():
+            np.testing.assert_array_equal(start[name], want)  # rank 0's seed-0 weights
+            np.testing.assert_array_equal(after[name], results[0][3][name])  # one model
+        # a ring broadcast of S bytes: every rank but the last in the ring forwards S
+        assert init_bytes in (0, n_params * 8)
+    assert sum(res[2] for res in results) == 2 * n_params * 8

@@ -81,9 +81,22 @@ def check_same_model(model: Module, comm: Communicator) -> None:
     ]
     differing = sorted({line.split(" ")[0] for t in tables for line in t ^ tables[0]})
     raise ValueError(
-        f"the model differs across ranks (build it with the same seed on every rank); "
+        f"the model differs across ranks (build the same architecture on every rank); "
         f"parameters whose name, shape or dtype differ from rank 0's: {differing}"
     )
+
+
+def broadcast_model(model: Module, comm: Communicator) -> None:
+    """Rank 0's parameters and buffers to every rank (phase ``init``), one broadcast each, as
+    DeepSpeed's engine does at start-up (``DeepSpeedEngine._broadcast_model``): ranks that built
+    the model with different seeds still train one model."""
+    if comm.size == 1:
+        return
+    with comm.phase("init"):
+        for _, p in model.named_parameters():
+            comm.broadcast(p.data, root=0)
+        for _, buffer in model.named_buffers():
+            comm.broadcast(buffer, root=0)
 
 
 def _optimizer_spec(cfg: Config, client: Any, model: Module) -> tuple[type, list[tuple]]:
@@ -141,6 +154,7 @@ class Engine:
         opt_cls, groups = _optimizer_spec(cfg, optimizer, model)
         check_same_model(model, comm)
         model.to(dtype=cfg.model_dtype)
+        broadcast_model(model, comm)
         zero = cfg.zero_optimization
         strategy_cls = STRATEGIES[zero.stage]
         self.strategy: Strategy = strategy_cls(
