@@ -306,7 +306,7 @@ def test_wall_clock_breakdown_times_each_phase_and_logs_it(caplog):
 
 
 def _seeded_by_rank(comm, stage):
-    """Each rank builds the model with its own seed; initialize must start them all from rank 0's."""
+    """Each rank builds the model with its own seed; initialize starts all from rank 0's."""
     rank0 = {n: p.data.copy() for n, p in MLP([6, 5, 3], seed=0).named_parameters()}
     model = MLP([6, 5, 3], seed=comm.rank)
     cfg = {
@@ -330,7 +330,7 @@ def _seeded_by_rank(comm, stage):
 def test_initialize_broadcasts_rank_0_weights_so_per_rank_seeds_do_not_matter(stage):
     results = zs.LocalWorld(3).run(_seeded_by_rank, stage)
     n_params = 6 * 5 + 5 + 5 * 3 + 3
-    for r, (start, rank0, init_bytes, after) in enumerate(results):
+    for start, rank0, init_bytes, after in results:
         for name, want in rank0.items():
             np.testing.assert_array_equal(start[name], want)  # rank 0's seed-0 weights
             np.testing.assert_array_equal(after[name], results[0][3][name])  # one model
