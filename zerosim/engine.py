@@ -24,7 +24,7 @@ import numpy as np
 
 from zerosim import optim
 from zerosim.backend import to_host
-from zerosim.comm import Communicator, LocalWorld, world_size_from_env
+from zerosim.comm import Communicator, default_comm
 from zerosim.config import Config, ConfigError, load_config, reject_unbuilt
 from zerosim.data import build_loader
 from zerosim.nn import Module
@@ -41,15 +41,6 @@ class Loss(float):
 
     engine: Engine
     serial: int
-
-
-def default_comm() -> Communicator:
-    """MPIComm over COMM_WORLD under a launcher with more than one rank, else a 1-rank world."""
-    if world_size_from_env() > 1:
-        from zerosim.comm import MPIComm
-
-        return MPIComm()
-    return LocalWorld(1).comms()[0]
 
 
 def _fingerprint(model: Module) -> int:

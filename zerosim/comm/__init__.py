@@ -19,6 +19,7 @@ __all__ = [
     "MPIComm",
     "Record",
     "WorldAborted",
+    "default_comm",
     "world_size_from_env",
 ]
 
@@ -39,3 +40,12 @@ def world_size_from_env() -> int:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 1
+
+
+def default_comm() -> Communicator:
+    """MPIComm over COMM_WORLD under a launcher with more than one rank, else a 1-rank world."""
+    if world_size_from_env() > 1:
+        from zerosim.comm.mpi import MPIComm
+
+        return MPIComm()
+    return LocalWorld(1).comms()[0]
