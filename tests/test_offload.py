@@ -198,7 +198,7 @@ def test_memory_report_splits_device_host_and_nvme_bytes_as_the_offload_formula_
     def run(comm, stage, opt, param):
         cfg = config(stage, precision, tmp_path, opt, param, stage3_param_persistence_threshold=0)
         engine = train(comm, cfg, steps=1, model="mlp")
-        return engine.memory_report(), engine.strategy.padded_numel
+        return {**engine.memory_report(), **engine.memory_totals()}, engine.strategy.padded_numel
 
     combos = [(1, "cpu", "none"), (2, "nvme", "none"), (3, "cpu", "nvme"), (3, "nvme", "cpu")]
     for stage, opt, param in combos:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import math
 import time
@@ -26,10 +27,12 @@ from zerosim import optim
 from zerosim.backend import to_host
 from zerosim.comm import Communicator, default_comm
 from zerosim.config import Config, ConfigError, load_config, reject_unbuilt
+from zerosim.config.optimizer import ZERO_SUPPORTED_OPTIMIZERS
 from zerosim.data import build_loader
 from zerosim.nn import Module
 from zerosim.optim.lr_scheduler import build_scheduler
 from zerosim.zero import STRATEGIES, Strategy
+from zerosim.zero.init import is_partitioned
 from zerosim.zero.loss_scaler import build_loss_scaler
 from zerosim.zero.offload import check_nvme_paths
 
@@ -46,6 +49,13 @@ class Loss(float):
 def _fingerprint(model: Module) -> int:
     text = ";".join(f"{n}:{p.shape}:{p.dtype}" for n, p in model.named_parameters())
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def _to_float16(x: Any) -> Any:
+    """``x`` cast to float16 when it is a floating-point array (``fp16.auto_cast``)."""
+    if x is None or not hasattr(x, "dtype") or not np.issubdtype(np.dtype(x.dtype), np.floating):
+        return x
+    return x.astype(np.float16)
 
 
 def check_same_model(model: Module, comm: Communicator) -> None:
@@ -85,7 +95,8 @@ def broadcast_model(model: Module, comm: Communicator) -> None:
         return
     with comm.phase("init"):
         for _, p in model.named_parameters():
-            comm.broadcast(p.data, root=0)
+            if p.partition is None:  # zero.Init broadcast partitioned ones as it built them
+                comm.broadcast(p.data, root=0)
         for _, buffer in model.named_buffers():
             comm.broadcast(buffer, root=0)
 
@@ -102,6 +113,15 @@ def _optimizer_spec(cfg: Config, client: Any, model: Module) -> tuple[type, list
         if not isinstance(client, optim.Optimizer):
             raise TypeError(
                 f"optimizer must be a zerosim.optim.Optimizer, got {type(client).__name__}"
+            )
+        untested = type(client).__name__ not in ZERO_SUPPORTED_OPTIMIZERS
+        if cfg.zero_optimization.stage >= 1 and untested and not cfg.zero_allow_untested_optimizer:
+            raise ConfigError(
+                "optimizer",
+                type(client).__name__,
+                f"one of {list(ZERO_SUPPORTED_OPTIMIZERS)} at ZeRO stage "
+                f"{cfg.zero_optimization.stage}, or any optimizer with "
+                '"zero_allow_untested_optimizer": true (DeepSpeed\'s rule)',
             )
         names = {id(p): n for n, p in named}
         groups = []
@@ -121,6 +141,59 @@ def _optimizer_spec(cfg: Config, client: Any, model: Module) -> tuple[type, list
     return cls, [(named, dict(cfg.optimizer.kwargs()))]
 
 
+def _gather_text(comm: Communicator, text: str) -> list[str]:
+    """Every rank's ``text``, in rank order (two all-gathers: lengths, then padded bytes)."""
+    data = np.frombuffer(text.encode(), dtype=np.uint8)
+    lengths = np.empty(comm.size, dtype=np.int64)
+    comm.all_gather(lengths, np.array([data.size], dtype=np.int64))
+    padded = np.zeros(int(lengths.max()), dtype=np.uint8)
+    padded[: data.size] = data
+    every = np.empty(comm.size * padded.size, dtype=np.uint8)
+    comm.all_gather(every, padded)
+    width = padded.size
+    return [every[r * width : r * width + lengths[r]].tobytes().decode() for r in range(comm.size)]
+
+
+def _flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} → {"a.b": 1}: the dotted key paths the errors name."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_same_config(cfg: Config, comm: Communicator) -> None:
+    """Every rank loaded the same config (defaults filled in): one all-reduce of a hash of its
+    canonical JSON; on a mismatch every rank raises one ConfigError naming the differing keys
+    and each rank's value, before any state is built."""
+    if comm.size == 1:
+        return
+    text = json.dumps(_flat_keys(cfg.to_dict()), sort_keys=True, default=repr)
+    mine = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+    both = np.array([mine, -mine], dtype=np.int64)
+    with comm.phase("init"):
+        comm.all_reduce(both, op="max")
+        if both[0] == -both[1] == mine:
+            return
+        tables = [json.loads(t) for t in _gather_text(comm, text)]  # rare path: say what differs
+    keys = sorted({k for t in tables for k in t.keys() | tables[0].keys()})
+    differing = [k for k in keys if any(t.get(k, "<absent>") != tables[0].get(k) for t in tables)]
+    details = []
+    for key in differing[:8]:
+        ranks_of: dict[str, list[int]] = {}
+        for r, t in enumerate(tables):
+            ranks_of.setdefault(json.dumps(t.get(key, "<absent>")), []).append(r)
+        details.append(f"{key}: " + ", ".join(f"{v} on ranks {rs}" for v, rs in ranks_of.items()))
+    more = f" (and {len(differing) - 8} more)" if len(differing) > 8 else ""
+    raise ConfigError(
+        f"the config differs across ranks (every rank must load the same config); keys whose "
+        f"value differs: {differing}{more} — " + "; ".join(details)
+    )
+
+
 class Engine:
     """DeepSpeed-like engine over one of zerosim's ZeRO strategies."""
 
@@ -134,6 +207,13 @@ class Engine:
     ) -> None:
         cfg = config
         reject_unbuilt(cfg)
+        if cfg.zero_optimization.stage != 3 and is_partitioned(model):
+            raise ConfigError(
+                f"zero_optimization.stage = {cfg.zero_optimization.stage}: the model was built "
+                "inside zerosim.zero.Init, so its parameters are partitioned across ranks and "
+                "no rank holds them whole; only stage 3 trains such a model (allowed: 3, or "
+                "build the model outside zero.Init)"
+            )
         check_nvme_paths(cfg.zero_optimization, comm)  # collective, only when nvme is used
         self.config = cfg
         self.comm = comm
@@ -171,6 +251,8 @@ class Engine:
         self._serial = 0
         self._backwards_since_step = 0
         self._last_loss: Loss | None = None
+        self._first_batch: tuple[int, str] | None = None  # (ndim, dtype kind) of x, 1st forward
+        self._model_at_init: list[tuple[str, Any, Any]] = []  # (name, Parameter, its .data)
         self._global_grad_norm: float | None = None
         self.wall_clock = {"forward": 0.0, "backward": 0.0, "step": 0.0}  # seconds, cumulative
         self._printed_clock = dict(self.wall_clock)
@@ -198,6 +280,9 @@ class Engine:
     # -- the training verbs ----------------------------------------------------------------------
     def __call__(self, x: Any, y: Any = None) -> Any:
         """Forward this rank's micro-batch; with targets, returns the loss (mean over it)."""
+        self._check_forward(x, y)
+        if self.config.fp16.auto_cast:  # DeepSpeed casts floating-point inputs to float16
+            x, y = _to_float16(x), _to_float16(y)
         with self._phase("forward"), self._fp16_quiet():
             self.strategy.before_forward()
             out = self.module(x, y) if y is not None else self.module(x)
@@ -228,23 +313,104 @@ class Engine:
             return np.errstate(over="ignore", invalid="ignore")
         return contextlib.nullcontext()
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        """True when the current micro-step is the last of its accumulation window."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+    # -- misuse of the verbs: errors before anything is computed or sent ------------------------
+    def remember_model(self) -> None:
+        """Note each parameter and the array behind it, for ``_check_forward`` (initialize
+        calls it once the strategy has put the parameters into its buffers)."""
+        self._model_at_init = [(n, p, p.data) for n, p in self.module.named_parameters()]
 
-    def backward(self, loss: Any) -> None:
-        """Backpropagate ``loss`` / gradient_accumulation_steps and reduce as the stage says."""
+    def _check_forward(self, x: Any, y: Any) -> None:
+        """The batch is arrays of a consistent kind, and the model is the one initialized."""
+        for name, value in (("x", x), ("y", y)):
+            if value is not None and not (hasattr(value, "shape") and hasattr(value, "dtype")):
+                raise TypeError(
+                    f"engine(x, y): {name} must be an array (numpy, or the backend's), got "
+                    f"{type(value).__name__}"
+                )
+        if x.ndim == 0 or x.shape[0] == 0:
+            raise ValueError(
+                f"engine(x, y): x must have a batch axis holding at least one sample, got shape "
+                f"{tuple(x.shape)}"
+            )
+        if y is not None and (y.ndim == 0 or y.shape[0] != x.shape[0]):
+            raise ValueError(
+                f"engine(x, y): y must hold one target per sample of x ({x.shape[0]}), got "
+                f"shape {tuple(y.shape)} for x of shape {tuple(x.shape)}"
+            )
+        spec = (x.ndim, np.dtype(x.dtype).kind)
+        if self._first_batch is None:
+            self._first_batch = spec
+        elif spec != self._first_batch:
+            raise ValueError(
+                f"engine(x, y): x has {x.ndim} axes and dtype {x.dtype}, but the first batch had "
+                f"{self._first_batch[0]} axes and a dtype of kind {self._first_batch[1]!r}; "
+                f"every micro-batch must be laid out alike"
+            )
+        self._check_model()
+
+    def _check_model(self) -> None:
+        """The parameters are those of ``initialize``, of the same shapes, still backed by the
+        engine's arrays (stages 0-2: the very arrays; stage 3 swaps them itself)."""
+        if not self._model_at_init:
+            return
+        now = [(n, p) for n, p in self.module.named_parameters()]
+        before = [(n, p) for n, p, _ in self._model_at_init]
+        if [id(p) for _, p in now] != [id(p) for _, p in before]:
+            names = {n for n, _ in now}
+            old = {n for n, _ in before}
+            raise RuntimeError(
+                f"the model changed after initialize: parameters added {sorted(names - old)}, "
+                f"removed {sorted(old - names)}, or replaced by new Parameter objects; the "
+                f"engine trains the parameters it was given: call initialize again"
+            )
+        stage3 = self.config.zero_optimization.stage == 3
+        for name, p, data in self._model_at_init:
+            if p.data is data:
+                continue
+            shape, dtype = tuple(p.data.shape), np.dtype(p.data.dtype)
+            if stage3 and (p.data.size == 0 or shape == p.shape) and dtype == np.dtype(data.dtype):
+                continue  # stage 3 releases and gathers parameters by swapping .data
+            raise RuntimeError(
+                f"the model changed after initialize: parameter {name!r} no longer holds the "
+                f"engine's array (now shape {shape}, dtype {dtype}; at initialize "
+                f"{tuple(data.shape)}, {np.dtype(data.dtype)}), so the engine's updates would "
+                f"not reach it; change weights in place (p.data[...] = values, "
+                f"model.load_state_dict, engine.load_checkpoint) or call initialize again"
+            )
+
+    def _check_backward(self, loss: Any) -> None:
         if getattr(loss, "engine", None) is not self:
             source = "another engine" if isinstance(loss, Loss) else "elsewhere"
             raise ValueError(
                 "backward(loss) needs the loss this engine's forward returned "
                 f"(got a {type(loss).__name__} from {source})"
             )
+        if loss.serial == self._serial and self._last_loss is None:
+            raise RuntimeError(
+                f"backward(loss) was already called for the loss of forward #{loss.serial}; "
+                "each loss is backpropagated once: call loss = engine(x, y) again first"
+            )
         if loss is not self._last_loss:
             raise ValueError(
                 f"backward(loss) got the loss of forward #{loss.serial}; only the latest "
                 f"(#{self._serial}) can be backpropagated"
             )
+        if self._backwards_since_step:
+            raise RuntimeError(
+                "backward() was called again before step(): call engine.step() after every "
+                "backward(), also inside an accumulation window; step() counts the "
+                f"micro-batches and updates only at the boundary (every "
+                f"gradient_accumulation_steps = {self.gradient_accumulation_steps}), so a "
+                "PyTorch-style loop of several backward() and one step() would not reach it"
+            )
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-step is the last of its accumulation window."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: Any) -> None:
+        """Backpropagate ``loss`` / gradient_accumulation_steps and reduce as the stage says."""
+        self._check_backward(loss)
         boundary = self.is_gradient_accumulation_boundary()
         with self._phase("backward"), self._fp16_quiet():
             self.strategy.before_backward(boundary)
@@ -272,7 +438,8 @@ class Engine:
             self.lr_scheduler.step()  # DeepSpeed leaves the schedule alone on a skipped step
         self.global_steps += 1
         self.comm.ledger.step = self.global_steps
-        if self.comm.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
+        period = self.config.steps_per_print  # None: never, as in DeepSpeed
+        if self.comm.rank == 0 and period is not None and self.global_steps % period == 0:
             log.info(
                 "step %d: lr %s, grad norm %s, loss scale %g, skipped %d",
                 self.global_steps,
@@ -365,10 +532,55 @@ class Engine:
             return self.strategy.full_state_dict()
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds, by category, from the arrays actually alive."""
+        """Bytes this rank holds, by category, from the arrays actually alive. Categories do not
+        overlap: ``held`` in ``memory_totals()`` is their sum without the ``peak_*`` entries."""
         report = self.strategy.memory_report()
         report["buffers"] = sum(to_host(b).nbytes for _, b in self.module.named_buffers())
         return report
+
+    def memory_totals(self) -> dict[str, int]:
+        """Totals, kept apart from ``memory_report`` so that summing it counts nothing twice:
+        ``held`` (Σ of its non-peak categories), ``device_bytes`` / ``host_bytes`` /
+        ``nvme_bytes`` (model states and swap buffers by placement, docs/offload.md) and
+        ``max_rss`` (the operating system's high-water mark of this whole process: a measured
+        peak to set beside the counted one)."""
+        import resource
+
+        report = self.memory_report()
+        held = sum(v for k, v in report.items() if not k.startswith("peak_"))
+        max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return {"held": held, **self.strategy.placement(), "max_rss": max_rss}
+
+    def save_16bit_model(self, save_dir: Any, save_filename: str = "zerosim_model.npz") -> bool:
+        """Collective: the model's weights in its training dtype, as ``{name: array}`` in
+        ``save_dir/save_filename`` (one ``.npz``, written by rank 0). DeepSpeed's method of the
+        same name, streamed: each parameter is gathered (stage 3), written and dropped before the
+        next, so no rank ever holds the whole model. At stage 3 only with
+        ``stage3_gather_16bit_weights_on_model_save``; without it, as DeepSpeed, nothing is
+        saved, a warning says why, and the result is False."""
+        from pathlib import Path
+
+        from zerosim.checkpoint.files import write_npz_streamed
+
+        zero = self.config.zero_optimization
+        if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
+            log.warning(
+                "save_16bit_model: nothing saved, because "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save is false; set it "
+                "to true to gather each parameter, or save a checkpoint and consolidate it"
+            )
+            return False
+        if not str(save_filename).endswith(".npz"):
+            raise ValueError(f"save_filename must end in .npz, got {save_filename!r}")
+        with self.comm.phase("save"):
+            items = self.strategy.iter_params()
+            if self.comm.rank == 0:
+                write_npz_streamed(Path(save_dir) / save_filename, items)
+            else:
+                for _ in items:  # take part in each gather
+                    pass
+            self.comm.barrier()
+        return True
 
     # -- checkpoints (zerosim/checkpoint/sharded.py) ---------------------------------------------
     def save_checkpoint(
@@ -410,9 +622,13 @@ def initialize(
     """
     comm = default_comm() if comm is None else comm
     cfg = load_config(config, comm.size)
+    sim = cfg.zerosim  # the watchdog's settings first, so they cover the checks below
+    comm.set_watchdog(sim.timeout, sim.flight_records, sim.flight_dir)
+    check_same_config(cfg, comm)
     if not isinstance(model, Module):
         raise TypeError(f"model must be a zerosim.nn.Module, got {type(model).__name__}")
     engine = Engine(model, cfg, comm, optimizer, lr_scheduler)
+    engine.remember_model()
     loader = None
     if training_data is not None:
         loader = build_loader(

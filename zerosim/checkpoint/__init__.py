@@ -5,13 +5,19 @@ and layout loads); ``files.py`` is the on-disk format (crash-safe writes, metada
 memory-mapped reads) and ``consolidate``, which needs no communicator. docs/checkpoints.md.
 """
 
-from zerosim.checkpoint.files import CheckpointError, CheckpointNotFoundError, consolidate
+from zerosim.checkpoint.files import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    consolidate,
+    load_16bit_model,
+)
 from zerosim.checkpoint.sharded import load_checkpoint, save_checkpoint
 
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "consolidate",
+    "load_16bit_model",
     "load_checkpoint",
     "save_checkpoint",
 ]

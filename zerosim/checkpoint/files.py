@@ -103,6 +103,40 @@ def write_atomic(path: Path, write: Callable[[Any], None]) -> dict[str, Any]:
     return {"sha256": f.sha.hexdigest(), "bytes": f.size}
 
 
+def npz_member(zf: zipfile.ZipFile, key: str, arr: np.ndarray) -> None:
+    """Stream one array into an open ``.npz`` (a zip of ``.npy`` members) as ``key``."""
+    with zf.open(key + ".npy", "w", force_zip64=True) as f:
+        np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(arr))
+        f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def write_npz_streamed(path: Path, items: Iterator[tuple[str, np.ndarray]]) -> Path:
+    """Write ``(key, array)`` pairs to one ``.npz`` crash-safely, one array at a time, so peak
+    memory is the largest array, never the sum."""
+
+    def write(f: Any) -> None:
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
+            for key, arr in items:
+                npz_member(zf, key, arr)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, write)
+    return path
+
+
+def load_16bit_model(path: str | Path) -> dict[str, np.ndarray]:
+    """{name: array} of a file written by ``engine.save_16bit_model``. The ``.npy`` format has
+    no bfloat16, so such arrays are stored as their 2-byte patterns (numpy reads them as
+    ``void16``); they come back here as ``ml_dtypes.bfloat16``."""
+    from zerosim.backend import DTYPES
+
+    with np.load(path) as f:
+        return {
+            k: f[k].view(DTYPES["bfloat16"]) if f[k].dtype == np.dtype("V2") else f[k]
+            for k in f.files
+        }
+
+
 def npy_writer(pieces: list[Any], dtype: np.dtype) -> Callable[[Any], None]:
     """A writer of one 1-D ``.npy`` holding ``pieces`` end to end, streamed piece by piece."""
     total = sum(int(p.size) for p in pieces)
@@ -377,29 +411,21 @@ def consolidate(
         keys = sorted({k for g in meta["groups"] for k in g["state_keys"]})
         kinds += [(k, f"optimizer/{k}/") for k in keys]
 
-    def member(zf: zipfile.ZipFile, key: str, arr: np.ndarray) -> None:
-        with zf.open(key + ".npy", "w", force_zip64=True) as f:
-            np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(arr))
-            f.write(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    def items() -> Iterator[tuple[str, np.ndarray]]:
+        for kind, prefix in kinds:
+            for p in meta["params"]:
+                if kind != "master" and kind not in meta["groups"][p["group"]]["state_keys"]:
+                    continue
+                reads = list(index.overlaps(p["name"], Range(0, p["numel"])))
+                srcs = [open_shard(tag_dir, cache, r, g, kind) for _, r, g, _ in reads]
+                full = np.empty(p["numel"], dtype=srcs[0].dtype if srcs else dtype)
+                for (part, _, _, at), src in zip(reads, srcs, strict=True):
+                    full[part.start : part.stop] = src[at : at + part.size]
+                yield prefix + p["name"], full.reshape(p["shape"])
+                del full
+        if with_optimizer:
+            for g, group in enumerate(meta["groups"]):
+                for k, v in group["scalars"].items():
+                    yield f"optimizer/{k}/group{g}", np.asarray(v)
 
-    def write(f: Any) -> None:
-        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zf:
-            for kind, prefix in kinds:
-                for p in meta["params"]:
-                    if kind != "master" and kind not in meta["groups"][p["group"]]["state_keys"]:
-                        continue
-                    reads = list(index.overlaps(p["name"], Range(0, p["numel"])))
-                    srcs = [open_shard(tag_dir, cache, r, g, kind) for _, r, g, _ in reads]
-                    full = np.empty(p["numel"], dtype=srcs[0].dtype if srcs else dtype)
-                    for (part, _, _, at), src in zip(reads, srcs, strict=True):
-                        full[part.start : part.stop] = src[at : at + part.size]
-                    member(zf, prefix + p["name"], full.reshape(p["shape"]))
-                    del full
-            if with_optimizer:
-                for g, group in enumerate(meta["groups"]):
-                    for k, v in group["scalars"].items():
-                        member(zf, f"optimizer/{k}/group{g}", np.asarray(v))
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, write)
-    return out
+    return write_npz_streamed(out, items())

@@ -201,10 +201,10 @@ class GPT(LossModel):
             if ".ln_" in name or name.startswith("ln_f."):
                 continue  # LayerNorm keeps weight 1, bias 0
             if name.endswith(".bias"):
-                p.data[...] = 0
+                p.set_full_(0)
             else:
                 std = residual_std if name.endswith("c_proj.weight") else 0.02
-                p.data[...] = normal(rng, p.shape, std, p.dtype)
+                p.set_full_(normal(rng, p.shape, std, p.dtype))
 
     def _output(self, idx: Any) -> Any:
         if idx.ndim != 2:

@@ -35,6 +35,16 @@ from zerosim.nn.state import LoadResult, StateDictError
 __all__ = ["LoadResult", "Module", "RemovableHandle", "StateDictError"]
 
 _hook_ids = itertools.count()
+_parameter_registration_hooks: dict[int, Callable[..., Any]] = {}
+
+
+def register_module_parameter_registration_hook(hook: Callable[..., Any]) -> RemovableHandle:
+    """``hook(module, name, param) -> None | new Parameter`` whenever any module registers a
+    parameter (torch's global hook of the same name). ``zerosim.zero.Init`` uses it to partition
+    each parameter as soon as its module creates it."""
+    key = next(_hook_ids)
+    _parameter_registration_hooks[key] = hook
+    return RemovableHandle(_parameter_registration_hooks, key)
 
 
 class RemovableHandle:
@@ -86,6 +96,8 @@ class Module:
         if isinstance(value, Parameter):
             for table in (buffers, modules, self.__dict__):
                 table.pop(name, None)
+            for hook in list(_parameter_registration_hooks.values()):
+                value = hook(self, name, value) or value
             params[name] = value
         elif isinstance(value, Module):
             for table in (params, buffers, self.__dict__):

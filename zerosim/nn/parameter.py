@@ -39,13 +39,25 @@ class Parameter:
         self.shape: tuple[int, ...] = tuple(int(n) for n in data.shape)
         self.numel: int = int(np.prod(self.shape, dtype=np.int64))
         self.dtype: np.dtype = np.dtype(data.dtype)
+        # ZeRO-3 partition record when built inside ``zerosim.zero.Init``: this rank's chunk and
+        # what gathering needs (then ``data`` is empty until gathered); None for a whole array.
+        self.partition: Any = None
+
+    def set_full_(self, value: Any) -> None:
+        """Write the parameter's full value in place: into ``data``, or, for a partitioned
+        parameter (collective then), rank 0's value into this rank's chunk."""
+        if self.partition is not None:
+            self.partition.set_full(value)
+        else:
+            self.data[...] = value
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
     def __repr__(self) -> str:
-        return f"Parameter(name={self.name!r}, shape={self.shape}, dtype={self.dtype.name})"
+        part = "" if self.partition is None else ", partitioned"
+        return f"Parameter(name={self.name!r}, shape={self.shape}, dtype={self.dtype.name}{part})"
 
 
 def accumulate_grad(param: Parameter, grad: Any) -> None:

@@ -105,6 +105,8 @@ def cast(module: Module, dtype: Any = None, backend: str | Backend | None = None
         return a
 
     for p in module.parameters():
+        if p.partition is not None:  # zero.Init: cast this rank's chunk
+            p.partition.chunk = convert(p.partition.chunk)
         p.data = convert(p.data)
         p.grad = None if p.grad is None else convert(p.grad)
         p.dtype = np.dtype(p.data.dtype)

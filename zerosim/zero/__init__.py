@@ -1,5 +1,7 @@
-"""ZeRO strategies (stages 0-3, Megatron's layout) and the partition math they share."""
+"""ZeRO strategies (stages 0-3, Megatron's layout), the partition math they share, and
+``Init`` / ``GatheredParameters`` for models built partitioned."""
 
+from zerosim.zero.init import GatheredParameters, Init, ParamChunk, is_partitioned
 from zerosim.zero.partition import (
     Layout,
     Range,
@@ -18,6 +20,10 @@ from zerosim.zero.strategy import Segment, Shard, Strategy
 STRATEGIES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
 
 __all__ = [
+    "GatheredParameters",
+    "Init",
+    "ParamChunk",
+    "is_partitioned",
     "STRATEGIES",
     "Segment",
     "Layout",

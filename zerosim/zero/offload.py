@@ -308,7 +308,7 @@ class Offload:
             store.flush()
 
     def split(self, strategy: Any, report: dict[str, int]) -> dict[str, int]:
-        """{device_bytes, host_bytes, nvme_bytes, swap_buffers} of a strategy's model states.
+        """{device_bytes, host_bytes, nvme_bytes} of a strategy's model states and swap buffers.
 
         ``params`` go where ``offload_param`` says, ``grads`` stay on the device; the master
         weights, master gradients and optimizer states are placed array by array (a swap file:
@@ -320,9 +320,12 @@ class Offload:
         memory = "host" if self.optimizer != "none" else "device"
         for a in optimizer_arrays(strategy):
             out[f"{'nvme' if file_backed(a) else memory}_bytes"] += a.nbytes
-        out["swap_buffers"] = self.swapper.nbytes if self.swapper is not None else 0
-        out["host_bytes"] += out["swap_buffers"]
+        out["host_bytes"] += self.swap_nbytes()
         return out
+
+    def swap_nbytes(self) -> int:
+        """Bytes of the in-memory swap buffers of the nvme optimizer offload (host memory)."""
+        return self.swapper.nbytes if self.swapper is not None else 0
 
     def close(self) -> None:
         """Remove the swap files now (unless ``ZEROSIM_KEEP_NVME_FILES`` is set)."""

@@ -230,12 +230,17 @@ class ParamPartition:
         return max(0, min(self.chunks[index], self.numels[index] - rank * self.chunks[index]))
 
 
+def chunk_numel(numel: int, world_size: int) -> int:
+    """Elements of each rank's chunk of one parameter at stage 3: ceil(numel / N), at least 1."""
+    return max(1, math.ceil(numel / world_size))
+
+
 def per_param_partition(
     named_shapes: list[tuple[str, tuple[int, ...]]], world_size: int
 ) -> ParamPartition:
     """DeepSpeed stage 3's partition: each parameter split into N chunks of ceil(numel / N)."""
     numels = [math.prod(shape) for _, shape in named_shapes]
-    chunks = [max(1, math.ceil(n / world_size)) for n in numels]
+    chunks = [chunk_numel(n, world_size) for n in numels]
     offsets = [sum(chunks[:i]) for i in range(len(chunks))]
     return ParamPartition(
         tuple(n for n, _ in named_shapes),

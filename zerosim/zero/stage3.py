@@ -27,6 +27,7 @@ reduced by a two-hop int4 all-to-all instead of the reduce-scatter.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from zerosim.nn import Parameter
 from zerosim.zero import zeropp
 from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, GradReadyTracker
 from zerosim.zero.coordinator import ParamCoordinator
+from zerosim.zero.init import ParamChunk
 from zerosim.zero.offload import read_param_chunk
 from zerosim.zero.partition import Range, per_param_partition
 from zerosim.zero.strategy import Segment, Strategy
@@ -64,17 +66,31 @@ class ShardGroup:
         self.bucket_of: dict[int, int] = {}  # parameter index -> its bucket
         self.buffers: dict[int, Any] = {}  # bucket -> its (N, width) buffer while being filled
         self.secondary: SecondaryPartition | None = None  # hpZ's secondary chunks
-        for i, (_, p) in enumerate(named):
-            full = p.data.reshape(-1).astype(strategy.dtype)
-            lo, n = comm.rank * part.chunks[i], part.valid(i, comm.rank)
-            self.chunk(i)[:n] = full[lo : lo + n]
+        for i, (name, p) in enumerate(named):
+            full = None
+            if p.partition is not None:  # built inside zero.Init: adopt this rank's chunk
+                if p.partition.comm.size != comm.size or p.partition.chunk.size != part.chunks[i]:
+                    raise ValueError(
+                        f"parameter {name!r} was partitioned over {p.partition.comm.size} ranks "
+                        f"by zero.Init; the engine runs on {comm.size}: build it with the "
+                        "engine's communicator"
+                    )
+                self.chunk(i)[...] = p.partition.chunk
+            else:
+                full = p.data.reshape(-1).astype(strategy.dtype)
+                lo, n = comm.rank * part.chunks[i], part.valid(i, comm.rank)
+                self.chunk(i)[:n] = full[lo : lo + n]
             if strategy.is_persistent(p):
+                if full is None:  # persistent here, partitioned by zero.Init: gather it once
+                    full = p.partition.gather()
                 buf = self.xp.zeros(part.chunks[i] * comm.size, dtype=strategy.dtype)
                 buf[: p.numel] = full
                 self.persistent_buffers[id(p)] = buf
                 p.data = buf[: p.numel].reshape(p.shape)
+                p.partition = None
             else:
                 p.data = self.xp.empty(0, dtype=strategy.dtype)
+                p.partition = ParamChunk(comm, p.numel, self.chunk(i))  # GatheredParameters
             p.grad = None
 
     def chunk(self, index: int) -> Any:
@@ -318,6 +334,19 @@ class Stage3(Strategy):
                 self.comm.all_gather(buf, chunk)
                 out[name] = to_host(buf[: p.numel]).reshape(p.shape).copy()
         return out
+
+    def iter_params(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Collective: each parameter all-gathered from its model-dtype chunks, one at a time,
+        so no rank ever holds more than one full parameter here."""
+        for g in self.groups:
+            for i, (name, p) in enumerate(g.named_params):
+                if id(p) in g.persistent_buffers:
+                    yield name, to_host(g.persistent_buffers[id(p)][: p.numel]).reshape(p.shape)
+                    continue
+                buf = g.xp.empty(g.partition.chunks[i] * self.comm.size, dtype=self.dtype)
+                self.comm.all_gather(buf, g.chunk(i))
+                yield name, to_host(buf[: p.numel]).reshape(p.shape)
+                del buf
 
     def memory_report(self) -> dict[str, int]:
         report = super().memory_report()

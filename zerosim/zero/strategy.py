@@ -24,7 +24,7 @@ training), which lives in host memory or in swap files; ``master_to_params`` cop
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -344,14 +344,12 @@ class Strategy(ABC):
         return np.dtype(grads) if self.comm_dtype is None else self.comm_dtype
 
     def take_buffer(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
-        """A zero-filled bucket buffer from the pool (zerosim/zero/buckets.py)."""
-        view = self.pool.take(shape, dtype)
-        self.track_transient(view.nbytes)
-        return view
+        """A zero-filled bucket buffer from the pool (zerosim/zero/buckets.py); its bytes are
+        the pool's (``bucket_buffers``), not transient."""
+        return self.pool.take(shape, dtype)
 
     def give_buffer(self, view: Any) -> None:
         """Give a buffer from ``take_buffer`` back to the pool."""
-        self.track_transient(-view.nbytes)
         self.pool.give(view)
 
     def track_transient(self, nbytes: int) -> None:
@@ -384,12 +382,18 @@ class Strategy(ABC):
                 out[name] = to_host(g.param_view(i, full)).copy()
         return out
 
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of the arrays this rank holds, by category, and where they live.
+    def iter_params(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(name, host copy of the full parameter in the model dtype), one at a time. Every
+        rank holds the full parameters here (stage 3 gathers each one: a collective)."""
+        for g in self.groups:
+            for i, (name, _) in enumerate(g.named_params):
+                yield name, to_host(g.param_view(i, g.flat_param))
 
-        Besides the categories, ``device_bytes`` + ``host_bytes`` + ``nvme_bytes`` split the
-        model states (params, grads, master params and grads, optimizer states) and the nvme
-        swap buffers (``swap_buffers``, host memory) by placement (docs/offload.md).
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of the arrays this rank holds, by category; no two categories count the same
+        array, so the values add up to what the strategy holds. ``peak_*`` entries are the
+        high-water marks of memory held only for a while (bucket buffers in use are inside
+        ``bucket_buffers``, not in ``peak_transient``). Where it lives: ``placement``.
         """
         report = {
             "params": sum(g.flat_param.nbytes for g in self.groups),
@@ -409,8 +413,14 @@ class Strategy(ABC):
                 report[name] = report.get(name, 0) + total
         report["peak_transient"] = self.peak_transient
         report["bucket_buffers"] = self.pool.nbytes
-        report.update(self.offload.split(self, report))
+        report["swap_buffers"] = self.offload.swap_nbytes()
         return report
+
+    def placement(self) -> dict[str, int]:
+        """{device_bytes, host_bytes, nvme_bytes}: the model states (params, grads, master
+        params and grads, optimizer states) and the nvme swap buffers, by where they live
+        (docs/offload.md)."""
+        return self.offload.split(self, self.memory_report())
 
     def close(self) -> None:
         """Remove this rank's nvme swap files now (also done at exit); see docs/offload.md."""
