@@ -86,6 +86,16 @@ SUITE = [
         "against the model's parameter bytes Ψ·b. Target: no model-sized buffer allocated per "
         "step (gradient buckets come from a pool filled in the first step).",
     ),
+    (
+        "A model larger than a rank: zero.Init under a memory cap",
+        "zero_init_cap",
+        [],
+        ["--ranks", "2", "--layers", "4", "--width", "256", "--margin-mib", "64", "--steps", "1"],
+        "8 ranks, each capped by RLIMIT_DATA at start-up plus an allowance smaller than the "
+        "model's fp32 weights: built outside zero.Init it fails on every rank; inside, it trains "
+        "at stage 3. Per rank, the measured peak against 16Ψ/N plus buffers. Target: ratio "
+        "near 1, every rank under its cap.",
+    ),
 ]
 
 

@@ -239,6 +239,25 @@ def allocations(rows: Rows, path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def zero_init_cap(rows: Rows, path: str | Path) -> Path:
+    """Per rank: the measured training peak, the 16Ψ/N formula plus buffers, the allowance
+    the kernel enforced and the whole model's fp32 size, in MiB."""
+    fig, (ax,) = _figure(6.5, 3.8)
+    mib = 2.0**20
+    series = {
+        "measured peak": [r["peak"] / mib for r in rows],
+        "16Ψ/N + buffers": [(r["formula"] + r["buffers"]) / mib for r in rows],
+    }
+    _grouped_bars(ax, series)
+    ax.axhline(rows[0]["allowance"] / mib, color="red", linestyle="--", label="allowance (cap)")
+    ax.axhline(rows[0]["full_model"] / mib, color="black", linestyle=":", label="fp32 model")
+    ax.set_xticks(np.arange(len(rows)), [f"rank {r['rank']}" for r in rows])
+    ax.set_ylabel("MiB")
+    ax.set_title("stage 3 inside zero.Init under an OS memory cap, per rank")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 PLOTS: dict[str, Callable[[Rows, str | Path], Path]] = {
     "collectives": collectives,
     "optimizer_step": optimizer_step,
@@ -246,6 +265,7 @@ PLOTS: dict[str, Callable[[Rows, str | Path], Path]] = {
     "training_step": training_step,
     "scaling": scaling,
     "allocations": allocations,
+    "zero_init_cap": zero_init_cap,
 }
 
 

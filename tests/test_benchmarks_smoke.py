@@ -273,7 +273,21 @@ def sample_rows() -> dict[str, list[dict]]:
         for s in range(4)
         for dtype in ("fp32", "bf16")
     ]
+    zero_init_cap = [
+        {
+            "rank": r,
+            "allowance": 150 * 2**20,
+            "peak": 120 * 2**20,
+            "vmdata_growth": 160 * 2**20,
+            "formula": 100 * 2**20,
+            "buffers": 10 * 2**20,
+            "full_model": 168 * 2**20,
+            "outside_failed": 8,
+        }
+        for r in range(8)
+    ]
     return {
+        "zero_init_cap": zero_init_cap,
         "allocations": allocations,
         "collectives": collectives,
         "optimizer_step": optimizer,

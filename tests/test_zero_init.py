@@ -232,3 +232,11 @@ def test_a_model_larger_than_the_os_memory_cap_trains_at_stage_3_only_inside_ini
         # gradient before it is packed into a bucket, within 4 MiB of activations and the like
         counted = r["held"] + report["peak_gathered_params"] + largest
         assert r["held"] <= r["train_peak"] <= counted + 4 * 2**20
+
+
+@pytest.mark.mpi
+def test_the_zero_init_example_runs_under_mpirun():
+    proc = run_mpi(2, ["examples/tie_weights_in_zero_init.py"], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if "loss" in line]
+    assert len(losses) == 4 and losses[-1] < losses[0]
