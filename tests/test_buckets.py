@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.mpi_helpers import ROOT
+from zerosim.analysis import bucket_pool_bytes
 from zerosim.comm import LocalWorld
 from zerosim.engine import initialize
 from zerosim.nn import MLP
@@ -73,6 +74,9 @@ def test_bucket_buffers_are_made_in_the_first_step_and_only_reused_after(stage, 
         # Two buckets may be open at once (a bucket boundary inside a layer's parameters),
         # plus MAX_IN_FLIGHT launched ones, each with its 1/N output: a few layers, not Ψ.
         assert pool_bytes <= 4 * (MAX_IN_FLIGHT + 2) * LAYER * 3 // 2 < 4 * PSI / 4
+        # ZeRO-R's constant buffers: within the analysis bound, which does not grow with Ψ
+        bound = bucket_pool_bytes(BUCKET, LAYER, 2 * PSI, 2, 4, MAX_IN_FLIGHT)
+        assert pool_bytes <= bound == bucket_pool_bytes(BUCKET, LAYER, 20 * PSI, 2, 4)
 
 
 @pytest.mark.slow

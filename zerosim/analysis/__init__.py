@@ -24,6 +24,7 @@ from zerosim.analysis.memory import (
     MegatronRow,
     ModelStateMemory,
     Table1Row,
+    bucket_pool_bytes,
     format_paper_gb,
     full_precision_model_states,
     megatron_model_states,
@@ -56,6 +57,7 @@ from zerosim.analysis.volume import (
 )
 
 __all__ = [
+    "bucket_pool_bytes",
     "collective_schedule",
     "CATEGORIES",
     "AlphaBetaFit",

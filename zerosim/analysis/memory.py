@@ -175,6 +175,31 @@ def full_precision_model_states(
     )
 
 
+def bucket_pool_bytes(
+    reduce_bucket_size: int,
+    largest_numel: int,
+    padded_numel: int,
+    world_size: int,
+    itemsize: int,
+    in_flight: int = 2,
+) -> int:
+    """Upper bound of ZeRO-R's constant-size gradient buffers (Rajbhandari et al. 2020, §6.2)
+    at stages 2 and 3: the bucket pool of ``zerosim/zero/buckets.py``.
+
+    A bucket closes at the first parameter boundary past ``reduce_bucket_size`` = B elements, so
+    it holds at most B + L (L the largest parameter, padded), and never more than Ψ_pad. Open at
+    once: two buckets being filled (a boundary inside a module's parameters) and ``in_flight``
+    launched ones, each launched one with its reduced piece of 1/N of it::
+
+        pool ≤ (2 + in_flight · (1 + 1/N)) · min(B + L, Ψ_pad) · b
+
+    Independent of the model's size once Ψ_pad > B + L: constant-size, as ZeRO-R says (with
+    DeepSpeed's default B = 5e8 a model under 500M parameters has one model-sized bucket).
+    """
+    bucket = min(reduce_bucket_size + largest_numel, padded_numel)
+    return int((2 + in_flight * Fraction(world_size + 1, world_size)) * bucket * itemsize)
+
+
 def zero_paper_bytes(num_params: float, dp_degree: int, stage: int, k: int = 12) -> Number:
     """The ZeRO paper's per-device model-state bytes (Sec. 5, Table 1), 2-byte params and grads.
 
