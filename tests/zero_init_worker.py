@@ -52,6 +52,11 @@ def config(bucket: int, optimizer: str) -> dict:
     }
 
 
+def emit(row: dict) -> None:
+    """One line, one write: rows of 8 ranks never interleave (a pipe write < 4 KiB is atomic)."""
+    os.write(1, (json.dumps(row) + "\n").encode())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--inside", action="store_true", help="build inside zerosim.zero.Init")
@@ -82,7 +87,7 @@ def main() -> int:
             model = zs.nn.MLP(sizes, seed=0)
     except MemoryError as err:
         row["error"] = f"MemoryError: {err}"
-        print(json.dumps(row), flush=True)
+        emit(row)
         return 3
     row["build_peak"] = tracemalloc.get_traced_memory()[1]
     tracemalloc.reset_peak()
@@ -105,7 +110,7 @@ def main() -> int:
         train_peak=tracemalloc.get_traced_memory()[1],
         vmdata_end=vmdata(),
     )
-    print(json.dumps(row), flush=True)
+    emit(row)
     return 0
 
 
