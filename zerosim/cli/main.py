@@ -141,6 +141,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_flight(args: argparse.Namespace) -> int:
+    """Read a job's flight records (zerosim.flight_dir) and say which rank is behind."""
+    from zerosim.comm.flight import format_summary, read_reports, summarize
+
+    try:
+        summary = summarize(read_reports(args.dir))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"zerosim flight: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary) if args.json else format_summary(summary))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerosim", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command")
@@ -200,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cons.add_argument("--json", action="store_true", help="print the arrays written as JSON")
     cons.set_defaults(func=cmd_consolidate)
+    flight = sub.add_parser(
+        "flight", help="read the flight records a stalled job wrote; say which rank is behind"
+    )
+    flight.add_argument("dir", help="the folder of zerosim.flight_dir / ZEROSIM_FLIGHT_DIR")
+    flight.add_argument("--json", action="store_true", help="print the summary as JSON")
+    flight.set_defaults(func=cmd_flight)
     from zerosim.cli import teaching as cli_teaching  # memory, volume, project, compare, plot
 
     cli_teaching.add_subcommands(sub)

@@ -9,7 +9,10 @@ ledger. This base class does the work common to every world, in one place:
 2. pick the native collective of the world (``MPIComm``, ``LocalWorld``) or our own ring algorithm
    over point-to-point messages (``collectives="ring"``);
 3. write a ledger record with the bytes this rank moved, split into bytes sent within this
-   rank's node and bytes sent to other nodes (``set_ranks_per_node``; see ``comm/ledger.py``).
+   rank's node and bytes sent to other nodes (``set_ranks_per_node``; see ``comm/ledger.py``);
+4. number the call in the ledger's flight recorder as it starts and name it (``_pending``) while
+   this rank waits, so that a world's watchdog can say what it was waiting for when it gives up
+   after ``timeout`` seconds (``set_watchdog``; ``comm/flight.py``).
 
 Subclasses provide the native collectives (``_native_*``), a point-to-point ``_sendrecv`` for the
 ring algorithms, ``_agree`` for the cross-rank check and ``split``.
@@ -27,6 +30,7 @@ import numpy as np
 
 from zerosim.backend import DTYPES, dtype_name, is_device_array, resolve_dtype
 from zerosim.comm import ring
+from zerosim.comm.flight import check_timeout, default_timeout, env_flight_dir, env_timeout
 from zerosim.comm.ledger import Ledger, Record
 
 OPS = ("sum", "max", "min")
@@ -46,19 +50,23 @@ OP_CODES = {
 class Handle:
     """A non-blocking collective in flight; ``wait()`` completes it and times it in the ledger."""
 
-    def __init__(self, finish: Callable[[], None], record: Record | None, ledger: Ledger) -> None:
+    def __init__(
+        self, finish: Callable[[], None], record: Record, comm: Communicator, seq: int
+    ) -> None:
         self._finish = finish
         self._record = record
-        self._ledger = ledger
+        self._comm = comm
+        self._seq = seq  # the call's number in the flight recorder
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
+        self._comm._pending = (self._seq, self._record, "wait()")
         self._finish()
+        self._comm._pending = None
         self.done = True
-        if self._record is not None:
-            self._record.wall_time = self._ledger.now() - self._record.start
+        self._record.wall_time = self._comm.ledger.now() - self._record.start
 
 
 def _address(x: Any) -> int:
@@ -116,6 +124,9 @@ class Communicator(ABC):
         self.collectives = collectives
         self._node_of: tuple[int, ...] | None = None
         self._node_version = 0  # the ledger's node_version this group's map was learnt at
+        self.timeout = default_timeout()  # seconds a wait may last (0: forever); the watchdog's
+        # (call number, record, stage) of the call this rank may be waiting in, for the watchdog
+        self._pending: tuple[int, Record | None, str] | None = None
 
     # -- configuration --------------------------------------------------------------------------
     @property
@@ -126,6 +137,38 @@ class Communicator(ABC):
     @collectives.setter
     def collectives(self, value: str) -> None:
         self._collectives = check_collectives(value)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds any one wait of a collective may last before the watchdog ends the job
+        (``MPIComm``) or raises (``LocalWorld``); 0 means never. Sub-groups inherit it."""
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        self._timeout = check_timeout(value)
+
+    def set_watchdog(
+        self,
+        timeout: float | None = None,
+        flight_records: int | None = None,
+        flight_dir: str | None = None,
+    ) -> None:
+        """Apply the config's ``zerosim.timeout``, ``flight_records`` and ``flight_dir``.
+
+        The environment variables ``ZEROSIM_TIMEOUT`` and ``ZEROSIM_FLIGHT_DIR`` win over the
+        values given, so that a job can be given a shorter limit without editing its config.
+        Sub-groups split off later inherit the timeout; the flight recorder is the ledger's.
+        """
+        env = env_timeout()
+        timeout = env if env is not None else timeout
+        if timeout is not None:
+            self.timeout = timeout
+        if flight_records is not None:
+            self.ledger.flight.resize(flight_records)
+        folder = env_flight_dir() or flight_dir
+        if folder is not None:
+            self.ledger.flight.directory = str(folder)
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Context manager labelling the ledger records made inside it (forward, step…)."""
@@ -168,16 +211,7 @@ class Communicator(ABC):
 
     def _shared_memory_node(self) -> int | None:
         """MPI worlds: the lowest rank of this rank's shared-memory node; other worlds: None."""
-        mpi = getattr(self, "mpi", None)
-        if mpi is None:
-            return None
-        from mpi4py import MPI
-
-        shared = mpi.Split_type(MPI.COMM_TYPE_SHARED)
-        lowest = np.array([self.rank], dtype=np.int64)
-        shared.Allreduce(MPI.IN_PLACE, [lowest, MPI.INT64_T], op=MPI.MIN)
-        shared.Free()
-        return int(lowest[0])
+        return None
 
     def _sync_nodes(self) -> None:
         """Learn the members' nodes (one small exchange) if the ledger's node changed since."""
@@ -525,15 +559,23 @@ class Communicator(ABC):
         counts: tuple[int, ...] | None = None,
     ) -> None:
         self._sync_nodes()
-        self._check_agreement(op, dtype, count, root, counts)
         itemsize = dtype.itemsize
-        if self._collectives == "ring" and self._use_ring(ring_fn):
+        use_ring = self._use_ring(ring_fn)
+        if use_ring:
             record = self._new_record(op, dtype, count, root, True, 0, 0, "wire")
-            record.bytes_sent, record.bytes_recv = ring_fn()
         else:
             sent, recv = ring.model_bytes(op, count, self.size, self.rank, itemsize, root, counts)
             record = self._new_record(op, dtype, count, root, True, sent, recv, "model")
+        seq = self.ledger.flight.begin(record)
+        self._pending = (seq, record, "cross-rank argument check")
+        self._check_agreement(op, dtype, count, root, counts)
+        self._pending = (seq, record, "data exchange")
+        record.start = self.ledger.now()  # the wall time is the transfer's, without the check
+        if use_ring:
+            record.bytes_sent, record.bytes_recv = ring_fn()
+        else:
             native()
+        self._pending = None
         if self._node_of is None:
             record.intra_bytes = record.bytes_sent  # one node: every byte stays on it
         else:
@@ -553,19 +595,27 @@ class Communicator(ABC):
         counts: tuple[int, ...] | None = None,
     ) -> Handle:
         self._sync_nodes()
-        self._check_agreement(op, dtype, count, 0, counts)
         itemsize = dtype.itemsize
-        if self._use_ring(ring_fn):
-            # Our ring is synchronous: it runs now and the handle is already complete.
+        use_ring = self._use_ring(ring_fn)
+        if use_ring:
             record = self._new_record(op, dtype, count, 0, False, 0, 0, "wire")
-            record.bytes_sent, record.bytes_recv = ring_fn()
-            finish: Callable[[], None] = lambda: None  # noqa: E731
         else:
             sent, recv = ring.model_bytes(op, count, self.size, self.rank, itemsize, 0, counts)
             record = self._new_record(op, dtype, count, 0, False, sent, recv, "model")
+        seq = self.ledger.flight.begin(record)
+        self._pending = (seq, record, "cross-rank argument check")
+        self._check_agreement(op, dtype, count, 0, counts)
+        self._pending = (seq, record, "data exchange")
+        record.start = self.ledger.now()
+        if use_ring:
+            # Our ring is synchronous: it runs now and the handle is already complete.
+            record.bytes_sent, record.bytes_recv = ring_fn()
+            finish: Callable[[], None] = lambda: None  # noqa: E731
+        else:
             finish = native_start()
+        self._pending = None
         record.intra_bytes, record.inter_bytes = self._split_sent(
             op, record.bytes_sent, count, itemsize
         )
         self.ledger.append(record)
-        return Handle(finish, record, self.ledger)
+        return Handle(finish, record, self, seq)

@@ -22,6 +22,10 @@ is intra or inter by that one neighbour's node; an all-to-all sends block j to r
 split block by block. Without a node map the whole group is one node: everything is intra.
 ``ledger.node`` is this rank's node: sub-groups, which share their parent's ledger, learn their
 members' nodes from it.
+
+**Flight recorder.** ``ledger.flight`` numbers every call as it starts and keeps the last K of
+them, whatever ``reset()`` clears: what the watchdog prints when a collective stalls
+(``comm/flight.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+
+from zerosim.comm.flight import FlightRecorder
 
 WHERE = {"intra": "intra_bytes", "inter": "inter_bytes"}
 
@@ -87,6 +93,7 @@ class Ledger:
         self._t0 = time.perf_counter()
         self.node: int | None = None  # this rank's node (None: unknown, one node for all)
         self.node_version = 0  # bumped when ``node`` is set, so sub-groups learn it again
+        self.flight = FlightRecorder()  # the last K calls, numbered; survives ``reset()``
 
     @property
     def current_phase(self) -> str:
@@ -116,7 +123,7 @@ class Ledger:
         self.node_version += 1
 
     def reset(self) -> None:
-        """Forget every record (the phase stack and step are kept)."""
+        """Forget every record (the phase stack, step and flight recorder are kept)."""
         self.records.clear()
 
     def select(

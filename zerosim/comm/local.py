@@ -10,9 +10,12 @@ by (group, call number) and, once all ranks of the group have posted, *collects*
 wait. Point-to-point messages (used by the ring algorithms) go through per-pair FIFO mailboxes.
 
 Nothing waits forever. An exception on one rank wakes every other rank, which raises
-``WorldAborted``; ``run`` then re-raises the first rank's own exception with a note naming the
-rank. A rank that returns from ``fn`` while others wait in a collective it never joined makes them
-fail at once, naming it; any other wait fails after ``timeout`` seconds naming the missing ranks.
+``WorldAborted`` (naming the rank and its error); ``run`` then re-raises the first rank's own
+exception with a note naming the rank. A rank that returns from ``fn`` while others wait in a
+collective it never joined makes them fail at once, naming it; any other wait fails after the
+communicator's ``timeout`` seconds (the watchdog's setting: ``zerosim.timeout``,
+``ZEROSIM_TIMEOUT``, else 600; 0 = never) with a ``TimeoutError`` naming the call and the missing
+ranks, with the rank's flight record as a note (and in ``<flight_dir>/rank<R>.json`` when set).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 
 from zerosim.backend import array_module
 from zerosim.comm.base import Communicator, check_collectives
+from zerosim.comm.flight import check_timeout, default_timeout, describe
 from zerosim.comm.ledger import Ledger
 
 
@@ -45,9 +49,8 @@ class _Slot:
 class _WorldState:
     """What the threads of one ``run`` share: slots, mailboxes, who failed, who finished."""
 
-    def __init__(self, size: int, timeout: float) -> None:
+    def __init__(self, size: int) -> None:
         self.size = size
-        self.timeout = timeout
         self.cond = threading.Condition()
         self.slots: dict[tuple, _Slot] = {}
         self.mailboxes: dict[tuple, deque] = {}
@@ -60,14 +63,19 @@ class _WorldState:
         world_rank: int,
         waiting_for: Callable[[], list[int]],
         what: str,
+        timeout: float,
     ) -> None:
         """Block (holding ``cond``) until ``ready()``; fail fast on abort, exit or timeout."""
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline = start + timeout if timeout else float("inf")
         while not ready():
             if self.failed:
                 bad = sorted(self.failed)
+                first = self.failed[bad[0]]
+                cause = str(first).split("\n")[0]
                 raise WorldAborted(
-                    f"rank {world_rank}: {what} abandoned because rank(s) {bad} raised"
+                    f"rank {world_rank}: {what} abandoned because rank(s) {bad} raised "
+                    f"(rank {bad[0]}: {type(first).__name__}: {cause})"
                 )
             missing = waiting_for()
             gone = [r for r in missing if r in self.finished]
@@ -79,8 +87,8 @@ class _WorldState:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(
-                    f"rank {world_rank}: {what} timed out after {self.timeout:g} s"
-                    f" waiting for rank(s) {missing}"
+                    f"rank {world_rank}: {what} timed out after {timeout:g} s"
+                    f" waiting for rank(s) {missing} (zerosim.timeout / ZEROSIM_TIMEOUT)"
                 )
             self.cond.wait(min(remaining, 1.0))
 
@@ -123,6 +131,24 @@ class LocalComm(Communicator):
     def world_rank(self) -> int:
         return self._members[self.rank]
 
+    def _wait_until(
+        self, ready: Callable[[], bool], missing: Callable[[], list[int]], fallback: str
+    ) -> None:
+        """``_WorldState.wait_until`` naming the call this rank waits in; on a timeout, the
+        error carries this rank's flight record (and it is written out when a folder is set)."""
+        pending = self._pending
+        what = fallback if pending is None else describe(*pending) + f" on group {self.group!r}"
+        try:
+            self._state.wait_until(ready, self.world_rank, missing, what, self.timeout)
+        except TimeoutError as err:
+            flight = self.ledger.flight
+            err.add_note(flight.format(self.world_rank))
+            waiting = {"call": pending[0] if pending else 0, "what": what, "behind": missing()}
+            path = flight.dump(self.world_rank, self._state.size, "timeout", waiting)
+            if path is not None:
+                err.add_note(f"flight record written to {path}")
+            raise
+
     # -- rendezvous -----------------------------------------------------------------------------
     def _post(self, op: str, payload: Any) -> tuple:
         key = (self._ctx, self._calls)
@@ -142,9 +168,8 @@ class LocalComm(Communicator):
             def missing() -> list[int]:
                 return [self._members[g] for g in range(self.size) if g not in slot.payloads]
 
-            st.wait_until(
+            self._wait_until(
                 lambda: len(slot.payloads) == self.size,
-                self.world_rank,
                 missing,
                 f"{slot.op} call #{key[1]} on group {self.group!r}",
             )
@@ -231,9 +256,8 @@ class LocalComm(Communicator):
         st = self._state
         with st.cond:
             box = st.mailboxes.setdefault((self._ctx, source, self.rank), deque())
-            st.wait_until(
+            self._wait_until(
                 lambda: bool(box),
-                self.world_rank,
                 lambda: [self._members[source]],
                 f"receive from rank {source} on group {self.group!r}",
             )
@@ -253,13 +277,15 @@ class LocalComm(Communicator):
     def split(self, color: int, key: int = 0) -> LocalComm:
         if not isinstance(color, (int, np.integer)) or color < 0:
             raise ValueError(f"color must be a non-negative int, got {color!r}")
+        self._pending = (self.ledger.flight.calls, None, f"split of group {self.group!r}")
         pairs = self._exchange("split", (int(color), int(key)))
+        self._pending = None
         self._splits += 1
         chosen = sorted((k, g) for g, (c, k) in enumerate(pairs) if c == color)
         members = tuple(self._members[g] for _, g in chosen)
         rank = [g for _, g in chosen].index(self.rank)
         ctx = (self._ctx, self._splits, int(color))
-        return LocalComm(
+        child = LocalComm(
             self._state,
             members,
             rank,
@@ -269,22 +295,31 @@ class LocalComm(Communicator):
             self.validate,
             f"{self.group}/{color}",
         )
+        child.timeout = self.timeout
+        return child
 
 
 class LocalWorld:
-    """N ranks as threads of this process; ``run(fn, *args)`` → [fn(comm_r, *args) for every r]."""
+    """N ranks as threads of this process; ``run(fn, *args)`` → [fn(comm_r, *args) for every r].
+
+    ``timeout``: seconds a rank may wait in one collective before it raises ``TimeoutError``
+    naming the missing ranks; None takes the watchdog's setting (``ZEROSIM_TIMEOUT``, else 600),
+    0 means never. ``initialize`` sets it again from the config's ``zerosim.timeout``.
+    """
 
     def __init__(
-        self, size: int, collectives: str = "native", timeout: float = 60.0, validate: bool = True
+        self,
+        size: int,
+        collectives: str = "native",
+        timeout: float | None = None,
+        validate: bool = True,
     ) -> None:
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         check_collectives(collectives)
         self.size = int(size)
         self.collectives = collectives
-        self.timeout = float(timeout)
+        self.timeout = default_timeout() if timeout is None else check_timeout(timeout)
         self.validate = validate
 
     def __repr__(self) -> str:
@@ -292,14 +327,17 @@ class LocalWorld:
 
     def comms(self) -> list[LocalComm]:
         """Fresh communicators for every rank (for stepping through collectives by hand)."""
-        state = _WorldState(self.size, self.timeout)
+        state = _WorldState(self.size)
         members = tuple(range(self.size))
-        return [
+        comms = [
             LocalComm(
                 state, members, r, ("world",), Ledger(), self.collectives, self.validate, "world"
             )
             for r in range(self.size)
         ]
+        for comm in comms:
+            comm.timeout = self.timeout
+        return comms
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(comm, *args, **kwargs)`` on every rank at once; results in rank order."""

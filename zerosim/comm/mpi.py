@@ -14,17 +14,20 @@ What goes on the wire:
 * CuPy arrays are staged through host memory (copied to NumPy, communicated, copied back). This is
   correct everywhere but not fast; NCCL and CUDA-aware MPI are not used yet.
 
+No rank waits forever: every wait is watched (``comm/watchdog.py``). Where ranks wait for each
+other to arrive (the cross-rank argument check, barriers, splits) the call is MPI's non-blocking
+one, polled with sleeps so that a waiting rank does not hold a core; where data moves it is MPI's
+own blocking call. A wait longer than ``timeout`` ends the job with a report of what it waited for.
+
 Under ``mpirun`` with more than one rank, creating an MPIComm installs an exception hook that
-prints the failing rank's traceback and calls ``MPI.COMM_WORLD.Abort(1)``, so one rank's error
-ends the whole job within seconds instead of leaving the others blocked in a collective.
+prints the failing rank's traceback and flight record and calls ``MPI.COMM_WORLD.Abort(1)``, so one
+rank's error ends the whole job within seconds instead of leaving the others blocked in a
+collective (``watchdog.install_abort_on_exception``).
 """
 
 from __future__ import annotations
 
 import array
-import sys
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +35,10 @@ import numpy as np
 from mpi4py import MPI
 
 from zerosim.backend import DTYPES, any_device_array, is_device_array, is_half, to_host
+from zerosim.comm import watchdog
 from zerosim.comm.base import Communicator
 from zerosim.comm.ledger import Ledger
+from zerosim.comm.watchdog import install_abort_on_exception  # noqa: F401  (its old home)
 
 _MPI_TYPES = {
     np.dtype(np.float64): MPI.DOUBLE,
@@ -80,30 +85,6 @@ def _spec(x: np.ndarray) -> list:
     return [x if view is None else x.view(view), mpi_type]
 
 
-_abort_hook_installed = False
-
-
-def install_abort_on_exception() -> None:
-    """Make an uncaught exception on any rank print its traceback and abort the whole MPI job."""
-    global _abort_hook_installed
-    if _abort_hook_installed:
-        return
-    previous = sys.excepthook
-
-    def abort_hook(kind: type, value: BaseException, tb: Any) -> None:
-        rank = MPI.COMM_WORLD.Get_rank()
-        text = "".join(traceback.format_exception(kind, value, tb))
-        sys.stderr.write(f"[zerosim rank {rank}] uncaught exception, aborting the job:\n{text}")
-        sys.stderr.flush()
-        if MPI.COMM_WORLD.Get_size() > 1:
-            time.sleep(0.2)  # let the launcher forward this rank's message before the kill
-            MPI.COMM_WORLD.Abort(1)
-        previous(kind, value, tb)
-
-    sys.excepthook = abort_hook
-    _abort_hook_installed = True
-
-
 class _Staged:
     """Host copies of CuPy arrays for one collective, copied back to the device when done.
 
@@ -140,50 +121,80 @@ class MPIComm(Communicator):
             self.mpi.Get_rank(), self.mpi.Get_size(), ledger, collectives, group, validate
         )
         self._agree_buf: array.array | None = None
-        if MPI.COMM_WORLD.Get_size() > 1:
-            install_abort_on_exception()
+        self.world_rank = MPI.COMM_WORLD.Get_rank()
+        self._world_ranks = self.mpi.Get_group().Translate_ranks(
+            list(range(self.size)), MPI.COMM_WORLD.Get_group()
+        )
+        self._row = watchdog.row()  # this rank's row of the node's progress table
+        watchdog.start(self)
+        self._row = watchdog.row()
 
-    # -- blocking ------------------------------------------------------------------------------
+    def world_ranks(self) -> list[int]:
+        """The COMM_WORLD rank of each rank of this group, in group order."""
+        return list(self._world_ranks)
+
+    # -- blocking: MPI's own call, watched -----------------------------------------------------
     def _native_all_gather(self, out: Any, inp: Any) -> None:
         s = _Staged([out, inp])
         send = MPI.IN_PLACE if self._is_own_slice(out, inp) else _spec(s.host[1])
-        self.mpi.Allgather(send, _spec(s.host[0]))
+        watchdog.enter(self)
+        try:
+            self.mpi.Allgather(send, _spec(s.host[0]))
+        finally:
+            watchdog.leave(self)
         s.copy_back(0)
 
     def _native_reduce_scatter(self, out: Any, inp: Any, op: str) -> None:
         s = _Staged([out, inp])
         mpi_op = _mpi_op(inp.dtype, op)
-        if self._is_own_slice(inp, out):
-            # In place: MPI leaves the result at the front of the buffer; move it to our chunk.
-            self.mpi.Reduce_scatter_block(MPI.IN_PLACE, _spec(s.host[1]), mpi_op)
-            if self.rank:
-                s.host[0][...] = s.host[1].reshape(-1)[: out.size].reshape(out.shape)
-        else:
-            self.mpi.Reduce_scatter_block(_spec(s.host[1]), _spec(s.host[0]), mpi_op)
+        in_place = self._is_own_slice(inp, out)
+        watchdog.enter(self)
+        try:
+            if in_place:
+                self.mpi.Reduce_scatter_block(MPI.IN_PLACE, _spec(s.host[1]), mpi_op)
+            else:
+                self.mpi.Reduce_scatter_block(_spec(s.host[1]), _spec(s.host[0]), mpi_op)
+        finally:
+            watchdog.leave(self)
+        if in_place and self.rank:
+            # MPI leaves the result at the front of the buffer; move it to our chunk.
+            s.host[0][...] = s.host[1].reshape(-1)[: out.size].reshape(out.shape)
         s.copy_back(0)
 
     def _native_all_reduce(self, buf: Any, op: str) -> None:
         s = _Staged([buf])
-        self.mpi.Allreduce(MPI.IN_PLACE, _spec(s.host[0]), _mpi_op(buf.dtype, op))
+        watchdog.enter(self)
+        try:
+            self.mpi.Allreduce(MPI.IN_PLACE, _spec(s.host[0]), _mpi_op(buf.dtype, op))
+        finally:
+            watchdog.leave(self)
         s.copy_back(0)
 
     def _native_broadcast(self, buf: Any, root: int) -> None:
         s = _Staged([buf])
-        self.mpi.Bcast(_spec(s.host[0]), root=root)
+        watchdog.enter(self)
+        try:
+            self.mpi.Bcast(_spec(s.host[0]), root=root)
+        finally:
+            watchdog.leave(self)
         s.copy_back(0)
 
     def _native_all_to_all(self, out: Any, inp: Any) -> None:
         s = _Staged([out, inp])
-        self.mpi.Alltoall(_spec(s.host[1]), _spec(s.host[0]))
+        watchdog.enter(self)
+        try:
+            self.mpi.Alltoall(_spec(s.host[1]), _spec(s.host[0]))
+        finally:
+            watchdog.leave(self)
         s.copy_back(0)
 
     def _native_barrier(self) -> None:
-        self.mpi.Barrier()
+        watchdog.poll(self, self.mpi.Ibarrier())  # a pure rendezvous: wait without a core
 
     # -- non-blocking --------------------------------------------------------------------------
     def _finisher(self, request: MPI.Request, staged: _Staged) -> Callable[[], None]:
         def finish() -> None:
-            request.Wait()
+            watchdog.wait(self, request)
             staged.copy_back(0)
 
         return finish
@@ -203,7 +214,7 @@ class MPIComm(Communicator):
         request = self.mpi.Ireduce_scatter_block(MPI.IN_PLACE, _spec(s.host[1]), mpi_op)
 
         def finish() -> None:
-            request.Wait()
+            watchdog.wait(self, request)
             if self.rank:
                 s.host[0][...] = s.host[1].reshape(-1)[: out.size].reshape(out.shape)
             s.copy_back(0)
@@ -229,41 +240,63 @@ class MPIComm(Communicator):
 
     def _sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
         s = _Staged([recvbuf, sendbuf])
-        self.mpi.Sendrecv(
-            _spec(s.host[1]), dest, self._RING_TAG, _spec(s.host[0]), source, self._RING_TAG
-        )
+        watchdog.enter(self)
+        try:
+            self.mpi.Sendrecv(
+                _spec(s.host[1]), dest, self._RING_TAG, _spec(s.host[0]), source, self._RING_TAG
+            )
+        finally:
+            watchdog.leave(self)
         s.copy_back(0)
 
     def _send(self, buf: Any, dest: int) -> None:
-        self.mpi.Send(_spec(to_host(buf)), dest, self._RING_TAG)
+        watchdog.wait(self, self.mpi.Isend(_spec(to_host(buf)), dest, self._RING_TAG))
 
     def _recv(self, buf: Any, source: int) -> None:
         s = _Staged([buf])
-        self.mpi.Recv(_spec(s.host[0]), source, self._RING_TAG)
+        watchdog.wait(self, self.mpi.Irecv(_spec(s.host[0]), source, self._RING_TAG))
         s.copy_back(0)
 
     def _all_agree(self, signature: tuple[int, ...]) -> bool:
         # The all-gather of _agree without building tuples: equal bytes mean equal signatures.
-        # (array.array is cheaper than a NumPy array for a handful of ints.)
+        # (array.array is cheaper than a NumPy array for a handful of ints.) It is where a rank
+        # waits for the others to arrive at a collective, so it is polled without holding a core.
         mine = array.array("q", signature)
         if self._agree_buf is None or len(self._agree_buf) != len(mine) * self.size:
             self._agree_buf = array.array("q", bytes(8 * len(mine) * self.size))
-        self.mpi.Allgather([mine, MPI.INT64_T], [self._agree_buf, MPI.INT64_T])
+        request = self.mpi.Iallgather([mine, MPI.INT64_T], [self._agree_buf, MPI.INT64_T])
+        watchdog.poll(self, request)
         return self._agree_buf.tobytes() == mine.tobytes() * self.size
 
     def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:
         mine = np.asarray(signature, dtype=np.int64)
         every = np.empty(self.size * mine.size, dtype=np.int64)
-        self.mpi.Allgather([mine, MPI.INT64_T], [every, MPI.INT64_T])
+        watchdog.poll(self, self.mpi.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]))
         return [tuple(int(v) for v in row) for row in every.reshape(self.size, -1)]
+
+    def _shared_memory_node(self) -> int | None:
+        """The lowest rank of this rank's shared-memory node (a collective, watched)."""
+        self._pending = (self.ledger.flight.calls, None, "node discovery")
+        watchdog.poll(self, self.mpi.Ibarrier())  # every rank is here: the split cannot hang
+        shared = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+        lowest = np.array([self.rank], dtype=np.int64)
+        watchdog.wait(self, shared.Iallreduce(MPI.IN_PLACE, [lowest, MPI.INT64_T], op=MPI.MIN))
+        shared.Free()
+        self._pending = None
+        return int(lowest[0])
 
     def split(self, color: int, key: int = 0) -> MPIComm:
         if not isinstance(color, (int, np.integer)) or color < 0:
             raise ValueError(f"color must be a non-negative int, got {color!r}")
-        return MPIComm(
+        self._pending = (self.ledger.flight.calls, None, f"split of group {self.group!r}")
+        watchdog.poll(self, self.mpi.Ibarrier())  # every rank is here: the split cannot hang
+        self._pending = None
+        child = MPIComm(
             self.mpi.Split(int(color), int(key)),
             self.collectives,
             self.validate,
             self.ledger,
             f"{self.group}/{color}",
         )
+        child.timeout = self.timeout
+        return child

@@ -1,0 +1,257 @@
+"""The watchdog's settings, the flight recorder and ``zerosim flight``, under LocalWorld and alone.
+
+The same watchdog under a real mpirun (a stalled rank ends the job) is in test_faults_mpi.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from mpi_helpers import ROOT
+
+import zerosim as zs
+from zerosim.cli.main import main
+from zerosim.comm import flight
+from zerosim.comm.flight import FlightRecorder, format_summary, read_reports, summarize
+
+
+def _stall_rank_1(comm, seconds=2.0):
+    """Rank 1 sleeps where the others all-reduce in phase 'step'."""
+    with comm.phase("forward"):
+        comm.all_gather(np.empty(4 * comm.size), np.ones(4))
+    with comm.phase("step"):
+        if comm.rank == 1:
+            time.sleep(seconds)
+        comm.all_reduce(np.ones(5, dtype=np.float32))
+
+
+def test_local_timeout_names_the_call_and_the_missing_rank_with_the_flight_record():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        zs.LocalWorld(3, timeout=0.5).run(_stall_rank_1)
+    assert time.monotonic() - t0 < 5
+    text = str(info.value)
+    assert "all_reduce call #2 (phase 'step', group 'world', float32, 5 elements" in text
+    assert "waiting for rank(s) [1]" in text
+    notes = "\n".join(info.value.__notes__)
+    assert "flight record: the last 2 of 2 collective calls" in notes
+    assert "not done" in notes  # the stalled call, in the record
+
+
+def test_local_timeout_is_raised_in_every_waiting_thread_naming_the_missing_rank():
+    seen = {}
+
+    def fn(comm):
+        try:
+            _stall_rank_1(comm)
+        except (TimeoutError, zs.comm.WorldAborted) as err:
+            seen[comm.rank] = str(err)
+            raise
+
+    with pytest.raises(TimeoutError):
+        zs.LocalWorld(3, timeout=0.5).run(fn)
+    assert sorted(seen) == [0, 1, 2]
+    for rank in (0, 2):  # a timeout of its own, or the first one's, quoted
+        assert "waiting for rank(s) [1]" in seen[rank]
+
+
+def test_timeout_zero_waits_as_long_as_it_takes():
+    world = zs.LocalWorld(2, timeout=0)
+    assert world.timeout == 0.0
+    world.run(_stall_rank_1, 1.2)  # no error
+
+
+def test_timeout_comes_from_the_environment_unless_given(monkeypatch):
+    monkeypatch.setenv("ZEROSIM_TIMEOUT", "7.5")
+    assert zs.LocalWorld(2).timeout == 7.5
+    assert zs.LocalWorld(2).comms()[1].timeout == 7.5
+    assert zs.LocalWorld(2, timeout=3).timeout == 3.0
+    monkeypatch.setenv("ZEROSIM_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="ZEROSIM_TIMEOUT must be a number of seconds >= 0"):
+        zs.LocalWorld(2)
+    monkeypatch.delenv("ZEROSIM_TIMEOUT")
+    assert zs.LocalWorld(2).timeout == flight.DEFAULT_TIMEOUT == 600
+
+
+def test_set_watchdog_applies_the_config_and_the_environment_wins(monkeypatch, tmp_path):
+    monkeypatch.delenv("ZEROSIM_TIMEOUT", raising=False)
+    monkeypatch.delenv("ZEROSIM_FLIGHT_DIR", raising=False)
+    comm = zs.LocalWorld(2).comms()[0]
+    comm.set_watchdog(timeout=30, flight_records=5, flight_dir=str(tmp_path))
+    assert (comm.timeout, comm.ledger.flight.size, comm.ledger.flight.directory) == (
+        30.0,
+        5,
+        str(tmp_path),
+    )
+    monkeypatch.setenv("ZEROSIM_TIMEOUT", "4")
+    monkeypatch.setenv("ZEROSIM_FLIGHT_DIR", str(tmp_path / "env"))
+    comm.set_watchdog(timeout=30, flight_dir=str(tmp_path))
+    assert comm.timeout == 4.0 and comm.ledger.flight.directory == str(tmp_path / "env")
+    with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+        comm.timeout = -2
+
+
+def test_sub_groups_inherit_the_timeout():
+    def fn(comm):
+        comm.timeout = 12
+        return comm.split(comm.rank % 2).timeout
+
+    assert zs.LocalWorld(4).run(fn) == [12.0] * 4
+
+
+def test_flight_recorder_numbers_calls_and_keeps_the_last_k_after_a_ledger_reset():
+    def fn(comm):
+        comm.ledger.flight.resize(3)
+        for _ in range(5):
+            comm.all_reduce(np.ones(2))
+        comm.ledger.reset()
+        handle = comm.iall_reduce(np.ones(3))
+        kept = [
+            (seq, r.op, r.elements, r.wall_time is None) for seq, r in comm.ledger.flight.entries()
+        ]
+        handle.wait()
+        return kept, comm.ledger.flight.calls, len(comm.ledger.records)
+
+    kept, calls, records = zs.LocalWorld(2).run(fn)[0]
+    assert calls == 6 and records == 1
+    assert kept == [
+        (4, "all_reduce", 2, False),
+        (5, "all_reduce", 2, False),
+        (6, "all_reduce", 3, True),  # started, not waited on yet
+    ]
+
+
+def test_flight_recorder_rejects_a_negative_size():
+    with pytest.raises(ValueError, match="flight_records must be an int >= 0, got -1"):
+        FlightRecorder(-1)
+
+
+def test_local_timeout_writes_a_flight_file_that_zerosim_flight_reads(tmp_path, capsys):
+    def fn(comm):
+        comm.set_watchdog(timeout=0.5, flight_dir=str(tmp_path))
+        _stall_rank_1(comm)
+
+    with pytest.raises(TimeoutError):
+        zs.LocalWorld(3).run(fn)
+    files = sorted(p.name for p in tmp_path.glob("rank*.json"))
+    assert "rank0.json" in files and "rank1.json" not in files
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["calls"] == 2 and report["waiting"]["call"] == 2
+    assert report["records"][-1]["op"] == "all_reduce"
+    assert report["records"][-1]["wall_time_s"] is None
+    assert main(["flight", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: began 2 calls, waits in all_reduce call #2 (phase 'step'" in out
+    assert "rank 1: no file" in out
+
+
+def _report(rank, calls, waiting=None, node=None, reason="timeout after 10.0 s"):
+    records = [
+        {
+            "call": c,
+            "op": "all_reduce",
+            "phase": "step",
+            "group": "world",
+            "dtype": "float32",
+            "elements": 8,
+            "step": 1,
+            "blocking": True,
+            "start_s": 0.0,
+            "wall_time_s": None if c == waiting else 0.001,
+        }
+        for c in range(max(1, calls - 2), calls + 1)
+    ]
+    what = None if waiting is None else f"all_reduce call #{waiting} (phase 'step')"
+    return {
+        "rank": rank,
+        "size": 3,
+        "reason": reason,
+        "calls": calls,
+        "waiting": None if waiting is None else {"call": waiting, "what": what},
+        "records": records,
+        "node_ranks": node,
+    }
+
+
+def test_summary_names_the_rank_behind_from_a_neighbours_view():
+    node = {
+        "0": {"calls": 9, "waiting": 9, "last_call": 9, "op": "all_reduce", "waited_s": 10.0},
+        "1": {"calls": 8, "waiting": 0, "last_call": 8, "op": "all_gather", "waited_s": 0.0},
+        "2": {"calls": 9, "waiting": 9, "last_call": 9, "op": "all_reduce", "waited_s": 10.0},
+    }
+    reports = [_report(0, 9, waiting=9, node=node), _report(2, 9, waiting=9, node=node)]
+    summary = summarize(reports)
+    assert summary["behind"] == [1] and summary["waiting"] == [0, 2]
+    text = format_summary(summary)
+    assert "rank 1 is behind: it began 8 collective calls, other ranks 9" in text
+    assert "ranks [0, 2] wait for it in all_reduce call #9 (phase 'step')" in text
+    assert "rank 1: began 8 calls, is not in a collective; last: #8 all_gather" in text
+
+
+def test_summary_of_a_rank_that_raised_and_of_ranks_that_agree():
+    raised = [_report(0, 5), _report(1, 5, reason="exception: ValueError: boom"), _report(2, 5)]
+    text = format_summary(summarize(raised))
+    assert "rank 1 raised: exception: ValueError: boom" in text
+    assert "is behind" not in text
+    same = format_summary(summarize([_report(q, 5, reason="exit") for q in range(3)]))
+    assert "no rank is behind: every rank began 5 calls" in same
+
+
+def test_zerosim_flight_without_records_exits_2_naming_the_folder(tmp_path, capsys):
+    assert main(["flight", str(tmp_path)]) == 2
+    assert "no flight records (rank*.json) in" in capsys.readouterr().err
+    (tmp_path / "rank0.json").write_text("{")
+    with pytest.raises(ValueError, match="not a zerosim flight record"):
+        read_reports(tmp_path)
+
+
+def test_zerosim_flight_json(tmp_path, capsys):
+    for q in range(3):
+        (tmp_path / f"rank{q}.json").write_text(json.dumps(_report(q, 4 if q else 3, None)))
+    assert main(["flight", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["behind"] == [0] and data["most_calls"] == 4
+
+
+# -- initialize(comm=None): which world ---------------------------------------------------------
+_LAUNCHER = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_", "MPI_LOCAL", "I_MPI_", "MV2_", "SLURM")
+
+
+def _clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER)}
+    env["PYTHONPATH"] = str(ROOT)
+    return {**env, **extra}
+
+
+def _default_comm_in_subprocess(env):
+    code = (
+        "import sys; from zerosim.comm import default_comm; c = default_comm(); "
+        "print(type(c).__name__, c.size, 'mpi4py.MPI' in sys.modules)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_default_comm_outside_any_launcher_is_one_rank_and_does_not_start_mpi():
+    proc = _default_comm_in_subprocess(_clean_env())
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["LocalComm", "1", "False"]
+
+
+def test_default_comm_asks_mpi_under_a_launcher_it_does_not_recognise():
+    proc = _default_comm_in_subprocess(_clean_env(PMI_RANK="0"))  # no size variable set
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["LocalComm", "1", "True"]  # MPI was asked: 1 rank here
+
+
+def test_default_comm_refuses_a_launcher_size_that_mpi_does_not_see():
+    proc = _default_comm_in_subprocess(_clean_env(OMPI_COMM_WORLD_SIZE="4"))
+    assert proc.returncode != 0
+    assert "the launcher started 4 ranks (OMPI_COMM_WORLD_SIZE=4) but MPI sees a world of 1" in (
+        proc.stderr
+    )
