@@ -311,3 +311,16 @@ class ZerosimConfig(Section):
     quantization_block_size: int = knob(
         256, integer(1), "ZeRO++: elements per scale in qwZ and qgZ block quantization"
     )
+    timeout: float = knob(
+        600.0,
+        number(0),
+        "watchdog: seconds one wait in a collective may last before the job ends (0: never); "
+        "the environment variable ZEROSIM_TIMEOUT wins",
+    )
+    flight_records: int = knob(64, integer(0), "flight recorder: collective calls kept per rank")
+    flight_dir: str | None = knob(
+        None,
+        optional(text()),
+        "flight recorder: folder for rank<R>.json on a timeout or an uncaught exception; "
+        "the environment variable ZEROSIM_FLIGHT_DIR wins",
+    )

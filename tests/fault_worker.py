@@ -1,0 +1,183 @@
+"""Faults as users meet them, under a real mpirun: ``mpirun -n 3 python tests/fault_worker.py FAULT
+[DIR]``.
+
+Every rank trains a small MLP (ZeRO stage 2, or 3 where the fault is in forward or backward, so that
+the phase moves data); rank 1 meets the fault at micro-step ``AT``:
+
+    kill_forward, kill_backward, kill_step   SIGKILL from a forward pre-hook, a backward hook, or
+                                             the optimizer's step (between the clip all-reduce and
+                                             the parameter all-gather)
+    kill_save DIR                            save DIR/global_step2, train, and SIGKILL while
+                                             writing DIR/global_step4 (after its own files)
+    sleep                                    sleep instead of the backward's collectives
+    raise                                    raise ValueError in forward
+    hidden_launcher                          (no fault) hide the launcher's size variables, then
+                                             initialize(comm=None) must still find 3 ranks
+    config_differs                           rank 2 loads another config: ConfigError on all ranks
+
+``tests/test_faults_mpi.py`` launches each and checks how the job ends.
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from zerosim.engine import initialize  # noqa: E402
+from zerosim.nn import MLP  # noqa: E402
+
+AT = 3  # the micro-step (from 1) at which rank 1 meets its fault
+VICTIM = 1
+
+
+def config(stage: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 64},
+    }
+
+
+def build(comm: object, stage: int) -> object:
+    engine, *_ = initialize(MLP([8, 16, 16, 4], seed=0), config(stage), comm=comm)
+    return engine
+
+
+def train(engine: object, steps: int, start: int = 0) -> None:
+    rng = np.random.default_rng(start * 10 + engine.comm.rank)
+    for _ in range(steps):
+        x, y = rng.standard_normal((4, 8)), rng.integers(0, 4, 4)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def die() -> None:
+    say(f"rank {VICTIM}: SIGKILL now")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def when_at(engine: object, action: object) -> object:
+    """A hook body that runs ``action`` on the victim at micro-step AT, once."""
+
+    def hook(*_: object) -> None:
+        if engine.comm.rank == VICTIM and engine.micro_steps + 1 == AT:
+            action()
+
+    return hook
+
+
+def kill_in(phase: str, comm: object) -> None:
+    engine = build(comm, stage=2 if phase == "step" else 3)
+    layer = engine.module.layers[2]
+    if phase == "forward":
+        layer.register_forward_pre_hook(when_at(engine, die))
+    elif phase == "backward":
+        layer.register_full_backward_hook(when_at(engine, die))
+    else:
+        update = engine.optimizer.step
+
+        def step(*args: object, **kwargs: object) -> object:
+            if engine.comm.rank == VICTIM and engine.micro_steps == AT:
+                die()
+            return update(*args, **kwargs)
+
+        engine.optimizer.step = step
+    train(engine, 2 * AT)
+
+
+def kill_save(comm: object, ckpt: str) -> None:
+    import zerosim.checkpoint.sharded as sharded
+
+    engine = build(comm, stage=2)
+    train(engine, 2)
+    engine.save_checkpoint(ckpt)  # global_step2: the one that must still load
+    if comm.rank == 0:
+        np.savez(Path(ckpt) / "expected.npz", **engine.full_state_dict())
+    else:
+        engine.full_state_dict()
+    train(engine, 2, start=2)
+    write = sharded._write_rank_files
+
+    def write_then_die(engine: object, tag_dir: Path) -> object:
+        manifest = write(engine, tag_dir)
+        if engine.comm.rank == VICTIM:
+            die()
+        return manifest
+
+    sharded._write_rank_files = write_then_die
+    engine.save_checkpoint(ckpt)  # global_step4: rank 1 dies in it
+
+
+def sleep(comm: object) -> None:
+    engine = build(comm, stage=2)
+    engine.module.layers[2].register_full_backward_pre_hook(
+        when_at(engine, lambda: (say(f"rank {VICTIM}: sleeping"), time.sleep(300)))
+    )
+    train(engine, 2 * AT)
+
+
+def fail(comm: object) -> None:
+    engine = build(comm, stage=2)
+
+    def bad_batch() -> None:
+        raise ValueError(f"deliberate failure on rank {VICTIM} in forward")
+
+    engine.module.layers[0].register_forward_pre_hook(when_at(engine, bad_batch))
+    train(engine, 2 * AT)
+
+
+def hidden_launcher() -> None:
+    from mpi4py import MPI  # noqa: F401  (MPI starts as the launcher set it up)
+
+    from zerosim.comm import SIZE_VARIABLES
+
+    for var in SIZE_VARIABLES:  # now zerosim's environment check recognises no launcher
+        os.environ.pop(var, None)
+    engine, *_ = initialize(MLP([8, 4], seed=0), config(1))  # comm=None: MPI is asked
+    train(engine, 1)
+    say(f"rank {engine.comm.rank}: {type(engine.comm).__name__} of size {engine.comm.size}")
+
+
+def config_differs(comm: object) -> None:
+    cfg = config(stage=3 if comm.rank == 2 else 2)
+    cfg["gradient_clipping"] = 1.0 if comm.rank == 2 else 0.0
+    try:
+        initialize(MLP([8, 4], seed=0), cfg, comm=comm)
+    except ValueError as err:
+        say(f"rank {comm.rank}: {type(err).__name__}: {err}")
+        return
+    raise AssertionError("the differing configs were not detected")
+
+
+if __name__ == "__main__":
+    fault = sys.argv[1]
+    if fault == "hidden_launcher":
+        hidden_launcher()
+        sys.exit(0)
+    from zerosim.comm import MPIComm
+
+    comm = MPIComm()
+    if fault.startswith("kill_") and fault != "kill_save":
+        kill_in(fault[5:], comm)
+    elif fault == "kill_save":
+        kill_save(comm, sys.argv[2])
+    elif fault == "sleep":
+        sleep(comm)
+    elif fault == "raise":
+        fail(comm)
+    elif fault == "config_differs":
+        config_differs(comm)
+    else:
+        raise SystemExit(f"unknown fault {fault!r}")
+    say(f"rank {comm.rank}: finished")
