@@ -4,6 +4,7 @@ against their formulas written out independently here."""
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import numpy as np
@@ -120,6 +121,30 @@ CASES = {
     "onecycle_no_momentum": (
         "sgd",
         lambda M, o: [M.OneCycleLR(o, 0.2, total_steps=N_STEPS + 7, cycle_momentum=False)],
+    ),
+    "constant_then_exponential": (
+        "sgd",
+        lambda M, o: [M.ConstantLR(o, factor=0.4, total_iters=30), M.ExponentialLR(o, 0.995)],
+    ),
+    "polynomial": ("sgd", lambda M, o: [M.PolynomialLR(o, total_iters=200, power=1.7)]),
+    "warm_restarts": ("sgd", lambda M, o: [M.CosineAnnealingWarmRestarts(o, T_0=25)]),
+    "warm_restarts_growing": (
+        "adam",
+        lambda M, o: [M.CosineAnnealingWarmRestarts(o, T_0=7, T_mult=2, eta_min=1e-3)],
+    ),
+    "cyclic_triangular_sgd": (
+        "sgd",
+        lambda M, o: [M.CyclicLR(o, 0.01, [0.2, 0.1], step_size_up=13, step_size_down=29)],
+    ),
+    "cyclic_triangular2_adam": (
+        "adam",
+        lambda M, o: [M.CyclicLR(o, [0.01, 0.02], 0.3, step_size_up=20, mode="triangular2")],
+    ),
+    "cyclic_exp_range_no_momentum": (
+        "sgd",
+        lambda M, o: [
+            M.CyclicLR(o, 0.01, 0.1, 17, mode="exp_range", gamma=0.995, cycle_momentum=False)
+        ],
     ),
 }
 
@@ -370,14 +395,16 @@ def test_warmup_lr_follows_its_formula(kind):
 
 
 def test_warmup_lr_hand_checked_points_with_deepspeed_defaults():
-    opt, _ = make_pair("sgd")
-    sched = Z.WarmupLR(opt)  # min 0, max 1e-3, 1000 steps, 'log'
+    opt, _ = make_pair("sgd")  # groups' lr: 0.1 and 0.03, the default warmup_max_lr
+    sched = Z.WarmupLR(opt)  # min 0, max each group's lr, 1000 steps, 'log'
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]
     lrs = run_ds(sched, opt, 1001)
     # k=9: ln(10)/ln(1000) = 1/3; k=99: ln(100)/ln(1000) = 2/3; k=999 and after: 1.
-    assert lrs[9][0] == pytest.approx(1e-3 / 3, rel=1e-12)
-    assert lrs[99][1] == pytest.approx(2e-3 / 3, rel=1e-12)
-    assert lrs[999][0] == pytest.approx(1e-3, rel=1e-12) and lrs[1000][0] == 1e-3
-    linear = Z.WarmupLR(opt, warmup_type="linear")
+    assert lrs[9][0] == pytest.approx(0.1 / 3, rel=1e-12)
+    assert lrs[99][1] == pytest.approx(0.06 / 3, rel=1e-12)
+    assert lrs[999][0] == pytest.approx(0.1, rel=1e-12) and lrs[1000][1] == 0.03
+    opt, _ = make_pair("sgd")
+    linear = Z.WarmupLR(opt, warmup_max_lr=1e-3, warmup_type="linear")
     # linear: k=250 of 1000 -> a quarter of the way to 1e-3.
     assert run_ds(linear, opt, 251)[250][0] == pytest.approx(2.5e-4, rel=1e-12)
 
@@ -404,19 +431,20 @@ def test_warmup_cosine_lr_follows_its_formula(kind):
     opt, _ = make_pair("adam")  # groups' lr0: 0.1 and 0.03
     n, total, wmr, cmr = 50, 300, 0.1, 0.01
     sched = Z.WarmupCosineLR(opt, total, wmr, n, cmr, warmup_type=kind)
-    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1 * wmr, 0.03 * wmr])
-    lrs = run_ds(sched, opt)
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]  # DeepSpeed writes 0 at k = -1
+    lrs = run_ds(sched, opt, 2 * total)
     for k, (lr0, lr1) in enumerate(lrs):
         if k < n:
             ratio = wmr + (1 - wmr) * warmup_fraction(kind, k, n)
-        else:
-            angle = math.pi * (k - n + 1) / (total - n)
+        else:  # from k = total - 1 on, the floor: the cosine does not come back up
+            angle = math.pi * min(1.0, (k - n + 1) / (total - n))
             ratio = cmr + (1 - cmr) * 0.5 * (1 + math.cos(angle))
         assert (lr0, lr1) == pytest.approx((0.1 * ratio, 0.03 * ratio), rel=1e-12)
     # Hand checks: k=174 is 125 of 250 cosine steps -> cos(pi/2) = 0 -> ratio 0.505;
     # k=299 is the end -> cos(pi) = -1 -> ratio = cos_min_ratio = 0.01.
     assert lrs[174][0] == pytest.approx(0.1 * 0.505, rel=1e-12)
     assert lrs[299][1] == pytest.approx(0.03 * 0.01, rel=1e-12)
+    assert lrs[599][1] == lrs[299][1]
     if kind == "linear":  # k=25 of 50: halfway from 0.1 to 1 -> 0.55
         assert lrs[25][0] == pytest.approx(0.1 * 0.55, rel=1e-12)
 
@@ -500,7 +528,8 @@ BAD_DS = [
     (lambda o: Z.WarmupLR(o, warmup_min_lr=-1e-3), "warmup_min_lr.*-0.001"),
     (lambda o: Z.WarmupLR(o, warmup_num_steps=-5), "warmup_num_steps.*-5"),
     (lambda o: Z.WarmupDecayLR(o, total_num_steps=2.5), "total_num_steps.*2.5"),
-    (lambda o: Z.WarmupCosineLR(o, total_num_steps=1000), "total_num_steps.*1000.*1000"),
+    (lambda o: Z.WarmupLR(o, warmup_num_steps=0), "warmup_num_steps.*>= 1.*0"),
+    (lambda o: Z.WarmupCosineLR(o, 1000, warmup_num_steps=0), "warmup_num_steps.*>= 1.*0"),
     (lambda o: Z.WarmupCosineLR(o, 2000, cos_min_ratio=-0.1), "cos_min_ratio.*-0.1"),
     (lambda o: Z.OneCycle(o, 0.1, 1.0, cycle_first_step_size=0), "cycle_first_step_size.*0"),
     (lambda o: Z.OneCycle(o, -0.1, 1.0), "cycle_min_lr.*-0.1"),
@@ -556,3 +585,76 @@ def test_build_scheduler_rejects_unknown_types_and_params_naming_them(name, para
     opt, _ = make_pair("sgd")
     with pytest.raises(ValueError, match=message):
         Z.build_scheduler(name, opt, params)
+
+
+# ------------------------------------------- DeepSpeed's own schedulers as the oracle
+
+DS_STEPS = 2100  # past every phase of the grid below (the longest cycle or decay is 2000)
+
+
+def _deepspeed_grid() -> list[tuple[str, str, dict]]:
+    """(scheduler, optimizer kind, params): a grid over each DeepSpeed scheduler's knobs."""
+    grid = []
+    for n, kind, bounds in itertools.product(
+        (1, 2, 10, 999),
+        ("log", "linear"),
+        ({}, {"warmup_min_lr": 1e-4, "warmup_max_lr": [1e-2, 2e-2]}),
+    ):
+        grid.append(("WarmupLR", "sgd", {"warmup_num_steps": n, "warmup_type": kind, **bounds}))
+    for total, n, kind in itertools.product((1, 150, 2000), (1, 10, 500), ("log", "linear")):
+        params = {"total_num_steps": total, "warmup_num_steps": n, "warmup_type": kind}
+        grid.append(("WarmupDecayLR", "adam", {**params, "warmup_min_lr": 1e-5}))
+    for total, n, wmr, cmr in itertools.product(
+        (5, 300, 2000), (1, 10, 300), (0.0, 0.2), (1e-4, 0.3)
+    ):
+        params = {"total_num_steps": total, "warmup_num_steps": n, "warmup_min_ratio": wmr}
+        grid.append(
+            ("WarmupCosineLR", "sgd", {**params, "cos_min_ratio": cmr, "warmup_type": "linear"})
+        )
+    grid.append(("WarmupCosineLR", "adam", {"total_num_steps": 700, "warmup_num_steps": 40}))
+    cycles = ((400, None), (300, 700), (250, 0), (1, 1))
+    stairs = ((0, None), (4, None), (3, 7), (5, 0))
+    decays = ((0, 0.0, 0.0), (50, 0.5, 0.0), (20, 0.1, 0.02))
+    for (first, second), (s1, s2), (every, lr_rate, mom_rate), kind in itertools.product(
+        cycles, stairs, decays, ("sgd", "adam")
+    ):
+        params = {
+            "cycle_min_lr": [1e-3, 2e-3],
+            "cycle_max_lr": 1e-1,
+            "cycle_first_step_size": first,
+            "cycle_second_step_size": second,
+            "cycle_first_stair_count": s1,
+            "cycle_second_stair_count": s2,
+            "decay_step_size": every,
+            "decay_lr_rate": lr_rate,
+            "decay_mom_rate": mom_rate,
+            "cycle_min_mom": 0.85,
+            "cycle_max_mom": [0.95, 0.9],
+        }
+        grid.append(("OneCycle", kind, params))
+    return grid
+
+
+DS_GRID = _deepspeed_grid()
+
+
+@pytest.mark.parametrize(
+    "name, kind, params", DS_GRID, ids=[f"{n}-{k}-{i}" for i, (n, k, _) in enumerate(DS_GRID)]
+)
+def test_deepspeed_scheduler_equals_deepspeeds_class_over_2100_steps(name, kind, params):
+    """zerosim's scheduler and DeepSpeed 0.19.8's, each on its own torch optimizer with the
+    same two groups: the lr (and OneCycle's betas) at construction and after every step."""
+    schedules = pytest.importorskip(
+        "deepspeed.runtime.lr_schedules",
+        reason="DeepSpeed is the oracle (pip install -e '.[test]')",
+    )
+    ours, theirs = make_pair(kind)[1], make_pair(kind)[1]
+    z = getattr(Z, name)(ours, **copy.deepcopy(params))
+    d = getattr(schedules, name)(theirs, **copy.deepcopy(params))
+    assert group_values(ours) == group_values(theirs)
+    for step in range(DS_STEPS):
+        z.step()
+        d.step()
+        assert group_values(ours) == group_values(theirs), (step, group_values(ours))
+    assert z.get_last_lr() == d.get_last_lr()
+    assert z.state_dict() == d.state_dict()

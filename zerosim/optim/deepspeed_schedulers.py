@@ -1,15 +1,15 @@
-"""DeepSpeed's learning-rate schedulers (deepspeed/runtime/lr_schedules.py semantics).
+"""DeepSpeed's learning-rate schedulers (deepspeed/runtime/lr_schedules.py, 0.19.8 semantics).
 
 These are what a DeepSpeed JSON ``"scheduler"`` section names, with DeepSpeed's parameter
 names and defaults. Unlike torch's schedulers they count *batches*: ``last_batch_iteration``
 starts at -1, each ``step()`` adds one, and iteration k's value is written to the groups
 (the DeepSpeed engine steps them after every optimizer step). ``state_dict()`` holds only
-``last_batch_iteration``. Import them from ``zerosim.optim.lr_scheduler``.
+``last_batch_iteration``. Import them from ``zerosim.optim.lr_scheduler``. The tests drive
+each against DeepSpeed's own class over thousands of steps on a grid of parameters.
 
 Deviations from DeepSpeed, all in the direction of failing fast: an unknown ``warmup_type``
-raises ValueError (DeepSpeed logs a warning and uses 'log'), negative lrs or step counts
-raise ValueError, and WarmupCosineLR needs total_num_steps > warmup_num_steps (DeepSpeed
-divides by zero when they are equal).
+raises ValueError (DeepSpeed logs a warning and uses 'log'), and negative learning rates,
+ratios, momenta or step counts raise ValueError (DeepSpeed writes them into the optimizer).
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ def _check_non_negative(**values: float) -> None:
             raise ValueError(f"{name} must be >= 0; got {value}")
 
 
-def _check_steps(**values: Any) -> None:
+def _check_steps(minimum: int = 0, **values: Any) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
 
 
 def _check_warmup_type(warmup_type: Any) -> None:
@@ -109,21 +109,24 @@ class WarmupLR(_BatchScheduler):
     With N = max(2, warmup_num_steps) and k = last_batch_iteration:
         lr_k = min_lr + (max_lr - min_lr) * gamma_k,
         gamma_k = ln(k + 1) / ln(N)  ('log')  or  k / N  ('linear')  for k < N, else 1.
-    Construction (k = -1) writes warmup_min_lr into the groups.
+    warmup_max_lr None (the default) is each group's lr at construction. Construction
+    (k = -1) writes warmup_min_lr into the groups.
     """
 
     def __init__(
         self,
         optimizer: Any,
         warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_max_lr: float | Sequence[float] | None = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
+        if warmup_max_lr is None:
+            warmup_max_lr = [g["lr"] for g in optimizer.param_groups]
         _check_non_negative(warmup_min_lr=warmup_min_lr, warmup_max_lr=warmup_max_lr)
-        _check_steps(warmup_num_steps=warmup_num_steps)
+        _check_steps(1, warmup_num_steps=warmup_num_steps)
         _check_warmup_type(warmup_type)
         self.min_lrs = per_group("warmup_min_lr", optimizer, warmup_min_lr)
         self.max_lrs = per_group("warmup_max_lr", optimizer, warmup_max_lr)
@@ -187,9 +190,10 @@ class WarmupCosineLR(_BatchScheduler):
 
     With N = max(2, warmup_num_steps), T = total_num_steps, k = last_batch_iteration:
       k < N:  ratio = warmup_min_ratio + (1 - warmup_min_ratio) * f_k,  f_k as in WarmupLR;
-      k >= N: ratio = max(0, cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi s / (T - N))) / 2)
-              with s = k - N + 1 (past T the cosine keeps going, as in DeepSpeed).
-    lr_k = lr_0 * ratio. Construction writes the k = 0 value, lr_0 * warmup_min_ratio.
+      k >= N: ratio = max(0, cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi p)) / 2)
+              with p = min(1, (k - N + 1) / max(1, T - N)): from T on the ratio stays at
+              cos_min_ratio (also when T <= N: no decay window, the floor at once).
+    lr_k = lr_0 * ratio. Construction (k = -1) writes 0.0, as DeepSpeed does.
     """
 
     def __init__(
@@ -203,7 +207,8 @@ class WarmupCosineLR(_BatchScheduler):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        _check_steps(total_num_steps=total_num_steps, warmup_num_steps=warmup_num_steps)
+        _check_steps(total_num_steps=total_num_steps)
+        _check_steps(1, warmup_num_steps=warmup_num_steps)
         _check_non_negative(warmup_min_ratio=warmup_min_ratio, cos_min_ratio=cos_min_ratio)
         _check_warmup_type(warmup_type)
         self.total_num_steps = total_num_steps
@@ -211,28 +216,31 @@ class WarmupCosineLR(_BatchScheduler):
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.cos_min_ratio = cos_min_ratio
         self.warmup_type = warmup_type
-        if total_num_steps <= self.warmup_num_steps:
-            raise ValueError(
-                f"total_num_steps must exceed warmup_num_steps (at least 2) = "
-                f"{self.warmup_num_steps}; got {total_num_steps}"
+        if total_num_steps < self.warmup_num_steps:
+            logger.warning(
+                "total_num_steps %d is less than warmup_num_steps %d",
+                total_num_steps,
+                warmup_num_steps,
             )
         self.org_lrs = [g["lr"] for g in optimizer.param_groups]
         if last_batch_iteration == -1:
-            self._write([lr * self.get_lr_ratio(0) for lr in self.org_lrs])
+            self._write(self.get_lr())
 
     def get_lr_ratio(self, k: int | None = None) -> float:
         """The multiplier of lr_0 at iteration k (default: ``last_batch_iteration``)."""
         k = self.last_batch_iteration if k is None else k
         n = self.warmup_num_steps
+        if k < 0:
+            return 0.0
         if k < n:
             fraction = _warmup_fraction(self.warmup_type, k, n)
             return self.warmup_min_ratio + fraction * (1.0 - self.warmup_min_ratio)
-        progress = (k - n + 1) / (self.total_num_steps - n)
+        progress = min(1.0, (k - n + 1) / max(1, self.total_num_steps - n))
         cosine = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
     def get_lr(self) -> list[float]:
-        ratio = self.get_lr_ratio(max(0, self.last_batch_iteration))
+        ratio = self.get_lr_ratio()
         return [lr * ratio for lr in self.org_lrs]
 
 
@@ -242,23 +250,25 @@ class OneCycle(_BatchScheduler):
     With b = k + 1, S1 = cycle_first_step_size, S2 = cycle_second_step_size (default S1),
     S = S1 + S2, r = S1 / S, x = b/S + 1 - floor(1 + b/S):
       k < S:  scale = x / r if x <= r else (x - 1) / (r - 1);
+              with a stair count c > 0 for that half (cycle_first_stair_count, or
+              cycle_second_stair_count, default the first): scale = floor(q) / c with
+              q = (b mod S) · c / S1 in the first half, (S - b mod S) · c / S2 in the second;
               lr = min_lr + (max_lr - min_lr) * scale
               beta1 = max_mom - (max_mom - min_mom) * scale
       k >= S: d = (k - S + 1) / decay_step_size;
               lr = min_lr / (1 + decay_lr_rate * d)
               beta1 = max_mom * (1 + decay_mom_rate * d)
               (no decay, lr = min_lr and beta1 = max_mom, if decay_step_size or the rate is 0).
-    Momentum is cycled only for Adam-like optimizers (``betas`` in their defaults); as in
-    DeepSpeed the groups' betas become (beta1, 0.99). Construction writes cycle_min_lr and
-    betas (cycle_min_mom, 0.99). The stair counts are accepted for DeepSpeed configs but,
-    as in DeepSpeed, do not change the schedule.
+    The bounds may be one value or one per param group. Momentum is cycled only for Adam-like
+    optimizers (``betas`` in their defaults); as in DeepSpeed the groups' betas become
+    (beta1, 0.99). Construction writes cycle_min_lr and betas (cycle_min_mom, 0.99).
     """
 
     def __init__(
         self,
         optimizer: Any,
-        cycle_min_lr: float,
-        cycle_max_lr: float,
+        cycle_min_lr: float | Sequence[float],
+        cycle_max_lr: float | Sequence[float],
         decay_lr_rate: float = 0.0,
         cycle_first_step_size: int = 2000,
         cycle_second_step_size: int | None = None,
@@ -266,8 +276,8 @@ class OneCycle(_BatchScheduler):
         cycle_second_stair_count: int | None = None,
         decay_step_size: int = 0,
         cycle_momentum: bool = True,
-        cycle_min_mom: float = 0.8,
-        cycle_max_mom: float = 0.9,
+        cycle_min_mom: float | Sequence[float] = 0.8,
+        cycle_max_mom: float | Sequence[float] = 0.9,
         decay_mom_rate: float = 0.0,
         last_batch_iteration: int = -1,
     ) -> None:
@@ -279,11 +289,12 @@ class OneCycle(_BatchScheduler):
         )  # fmt: skip
         first = float(cycle_first_step_size)
         second = first if cycle_second_step_size is None else float(cycle_second_step_size)
-        if first <= 0 or second <= 0:
+        if first <= 0 or second < 0:
             raise ValueError(
-                "cycle_first_step_size and cycle_second_step_size must be > 0; "
+                "cycle_first_step_size must be > 0 and cycle_second_step_size >= 0; "
                 f"got {cycle_first_step_size} and {cycle_second_step_size}"
             )
+        self.first_step_size, self.second_step_size = first, second
         self.total_size = first + second
         self.step_ratio = first / self.total_size
         self.first_stair_count = cycle_first_stair_count
@@ -298,9 +309,8 @@ class OneCycle(_BatchScheduler):
         no_decay = math.isclose(decay_step_size, 0)
         self.skip_lr_decay = no_decay or math.isclose(decay_lr_rate, 0)
         self.skip_mom_decay = no_decay or math.isclose(decay_mom_rate, 0)
-        n_groups = len(optimizer.param_groups)
-        self.min_lrs = [cycle_min_lr] * n_groups
-        self.max_lrs = [cycle_max_lr] * n_groups
+        self.min_lrs = per_group("cycle_min_lr", optimizer, cycle_min_lr)
+        self.max_lrs = per_group("cycle_max_lr", optimizer, cycle_max_lr)
         defaults = getattr(optimizer, "defaults", None) or optimizer.param_groups[0]
         if cycle_momentum and "betas" not in defaults:
             logger.warning(
@@ -309,8 +319,13 @@ class OneCycle(_BatchScheduler):
             )
             cycle_momentum = False
         self.cycle_momentum = cycle_momentum
-        self.min_moms = [(cycle_min_mom, 0.99)] * n_groups
-        self.max_moms = [(cycle_max_mom, 0.99)] * n_groups
+        if cycle_momentum:
+            self.min_moms = [
+                (m, 0.99) for m in per_group("cycle_min_mom", optimizer, cycle_min_mom)
+            ]
+            self.max_moms = [
+                (m, 0.99) for m in per_group("cycle_max_mom", optimizer, cycle_max_mom)
+            ]
         if last_batch_iteration == -1:
             self._write(list(self.min_lrs))
             if cycle_momentum:
@@ -321,8 +336,17 @@ class OneCycle(_BatchScheduler):
         b = self.last_batch_iteration + 1
         x = 1.0 + b / self.total_size - math.floor(1 + b / self.total_size)
         if x <= self.step_ratio:
-            return x / self.step_ratio
-        return (x - 1) / (self.step_ratio - 1)
+            scale, stairs = x / self.step_ratio, self.first_stair_count
+        else:
+            scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
+        if stairs > 0:  # from the integer offset, so that a stair edge is exact
+            at = b % self.total_size
+            if at <= self.first_step_size:
+                position = at * stairs / self.first_step_size
+            else:
+                position = (self.total_size - at) * stairs / self.second_step_size
+            scale = math.floor(position) / stairs
+        return scale
 
     def _decay_interval(self) -> float:
         return (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size

@@ -46,6 +46,10 @@ __all__ = [
     "CosineAnnealingLR",
     "LambdaLR",
     "LinearLR",
+    "ConstantLR",
+    "PolynomialLR",
+    "CosineAnnealingWarmRestarts",
+    "CyclicLR",
     "SequentialLR",
     "OneCycleLR",
     "ReduceLROnPlateau",
@@ -331,6 +335,206 @@ class LinearLR(LRScheduler):
     def _closed_form_lr(self) -> list[float]:
         s, e, n, t = self.start_factor, self.end_factor, self.total_iters, self.last_epoch
         return [b * (s + (e - s) * min(n, t) / n) for b in self.base_lrs]
+
+
+class ConstantLR(LRScheduler):
+    """Multiply lr by ``factor`` until epoch ``total_iters``, then restore it.
+
+    Closed form: lr_t = base_lr * (factor if t < total_iters else 1).
+    Recursive:   lr_0 = lr * factor;  lr_t = lr_{t-1} / factor at t == total_iters, else unchanged.
+    """
+
+    def __init__(
+        self, optimizer: Any, factor: float = 1.0 / 3, total_iters: int = 5, last_epoch: int = -1
+    ) -> None:
+        if not 0 <= factor <= 1:
+            raise ValueError(f"factor must be in [0, 1]; got {factor}")
+        self.factor = factor
+        self.total_iters = total_iters
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        lrs = _current_lrs(self.optimizer)
+        if self.last_epoch == 0:
+            return [lr * self.factor for lr in lrs]
+        if self.last_epoch != self.total_iters:
+            return lrs
+        return [lr * (1.0 / self.factor) for lr in lrs]
+
+    def _closed_form_lr(self) -> list[float]:
+        after = self.last_epoch >= self.total_iters
+        return [b * (self.factor + after * (1 - self.factor)) for b in self.base_lrs]
+
+
+class PolynomialLR(LRScheduler):
+    """Decay lr polynomially to 0 over ``total_iters`` epochs, then hold.
+
+    Closed form: lr_t = base_lr * (1 - min(t, total_iters) / total_iters) ** power.
+    Recursive:   lr_t = lr_{t-1} * ((1 - t/T) / (1 - (t-1)/T)) ** power for 0 < t <= T.
+    """
+
+    def __init__(
+        self, optimizer: Any, total_iters: int = 5, power: float = 1.0, last_epoch: int = -1
+    ) -> None:
+        self.total_iters = total_iters
+        self.power = power
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        t, n = self.last_epoch, self.total_iters
+        lrs = _current_lrs(self.optimizer)
+        if self._is_initial or t > n:
+            return lrs
+        factor = ((1.0 - t / n) / (1.0 - (t - 1) / n)) ** self.power
+        return [lr * factor for lr in lrs]
+
+    def _closed_form_lr(self) -> list[float]:
+        t, n = self.last_epoch, self.total_iters
+        return [b * (1.0 - min(n, t) / n) ** self.power for b in self.base_lrs]
+
+
+class CosineAnnealingWarmRestarts(LRScheduler):
+    """SGDR's cosine with restarts (arXiv:1608.03983): the cosine of CosineAnnealingLR over a
+    period T_i that restarts from base_lr, each period T_mult times the last (T_0 first).
+
+        lr_t = eta_min + (base_lr - eta_min) * (1 + cos(pi T_cur / T_i)) / 2,
+    with T_cur the epochs since the last restart. Not chainable.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        T_0: int,
+        T_mult: int = 1,
+        eta_min: float = 0.0,
+        last_epoch: int = -1,
+    ) -> None:
+        if not isinstance(T_0, int) or isinstance(T_0, bool) or T_0 <= 0:
+            raise ValueError(f"T_0 must be a positive integer; got {T_0!r}")
+        if not isinstance(T_mult, int) or isinstance(T_mult, bool) or T_mult < 1:
+            raise ValueError(f"T_mult must be an integer >= 1; got {T_mult!r}")
+        if not isinstance(eta_min, float | int) or isinstance(eta_min, bool):
+            raise ValueError(f"eta_min must be a number; got {eta_min!r}")
+        self.T_0 = self.T_i = T_0
+        self.T_mult = T_mult
+        self.eta_min = eta_min
+        self.T_cur = last_epoch
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        cosine = (1 + math.cos(math.pi * self.T_cur / self.T_i)) / 2
+        return [self.eta_min + (b - self.eta_min) * cosine for b in self.base_lrs]
+
+    def step(self) -> None:
+        self._step_count += 1
+        if self.last_epoch < 0:  # the initial step: epoch 0, the first period
+            self.T_i, self.T_cur, self.last_epoch = self.T_0, 0, 0
+        else:
+            self.last_epoch += 1
+            self.T_cur += 1
+            if self.T_cur >= self.T_i:  # a restart
+                self.T_cur %= self.T_i
+                self.T_i *= self.T_mult
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
+            group["lr"] = lr
+        self._last_lr = _current_lrs(self.optimizer)
+
+
+class CyclicLR(LRScheduler):
+    """Cyclical learning rates (Smith, arXiv:1506.01186): a triangle between base_lr and max_lr.
+
+    With S = step_size_up + step_size_down, r = step_size_up / S, cycle = floor(1 + t/S),
+    x = 1 + t/S - cycle: scale = x / r if x <= r else (x - 1) / (r - 1), and
+        lr_t = base_lr + (max_lr - base_lr) * scale * f,
+    f = 1 ('triangular'), 1 / 2**(cycle - 1) ('triangular2'), gamma**t ('exp_range'), or
+    ``scale_fn`` of the cycle or of t (``scale_mode``). With cycle_momentum, momentum (or beta1)
+    moves the other way between max_momentum and base_momentum. Not chainable.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        base_lr: float | Sequence[float],
+        max_lr: float | Sequence[float],
+        step_size_up: int = 2000,
+        step_size_down: int | None = None,
+        mode: str = "triangular",
+        gamma: float = 1.0,
+        scale_fn: Callable[[float], float] | None = None,
+        scale_mode: str = "cycle",
+        cycle_momentum: bool = True,
+        base_momentum: float | Sequence[float] = 0.8,
+        max_momentum: float | Sequence[float] = 0.9,
+        last_epoch: int = -1,
+    ) -> None:
+        _check_optimizer(optimizer)
+        base_lrs = per_group("base_lr", optimizer, base_lr)
+        self.max_lrs = per_group("max_lr", optimizer, max_lr)
+        if mode not in ("triangular", "triangular2", "exp_range") and scale_fn is None:
+            raise ValueError(f"mode must be triangular, triangular2 or exp_range; got {mode!r}")
+        up = float(step_size_up)
+        down = up if step_size_down is None else float(step_size_down)
+        self.total_size = up + down
+        self.step_ratio = up / self.total_size
+        self.mode, self.gamma, self.scale_fn = mode, gamma, scale_fn
+        self.scale_mode = (
+            scale_mode
+            if scale_fn is not None
+            else ("iterations" if mode == "exp_range" else "cycle")
+        )
+        self.cycle_momentum = cycle_momentum
+        if cycle_momentum:
+            defaults = getattr(optimizer, "defaults", None) or optimizer.param_groups[0]
+            if "momentum" not in defaults and "betas" not in defaults:
+                raise ValueError(
+                    "cycle_momentum=True needs an optimizer with 'momentum' or 'betas'; "
+                    f"its defaults have {sorted(defaults)}"
+                )
+            self.use_beta1 = "betas" in defaults
+            self.base_momentums = per_group("base_momentum", optimizer, base_momentum)
+            self.max_momentums = per_group("max_momentum", optimizer, max_momentum)
+        self.optimizer = optimizer
+        if last_epoch == -1:
+            for group, lr in zip(optimizer.param_groups, base_lrs, strict=True):
+                group["lr"] = lr
+            if cycle_momentum:
+                for i, group in enumerate(optimizer.param_groups):
+                    self._set_momentum(group, self.max_momentums[i])
+                    group["max_momentum"] = self.max_momentums[i]
+                    group["base_momentum"] = self.base_momentums[i]
+        super().__init__(optimizer, last_epoch)
+        self.base_lrs = base_lrs
+
+    def _set_momentum(self, group: dict, value: float) -> None:
+        if self.use_beta1:
+            group["betas"] = (value, *group["betas"][1:])
+        else:
+            group["momentum"] = value
+
+    def _factor(self, cycle: int) -> float:
+        x = cycle if self.scale_mode == "cycle" else self.last_epoch
+        if self.scale_fn is not None:
+            return self.scale_fn(x)
+        if self.mode == "triangular":
+            return 1.0
+        if self.mode == "triangular2":
+            return 1 / (2.0 ** (x - 1))
+        return self.gamma**x
+
+    def get_lr(self) -> list[float]:
+        cycle = math.floor(1 + self.last_epoch / self.total_size)
+        x = 1.0 + self.last_epoch / self.total_size - cycle
+        scale = x / self.step_ratio if x <= self.step_ratio else (x - 1) / (self.step_ratio - 1)
+        factor = self._factor(cycle)
+        lrs = [
+            b + (hi - b) * scale * factor for b, hi in zip(self.base_lrs, self.max_lrs, strict=True)
+        ]
+        if self.cycle_momentum:
+            pairs = zip(self.base_momentums, self.max_momentums, strict=True)
+            momenta = [hi - (hi - lo) * scale * factor for lo, hi in pairs]
+            for group, momentum in zip(self.optimizer.param_groups, momenta, strict=True):
+                self._set_momentum(group, momentum)
+        return lrs
 
 
 class SequentialLR(LRScheduler):
@@ -657,6 +861,7 @@ def build_scheduler(name: str, optimizer: Any, params: dict[str, Any] | None = N
 
 
 _BUILDABLE = (
-    StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LambdaLR, LinearLR, SequentialLR,
-    OneCycleLR, ReduceLROnPlateau, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle,
+    StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LambdaLR, LinearLR, ConstantLR,
+    PolynomialLR, CosineAnnealingWarmRestarts, CyclicLR, SequentialLR, OneCycleLR,
+    ReduceLROnPlateau, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle,
 )  # fmt: skip
