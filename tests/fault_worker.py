@@ -13,6 +13,8 @@ the phase moves data); rank 1 meets the fault at micro-step ``AT``:
     raise                                    raise ValueError in forward
     hidden_launcher                          (no fault) hide the launcher's size variables, then
                                              initialize(comm=None) must still find 3 ranks
+    idle_wait                                (no fault) rank 1 computes 1.5 s before an all-reduce;
+                                             the others say how much CPU their wait used
     config_differs                           rank 2 loads another config: ConfigError on all ranks
 
 ``tests/test_faults_mpi.py`` launches each and checks how the job ends.
@@ -149,6 +151,22 @@ def hidden_launcher() -> None:
     say(f"rank {engine.comm.rank}: {type(engine.comm).__name__} of size {engine.comm.size}")
 
 
+def idle_wait(comm: object) -> None:
+    """Rank 1 computes (sleeps) 1.5 s before an all-reduce; the others report the CPU time they
+    spent waiting for it: the watchdog's poll sleeps, where MPI's own call would spin."""
+    import resource
+
+    if comm.rank == VICTIM:
+        time.sleep(1.5)
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.monotonic()
+    comm.all_reduce(np.ones(1024))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    if comm.rank != VICTIM:
+        say(f"rank {comm.rank}: waited {time.monotonic() - t0:.2f} s using {cpu:.3f} s of CPU")
+
+
 def config_differs(comm: object) -> None:
     cfg = config(stage=3 if comm.rank == 2 else 2)
     cfg["gradient_clipping"] = 1.0 if comm.rank == 2 else 0.0
@@ -176,6 +194,8 @@ if __name__ == "__main__":
         sleep(comm)
     elif fault == "raise":
         fail(comm)
+    elif fault == "idle_wait":
+        idle_wait(comm)
     elif fault == "config_differs":
         config_differs(comm)
     else:

@@ -3,6 +3,7 @@ non-zero, in well under a minute, saying what happened; a checkpoint being writt
 died leaves the previous one loadable. docs/faults.md tabulates these cases and their times.
 """
 
+import json
 import re
 import sys
 import time
@@ -85,12 +86,18 @@ def test_a_rank_that_stops_calling_collectives_ends_the_job_naming_the_call_and_
     assert f"wait for it in {op} call #{call}" in report
 
 
-def test_a_rank_that_raises_ends_the_job_with_its_traceback_and_flight_record(monkeypatch):
-    proc, out = _run("raise", monkeypatch=monkeypatch)
+def test_a_rank_that_raises_ends_the_job_with_its_traceback_and_flight_record(
+    tmp_path, monkeypatch
+):
+    env = {"ZEROSIM_FLIGHT_DIR": str(tmp_path)}
+    proc, out = _run("raise", env=env, monkeypatch=monkeypatch)
     assert proc.returncode != 0
     assert "[zerosim rank 1] uncaught exception, aborting the job" in out
     assert "ValueError: deliberate failure on rank 1 in forward" in out
     assert "[zerosim rank 1] flight record: the last" in out
+    report = json.loads((tmp_path / "rank1.json").read_text())
+    assert report["reason"] == "exception: ValueError: deliberate failure on rank 1 in forward"
+    assert report["records"][-1]["op"] == "all_gather"  # the last step's parameter gather
 
 
 def test_initialize_finds_the_mpi_world_when_the_launcher_is_not_recognised(monkeypatch):
@@ -105,3 +112,13 @@ def test_ranks_with_different_configs_all_raise_naming_the_keys(monkeypatch):
     lines = [line for line in out.splitlines() if "ConfigError: the config differs" in line]
     assert len(lines) == 3, out
     assert all("zero_optimization.stage: 2 on ranks [0, 1], 3 on ranks [2]" in x for x in lines)
+
+
+def test_a_rank_waiting_for_a_slow_one_leaves_the_cpu(monkeypatch):
+    proc, out = _run("idle_wait", monkeypatch=monkeypatch)
+    assert proc.returncode == 0, out
+    waits = re.findall(r"waited ([\d.]+) s using ([\d.]+) s of CPU", out)
+    assert len(waits) == 2, out
+    for waited, cpu in waits:
+        assert float(waited) > 1.2
+        assert float(cpu) < 0.1 * float(waited), out  # MPI's own blocking call spins

@@ -215,7 +215,8 @@ def report(comm: MPIComm, pending: tuple | None, waited: float) -> tuple[str, di
                 f"is not in a collective (the last it waited in: #{seen['last_call']} {seen['op']})"
             )
             if seen["waiting"]:
-                where = f"waits in call #{seen['waiting']} ({seen['op']}) for {seen['waited_s']} s"
+                call, op, waited = seen["waiting"], seen["op"], seen["waited_s"]
+                where = f"waits in call #{call} ({op}) for {waited:.1f} s"
             who = f"rank {w}" + (" (this rank)" if w == me else "")
             lines.append(f"  {who}: began {seen['calls']} calls, {where}")
             if w != me and seen["calls"] < seq:
