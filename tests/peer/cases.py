@@ -1,0 +1,56 @@
+"""The cases the DeepSpeed peer tests run on both sides, and the data both sides feed them.
+
+A case is plain JSON: a DeepSpeed config, a model (zerosim's MLP or GPT, built with a seed; its
+torch twin loads the same weights by name) and a number of optimizer steps. Every micro-batch is
+drawn from ``numpy.random.default_rng([data_seed, step, micro, rank])``, so each rank of each
+side sees the same numbers without any communication.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TESTS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(TESTS.parent))
+
+import zerosim as zs  # noqa: E402
+
+MICRO = 4  # train_micro_batch_size_per_gpu
+
+
+def model_of(case: dict[str, Any]) -> Any:
+    """The zerosim model of a case, in float32, built with its seed."""
+    spec = case["model"]
+    if spec["kind"] == "mlp":
+        return zs.nn.MLP(spec["sizes"], seed=case.get("seed", 0))
+    return zs.nn.GPT(
+        spec["vocab"], spec["block"], spec["layers"], spec["heads"], spec["embd"], seed=0
+    )
+
+
+def micro_batch(case: dict[str, Any], step: int, micro: int, rank: int) -> tuple[Any, Any]:
+    """(x, y) of this rank's micro-batch ``micro`` of optimizer step ``step``."""
+    rng = np.random.default_rng([case.get("data_seed", 1), step, micro, rank])
+    spec = case["model"]
+    if spec["kind"] == "mlp":
+        x = rng.normal(size=(MICRO, spec["sizes"][0])).astype(np.float32)
+        return x, rng.integers(0, spec["sizes"][-1], MICRO)
+    shape = (MICRO, spec["block"])
+    return rng.integers(0, spec["vocab"], shape), rng.integers(0, spec["vocab"], shape)
+
+
+def zerosim_config(case: dict[str, Any]) -> dict[str, Any]:
+    """The case's config as zerosim reads it: DeepSpeed's keys, minus the comms logger."""
+    cfg = copy.deepcopy(case["config"])
+    cfg.pop("comms_logger", None)
+    return cfg
+
+
+def gas(case: dict[str, Any]) -> int:
+    return int(case["config"].get("gradient_accumulation_steps", 1))

@@ -1,0 +1,108 @@
+"""DeepSpeed's side of the peer tests: ``torchrun --nproc_per_node N ds_driver.py PLAN OUT``.
+
+Runs every case of PLAN (JSON, see cases.py) with DeepSpeed on gloo, one engine after another in
+one launch: the torch twin of the case's zerosim model (same initial weights, loaded by name),
+the case's config with the comms logger on, the case's data. Writes ``OUT/<case>.rank<r>.json``
+(each micro-step's loss, each optimizer step's collectives from the comms logger) and, on rank 0,
+``OUT/<case>.npz`` (the fp32 weights after the last step: ``safe_get_full_fp32_param`` under
+ZeRO, the module's parameters at stage 0).
+
+fp16: DeepSpeed's CPU accelerator says it has no fp16, but its engines run on CPU when the check
+is patched, so for fp16 cases this driver patches ``get_accelerator().is_fp16_supported`` to
+return True (only here, only for those cases): fp16 training and the dynamic loss scaler are then
+compared end to end.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cases import TESTS, gas, micro_batch, model_of  # noqa: E402
+
+sys.path.insert(0, str(TESTS))
+import deepspeed  # noqa: E402
+import deepspeed.comm as dist  # noqa: E402
+from deepspeed.comm import comm as ds_comm  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
+from torch_twins import TorchGPT, TorchMLP  # noqa: E402
+
+
+def twin_of(case: dict, zmodel) -> torch.nn.Module:
+    spec = case["model"]
+    if spec["kind"] == "mlp":
+        twin = TorchMLP(spec["sizes"], "relu", "cross_entropy")
+    else:
+        twin = TorchGPT(spec["vocab"], spec["block"], spec["layers"], spec["heads"], spec["embd"])
+    state = {k: torch.tensor(np.asarray(v)) for k, v in zmodel.state_dict().items()}
+    twin.load_state_dict(state)
+    return twin
+
+
+def comms_snapshot() -> dict[str, dict[str, int]]:
+    """{op: {message bytes: calls}} since the last snapshot (the comms logger's counts)."""
+    logger = ds_comm.comms_logger
+    out = {
+        op: {str(size): v[0] for size, v in sizes.items()}
+        for op, sizes in logger.comms_dict.items()
+    }
+    logger.comms_dict.clear()
+    return out
+
+
+def run_case(case: dict, out: Path) -> None:
+    rank = dist.get_rank()
+    cfg = dict(case["config"], comms_logger={"enabled": True, "prof_all": True})
+    if cfg.get("fp16", {}).get("enabled"):
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True  # patched: see the module docstring
+    twin = twin_of(case, model_of(case))
+    engine, *_ = deepspeed.initialize(model=twin, model_parameters=twin.parameters(), config=cfg)
+    dtype = next(engine.module.parameters()).dtype
+    init = comms_snapshot()
+    losses, steps = [], []
+    for step in range(case["steps"]):
+        for micro in range(gas(case)):
+            x, y = micro_batch(case, step, micro, rank)
+            tx = torch.tensor(x)
+            tx = tx.to(dtype) if tx.is_floating_point() else tx
+            loss = engine(tx, torch.tensor(y))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        steps.append(comms_snapshot())
+    weights = {}
+    for name, p in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(p)
+        full = p.detach() if full is None else full
+        weights[name] = full.float().numpy().copy()
+    result = {"losses": losses, "steps": steps, "init": init, "clip": engine.gradient_clipping()}
+    result["skipped"] = int(getattr(engine, "skipped_steps", 0))
+    (out / f"{case['name']}.rank{rank}.json").write_text(json.dumps(result))
+    if rank == 0:
+        np.savez(out / f"{case['name']}.npz", **weights)
+    engine.destroy()
+    del engine
+    gc.collect()
+
+
+def main() -> int:
+    plan, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    for case in plan["cases"]:
+        run_case(case, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

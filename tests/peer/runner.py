@@ -1,0 +1,70 @@
+"""Run a plan of peer cases on both sides: DeepSpeed under torchrun, zerosim under mpirun.
+
+One launch per side covers every case of the plan (DeepSpeed's start-up is most of its time),
+so a pytest session pays two launches per world size, not two per case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from mpi_helpers import ROOT, run_mpi
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_deepspeed(n: int, plan: Path, out: Path, timeout: float = 900) -> None:
+    """``torchrun --nproc_per_node n ds_driver.py plan out``; raises with its output on failure."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc_per_node", str(n), "--master_port", str(free_port())]
+    cmd += [str(HERE / "ds_driver.py"), str(plan), str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(
+            f"DeepSpeed run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+            f"{proc.stderr[-6000:]}"
+        )
+
+
+def run_zerosim(n: int, plan: Path, out: Path, timeout: float = 900) -> None:
+    proc = run_mpi(n, [str(HERE / "zs_driver.py"), str(plan), str(out)], timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(
+            f"zerosim run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
+
+
+def run_both(n: int, cases: list[dict], work: Path) -> dict[str, dict]:
+    """{case name: {"ds": {...}, "zs": {...}}} with each side's per-rank JSON and weights."""
+    work.mkdir(parents=True, exist_ok=True)
+    plan = work / "plan.json"
+    plan.write_text(json.dumps({"cases": cases}))
+    sides = {"ds": work / "ds", "zs": work / "zs"}
+    for out in sides.values():
+        out.mkdir(parents=True, exist_ok=True)
+    run_deepspeed(n, plan, sides["ds"])
+    run_zerosim(n, plan, sides["zs"])
+    results: dict[str, dict] = {}
+    for case in cases:
+        name = case["name"]
+        results[name] = {}
+        for side, out in sides.items():
+            ranks = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(n)]
+            import numpy as np
+
+            with np.load(out / f"{name}.npz") as f:
+                weights = {k: f[k] for k in f.files}
+            results[name][side] = {"ranks": ranks, "weights": weights}
+    return results

@@ -1,0 +1,121 @@
+"""DeepSpeed 0.19.8 itself as the oracle: the same JSON config, initial weights and data give
+DeepSpeed's losses and weights (tests/peer/ds_driver.py under torchrun, zs_driver.py under
+mpirun; cases.py says how both sides build the model and the data).
+
+Bounds, and why (measured worst cases at N = 2 and 3 in brackets):
+- fp32: both sides run the same arithmetic in a different order (NumPy/OpenBLAS against torch's
+  kernels, an MPI all-reduce against gloo's), so losses differ by float32 rounding, about 1e-7
+  relative [1.5e-7]: ``FP32_LOSS_RTOL`` = 1e-6. Weights after 5 steps: the MLP agrees to
+  ``FP32_ATOL`` = 1e-6 absolute [6e-8], a few float32 ulps of weights near 0.25. In the GPT,
+  Adam's m/√v turns the rounding noise of gradients whose true value is zero (the attention key
+  bias: softmax ignores a per-row shift) into steps of up to lr, so the GPT's bound is
+  ``GPT_ATOL`` = 1e-5 [1.9e-6], still far below one lr-sized step (1e-3).
+- bf16 (SGD, which does not normalise the update, so rounding stays rounding): both forwards run
+  in bf16 but round different intermediates (zerosim accumulates each matmul in fp32 and rounds
+  once; torch's CPU kernels may round partial results), so losses agree to a few bf16 ulps
+  (``BF16_LOSS_RTOL`` = 3·2⁻⁸, the ulp of [0.5, 1) being 2⁻⁸) [6.4e-3] and the fp32 master
+  weights to ``BF16_ATOL`` = 4 bf16 ulps of weights in [0.125, 0.25), 4·2⁻¹⁰ [2.3e-3].
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+deepspeed = pytest.importorskip("deepspeed", reason="the peer tests need DeepSpeed (test extra)")
+
+from runner import run_both  # noqa: E402
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+FP32_LOSS_RTOL = 1e-6
+FP32_ATOL = 1e-6
+GPT_ATOL = 1e-5
+BF16_LOSS_RTOL = 3 * 2.0**-8
+BF16_ATOL = 4 * 2.0**-10
+MLP = {"kind": "mlp", "sizes": [20, 37, 5]}
+GPT = {"kind": "gpt", "vocab": 11, "block": 8, "layers": 1, "heads": 2, "embd": 16}
+
+
+def _case(name, stage, optimizer, model=MLP, steps=5, **top):
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": optimizer,
+        "zero_optimization": {"stage": stage, **top.pop("zero", {})},
+        **top,
+    }
+    return {"name": name, "steps": steps, "model": model, "config": config}
+
+
+ADAM = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}}
+ADAM_L2 = {
+    "type": "Adam",
+    "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True, "adam_w_mode": False},
+}
+ADAM_FUSED = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+ADAMW = {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.05, "torch_adam": True}}
+SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
+UNTESTED = {"zero_allow_untested_optimizer": True}
+WARMUP = {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}}
+DECAY = {
+    "type": "WarmupDecayLR",
+    "params": {"warmup_num_steps": 2, "total_num_steps": 6, "warmup_max_lr": 0.05},
+}
+COSINE = {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 6}}
+
+
+def cases() -> list[dict]:
+    """Every stage, fp32 and bf16, accumulation 1 and 2, clipping by default and explicit, Adam
+    under both of DeepSpeed's rules (adam_w_mode, torch_adam), AdamW, SGD with momentum (with
+    zero_allow_untested_optimizer under ZeRO), with and without DeepSpeed's schedulers."""
+    bf16 = {"bf16": {"enabled": True}}
+    return [
+        _case("s0_adam", 0, ADAM),
+        _case("s0_sgd_bf16", 0, SGD, **bf16),
+        _case("s1_adamw_clip_gas2", 1, ADAMW, gradient_clipping=0.3, gradient_accumulation_steps=2),
+        _case("s1_adam_noclip", 1, ADAM, gradient_clipping=0.0),
+        _case("s1_sgd_bf16", 1, SGD, **UNTESTED, **bf16),
+        _case("s2_adam_l2_warmup", 2, ADAM_L2, scheduler=WARMUP),
+        _case("s2_adam_fused", 2, ADAM_FUSED),
+        _case("s2_sgd_decay", 2, SGD, scheduler=DECAY, **UNTESTED),
+        _case("s2_sgd_bf16_gas2", 2, SGD, gradient_accumulation_steps=2, **UNTESTED, **bf16),
+        _case("s3_adam_gas2", 3, ADAM, gradient_accumulation_steps=2),
+        _case("s3_sgd", 3, SGD, **UNTESTED),
+        _case("s3_sgd_bf16", 3, SGD, **UNTESTED, **bf16),
+        _case("s3_gpt_adam_cosine", 3, ADAM, model=GPT, scheduler=COSINE),
+        _case("s1_gpt_adamw", 1, ADAMW, model=GPT),
+    ]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["N2", "N3"])
+def runs(request, tmp_path_factory):
+    n = request.param
+    return n, run_both(n, copy.deepcopy(cases()), tmp_path_factory.mktemp(f"peer{n}"))
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in cases()])
+def test_losses_and_weights_equal_deepspeeds(runs, name):
+    n, results = runs
+    ds, zs = results[name]["ds"], results[name]["zs"]
+    bf16 = "bf16" in name or "fp16" in name  # 16-bit forward: rounding of a few ulps
+    assert zs["ranks"][0]["skipped"] == ds["ranks"][0]["skipped"]  # the loss scaler's decisions
+    for r in range(n):
+        want, got = np.array(ds["ranks"][r]["losses"]), np.array(zs["ranks"][r]["losses"])
+        assert want.shape == got.shape
+        if bf16:
+            np.testing.assert_allclose(got, want, rtol=BF16_LOSS_RTOL, err_msg=f"rank {r}")
+        else:
+            np.testing.assert_allclose(got, want, rtol=FP32_LOSS_RTOL, err_msg=f"rank {r}")
+    assert sorted(ds["weights"]) == sorted(zs["weights"])
+    atol = BF16_ATOL if bf16 else GPT_ATOL if "gpt" in name else FP32_ATOL
+    for key, want in ds["weights"].items():
+        np.testing.assert_allclose(zs["weights"][key], want, rtol=0, atol=atol, err_msg=key)
+
+
+def test_deepspeeds_default_clipping_was_in_force(runs):
+    """The cases without gradient_clipping ran with DeepSpeed's default, 1.0, on both sides."""
+    _, results = runs
+    assert results["s0_adam"]["ds"]["ranks"][0]["clip"] == 1.0
+    assert results["s1_adam_noclip"]["ds"]["ranks"][0]["clip"] == 0.0
