@@ -38,14 +38,27 @@ def collectives(rows: Rows) -> tuple[str, bool]:
 
 
 def adam(rows: Rows) -> tuple[str, bool]:
-    """zerosim's Adam at ≥ 0.4 of NumPy's copy bandwidth."""
+    """zerosim's Adam at ≥ 0.7 of the copy bandwidth, and every optimizer's zerosim step at or
+    under torch fused=True's (one thread each) when the benchmark measured torch fused."""
     ours = next(r for r in rows if r["optimizer"] == "Adam" and r["implementation"] == "zerosim")
     torch = [r for r in rows if r["optimizer"] == "Adam" and r["implementation"] != "zerosim"]
+    torch = [r for r in torch if r["implementation"].startswith("torch")]
     ratio = ours["gbps"] / ours["copy_gbps"]
     times = ", ".join(
         f"{r['implementation']} takes {r['seconds'] / ours['seconds']:.2f}× as long" for r in torch
     )
-    return f"{ratio:.2f} of copy bandwidth ({times})", ratio >= 0.4
+    text = f"{ratio:.2f} of copy bandwidth ({times})"
+    seconds = {(r["optimizer"], r["implementation"]): r["seconds"] for r in rows}
+    vs_fused = {
+        name: seconds[(name, "zerosim")] / seconds[(name, "torch fused")]
+        for name, impl in seconds
+        if impl == "torch fused" and (name, "zerosim") in seconds
+    }
+    if vs_fused:
+        text += "; zerosim ÷ torch fused time: " + ", ".join(
+            f"{name} {r:.2f}" for name, r in vs_fused.items()
+        )
+    return text, ratio >= 0.7 and all(r <= 1 for r in vs_fused.values())
 
 
 def model(rows: Rows) -> tuple[str, bool]:
@@ -138,16 +151,17 @@ TARGETS: list[tuple[str, str, Check, str]] = [
         "scatter on both sides of 1.",
     ),
     (
-        "Adam ≥ 0.4 of copy bandwidth",
+        "Adam ≥ 0.7 of copy bandwidth; every optimizer at or under torch fused (1 thread each)",
         "optimizer_step",
         adam,
-        "NumPy cannot fuse an element-wise chain: Adam's update is 12 one-operation ufunc calls "
-        "per cache-sized block (zerosim/optim/functional/adam.py). Each call over a block in cache "
-        "costs about 0.17 ns per element here, so the chain costs 2.0-2.1 ns per element, while "
-        "0.4 of a 33 GB/s copy bandwidth allows 28 B / 13.4 GB/s = 2.1 ns for Adam's 7 float32 "
-        "arrays. The ratio therefore lands at 0.36-0.41 from run to run (2× faster than torch's "
-        "CPU Adam all the same); reaching memory speed needs a fused kernel, which is the GPU "
-        "path's ElementwiseKernel.",
+        "Without numba (or with ZEROSIM_FUSED=0) every rule runs on NumPy's blocks, a chain of "
+        "one-operation ufunc calls per cache-sized block (Adam: 12): that path ran at 0.26-0.58 "
+        "of copy, 2.3-4.3× the fused kernel's time. With numba, zerosim's kernels and torch's "
+        "fused kernels both stream the same arrays once per step, so the ratio is set by the "
+        "memory system; on this shared 2-core machine other jobs' traffic moves single "
+        "timings by ±30% (the copy itself measured 16-30 GB/s across runs), and in three runs "
+        "zerosim ÷ torch fused was 0.84-0.85 (Adam), 0.81-1.02 (AdamW) and 0.65-0.90 "
+        "(SGD-momentum): a miss by a few percent is one disturbed case, not a slower kernel.",
     ),
     (
         "model ≥ 0.5 of the matmul rate",

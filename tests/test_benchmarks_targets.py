@@ -27,6 +27,18 @@ def test_adam_is_judged_against_the_copy_bandwidth_and_compared_with_torch():
     assert not targets.adam(rows)[1]  # 0.36 of copy
 
 
+def test_every_optimizer_is_judged_against_torch_fused_when_it_was_measured():
+    rows = sample_rows()["optimizer_step"]  # zerosim 1 µs a step
+    rows += [
+        {**rows[0], "implementation": "torch fused", "seconds": 1.25e-6},
+        {**rows[2], "implementation": "torch fused", "seconds": 0.8e-6},  # SGD-momentum
+    ]
+    text, met = targets.adam(rows)
+    assert not met and "zerosim ÷ torch fused time: Adam 0.80, SGD-momentum 1.25" in text
+    rows[-1]["seconds"] = 1e-6
+    assert targets.adam(rows)[1]
+
+
 def test_training_names_the_worst_configuration_and_counts_those_over_one():
     rows = sample_rows()["training_step"]  # ratios (10 + stage) / 11: stages 2 and 3 over 1
     text, met = targets.training(rows)

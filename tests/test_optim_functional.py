@@ -2,7 +2,9 @@
 
 Lion and the Keras variants are checked against their formulas written out here in plain
 numpy (Chen et al. 2023; Keras's Adam and Adamax), the block walk against an unblocked
-run, 16-bit parameters against a float32 master copy rounded after every step.
+run, 16-bit parameters against a float32 master copy rounded after every step. Every test
+runs on both paths of the rules (the ``update_path`` fixture): numba's fused kernels and
+NumPy's blocks; tests of the NumPy path's own machinery (blocks, scratch) force it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ import pytest
 
 import zerosim.optim as zo
 from zerosim.optim import functional as F
-from zerosim.optim.functional import common
+from zerosim.optim.functional import common, fused
+
+
+@pytest.fixture(autouse=True, scope="module", params=["fused", "numpy"])
+def update_path(request):
+    """Run every test of this file on the fused kernels, then on the NumPy blocks."""
+    if request.param == "fused" and not fused.numba_available():
+        pytest.skip("numba is not installed (pip install 'zerosim[fast]')")
+    with fused.use_fused(request.param == "fused"):
+        yield request.param
 
 
 class Param:
@@ -256,10 +267,11 @@ def test_rules_allocate_no_full_size_temporaries(rule):
 def test_scratch_of_wrong_dtype_or_size_is_rejected_with_what_is_needed():
     param, grad = np.zeros(10, np.float32), np.ones(10, np.float32)
     buf = np.zeros(10, np.float32)
-    with pytest.raises(ValueError, match="needs at least 20"):
-        F.sgd(param, grad, buf, lr=0.1, momentum=0.9, scratch=np.empty(5, np.float32))
-    with pytest.raises(ValueError, match="dtype float32"):
-        F.sgd(param, grad, buf, lr=0.1, momentum=0.9, scratch=np.empty(50, np.float64))
+    with fused.use_fused(False):  # the NumPy path's work buffers (the fused path needs none)
+        with pytest.raises(ValueError, match="needs at least 20"):
+            F.sgd(param, grad, buf, lr=0.1, momentum=0.9, scratch=np.empty(5, np.float32))
+        with pytest.raises(ValueError, match="dtype float32"):
+            F.sgd(param, grad, buf, lr=0.1, momentum=0.9, scratch=np.empty(50, np.float64))
 
 
 def test_state_array_of_wrong_dtype_names_the_argument():

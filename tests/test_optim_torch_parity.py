@@ -5,6 +5,9 @@ hypothesis-drawn hyperparameters and random gradients (about one in five None). 
 is relative to each array's scale: |ours − torch| ≤ rtol·(|torch| + max|torch|), with rtol
 1e-12 in float64 and 1e-6 in float32 (torch's CPU kernels fuse multiply-adds and round
 sqrt differently, so results differ in the last bits, never more).
+
+Every test runs on both paths of the rules (the ``update_path`` fixture): numba's fused
+kernels and NumPy's blocks (``zerosim.optim.functional.fused``).
 """
 
 from __future__ import annotations
@@ -19,11 +22,21 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import zerosim.optim as zo
+from zerosim.optim.functional import fused
 
 RTOL = {np.float64: 1e-12, np.float32: 1e-6}
 TORCH_DTYPE = {np.float64: torch.float64, np.float32: torch.float32}
 SHAPES = [[(3, 4), (5,)], [(2, 3), (7,)]]  # two groups of two parameters
 STEPS = 60
+
+
+@pytest.fixture(autouse=True, scope="module", params=["fused", "numpy"])
+def update_path(request):
+    """Run every test of this file on the fused kernels, then on the NumPy blocks."""
+    if request.param == "fused" and not fused.numba_available():
+        pytest.skip("numba is not installed (pip install 'zerosim[fast]')")
+    with fused.use_fused(request.param == "fused"):
+        yield request.param
 
 
 class Param:

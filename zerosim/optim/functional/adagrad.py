@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerosim.optim.functional import fused
 from zerosim.optim.functional.common import (
     add_ratio_,
     blocks,
@@ -40,8 +41,15 @@ def adagrad(
     """
     lr, lr_decay, weight_decay, eps = float(lr), float(lr_decay), float(weight_decay), float(eps)
     check_arrays(param, grad, state_sum=state_sum)
-    xp = xp_of(param)
     clr = lr / (1.0 + (float(step) - 1.0) * lr_decay)
+    if fused.applies(param, grad, state_sum):
+        r = fused.rounder(param)
+        coefficients = fused.AdagradCoefficients(
+            weight_decay=r(weight_decay), maximize=bool(maximize), neg_clr=r(-clr), eps=r(eps)
+        )
+        fused.run(fused.kernels().adagrad, param, grad, [state_sum], coefficients, scratch)
+        return
+    xp = xp_of(param)
     for p, g, (s,), (g_buf, std) in blocks(param, grad, [state_sum], 2, scratch):
         g = effective_grad(g, p, maximize=maximize, weight_decay=weight_decay, out=g_buf)
         xp.multiply(g, g, out=std)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from zerosim.optim.functional import fused
 from zerosim.optim.functional.common import (
     add_square_,
     blocks,
@@ -78,7 +79,10 @@ def adam(
         torch:  θ ← θ − lr/(1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + ε)
         keras:  θ ← θ − lr·√(1 − β₂ᵗ)/(1 − β₁ᵗ) · m / (√v + ε)
 
-    ``max_exp_avg_sq`` is required when amsgrad is True. A block takes 12 ufunc calls
+    ``max_exp_avg_sq`` is required when amsgrad is True. With numba (``fused.py``), the
+    torch variant is one kernel call, one pass over memory, in torch's order: the
+    denominator √v/√(1 − β₂ᵗ) + ε, then θ + (−lr/(1 − β₁ᵗ)·m)/denominator. Otherwise
+    (NumPy) a block takes 12 ufunc calls
     (7 for the moments, then √v, + ε, m ÷ denominator, × −step size, + θ), one more for
     AdamW's decay; each call is one arithmetic operation, and none of them can be folded
     into another without a call to scale a stored state.
@@ -90,9 +94,28 @@ def adam(
         raise ValueError("amsgrad=True needs a max_exp_avg_sq array; got None")
     max_exp_avg_sq = max_exp_avg_sq if amsgrad else None
     check_arrays(param, grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
-    xp = xp_of(param)
     bias_correction1 = 1.0 - beta1**step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    states = [exp_avg, exp_avg_sq, max_exp_avg_sq]
+    if variant == "torch" and fused.applies(param, grad, *states):
+        kernels, r = fused.kernels(), fused.rounder(param)
+        coefficients = fused.AdamCoefficients(
+            weight_decay=r(0.0 if decoupled_weight_decay else weight_decay),
+            maximize=bool(maximize),
+            decay=r(1.0 - lr * weight_decay),
+            decoupled=bool(decoupled_weight_decay and weight_decay != 0),
+            lerp_scale=r(lerp_scale(1.0 - beta1)),
+            lerp_upper=1.0 - beta1 >= 0.5,
+            beta2=r(beta2),
+            one_minus_beta2=r(1.0 - beta2),
+            bias_correction2_sqrt=r(bias_correction2_sqrt),
+            eps=r(eps),
+            neg_step_size=r(-lr / bias_correction1),
+        )
+        kernel = kernels.adam_amsgrad if amsgrad else kernels.adam
+        fused.run(kernel, param, grad, states, coefficients, scratch)
+        return
+    xp = xp_of(param)
     # torch's form is Keras's with ε scaled by √(1 − β₂ᵗ); computing it so saves a pass.
     neg_step_size = scalar(-lr * bias_correction2_sqrt / bias_correction1, exp_avg)
     eps_hat = scalar(eps * bias_correction2_sqrt if variant == "torch" else eps, exp_avg)
@@ -100,7 +123,6 @@ def adam(
     decoupled = decoupled_weight_decay and weight_decay != 0
     coupled_decay = 0.0 if decoupled_weight_decay else weight_decay
     moments = Moments(exp_avg, beta1, beta2)
-    states = [exp_avg, exp_avg_sq, max_exp_avg_sq]
     for p, g, (m, v, v_max), (g_buf, tmp) in blocks(param, grad, states, 2, scratch):
         # g_buf holds the gradient only when it is negated or decayed: a plain step touches
         # five block-sized arrays (θ, g, m, v, tmp), the fewer the better for the cache.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerosim.optim.functional import fused
 from zerosim.optim.functional.common import (
     add_ratio_,
     blocks,
@@ -17,6 +18,7 @@ from zerosim.optim.functional.common import (
     check_variant,
     effective_grad,
     lerp_,
+    lerp_scale,
     xp_of,
 )
 
@@ -49,8 +51,23 @@ def adamax(
     lr, beta1, beta2, eps = float(lr), float(beta1), float(beta2), float(eps)
     weight_decay, step = float(weight_decay), float(step)
     check_arrays(param, grad, exp_avg=exp_avg, exp_inf=exp_inf)
-    xp = xp_of(param)
     clr = lr / (1.0 - beta1**step)
+    if fused.applies(param, grad, exp_avg, exp_inf):
+        r = fused.rounder(param)
+        coefficients = fused.AdamaxCoefficients(
+            weight_decay=r(weight_decay),
+            maximize=bool(maximize),
+            lerp_scale=r(lerp_scale(1.0 - beta1)),
+            lerp_upper=1.0 - beta1 >= 0.5,
+            beta2=r(beta2),
+            eps=r(eps),
+            neg_clr=r(-clr),
+            keras=variant == "keras",
+        )
+        kernel = fused.kernels().adamax
+        fused.run(kernel, param, grad, [exp_avg, exp_inf], coefficients, scratch)
+        return
+    xp = xp_of(param)
     for p, g, (m, u), (g_buf, tmp) in blocks(param, grad, [exp_avg, exp_inf], 2, scratch):
         g = effective_grad(g, p, maximize=maximize, weight_decay=weight_decay, out=g_buf)
         lerp_(m, g, 1.0 - beta1, tmp=tmp)

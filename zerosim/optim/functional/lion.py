@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerosim.optim.functional import fused
 from zerosim.optim.functional.common import (
     blocks,
     check_arrays,
@@ -41,6 +42,20 @@ def lion(
     """
     lr, beta1, beta2, weight_decay = float(lr), float(beta1), float(beta2), float(weight_decay)
     check_arrays(param, grad, exp_avg=exp_avg)
+    if fused.applies(param, grad, exp_avg):
+        r = fused.rounder(param)
+        coefficients = fused.LionCoefficients(
+            maximize=bool(maximize),
+            decay=r(1.0 - lr * weight_decay),
+            decays=weight_decay != 0,
+            beta1=r(beta1),
+            one_minus_beta1=r(1.0 - beta1),
+            beta2=r(beta2),
+            one_minus_beta2=r(1.0 - beta2),
+            lr=r(lr),
+        )
+        fused.run(fused.kernels().lion, param, grad, [exp_avg], coefficients, scratch)
+        return
     xp = xp_of(param)
     for p, g, (m,), (g_buf, c, tmp) in blocks(param, grad, [exp_avg], 3, scratch):
         g = effective_grad(g, p, maximize=maximize, weight_decay=0.0, out=g_buf)

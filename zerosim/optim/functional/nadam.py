@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerosim.optim.functional import fused
 from zerosim.optim.functional.adam import Moments
 from zerosim.optim.functional.common import (
     add_ratio_,
     blocks,
     check_arrays,
     effective_grad,
+    lerp_scale,
     state_dtype,
     xp_of,
 )
@@ -63,8 +65,26 @@ def nadam(
     grad_coef = -lr * (1.0 - mu) / (1.0 - mu_product)
     avg_coef = -lr * mu_next / (1.0 - mu_product * mu_next)
     coupled_decay = 0.0 if decoupled_weight_decay else weight_decay
-    moments = Moments(exp_avg, beta1, beta2)
     states = [exp_avg, exp_avg_sq]
+    if fused.applies(param, grad, *states):
+        r = fused.rounder(param)
+        coefficients = fused.NAdamCoefficients(
+            weight_decay=r(coupled_decay),
+            maximize=bool(maximize),
+            decay=r(1.0 - lr * weight_decay),
+            decoupled=bool(decoupled_weight_decay and weight_decay != 0),
+            lerp_scale=r(lerp_scale(1.0 - beta1)),
+            lerp_upper=1.0 - beta1 >= 0.5,
+            beta2=r(beta2),
+            one_minus_beta2=r(1.0 - beta2),
+            bias_correction2=r(bias_correction2),
+            eps=r(eps),
+            grad_coef=r(grad_coef),
+            avg_coef=r(avg_coef),
+        )
+        fused.run(fused.kernels().nadam, param, grad, states, coefficients, scratch)
+        return mu_product
+    moments = Moments(exp_avg, beta1, beta2)
     for p, g, (m, v), (g_buf, denom, tmp) in blocks(param, grad, states, 3, scratch):
         if decoupled_weight_decay and weight_decay != 0:
             p *= 1.0 - lr * weight_decay

@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from zerosim.optim.functional import fused
 from zerosim.optim.functional.adam import Moments
 from zerosim.optim.functional.common import (
     blocks,
     check_arrays,
     effective_grad,
+    lerp_scale,
     xp_of,
 )
 
@@ -61,8 +63,28 @@ def radam(
             (rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
         )
     coupled_decay = 0.0 if decoupled_weight_decay else weight_decay
-    moments = Moments(exp_avg, beta1, beta2)
     states = [exp_avg, exp_avg_sq]
+    if fused.applies(param, grad, *states):
+        r = fused.rounder(param)
+        coefficients = fused.RAdamCoefficients(
+            weight_decay=r(coupled_decay),
+            maximize=bool(maximize),
+            decay=r(1.0 - lr * weight_decay),
+            decoupled=bool(decoupled_weight_decay and weight_decay != 0),
+            lerp_scale=r(lerp_scale(1.0 - beta1)),
+            lerp_upper=1.0 - beta1 >= 0.5,
+            beta2=r(beta2),
+            one_minus_beta2=r(1.0 - beta2),
+            bias_correction1=r(bias_correction1),
+            lr=r(lr),
+            rectified=rho_t > 5.0,
+            bias_correction2_sqrt=r(math.sqrt(bias_correction2)),
+            eps=r(eps),
+            rect=r(rect),
+        )
+        fused.run(fused.kernels().radam, param, grad, states, coefficients, scratch)
+        return
+    moments = Moments(exp_avg, beta1, beta2)
     for p, g, (m, v), (g_buf, tmp) in blocks(param, grad, states, 2, scratch):
         if decoupled_weight_decay and weight_decay != 0:
             p *= 1.0 - lr * weight_decay

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerosim.optim.functional import fused
 from zerosim.optim.functional.common import (
     add_ratio_,
     add_square_,
@@ -15,6 +16,7 @@ from zerosim.optim.functional.common import (
     check_arrays,
     effective_grad,
     lerp_,
+    lerp_scale,
     xp_of,
 )
 
@@ -59,8 +61,29 @@ def rmsprop(
     check_arrays(
         param, grad, square_avg=square_avg, momentum_buffer=momentum_buffer, grad_avg=grad_avg
     )
-    xp = xp_of(param)
     states = [square_avg, momentum_buffer, grad_avg]
+    if fused.applies(param, grad, *states):
+        kernels, r = fused.kernels(), fused.rounder(param)
+        coefficients = fused.RMSpropCoefficients(
+            weight_decay=r(weight_decay),
+            maximize=bool(maximize),
+            alpha=r(alpha),
+            one_minus_alpha=r(1.0 - alpha),
+            lerp_scale=r(lerp_scale(1.0 - alpha)),
+            lerp_upper=1.0 - alpha >= 0.5,
+            eps=r(eps),
+            momentum=r(momentum),
+            neg_lr=r(-lr),
+        )
+        kernel = {
+            (False, False): kernels.rmsprop,
+            (True, False): kernels.rmsprop_momentum,
+            (False, True): kernels.rmsprop_centered,
+            (True, True): kernels.rmsprop_centered_momentum,
+        }[momentum > 0, bool(centered)]
+        fused.run(kernel, param, grad, states, coefficients, scratch)
+        return
+    xp = xp_of(param)
     for p, g, (v, b, gbar), (g_buf, d) in blocks(param, grad, states, 2, scratch):
         g = effective_grad(g, p, maximize=maximize, weight_decay=weight_decay, out=g_buf)
         add_square_(v, g, alpha, tmp=d)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerosim.optim.functional import fused
 from zerosim.optim.functional.common import (
     blocks,
     check_arrays,
@@ -42,17 +43,33 @@ def sgd(
         d = g + μ·b  if nesterov  else  b          (d = g when μ = 0)
         θ ← θ − lr·d
 
-    ``momentum_buffer`` is required when μ ≠ 0 and ignored otherwise.
+    ``momentum_buffer`` is required when μ ≠ 0 and ignored otherwise. With numba the
+    step is one kernel call (``fused.py``).
     """
     lr, momentum, dampening = float(lr), float(momentum), float(dampening)
     weight_decay = float(weight_decay)
     if momentum != 0 and momentum_buffer is None:
         raise ValueError(f"momentum={momentum} needs a momentum_buffer array; got None")
     check_arrays(param, grad, momentum_buffer=momentum_buffer if momentum != 0 else None)
+    buffers = [momentum_buffer if momentum != 0 else None]
+    if fused.applies(param, grad, *buffers):
+        kernels, r = fused.kernels(), fused.rounder(param)
+        coefficients = fused.SGDCoefficients(
+            weight_decay=r(weight_decay),
+            maximize=bool(maximize),
+            neg_lr=r(-lr),
+            momentum=r(momentum),
+            one_minus_dampening=r(1.0 - dampening),
+            dampened=dampening != 0,
+            nesterov=bool(nesterov),
+            first_step=bool(first_step),
+        )
+        kernel = kernels.sgd_momentum if momentum != 0 else kernels.sgd
+        fused.run(kernel, param, grad, buffers, coefficients, scratch)
+        return
     xp = xp_of(param)
     mu, neg_lr = scalar(momentum, param), scalar(-lr, param)
     one_minus_dampening = scalar(1.0 - dampening, param)
-    buffers = [momentum_buffer if momentum != 0 else None]
     for p, g, (b,), (g_buf, tmp) in blocks(param, grad, buffers, 2, scratch):
         g = effective_grad(g, p, maximize=maximize, weight_decay=weight_decay, out=g_buf)
         d = g
