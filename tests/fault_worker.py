@@ -61,7 +61,8 @@ def train(engine: object, steps: int, start: int = 0) -> None:
 
 
 def say(text: str) -> None:
-    print(text, flush=True)
+    sys.stdout.write(text + "\n")  # one write, so the ranks' lines do not interleave
+    sys.stdout.flush()
 
 
 def die() -> None:

@@ -109,9 +109,8 @@ def test_initialize_finds_the_mpi_world_when_the_launcher_is_not_recognised(monk
 def test_ranks_with_different_configs_all_raise_naming_the_keys(monkeypatch):
     proc, out = _run("config_differs", monkeypatch=monkeypatch)
     assert proc.returncode == 0, out
-    lines = [line for line in out.splitlines() if "ConfigError: the config differs" in line]
-    assert len(lines) == 3, out
-    assert all("zero_optimization.stage: 2 on ranks [0, 1], 3 on ranks [2]" in x for x in lines)
+    assert out.count("ConfigError: the config differs across ranks") == 3, out
+    assert out.count("zero_optimization.stage: 2 on ranks [0, 1], 3 on ranks [2]") == 3, out
 
 
 def test_a_rank_waiting_for_a_slow_one_leaves_the_cpu(monkeypatch):
