@@ -6,7 +6,8 @@ and matmul rates, PyTorch, the memory formulas), and writes their tables, with t
 versions and the date, to a Markdown file. Each script also writes its rows as JSON (``--json``,
 to a temporary folder); ``benchmarks/figures.py`` turns them into ``figures/bench_<module>.png``
 beside the Markdown file, embedded under each section. ``--quick`` uses small sizes (a couple of
-minutes) to check that everything runs.
+minutes) to check that everything runs. Then it writes docs/deepspeed_parity.md
+(``benchmarks/deepspeed_parity.py``: zerosim against DeepSpeed, case by case).
 """
 
 from __future__ import annotations
@@ -182,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         head = ["", "## Targets", "", *targets.table(rows)]
         out.write_text("\n".join(parts[:HEADER] + head + parts[HEADER:]) + "\n")  # each time
     print(f"wrote {out} and its figures in {figures}", file=sys.stderr)
+    if not args.only or "deepspeed_parity" in args.only:  # its own page: docs/deepspeed_parity.md
+        ranks = ["2"] if args.quick else ["2", "3"]
+        parity = out.parent / "deepspeed_parity.md"
+        text, seconds = run_one("deepspeed_parity", ["--ranks", *ranks, "--out", str(parity)])
+        print(f"DeepSpeed parity: {seconds:.0f} s, wrote {parity}", file=sys.stderr)
     return 0
 
 
