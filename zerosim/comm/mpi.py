@@ -38,7 +38,6 @@ from zerosim.backend import DTYPES, any_device_array, is_device_array, is_half, 
 from zerosim.comm import watchdog
 from zerosim.comm.base import Communicator
 from zerosim.comm.ledger import Ledger
-from zerosim.comm.watchdog import install_abort_on_exception  # noqa: F401  (its old home)
 
 _MPI_TYPES = {
     np.dtype(np.float64): MPI.DOUBLE,
@@ -122,10 +121,13 @@ class MPIComm(Communicator):
         )
         self._agree_buf: array.array | None = None
         self.world_rank = MPI.COMM_WORLD.Get_rank()
-        self._world_ranks = self.mpi.Get_group().Translate_ranks(
-            list(range(self.size)), MPI.COMM_WORLD.Get_group()
-        )
-        self._row = watchdog.row()  # this rank's row of the node's progress table
+        mine, world = self.mpi.Get_group(), MPI.COMM_WORLD.Get_group()
+        self._world_ranks = mine.Translate_ranks(list(range(self.size)), world)
+        mine.Free()
+        world.Free()
+        # this rank's row of the node's progress table: a private one until ``start`` (which
+        # may wait under the watchdog) has made the table
+        self._row = watchdog.row()
         watchdog.start(self)
         self._row = watchdog.row()
 

@@ -68,7 +68,10 @@ class Progress:
     def __init__(self, world: MPI.Intracomm) -> None:
         node = world.Split_type(MPI.COMM_TYPE_SHARED)
         self.win = MPI.Win.Allocate_shared(8 * self.FIELDS, 8, comm=node)
-        members = node.Get_group().Translate_ranks(list(range(node.Get_size())), world.Get_group())
+        mine, everyone = node.Get_group(), world.Get_group()
+        members = mine.Translate_ranks(list(range(node.Get_size())), everyone)
+        mine.Free()
+        everyone.Free()
         self.rows = {
             int(w): memoryview(self.win.Shared_query(i)[0]).cast("B").cast("q")
             for i, w in enumerate(members)
