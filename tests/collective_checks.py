@@ -45,13 +45,20 @@ def chunk_sizes(count: int, n: int) -> list[int]:
     return [len(c) for c in np.array_split(np.arange(count), n)]
 
 
-def expected_bytes(op: str, count: int, n: int, rank: int, itemsize: int) -> tuple[int, int]:
+def expected_bytes(
+    op: str, count: int, n: int, rank: int, itemsize: int, root: int = 0
+) -> tuple[int, int]:
     """The byte formulas of nccl-tests' ring model, written independently of zerosim's."""
     if n == 1:
         return 0, 0
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         b = (n - 1) * count // n * itemsize
         return b, b
+    if op == "reduce":  # a chain into the root: the farthest rank only sends, the root receives
+        farthest = (root - 1) % n
+        return (0 if rank == root else count * itemsize), (
+            0 if rank == farthest else count * itemsize
+        )
     sizes = chunk_sizes(count, n)  # all_reduce over uneven chunks
     sent = 2 * count - sizes[rank] - sizes[(rank + 1) % n]
     recv = 2 * count - sizes[(rank - 1) % n] - sizes[rank]
@@ -127,24 +134,54 @@ def check_all_collectives(comm) -> int:
                     size if pos < n - 1 else 0,
                     size if pos > 0 else 0,
                 ), rec
+                assert rec.counted == ("wire" if wire else "model"), rec
                 checked += 1
+                checked += _check_reduce(comm, name, count, root, wire)
             parts = [rank_input(name, n * count, q, 33) for q in range(n)]
             out = np.empty(n * count, dtype=dt)
+            start = len(comm.ledger.records)
             comm.all_to_all(out, parts[r])
             want = np.concatenate([p[r * count : (r + 1) * count] for p in parts])
             np.testing.assert_array_equal(out.astype(np.float64), want.astype(np.float64))
+            what = f"all_to_all {name} count={count} rank={r}"
+            _check_record(comm, start, "all_to_all", n * count, dt.itemsize, wire, what)
             checked += 1
     return checked
 
 
-def _check_record(comm, start, op, elements, itemsize, wire, what):
+def _check_reduce(comm, name: str, count: int, root: int, wire: bool) -> int:
+    """reduce to ``root``, blocking and not, every op: the root holds the reduction, every other
+    rank's buffer is unchanged; the chain's bytes (S sent by all but the root, S received by all
+    but the rank farthest from it)."""
+    n, r = comm.size, comm.rank
+    checked = 0
+    for op, nonblocking in (("sum", False), ("max", True), ("min", False), ("sum", True)):
+        parts = [rank_input(name, count, q, 27 + root) for q in range(n)]
+        buf = parts[r].copy()
+        start = len(comm.ledger.records)
+        if nonblocking:
+            comm.ireduce(buf, root=root, op=op).wait()
+        else:
+            comm.reduce(buf, root=root, op=op)
+        what = f"reduce {op} to {root} {name} count={count} rank={r}"
+        if r == root:
+            assert_close(buf, reference(parts, op), name, what)
+        else:
+            np.testing.assert_array_equal(buf.view(np.uint8), parts[r].view(np.uint8), what)
+        itemsize = as_dtype(name).itemsize
+        _check_record(comm, start, "reduce", count, itemsize, wire, what, root)
+        checked += 1
+    return checked
+
+
+def _check_record(comm, start, op, elements, itemsize, wire, what, root=0):
     records = comm.ledger.records[start:]
     assert len(records) == 1, (what, records)
     rec = records[0]
     assert rec.op == op and rec.elements == elements, (what, rec)
     assert rec.size_bytes == elements * itemsize, (what, rec)
     assert rec.counted == ("wire" if wire else "model"), (what, rec)
-    want = expected_bytes(op, elements, comm.size, comm.rank, itemsize)
+    want = expected_bytes(op, elements, comm.size, comm.rank, itemsize, root)
     assert (rec.bytes_sent, rec.bytes_recv) == want, (what, rec, want)
     assert rec.wall_time is not None and rec.wall_time >= 0, (what, rec)
 

@@ -179,3 +179,31 @@ def test_world_aborted_is_what_waiting_ranks_see():
     with pytest.raises(ValueError, match="first"):
         zs.LocalWorld(3).run(fn)
     assert len(seen) == 2 and all("rank(s) [0] raised" in s for s in seen)
+
+
+@pytest.mark.parametrize("collectives", ["native", "ring"])
+def test_reduce_to_each_owner_like_deepspeeds_bucket_pieces(collectives):
+    """DeepSpeed's reduce_scatter path: every piece of a bucket is reduced to its owner with
+    non-blocking reduces, then all are waited on; bytes go towards the root (rank − 1)."""
+
+    def fn(comm):
+        comm.set_ranks_per_node(2)
+        bucket = np.arange(10, dtype=np.float32) * (comm.rank + 1)
+        pieces = [(0, 3), (3, 3), (6, 0), (6, 4)]  # owner q gets [start, start + length)
+        handles = [comm.ireduce(bucket[s : s + k], root=q) for q, (s, k) in enumerate(pieces)]
+        for h in handles:
+            h.wait()
+        s, k = pieces[comm.rank]
+        led = comm.ledger
+        return bucket[s : s + k].tolist(), led.bytes_sent(where="intra"), led.bytes_sent()
+
+    out = zs.LocalWorld(4, collectives=collectives).run(fn)
+    total = 1 + 2 + 3 + 4
+    for rank, (mine, _, _) in enumerate(out):
+        s, k = [(0, 3), (3, 3), (6, 0), (6, 4)][rank]
+        assert mine == [float(v * total) for v in range(s, s + k)]
+    # rank r sends every piece but its own (12 B, 12 B, 0 B, 16 B) to rank r − 1
+    sent = [sum(b for q, b in enumerate([12, 12, 0, 16]) if q != r) for r in range(4)]
+    assert [o[2] for o in out] == sent
+    # rank − 1 is on the same node for ranks 1 and 3 only
+    assert [o[1] for o in out] == [0, sent[1], 0, sent[3]]

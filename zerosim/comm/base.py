@@ -44,6 +44,7 @@ OP_CODES = {
     "broadcast": 4,
     "all_to_all": 5,
     "barrier": 6,
+    "reduce": 7,
 }
 
 
@@ -222,8 +223,8 @@ class Communicator(ABC):
         self._node_version = self.ledger.node_version
 
     def _split_sent(self, op: str, sent: int, count: int, itemsize: int) -> tuple[int, int]:
-        """(intra, inter) bytes of ``sent``: ring ops send all to rank + 1, all-to-all block
-        j to rank j."""
+        """(intra, inter) bytes of ``sent``: ring ops and broadcast send all to rank + 1, reduce
+        to rank − 1, all-to-all block j to rank j."""
         nodes = self._node_of
         if nodes is None or sent == 0:
             return sent, 0
@@ -232,7 +233,8 @@ class Communicator(ABC):
             block = count // self.size * itemsize
             local = sum(1 for q, n in enumerate(nodes) if q != self.rank and n == mine)
             return local * block, sent - local * block
-        return (sent, 0) if nodes[(self.rank + 1) % self.size] == mine else (0, sent)
+        step = -1 if op == "reduce" else 1  # a reduce's chain runs towards the root
+        return (sent, 0) if nodes[(self.rank + step) % self.size] == mine else (0, sent)
 
     # -- collectives ------------------------------------------------------------------------------
     def all_gather(self, out: Any, inp: Any) -> None:
@@ -301,6 +303,20 @@ class Communicator(ABC):
             root=root,
         )
 
+    def reduce(self, buf: Any, root: int = 0, op: str = "sum") -> None:
+        """buf on ``root`` ← element-wise reduction of every rank's ``buf`` (in place there); the
+        other ranks' ``buf`` is left as it was. DeepSpeed's ``reduce_scatter`` path at stages
+        1-2 reduces each piece of a gradient bucket to the rank that owns it this way."""
+        self._check_reduce(buf, root, op)
+        self._run(
+            "reduce",
+            buf.dtype,
+            buf.size,
+            lambda: self._native_reduce(buf, root, op),
+            lambda: ring.reduce(self, buf, root, op),
+            root=root,
+        )
+
     def all_to_all(self, out: Any, inp: Any) -> None:
         """Block j of ``inp`` goes to rank j; block i of ``out`` comes from rank i."""
         _check_buffer("inp", inp)
@@ -312,9 +328,12 @@ class Communicator(ABC):
                 f"; got out.size={out.size}, inp.size={inp.size}"
             )
         self._check_disjoint("all_to_all", out, inp)
-        # all-to-all has no ring variant: it always uses the world's own exchange.
         self._run(
-            "all_to_all", inp.dtype, inp.size, lambda: self._native_all_to_all(out, inp), None
+            "all_to_all",
+            inp.dtype,
+            inp.size,
+            lambda: self._native_all_to_all(out, inp),
+            lambda: ring.all_to_all(self, out, inp),
         )
 
     def barrier(self) -> None:
@@ -370,6 +389,18 @@ class Communicator(ABC):
             lambda: ring.all_reduce(self, buf, op),
         )
 
+    def ireduce(self, buf: Any, root: int = 0, op: str = "sum") -> Handle:
+        """Start a reduce to ``root``; root's ``buf`` holds the result after ``.wait()``."""
+        self._check_reduce(buf, root, op)
+        return self._start(
+            "reduce",
+            buf.dtype,
+            buf.size,
+            lambda: self._native_ireduce(buf, root, op),
+            lambda: ring.reduce(self, buf, root, op),
+            root=root,
+        )
+
     # -- sub-groups ----------------------------------------------------------------------------
     @abstractmethod
     def split(self, color: int, key: int = 0) -> Communicator:
@@ -387,6 +418,8 @@ class Communicator(ABC):
     @abstractmethod
     def _native_broadcast(self, buf: Any, root: int) -> None: ...
     @abstractmethod
+    def _native_reduce(self, buf: Any, root: int, op: str) -> None: ...
+    @abstractmethod
     def _native_all_to_all(self, out: Any, inp: Any) -> None: ...
     @abstractmethod
     def _native_barrier(self) -> None: ...
@@ -396,6 +429,8 @@ class Communicator(ABC):
     def _native_ireduce_scatter(self, out: Any, inp: Any, op: str) -> Callable[[], None]: ...
     @abstractmethod
     def _native_iall_reduce(self, buf: Any, op: str) -> Callable[[], None]: ...
+    @abstractmethod
+    def _native_ireduce(self, buf: Any, root: int, op: str) -> Callable[[], None]: ...
     @abstractmethod
     def _native_ireduce_scatter_v(
         self, out: Any, inp: Any, counts: tuple[int, ...], op: str
@@ -420,6 +455,11 @@ class Communicator(ABC):
             or not (0 <= root < self.size)
         ):
             raise ValueError(f"root must be an int in [0, {self.size}), got {root!r}")
+
+    def _check_reduce(self, buf: Any, root: int, op: str) -> None:
+        self._check_root(root)
+        _check_buffer("buf", buf, writable=self.rank == root)
+        _check_op(op, buf)
 
     @staticmethod
     def _check_same_dtype(out: Any, inp: Any) -> None:
@@ -592,19 +632,20 @@ class Communicator(ABC):
         count: int,
         native_start: Callable[[], Callable],
         ring_fn: Callable[[], tuple[int, int]],
+        root: int = 0,
         counts: tuple[int, ...] | None = None,
     ) -> Handle:
         self._sync_nodes()
         itemsize = dtype.itemsize
         use_ring = self._use_ring(ring_fn)
         if use_ring:
-            record = self._new_record(op, dtype, count, 0, False, 0, 0, "wire")
+            record = self._new_record(op, dtype, count, root, False, 0, 0, "wire")
         else:
-            sent, recv = ring.model_bytes(op, count, self.size, self.rank, itemsize, 0, counts)
-            record = self._new_record(op, dtype, count, 0, False, sent, recv, "model")
+            sent, recv = ring.model_bytes(op, count, self.size, self.rank, itemsize, root, counts)
+            record = self._new_record(op, dtype, count, root, False, sent, recv, "model")
         seq = self.ledger.flight.begin(record)
         self._pending = (seq, record, "cross-rank argument check")
-        self._check_agreement(op, dtype, count, 0, counts)
+        self._check_agreement(op, dtype, count, root, counts)
         self._pending = (seq, record, "data exchange")
         record.start = self.ledger.now()
         if use_ring:

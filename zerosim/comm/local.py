@@ -216,6 +216,16 @@ class LocalComm(Communicator):
 
         return finish
 
+    def _native_ireduce(self, buf: Any, root: int, op: str) -> Callable[[], None]:
+        key = self._post("reduce", buf.reshape(-1).copy())
+
+        def finish() -> None:
+            parts = self._collect(key)  # every rank collects, so that the slot is freed
+            if self.rank == root:
+                buf.reshape(-1)[...] = _reduce(parts, op)
+
+        return finish
+
     def _native_all_gather(self, out: Any, inp: Any) -> None:
         self._native_iall_gather(out, inp)()
 
@@ -224,6 +234,9 @@ class LocalComm(Communicator):
 
     def _native_all_reduce(self, buf: Any, op: str) -> None:
         self._native_iall_reduce(buf, op)()
+
+    def _native_reduce(self, buf: Any, root: int, op: str) -> None:
+        self._native_ireduce(buf, root, op)()
 
     def _native_broadcast(self, buf: Any, root: int) -> None:
         parts = self._exchange("broadcast", buf.reshape(-1).copy() if self.rank == root else None)

@@ -1,8 +1,8 @@
 """MPIComm: the Communicator over a real MPI communicator (mpi4py's buffer methods only).
 
 Every collective is one upper-case mpi4py call (``Allgather``, ``Reduce_scatter_block``,
-``Allreduce``, ``Bcast``, ``Alltoall``, ``Iallgather`` …) on the arrays themselves: no pickling and
-no copies for contiguous NumPy arrays.
+``Allreduce``, ``Reduce``, ``Bcast``, ``Alltoall``, ``Iallgather`` …) on the arrays themselves: no
+pickling and no copies for contiguous NumPy arrays.
 
 What goes on the wire:
 
@@ -181,6 +181,20 @@ class MPIComm(Communicator):
             watchdog.leave(self)
         s.copy_back(0)
 
+    def _native_reduce(self, buf: Any, root: int, op: str) -> None:
+        s = _Staged([buf])
+        send, recv = self._reduce_specs(s.host[0], root)
+        watchdog.enter(self)
+        try:
+            self.mpi.Reduce(send, recv, _mpi_op(buf.dtype, op), root=root)
+        finally:
+            watchdog.leave(self)
+        s.copy_back(0)
+
+    def _reduce_specs(self, host: np.ndarray, root: int) -> tuple[Any, Any]:
+        """(send, receive) buffers of a reduce in place on the root; no receive buffer elsewhere."""
+        return (MPI.IN_PLACE, _spec(host)) if self.rank == root else (_spec(host), None)
+
     def _native_all_to_all(self, out: Any, inp: Any) -> None:
         s = _Staged([out, inp])
         watchdog.enter(self)
@@ -231,6 +245,11 @@ class MPIComm(Communicator):
             _spec(s.host[1]), _spec(s.host[0]), list(counts), _mpi_op(inp.dtype, op)
         )
         return self._finisher(request, s)
+
+    def _native_ireduce(self, buf: Any, root: int, op: str) -> Callable[[], None]:
+        s = _Staged([buf])
+        send, recv = self._reduce_specs(s.host[0], root)
+        return self._finisher(self.mpi.Ireduce(send, recv, _mpi_op(buf.dtype, op), root=root), s)
 
     def _native_iall_reduce(self, buf: Any, op: str) -> Callable[[], None]:
         s = _Staged([buf])

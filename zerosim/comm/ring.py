@@ -21,6 +21,14 @@ which is 2(N−1)/N · S when N divides the count (nccl-tests' all-reduce volume
 
 broadcast: a chain from the root, rank at position i = (r − root) mod N forwards the whole buffer
 to position i + 1; every rank but the last sends S, every rank but the root receives S.
+
+reduce: the same chain run backwards, towards the root: position N−1 sends its buffer to N−2,
+which adds its own and passes the partial sum on, until the root adds the last. Every rank but
+the root sends S, every rank but the last receives S (the other ranks' buffers are untouched).
+
+all-to-all: not a ring but a pairwise exchange: at step s = 1 … N−1, rank r sends block (r + s) to
+rank r + s and receives block (r − s) from rank r − s. Each rank sends and receives
+(N−1)/N · S, block j of it to rank j (which is how the ledger splits it by node).
 """
 
 from __future__ import annotations
@@ -71,10 +79,12 @@ def model_bytes(
         sent = 2 * count - sizes[rank] - sizes[(rank + 1) % n]
         recv = 2 * count - sizes[(rank - 1) % n] - sizes[rank]
         return sent * itemsize, recv * itemsize
+    position = (rank - root) % n
+    total = count * itemsize
     if op == "broadcast":
-        position = (rank - root) % n
-        total = count * itemsize
         return (total if position < n - 1 else 0), (total if position > 0 else 0)
+    if op == "reduce":
+        return (total if position > 0 else 0), (total if position < n - 1 else 0)
     raise ValueError(f"no byte model for op {op!r}")
 
 
@@ -173,3 +183,43 @@ def broadcast(comm: Communicator, buf: Any, root: int) -> tuple[int, int]:
         comm._send(flat, (comm.rank + 1) % n)
         sent = flat.nbytes
     return sent, recv
+
+
+def reduce(comm: Communicator, buf: Any, root: int, op: str) -> tuple[int, int]:
+    """Chain reduce towards ``root`` (broadcast's chain backwards); returns (sent, received).
+
+    Only the root's ``buf`` changes: a rank in the middle adds its buffer to the partial sum it
+    received, in a scratch array, and forwards that.
+    """
+    n = comm.size
+    position = (comm.rank - root) % n
+    flat = buf.reshape(-1)
+    sent = recv = 0
+    partial = flat
+    if position < n - 1:
+        incoming = array_module(flat).empty_like(flat)
+        comm._recv(incoming, (comm.rank + 1) % n)
+        recv = flat.nbytes
+        if position == 0:
+            _reduce_into(flat, incoming, op)
+        else:
+            _reduce_into(incoming, flat, op)
+            partial = incoming
+    if position > 0:
+        comm._send(partial, (comm.rank - 1) % n)
+        sent = flat.nbytes
+    return sent, recv
+
+
+def all_to_all(comm: Communicator, out: Any, inp: Any) -> tuple[int, int]:
+    """Pairwise all-to-all (block j of ``inp`` to rank j); returns (bytes sent, bytes received)."""
+    n, r = comm.size, comm.rank
+    block = inp.size // n
+    src, dst = inp.reshape(-1), out.reshape(-1)
+    dst[r * block : (r + 1) * block] = src[r * block : (r + 1) * block]
+    for s in range(1, n):
+        to, source = (r + s) % n, (r - s) % n
+        outgoing = src[to * block : (to + 1) * block]
+        comm._sendrecv(outgoing, to, dst[source * block : (source + 1) * block], source)
+    moved = (n - 1) * block * inp.dtype.itemsize
+    return moved, moved
