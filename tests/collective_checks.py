@@ -206,7 +206,16 @@ def check_split(comm) -> None:
     before = len(comm.ledger.records)
     sub.all_reduce(buf)
     assert buf[0] == sum(members)
-    assert comm.ledger.records[before].group == f"world/{comm.rank % 2}"
+    assert comm.ledger.records[before].group == f"world/split1.{comm.rank % 2}"
+    # a second split with the same colour, and a named one: every group keeps its own name
+    again = comm.split(comm.rank % 2)
+    named = comm.split(0, name="pairs")
+    again.barrier()
+    named.barrier()
+    assert [r.group for r in comm.ledger.records[-2:]] == [
+        f"world/split2.{comm.rank % 2}",
+        "world/pairs.0",
+    ]
 
 
 def check_in_place_reduce_scatter(comm) -> None:

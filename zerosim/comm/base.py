@@ -128,6 +128,8 @@ class Communicator(ABC):
         self.timeout = default_timeout()  # seconds a wait may last (0: forever); the watchdog's
         # (call number, record, stage) of the call this rank may be waiting in, for the watchdog
         self._pending: tuple[int, Record | None, str] | None = None
+        self._splits = 0  # sub-groups split off so far (every rank splits in the same order)
+        self._child_names: set[str] = set()  # their names, so that no two share one
 
     # -- configuration --------------------------------------------------------------------------
     @property
@@ -403,8 +405,28 @@ class Communicator(ABC):
 
     # -- sub-groups ----------------------------------------------------------------------------
     @abstractmethod
-    def split(self, color: int, key: int = 0) -> Communicator:
-        """A communicator over the ranks that passed the same ``color``, ordered by (key, rank)."""
+    def split(self, color: int, key: int = 0, name: str | None = None) -> Communicator:
+        """A communicator over the ranks that passed the same ``color``, ordered by (key, rank).
+
+        Its ledger name is ``<this group>/<name>.<color>``; ``name`` defaults to ``split<k>`` for
+        the k-th split of this communicator, so two sub-groups of one rank never share a name
+        (hpZ's group and qgZ's two hops on rank 0 are ``world/split1.0``, ``world/split2.0``, …).
+        """
+
+    def _check_split(self, color: int, key: int, name: str | None) -> str:
+        """Check ``split``'s arguments; return the new group's unique name."""
+        if isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0:
+            raise ValueError(f"color must be a non-negative int, got {color!r}")
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
+            raise ValueError(f"key must be an int, got {key!r}")
+        if name is not None and (not isinstance(name, str) or not name or "/" in name):
+            raise ValueError(f"name must be None or a non-empty string without '/', got {name!r}")
+        self._splits += 1
+        child = f"{self.group}/{name or f'split{self._splits}'}.{int(color)}"
+        if child in self._child_names:  # a name given twice: number the second
+            child = f"{child}#{self._splits}"
+        self._child_names.add(child)
+        return child
 
     # -- what a world provides ----------------------------------------------------------------
     # Native collectives (blocking, and non-blocking ones returning a function that completes

@@ -147,13 +147,13 @@ class FlightRecorder:
         )
         lines = [
             head,
-            f"  {'call':>6} {'step':>5} {'phase':<12} {'op':<15} {'group':<10} {'dtype':<9} "
+            f"  {'call':>6} {'step':>5} {'phase':<12} {'op':<15} {'group':<15} {'dtype':<9} "
             f"{'elements':>12} {'time ms':>9}",
         ]
         for seq, r in self._ring:
             took = "not done" if r.wall_time is None else f"{r.wall_time * 1e3:.3f}"
             lines.append(
-                f"  {seq:>6} {r.step:>5} {r.phase:<12} {r.op:<15} {r.group:<10} {r.dtype:<9} "
+                f"  {seq:>6} {r.step:>5} {r.phase:<12} {r.op:<15} {r.group:<15} {r.dtype:<9} "
                 f"{r.elements:>12,} {took:>9}"
             )
         return "\n".join(lines)

@@ -195,20 +195,20 @@ class Ledger:
         """A text table of ``summary()``, for printing at the end of a run."""
         rows = self.summary()
         header = (
-            f"{'phase':<10} {'op':<15} {'group':<10} {'dtype':<9} {'calls':>6} "
+            f"{'phase':<10} {'op':<15} {'group':<15} {'dtype':<9} {'calls':>6} "
             f"{'sent (B)':>14} {'recv (B)':>14} {'time (ms)':>10} {'busbw GB/s':>11}"
         )
         lines = [header, "-" * len(header)]
         for r in rows:
             lines.append(
-                f"{r['phase']:<10} {r['op']:<15} {r['group']:<10} {r['dtype']:<9} {r['calls']:>6} "
+                f"{r['phase']:<10} {r['op']:<15} {r['group']:<15} {r['dtype']:<9} {r['calls']:>6} "
                 f"{r['bytes_sent']:>14,} {r['bytes_recv']:>14,} {r['time_s'] * 1e3:>10.2f} "
                 f"{r['busbw_GBps']:>11.3f}"
             )
         total_sent = sum(r["bytes_sent"] for r in rows)
         total_recv = sum(r["bytes_recv"] for r in rows)
         lines.append("-" * len(header))
-        lines.append(f"{'total':<53} {total_sent:>14,} {total_recv:>14,}")
+        lines.append(f"{'total':<58} {total_sent:>14,} {total_recv:>14,}")
         return "\n".join(lines)
 
     def to_json(self) -> str:

@@ -125,7 +125,6 @@ class LocalComm(Communicator):
         self._members = members  # world rank of each group rank
         self._ctx = ctx
         self._calls = 0
-        self._splits = 0
 
     @property
     def world_rank(self) -> int:
@@ -287,13 +286,11 @@ class LocalComm(Communicator):
         self._recv(recvbuf, source)
 
     # -- sub-groups --------------------------------------------------------------------------
-    def split(self, color: int, key: int = 0) -> LocalComm:
-        if not isinstance(color, (int, np.integer)) or color < 0:
-            raise ValueError(f"color must be a non-negative int, got {color!r}")
+    def split(self, color: int, key: int = 0, name: str | None = None) -> LocalComm:
+        group = self._check_split(color, key, name)
         self._pending = (self.ledger.flight.calls, None, f"split of group {self.group!r}")
         pairs = self._exchange("split", (int(color), int(key)))
         self._pending = None
-        self._splits += 1
         chosen = sorted((k, g) for g, (c, k) in enumerate(pairs) if c == color)
         members = tuple(self._members[g] for _, g in chosen)
         rank = [g for _, g in chosen].index(self.rank)
@@ -306,7 +303,7 @@ class LocalComm(Communicator):
             self.ledger,
             self.collectives,
             self.validate,
-            f"{self.group}/{color}",
+            group,
         )
         child.timeout = self.timeout
         return child

@@ -306,9 +306,8 @@ class MPIComm(Communicator):
         self._pending = None
         return int(lowest[0])
 
-    def split(self, color: int, key: int = 0) -> MPIComm:
-        if not isinstance(color, (int, np.integer)) or color < 0:
-            raise ValueError(f"color must be a non-negative int, got {color!r}")
+    def split(self, color: int, key: int = 0, name: str | None = None) -> MPIComm:
+        group = self._check_split(color, key, name)
         self._pending = (self.ledger.flight.calls, None, f"split of group {self.group!r}")
         watchdog.poll(self, self.mpi.Ibarrier())  # every rank is here: the split cannot hang
         self._pending = None
@@ -317,7 +316,7 @@ class MPIComm(Communicator):
             self.collectives,
             self.validate,
             self.ledger,
-            f"{self.group}/{color}",
+            group,
         )
         child.timeout = self.timeout
         return child
