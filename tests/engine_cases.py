@@ -93,6 +93,7 @@ def reference(case: Case, n: int) -> dict[str, np.ndarray]:
 
 
 def config(case: Case) -> dict:
+    scaled = case.prescale or case.predivide != 1.0  # DeepSpeed's ZeRO-2/3: all-reduce path only
     return {
         "train_micro_batch_size_per_gpu": case.micro,
         "gradient_accumulation_steps": case.accumulation,
@@ -101,8 +102,10 @@ def config(case: Case) -> dict:
         "gradient_predivide_factor": case.predivide,
         "steps_per_print": 10**6,
         "optimizer": optimizer_section(case),
+        "zero_allow_untested_optimizer": case.optimizer == "sgd",  # DeepSpeed's rule for SGD
         "zero_optimization": {
             "stage": case.stage,
+            **({"reduce_scatter": False} if scaled and case.stage >= 2 else {}),
             "reduce_bucket_size": case.bucket,
             "overlap_comm": case.overlap,
             "sub_group_size": case.sub_group_size,

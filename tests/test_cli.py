@@ -73,6 +73,7 @@ def test_train_on_a_local_world_with_a_megatron_config(tmp_path, capsys):
     cfg = {
         "train_micro_batch_size_per_gpu": 8,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": 1},
         "zerosim": {"layout": "megatron"},
     }

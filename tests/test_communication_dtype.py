@@ -30,6 +30,7 @@ def _config(stage: int, wire: str | None, layout: str = "deepspeed") -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 20},
         "zerosim": {"layout": layout},

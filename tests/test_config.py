@@ -45,52 +45,9 @@ def error_for(config: dict, world_size: int = 1) -> ConfigError:
 
 # --- defaults ------------------------------------------------------------------------------
 
-# DeepSpeed's current defaults (runtime/constants.py, zero/config.py, zero/offload_config.py,
-# precision_config.py), written out independently of zerosim's declarations.
-DEEPSPEED_DEFAULTS = {
-    "gradient_clipping": 0.0,
-    "steps_per_print": 10,
-    "wall_clock_breakdown": False,
-    "prescale_gradients": False,
-    "gradient_predivide_factor": 1.0,
-    "communication_data_type": None,
-    "optimizer": None,
-    "scheduler": None,
-    "zero_optimization.stage": 0,
-    "zero_optimization.contiguous_gradients": True,
-    "zero_optimization.reduce_scatter": True,
-    "zero_optimization.reduce_bucket_size": 500_000_000,
-    "zero_optimization.allgather_partitions": True,
-    "zero_optimization.allgather_bucket_size": 500_000_000,
-    "zero_optimization.round_robin_gradients": False,
-    "zero_optimization.sub_group_size": 1_000_000_000,
-    "zero_optimization.stage3_prefetch_bucket_size": 50_000_000,
-    "zero_optimization.stage3_param_persistence_threshold": 100_000,
-    "zero_optimization.stage3_max_live_parameters": 1_000_000_000,
-    "zero_optimization.stage3_max_reuse_distance": 1_000_000_000,
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": False,
-    "zero_optimization.zero_quantized_weights": False,
-    "zero_optimization.zero_quantized_gradients": False,
-    "zero_optimization.zero_hpz_partition_size": 1,
-    "zero_optimization.offload_optimizer.device": "none",
-    "zero_optimization.offload_optimizer.buffer_count": 4,
-    "zero_optimization.offload_optimizer.pin_memory": False,
-    "zero_optimization.offload_param.device": "none",
-    "zero_optimization.offload_param.buffer_count": 5,
-    "zero_optimization.offload_param.buffer_size": 100_000_000,
-    "zero_optimization.offload_param.max_in_cpu": 1_000_000_000,
-    "fp16.enabled": False,
-    "fp16.auto_cast": False,
-    "fp16.loss_scale": 0,
-    "fp16.initial_scale_power": 16,
-    "fp16.loss_scale_window": 1000,
-    "fp16.hysteresis": 2,
-    "fp16.consecutive_hysteresis": False,
-    "fp16.min_loss_scale": 1,
-    "bf16.enabled": False,
-    "checkpoint.tag_validation": "WARN",
-    "checkpoint.load_universal": False,
-    "checkpoint.use_node_local_storage": False,
+# zerosim's own section; DeepSpeed's keys are compared with DeepSpeed's code at test time in
+# tests/test_deepspeed_defaults.py.
+ZEROSIM_DEFAULTS = {
     "zerosim.backend": "numpy",
     "zerosim.dtype": "float32",
     "zerosim.collectives": "native",
@@ -106,9 +63,9 @@ def attribute(obj: object, path: str) -> object:
     return obj
 
 
-def test_defaults_equal_deepspeeds_current_defaults():
+def test_zerosim_section_defaults():
     config = load(BATCH)
-    for path, expected in DEEPSPEED_DEFAULTS.items():
+    for path, expected in ZEROSIM_DEFAULTS.items():
         value = attribute(config, path)
         assert value == expected, path
         assert isinstance(value, bool) == isinstance(expected, bool), path
@@ -215,13 +172,16 @@ WRONG_VALUES = [
     ("gradient_clipping", float("nan")),
     ("gradient_clipping", "1.0"),
     ("steps_per_print", 0),
-    ("wall_clock_breakdown", 1),
+    ("gradient_clipping", None),
+    ("wall_clock_breakdown", 2),
     ("wall_clock_breakdown", "true"),
+    ("wall_clock_breakdown", None),
     ("gradient_predivide_factor", 0),
     ("communication_data_type", "fp8"),
     ("zero_optimization.stage", 4),
-    ("zero_optimization.stage", True),
+    ("zero_optimization.stage", "two"),
     ("zero_optimization.stage", 1.5),
+    ("zero_optimization.stage", None),
     ("zero_optimization.reduce_bucket_size", 0),
     ("zero_optimization.reduce_bucket_size", "5e8"),
     ("gradient_clipping", 10**400),
@@ -229,13 +189,19 @@ WRONG_VALUES = [
     ("zero_optimization.sub_group_size", False),
     ("zero_optimization.stage3_prefetch_bucket_size", -1),
     ("zero_optimization.offload_optimizer.device", "gpu"),
+    ("zero_optimization.offload_optimizer.device", "CPU"),
     ("zero_optimization.offload_param.buffer_count", -1),
-    ("fp16.enabled", "yes"),
+    ("fp16.enabled", "maybe"),
+    ("fp16.enabled", 2),
     ("fp16.loss_scale", -1),
-    ("fp16.initial_scale_power", 200),
+    ("fp16.initial_scale_power", 1024),
     ("fp16.hysteresis", 0),
     ("fp16.min_loss_scale", 0),
-    ("bf16.enabled", 0),
+    ("fp16.min_loss_scale", 0.5),
+    ("fp16.loss_scale_window", "2.0"),
+    ("bf16.enabled", "maybe"),
+    ("optimizer.type", "sgd"),
+    ("optimizer.params.torch_adam", "false"),
     ("checkpoint.tag_validation", "maybe"),
     ("zerosim.backend", "jax"),
     ("zerosim.dtype", "float8"),
@@ -244,6 +210,29 @@ WRONG_VALUES = [
     ("zerosim.ranks_per_node", 0),
     ("zerosim.validate_collectives", "no"),
 ]
+
+# Read as DeepSpeed's pydantic models read them (lax mode) inside its validated sections.
+LAX_VALUES = [
+    ("zero_optimization.stage", "2", 2),
+    ("zero_optimization.stage", True, 1),
+    ("zero_optimization.stage", 2.0, 2),
+    ("zero_optimization.reduce_bucket_size", "1_000", 1000),
+    ("zero_optimization.overlap_comm", "yes", True),
+    ("zero_optimization.contiguous_gradients", 1, True),
+    ("fp16.enabled", "off", False),
+    ("fp16.loss_scale", "5e8", 5e8),
+    ("fp16.initial_scale_power", -1, -1),
+    ("bf16.enabled", "TRUE", True),
+    ("wall_clock_breakdown", 1, True),
+    ("prescale_gradients", 0, False),
+]
+
+
+@pytest.mark.parametrize("path, value, expected", LAX_VALUES)
+def test_deepspeeds_pydantic_sections_read_values_as_deepspeed_does(path, value, expected):
+    config = load(merged({"train_batch_size": 8}, nest(path, value)))
+    got = attribute(config, path)
+    assert got == expected and type(got) is type(expected)
 
 
 def nest(path: str, value: object) -> dict:
@@ -269,7 +258,12 @@ def merged(*parts: dict) -> dict:
 
 @pytest.mark.parametrize("path, value", WRONG_VALUES, ids=[f"{p}={v!r}" for p, v in WRONG_VALUES])
 def test_wrong_value_is_rejected_naming_key_and_value(path, value):
-    config = merged({"train_batch_size": 8, "zero_optimization": {"stage": 3}}, nest(path, value))
+    base = {"train_batch_size": 8, "zero_optimization": {"stage": 3}}
+    if path.startswith("fp16."):  # the scaling keys are checked when fp16 uses them
+        base["fp16"] = {"enabled": True}
+    if path.startswith("optimizer.params"):
+        base["optimizer"] = {"type": "Adam"}
+    config = merged(base, nest(path, value))
     error = error_for(config)
     assert error.path == path
     assert str(error).startswith(f"{path}: got {short_repr(value)}; allowed: ")
@@ -457,9 +451,10 @@ def test_unknown_keys_produce_one_warning_listing_every_path():
     config = {
         **BATCH,
         "zero_optimisation": {"stage": 2},
-        "zero_optimization": {"stage": 1, "overlap_com": True, "offload_optimizer": {"x": 1}},
+        "zero_optimization": {"stage": 1},
         "zerosim": {"colour": "red"},
-        "fp16": {"enabled": False, "fp16_master_weights_and_grads": False},
+        "checkpoint": {"tag_validaton": "FAIL"},
+        "optimizer": {"type": "Adam", "param": {}},
     }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -468,14 +463,52 @@ def test_unknown_keys_produce_one_warning_listing_every_path():
     message = str(caught[0].message)
     for path in (
         "zero_optimisation",
-        "zero_optimization.overlap_com",
-        "zero_optimization.offload_optimizer.x",
         "zerosim.colour",
-        "fp16.fp16_master_weights_and_grads",
+        "checkpoint.tag_validaton",
+        "optimizer.param",
     ):
         assert path in message
-    assert "did you mean zero_optimization.overlap_comm?" in message
-    assert loaded.zero_optimization.stage == 1 and loaded.zero_optimization.overlap_comm is False
+    assert "did you mean checkpoint.tag_validation?" in message
+    assert loaded.zero_optimization.stage == 1
+
+
+@pytest.mark.parametrize(
+    "config, path",
+    [
+        ({"zero_optimization": {"stage": 1, "overlap_com": True}}, "zero_optimization.overlap_com"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "x": 1}}},
+            "zero_optimization.offload_optimizer.x",
+        ),
+        ({"fp16": {"enabled": False, "loss_scal": 0}}, "fp16.loss_scal"),
+        ({"bfloat16": {"enabled": True, "master": 1}}, "bfloat16.master"),
+    ],
+)
+def test_unknown_keys_in_deepspeeds_validated_sections_are_errors(config, path):
+    error = error_for({**BATCH, **config})
+    assert error.path == path
+    assert "DeepSpeed forbids unknown keys" in str(error)
+
+
+def test_unknown_key_error_suggests_the_closest_key():
+    error = error_for({**BATCH, "zero_optimization": {"stage": 1, "overlap_com": True}})
+    assert "did you mean zero_optimization.overlap_comm?" in str(error)
+
+
+@pytest.mark.parametrize(
+    "config, path",
+    [
+        ({"amp": {"enabled": True}}, "amp"),
+        ({"elasticity": {}}, "elasticity"),
+        (
+            {"zero_optimization": {"stage": 3, "mics_shard_size": 2}},
+            "zero_optimization.mics_shard_size",
+        ),
+    ],
+)
+def test_keys_deepspeed_removed_are_rejected(config, path):
+    error = error_for({**BATCH, **config})
+    assert error.path == path and "removed" in str(error)
 
 
 def test_unknown_keys_are_reported_even_when_the_config_is_then_rejected():
@@ -484,6 +517,53 @@ def test_unknown_keys_are_reported_even_when_the_config_is_then_rejected():
         with pytest.raises(ConfigError):
             load_config({"train_batch_sise": 8}, 1)
     assert "train_batch_sise (did you mean train_batch_size?)" in str(caught[0].message)
+
+
+INERT = [
+    ("zero_optimization.offload_optimizer.pin_memory", True, "page-locking"),
+    ("zero_optimization.offload_param.pin_memory", False, "page-locking"),
+    ("zero_optimization.offload_param.buffer_count", 5, "memory-maps"),
+    ("zero_optimization.offload_param.buffer_size", 10, "memory-maps"),
+    ("zero_optimization.offload_param.max_in_cpu", 10, "whole offloaded shard"),
+    ("checkpoint.tag_validation", "WARN", "raises if not"),
+    ("checkpoint.load_universal", True, "universal checkpoints"),
+    ("checkpoint.use_node_local_storage", True, "shared directory"),
+    ("zero_optimization.allgather_bucket_size", 100, "one call"),
+    ("bf16.check_grad_overflow", True, "never skipped"),
+]
+
+
+@pytest.mark.parametrize("path, value, why", INERT)
+def test_a_key_without_effect_here_is_warned_about_naming_it_and_why(path, value, why):
+    base = {**BATCH, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    base["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(merged(base, nest(path, value)), 1)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(f"{path}={json.dumps(value)} is ignored: ") and why in messages[0]
+
+
+@pytest.mark.parametrize(
+    "path, value",
+    [
+        ("fp16.fp16_master_weights_and_grads", True),
+        ("bf16.bf16_master_weights_and_grads", True),
+        ("zero_optimization.zero_quantized_nontrainable_weights", True),
+        ("zero_optimization.zenflow", {"topk_ratio": 0.1}),
+    ],
+)
+def test_a_key_that_would_change_the_numbers_but_is_not_built_is_rejected(path, value):
+    error = error_for(merged({**BATCH, "zero_optimization": {"stage": 3}}, nest(path, value)))
+    assert error.path == path
+
+
+def test_inert_keys_at_their_default_are_not_written_back_by_to_dict():
+    config = load(BATCH)
+    text = json.dumps(config.to_dict())
+    assert "pin_memory" not in text and "tag_validation" not in text
+    assert load(config.to_dict()) == config
 
 
 @pytest.mark.parametrize("key", ["reduce_scatter", "allgather_partitions"])
@@ -506,20 +586,29 @@ def test_a_deepspeed_switch_zerosim_does_not_build_is_warned_about_only_when_set
 @pytest.mark.parametrize(
     "fp16, stage, expected",
     [
-        # no dynamic key written: the scaler's own defaults (2**32 in ZeRO, hysteresis 1)
-        ({}, 1, (True, 2.0**32, 1000, 1.0, 1, False)),
-        ({}, 3, (True, 2.0**32, 1000, 1.0, 1, False)),
-        ({}, 0, (True, 2.0**16, 1000, 1.0, 1, False)),
-        # one key written: every dynamic key takes its config value or config default
-        ({"hysteresis": 2}, 2, (True, 2.0**16, 1000, 1.0, 2, False)),
-        ({"initial_scale_power": 12}, 2, (True, 2.0**12, 1000, 1.0, 2, False)),
+        # DeepSpeed 0.19.8 hands the scaler every dynamic key, defaults included
+        ({}, 1, (True, 2.0**16, 1000, 1.0, 2, False, True)),
+        ({}, 3, (True, 2.0**16, 1000, 1.0, 2, False, True)),
+        # stage 0: FP16_Optimizer has no hysteresis and never raises at the minimum
+        ({}, 0, (True, 2.0**16, 1000, 1.0, 1, False, False)),
         (
-            {"loss_scale_window": 50, "min_loss_scale": 0.25, "consecutive_hysteresis": True},
+            {"hysteresis": 3, "consecutive_hysteresis": True},
+            0,
+            (True, 2.0**16, 1000, 1.0, 1, False, False),
+        ),
+        ({"hysteresis": 3}, 2, (True, 2.0**16, 1000, 1.0, 3, False, True)),
+        (
+            {
+                "initial_scale_power": 8,
+                "loss_scale_window": 50,
+                "min_loss_scale": 2,
+                "consecutive_hysteresis": True,
+            },
             3,
-            (True, 2.0**16, 50, 0.25, 2, True),
+            (True, 2.0**8, 50, 2.0, 2, True, True),
         ),
         # static
-        ({"loss_scale": 128}, 2, (False, 128.0, None, None, None, None)),
+        ({"loss_scale": 128}, 2, (False, 128.0, None, None, None, None, None)),
     ],
 )
 def test_fp16_loss_scaler_follows_deepspeed(fp16, stage, expected):
@@ -534,6 +623,7 @@ def test_fp16_loss_scaler_follows_deepspeed(fp16, stage, expected):
         settings_.min_scale,
         settings_.hysteresis,
         settings_.consecutive_hysteresis,
+        settings_.raise_error_at_min_scale,
     )
     if not expected[0]:
         got, expected = got[:2], expected[:2]
@@ -548,11 +638,48 @@ def test_no_loss_scaler_without_fp16():
 # --- optimizer and scheduler ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spelling", ["adamw", "ADAMW", "AdamW", "sgd", "RmsProp", "lion"])
-def test_optimizer_type_is_case_insensitive(spelling):
+@pytest.mark.parametrize(
+    "spelling", ["adamw", "ADAMW", "AdamW", "adagrad", "LION", "SGD", "RMSprop"]
+)
+def test_optimizer_type_follows_deepspeeds_case_rules(spelling):
     config = load({**BATCH, "optimizer": {"type": spelling}})
     assert config.optimizer.type.lower() == spelling.lower()
     assert config.optimizer.type in OPTIMIZER_TYPES
+
+
+@pytest.mark.parametrize("spelling", ["sgd", "Sgd", "rmsprop", "nadam", "RADAM", "adamax"])
+def test_torch_optimizer_names_must_be_exact_as_in_deepspeed(spelling):
+    error = error_for({**BATCH, "optimizer": {"type": spelling}})
+    assert error.path == "optimizer.type" and "exactly as written" in str(error)
+
+
+@pytest.mark.parametrize("kind", ["SGD", "RMSprop", "Adamax", "NAdam", "RAdam"])
+def test_untested_optimizer_under_zero_needs_deepspeeds_permission(kind):
+    config = {**BATCH, "optimizer": {"type": kind}, "zero_optimization": {"stage": 1}}
+    error = error_for(config)
+    assert error.path == "optimizer.type" and "zero_allow_untested_optimizer" in str(error)
+    assert load({**config, "zero_allow_untested_optimizer": True}).optimizer.type == kind
+    assert load({**config, "zero_optimization": {"stage": 0}}).optimizer.type == kind
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+def test_amsgrad_needs_torch_adam_as_in_deepspeed(kind):
+    error = error_for({**BATCH, "optimizer": {"type": kind, "params": {"amsgrad": True}}})
+    assert error.path == "optimizer.params.amsgrad"
+    params = {"amsgrad": True, "torch_adam": True}
+    assert load({**BATCH, "optimizer": {"type": kind, "params": params}}).optimizer.params[
+        "amsgrad"
+    ]
+
+
+def test_lion_from_a_config_gets_deepspeeds_defaults():
+    optimizer = load({**BATCH, "optimizer": {"type": "Lion"}}).optimizer
+    assert optimizer.kwargs() == {"lr": 1e-3, "betas": (0.9, 0.999)}
+    params = {"lr": 3e-4, "betas": [0.9, 0.99]}
+    assert load({**BATCH, "optimizer": {"type": "Lion", "params": params}}).optimizer.kwargs() == {
+        "lr": 3e-4,
+        "betas": (0.9, 0.99),
+    }
 
 
 @pytest.mark.parametrize(
@@ -620,6 +747,8 @@ def test_hyperparameter_checks_agree_with_torch_optim(kind, data):
     except ValueError:
         torch_accepts = False
     config = {**BATCH, "optimizer": {"type": kind, "params": {**params}}}
+    if kind in ("Adam", "AdamW"):  # torch's classes: what DeepSpeed builds with torch_adam
+        config["optimizer"]["params"]["torch_adam"] = True
     if "betas" in params:
         config["optimizer"]["params"]["betas"] = list(params["betas"])
     try:
@@ -631,11 +760,84 @@ def test_hyperparameter_checks_agree_with_torch_optim(kind, data):
     assert ours == torch_accepts, params
 
 
-def test_scheduler_names_are_deepspeeds_and_torchs():
+def test_scheduler_names_are_deepspeeds_and_torchs_written_exactly():
     for name in TORCH_SCHEDULERS + PYTHON_ONLY_SCHEDULERS:
         assert hasattr(torch.optim.lr_scheduler, name), name
     for name in DEEPSPEED_SCHEDULERS + TORCH_SCHEDULERS:
-        assert load({**BATCH, "scheduler": {"type": name.upper()}}).scheduler.type == name
+        assert load({**BATCH, "scheduler": {"type": name, "params": {}}}).scheduler.type == name
+        error = error_for({**BATCH, "scheduler": {"type": name.upper(), "params": {}}})
+        assert error.path == "scheduler.type"
+
+
+def test_every_torch_scheduler_name_accepted_is_buildable():
+    from zerosim.optim.lr_scheduler import _BUILDABLE
+
+    assert set(TORCH_SCHEDULERS) <= {cls.__name__ for cls in _BUILDABLE}
+
+
+@pytest.mark.parametrize(
+    "config", [{}, {"bf16": {"enabled": True}}, {"zero_optimization": {"stage": 1}}]
+)
+def test_torch_scheduler_only_where_deepspeed_can_build_one(config):
+    scheduler = {"type": "StepLR", "params": {"step_size": 2}}
+    if not config:
+        assert load({**BATCH, "scheduler": scheduler}).scheduler.type == "StepLR"
+        return
+    error = error_for({**BATCH, **config, "scheduler": scheduler})
+    assert error.path == "scheduler.type" and "not a torch.optim.Optimizer" in str(error)
+
+
+def test_scheduler_needs_params_as_in_deepspeed():
+    for section in ({"type": "WarmupLR"}, {"type": "WarmupLR", "params": None}):
+        assert error_for({**BATCH, "scheduler": section}).path == "scheduler.params"
+
+
+@pytest.mark.parametrize(
+    "fragment, path",
+    [
+        ({"prescale_gradients": True, "zero_optimization": {"stage": 2}}, "prescale_gradients"),
+        (
+            {"gradient_predivide_factor": 2.0, "zero_optimization": {"stage": 3}},
+            "gradient_predivide_factor",
+        ),
+        (
+            {
+                "gradient_clipping": 1.0,
+                "zero_optimization": {"stage": 2, "compute_grad_norm": False},
+            },
+            "zero_optimization.compute_grad_norm",
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "compute_grad_norm": False}},
+            "zero_optimization.compute_grad_norm",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 2,
+                    "offload_optimizer": {"device": "cpu", "ratio": 0.5},
+                }
+            },
+            "zero_optimization.offload_optimizer.ratio",
+        ),
+    ],
+)
+def test_deepspeeds_engine_rules(fragment, path):
+    assert error_for({**BATCH, **fragment}).path == path
+
+
+def test_prescale_at_stage_2_is_accepted_without_reduce_scatter_as_in_deepspeed():
+    config = {**BATCH, "prescale_gradients": True, "gradient_predivide_factor": 2.0}
+    config["zero_optimization"] = {"stage": 2, "reduce_scatter": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_config(config, 2).prescale_gradients
+
+
+@pytest.mark.parametrize("size, world, effective", [(0, 4, 1), (2, 4, 2), (8, 4, 4), (4, 4, 4)])
+def test_hpz_size_is_deepspeeds_min_with_the_world_size(size, world, effective):
+    config = {**BATCH, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": size}}
+    assert load(config, world).zero_optimization.zero_hpz_partition_size == effective
 
 
 def test_lr_range_test_is_rejected_as_not_supported():
@@ -644,7 +846,7 @@ def test_lr_range_test_is_rejected_as_not_supported():
 
 
 def test_scheduler_needing_python_objects_is_rejected():
-    error = error_for({**BATCH, "scheduler": {"type": "LambdaLR"}})
+    error = error_for({**BATCH, "scheduler": {"type": "LambdaLR", "params": {}}})
     assert "lr_scheduler=" in str(error)
 
 

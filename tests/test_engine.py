@@ -125,6 +125,7 @@ def test_megatron_range_maps_cover_each_owned_element_once():
             {
                 "train_micro_batch_size_per_gpu": 2,
                 "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "zero_allow_untested_optimizer": True,
                 "zero_optimization": {"stage": 1, "reduce_bucket_size": 60},
                 "zerosim": {"layout": "megatron"},
             },

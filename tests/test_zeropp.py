@@ -420,6 +420,7 @@ comm = MPIComm()
 comm.set_ranks_per_node(None)  # one machine: one shared-memory node
 assert comm.node_of == (0,) * comm.size, comm.node_of
 cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+       "zero_allow_untested_optimizer": True,
        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                              "stage3_max_reuse_distance": 0, "reduce_bucket_size": 10**9,
                              "zero_quantized_weights": True, "zero_hpz_partition_size": 2,

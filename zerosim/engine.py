@@ -134,8 +134,10 @@ def _optimizer_spec(cfg: Config, client: Any, model: Module) -> tuple[type, list
         return type(client), groups
     if cfg.optimizer is None:
         raise ConfigError(
-            "optimizer: no 'optimizer' section in the config and no optimizer object given; "
-            "one of them is required"
+            "optimizer",
+            None,
+            "a config 'optimizer' section or an optimizer object passed to initialize(): "
+            "zerosim's engine trains (DeepSpeed would build an engine that cannot step)",
         )
     cls = getattr(optim, cfg.optimizer.class_name)
     return cls, [(named, dict(cfg.optimizer.kwargs()))]
@@ -269,12 +271,13 @@ class Engine:
             client.optimizer = self.optimizer  # re-point a scheduler built on the client's
             return client
         if self.config.scheduler is not None:
+            section = self.config.scheduler
             try:
-                return build_scheduler(
-                    self.config.scheduler.type, self.optimizer, dict(self.config.scheduler.params)
-                )
-            except ValueError as err:
-                raise ConfigError(f"scheduler: {err}") from err
+                return build_scheduler(section.type, self.optimizer, dict(section.params))
+            except (ValueError, TypeError) as err:  # DeepSpeed's constructors raise both
+                params = dict(section.params)
+                allowed = f"params of {section.type}: {err}"
+                raise ConfigError("scheduler.params", params, allowed) from err
         return None
 
     # -- the training verbs ----------------------------------------------------------------------

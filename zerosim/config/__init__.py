@@ -2,9 +2,12 @@
 
 ``load_config(config, world_size)`` is a pure function: the engine calls it first on every
 rank, so every rank raises the same ``ConfigError`` before any buffer or communicator is
-touched. Key names and defaults are DeepSpeed's (deepspeed/runtime/config.py, constants.py,
-zero/config.py); the sections live in ``config_sections.py`` and ``config_optim.py``, the
-parsing primitives in ``config_values.py``, and ``docs/config.md`` lists every key.
+touched. Key names and defaults are DeepSpeed 0.19.8's (deepspeed/runtime/config.py,
+constants.py, zero/config.py), and so is the decision to accept or reject: the tests hold
+``load_config`` + ``initialize`` to DeepSpeed's own parser on a corpus of configs, and list
+every case where zerosim is stricter, with the reason (tests/test_deepspeed_config.py). The
+sections live in ``sections.py`` and ``optimizer.py``, the parsing primitives in ``values.py``,
+and ``docs/config.md`` lists every key.
 
 The batch triple follows DeepSpeed's ``_set_batch_related_parameters``: with world size N,
 
@@ -21,12 +24,16 @@ import json
 import numbers
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from zerosim.backend import PRECISION_DTYPES
-from zerosim.config.optimizer import OptimizerConfig, SchedulerConfig
+from zerosim.config.optimizer import (
+    ZERO_SUPPORTED_OPTIMIZERS,
+    OptimizerConfig,
+    SchedulerConfig,
+)
 from zerosim.config.sections import (
     BF16Config,
     CheckpointConfig,
@@ -41,11 +48,13 @@ from zerosim.config.values import (
     ConfigError,
     Parser,
     as_mapping,
-    boolean,
     choice,
     find_unknown_keys,
+    flag,
+    inert_keys_given,
     integer,
     knob,
+    knob_fields,
     knobs_to_dict,
     known_key_paths,
     number,
@@ -72,6 +81,25 @@ __all__ = [
 ]
 
 COMMUNICATION_DTYPES = PRECISION_DTYPES  # communication_data_type's values
+# Top-level sections DeepSpeed 0.19.8 removed (runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS):
+# it raises DeepSpeedConfigError when one is present, so zerosim does too.
+REMOVED_TOP_LEVEL_KEYS = (
+    "amp",
+    "compression_training",
+    "curriculum_learning",
+    "eigenvalue",
+    "elasticity",
+    "graph_harvesting",
+    "nebula",
+    "progressive_layer_drop",
+    "quantize_training",
+    "sparse_attention",
+    "sparse_gradients",
+)
+# Why null is an error for some top-level keys: DeepSpeed reads them with dict.get, keeps the
+# None and fails on it, at load or at the first step.
+_NULL_FAILS_AT_STEP = "DeepSpeed keeps null as None and fails on it at the first step"
+_NULL_FAILS = "DeepSpeed reads keys of this section and fails on null"
 
 
 def _zero_section() -> Parser:
@@ -97,26 +125,50 @@ class Config:
     train_batch_size: int = knob(None, _BATCH, "global batch; inferred when absent")
     train_micro_batch_size_per_gpu: int = knob(None, _BATCH, "per-rank micro-batch")
     gradient_accumulation_steps: int = knob(None, _BATCH, "micro-steps per optimizer step")
-    gradient_clipping: float = knob(0.0, number(0), "max global gradient norm; 0 = off")
-    steps_per_print: int = knob(10, integer(1), "log every this many steps")
-    wall_clock_breakdown: bool = knob(False, boolean(), "time forward/backward/step")
-    prescale_gradients: bool = knob(False, boolean(), "divide gradients before reducing")
+    gradient_clipping: float = knob(
+        1.0, number(0), "max global gradient norm; 0 = off", null=_NULL_FAILS_AT_STEP
+    )
+    steps_per_print: int | None = knob(
+        None, optional(integer(1)), "log every this many steps; null = never"
+    )
+    wall_clock_breakdown: bool = knob(
+        False,
+        flag(),
+        "time forward/backward/step",
+        null="DeepSpeed ors it with a bool and fails on null",
+    )
+    prescale_gradients: bool = knob(False, flag(), "divide gradients before reducing")
     gradient_predivide_factor: float = knob(
-        1.0, number(0, above=True), "multiply by 1/this before the sum, by this/N after"
+        1.0,
+        number(0, above=True),
+        "multiply by 1/this before the sum, by this/N after",
+        null=_NULL_FAILS_AT_STEP,
     )
     communication_data_type: str | None = knob(
         None, optional(choice(*COMMUNICATION_DTYPES)), "dtype of gradient collectives"
     )
+    zero_allow_untested_optimizer: bool = knob(
+        False, flag(), "allow optimizers DeepSpeed has not tested with ZeRO (stage >= 1)"
+    )
     optimizer: OptimizerConfig | None = knob(
-        None, optional(section(OptimizerConfig)), "None: pass optimizer= to initialize()"
+        None, section(OptimizerConfig), "None: pass optimizer= to initialize()", null=_NULL_FAILS
     )
     scheduler: SchedulerConfig | None = knob(
-        None, optional(section(SchedulerConfig)), "None: pass lr_scheduler= or no schedule"
+        None,
+        section(SchedulerConfig),
+        "None: pass lr_scheduler= or no schedule",
+        null=_NULL_FAILS,
     )
-    zero_optimization: ZeroConfig = knob(ZeroConfig(), _zero_section(), "ZeRO stage and knobs")
-    fp16: FP16Config = knob(FP16Config(), section(FP16Config), "float16 mixed precision")
+    zero_optimization: ZeroConfig = knob(
+        ZeroConfig(), _zero_section(), "ZeRO stage and knobs", null=_NULL_FAILS
+    )
+    fp16: FP16Config = knob(
+        FP16Config(), section(FP16Config), "float16 mixed precision", null=_NULL_FAILS
+    )
     bf16: BF16Config = knob(BF16Config(), section(BF16Config), "bfloat16", aliases=("bfloat16",))
-    checkpoint: CheckpointConfig = knob(CheckpointConfig(), section(CheckpointConfig), "checkpoint")
+    checkpoint: CheckpointConfig = knob(
+        CheckpointConfig(), section(CheckpointConfig), "checkpoint", null=_NULL_FAILS
+    )
     zerosim: ZerosimConfig = knob(ZerosimConfig(), section(ZerosimConfig), "zerosim's own knobs")
 
     @property
@@ -213,6 +265,7 @@ def _check_consistency(cfg: Config) -> None:
     zero, sim, n = cfg.zero_optimization, cfg.zerosim, cfg.world_size
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("bf16.enabled", True, "false when fp16.enabled is true (one 16-bit mode)")
+    _check_deepspeed_engine_rules(cfg)
     if sim.layout == "megatron" and zero.stage != 1:
         raise ConfigError(
             "zero_optimization.stage",
@@ -220,11 +273,11 @@ def _check_consistency(cfg: Config) -> None:
             "1 with zerosim.layout 'megatron' (Megatron's distributed optimizer shards the "
             "optimizer state only: ZeRO-1 semantics)",
         )
-    if n % zero.zero_hpz_partition_size:
+    if n % min(zero.zero_hpz_partition_size, n):
         raise ConfigError(
             "zero_optimization.zero_hpz_partition_size",
             zero.zero_hpz_partition_size,
-            f"a divisor of world_size {n}",
+            f"a divisor of world_size {n}, or >= it (DeepSpeed uses min(size, world_size))",
         )
     if sim.ranks_per_node is not None and n % sim.ranks_per_node:
         raise ConfigError(
@@ -252,6 +305,47 @@ def _check_consistency(cfg: Config) -> None:
         )
 
 
+def _check_deepspeed_engine_rules(cfg: Config) -> None:
+    """What ``deepspeed.initialize`` refuses (after its config parser accepted the config)."""
+    zero, opt, sched = cfg.zero_optimization, cfg.optimizer, cfg.scheduler
+    if zero.stage >= 1 and opt is not None and opt.type not in ZERO_SUPPORTED_OPTIMIZERS:
+        if not cfg.zero_allow_untested_optimizer:
+            raise ConfigError(
+                "optimizer.type",
+                opt.type,
+                f"one of {list(ZERO_SUPPORTED_OPTIMIZERS)} at ZeRO stage {zero.stage}, or any "
+                'type with "zero_allow_untested_optimizer": true (DeepSpeed\'s rule for '
+                "optimizers it has not tested with ZeRO)",
+            )
+    if sched is not None and sched.is_torch and (zero.stage >= 1 or cfg.mixed_precision):
+        raise ConfigError(
+            "scheduler.type",
+            sched.type,
+            "a DeepSpeed scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) with ZeRO "
+            "stage >= 1 or fp16/bf16: DeepSpeed gives torch schedulers its optimizer wrapper, "
+            "which is then not a torch.optim.Optimizer, and fails",
+        )
+    if not zero.compute_grad_norm and cfg.gradient_clipping > 0:
+        raise ConfigError(
+            "zero_optimization.compute_grad_norm",
+            False,
+            f"true while gradient_clipping is {cfg.gradient_clipping} (clipping needs the norm; "
+            "DeepSpeed refuses false unless gradient_clipping is 0)",
+        )
+    if zero.stage >= 2 and zero.reduce_scatter:
+        for key, value, fine in (
+            ("prescale_gradients", cfg.prescale_gradients, False),
+            ("gradient_predivide_factor", cfg.gradient_predivide_factor, 1.0),
+        ):
+            if value != fine:
+                raise ConfigError(
+                    key,
+                    value,
+                    f"{json.dumps(fine)} at ZeRO stage {zero.stage} with reduce_scatter "
+                    "(DeepSpeed's ZeRO-2/3 support it only with reduce_scatter: false)",
+                )
+
+
 def _read_json_file(path: str | os.PathLike) -> Any:
     """The JSON in ``path``; a missing file, bad JSON or a repeated key is a ConfigError."""
     name = os.fspath(path)
@@ -275,79 +369,101 @@ def _read_json_file(path: str | os.PathLike) -> Any:
         raise ConfigError(name, name, allowed, got=got) from err
 
 
-def _warn_unknown(keys: list[str]) -> None:
-    """One warning for all unknown keys, each with the closest known key path if any."""
-    known = known_key_paths(Config)
-    listed = []
-    for key in keys:
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-        listed.append(f"{key} (did you mean {close[0]}?)" if close else key)
-    warnings.warn(
-        f"zerosim ignores {len(keys)} unknown config key(s): {', '.join(listed)} "
-        "(docs/config.md lists the keys it reads)",
-        UserWarning,
-        stacklevel=3,
-    )
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, known_key_paths(Config), n=1, cutoff=0.8)
+    return f"{key} (did you mean {close[0]}?)" if close else key
 
 
-# The one table of what parses but is not built: (key, value of cfg, when it applies, what to do,
-# why). "warn": the result is the same either way (zerosim's own bytes on the wire), so loading
-# warns; "reject": the engine refuses it (``reject_unbuilt``) before building any state.
-def _unbuilt(cfg: Config) -> list[tuple[str, Any, bool, str, str]]:
+def _closest(key: str) -> str:
+    close = difflib.get_close_matches(key, known_key_paths(Config), n=1, cutoff=0.8)
+    return f"did you mean {close[0]}? " if close else ""
+
+
+def _check_unknown(unknown: list[tuple[str, bool]], raw: dict) -> None:
+    """Warn once about unknown keys in open sections (DeepSpeed ignores them), then reject the
+    first unknown key of a closed section (DeepSpeed's pydantic models forbid extra keys)."""
+    ignored = [path for path, closed in unknown if not closed]
+    if ignored:
+        warnings.warn(
+            f"zerosim ignores {len(ignored)} unknown config key(s): "
+            f"{', '.join(_suggest(key) for key in ignored)} "
+            "(docs/config.md lists the keys it reads)",
+            UserWarning,
+            stacklevel=3,
+        )
+    for path, closed in unknown:
+        if closed:
+            parent, _, name = path.rpartition(".")
+            node: object = raw
+            for part in parent.split("."):
+                node = node[part]  # type: ignore[index]
+            value = node[name]  # type: ignore[index]
+            cls = _section_class(parent)
+            keys = sorted(f.name for f in knob_fields(cls))
+            raise ConfigError(
+                path,
+                value,
+                f"{_closest(path)}a key of {parent}: {keys} (DeepSpeed forbids unknown keys "
+                "in this section)",
+            )
+
+
+def _section_class(path: str) -> type:
+    """The section dataclass at a dotted key path (aliases allowed)."""
+    cls: type = Config
+    for part in path.split("."):
+        for f in knob_fields(cls):
+            if part in (f.name, *f.metadata["aliases"]):
+                cls = f.metadata["parser"].section
+                break
+    return cls
+
+
+# The one table of what parses but the engine refuses: (key, value of cfg, when it applies,
+# why). Keys that parse and are only ignored are declared ``inert`` in their section instead
+# (warned about at load, ``_check_inert``).
+def _unbuilt(cfg: Config) -> list[tuple[str, Any, bool, str]]:
     zero = cfg.zero_optimization
     return [
-        (
-            "zero_optimization.reduce_scatter",
-            zero.reduce_scatter,
-            zero.reduce_scatter is not True,
-            "warn",
-            "DeepSpeed would all-reduce each gradient bucket instead of reduce-scattering it; "
-            "zerosim always runs as with true (same results, its own byte counts)",
-        ),
-        (
-            "zero_optimization.allgather_partitions",
-            zero.allgather_partitions,
-            zero.allgather_partitions is not True,
-            "warn",
-            "DeepSpeed would broadcast each updated partition instead of all-gathering; "
-            "zerosim always runs as with true (same results, its own byte counts)",
-        ),
         (
             "communication_data_type",
             cfg.communication_data_type,
             cfg.communication_data_type is not None and zero.zero_quantized_gradients,
-            "reject",
             "use null with zero_quantized_gradients (qgZ sends its own int4 codes)",
         ),
         (
             "zerosim.backend",
             cfg.zerosim.backend,
             cfg.zerosim.backend != "numpy",
-            "reject",
             "use 'numpy' (the engine has not been run on cupy yet)",
         ),
     ]
 
 
-def _warn_unbuilt(cfg: Config) -> None:
-    """One UserWarning for each key set to a value zerosim ignores (same results)."""
-    for key, value, applies, action, why in _unbuilt(cfg):
-        if applies and action == "warn":
-            warnings.warn(f"{key}={json.dumps(value)} is ignored: {why}", UserWarning, stacklevel=3)
+def _check_inert(cfg: Config, raw: dict) -> None:
+    """One UserWarning for each DeepSpeed key written with a value zerosim does not act on;
+    a ConfigError for one that would change the numbers (``refuse``)."""
+    for key, value, why, refuse in inert_keys_given(Config, raw, cfg, ""):
+        if refuse:
+            raise ConfigError(key, value, f"{json.dumps(value)} is not built: {why}")
+        warnings.warn(f"{key}={json.dumps(value)} is ignored: {why}", UserWarning, stacklevel=3)
 
 
 def reject_unbuilt(cfg: Config) -> None:
     """Raise ConfigError for a value that parses but that the engine does not implement."""
-    for key, value, applies, action, why in _unbuilt(cfg):
-        if applies and action == "reject":
+    for key, value, applies, why in _unbuilt(cfg):
+        if applies:
             raise ConfigError(f"{key} = {value!r} is not supported by this engine; {why}")
 
 
 def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> Config:
     """Read and validate a DeepSpeed config (a dict, or a path to a JSON file) for ``world_size``.
 
-    Unknown keys produce one UserWarning listing their key paths; any invalid value or
-    contradiction raises ConfigError. Pure: no communicator, no state.
+    Unknown keys produce one UserWarning listing their key paths, except inside the sections
+    DeepSpeed validates strictly (zero_optimization, its offload sections, fp16, bf16), where
+    they are a ConfigError as in DeepSpeed; so is any invalid value or contradiction. A
+    DeepSpeed key zerosim reads but does not act on is warned about when written with a value
+    that would matter. Pure: no communicator, no state.
     """
     valid = isinstance(world_size, numbers.Integral) and not isinstance(world_size, bool)
     if not valid or world_size < 1:
@@ -358,9 +474,12 @@ def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> C
     elif isinstance(config, str | os.PathLike):
         config = _read_json_file(config)
     raw = as_mapping(config, "")
-    unknown = find_unknown_keys(Config, raw, "")
-    if unknown:
-        _warn_unknown(unknown)
+    for key in REMOVED_TOP_LEVEL_KEYS:
+        if key in raw:
+            raise ConfigError(key, raw[key], "nothing: DeepSpeed 0.19.8 removed this section")
+    if raw.get("bfloat16", False) is None and raw.get("bf16") is None:
+        raise ConfigError("bfloat16", None, "a JSON object (DeepSpeed fails on null here)")
+    _check_unknown(find_unknown_keys(Config, raw, ""), raw)
     values = read_knobs(Config, raw, "")
     batch = resolve_batch_size(
         values["train_batch_size"],
@@ -377,5 +496,9 @@ def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> C
     )
     cfg = Config(world_size=world_size, **values)
     _check_consistency(cfg)
-    _warn_unbuilt(cfg)
+    _check_inert(cfg, raw)
+    zero = cfg.zero_optimization
+    hpz = min(zero.zero_hpz_partition_size, world_size)  # DeepSpeed's effective size
+    if hpz != zero.zero_hpz_partition_size:
+        cfg = replace(cfg, zero_optimization=replace(zero, zero_hpz_partition_size=hpz))
     return cfg

@@ -1,8 +1,9 @@
 """The ``optimizer`` and ``scheduler`` sections: a type name and its parameters.
 
-Type names match case-insensitively and are stored in one canonical spelling. (DeepSpeed
-lower-cases only its own optimizer names — adam, adamw, adagrad, lion, … — and looks every
-other name up in ``torch.optim`` / ``torch.optim.lr_scheduler`` as written.)
+Type names follow DeepSpeed's lookup: its own optimizers (Adam, AdamW, Adagrad, Lion) match in
+any case, because DeepSpeed lower-cases those names; every other optimizer name, and every
+scheduler name, is looked up in ``torch.optim`` / DeepSpeed's ``lr_schedules`` as written, so
+it must match exactly ('sgd' and 'warmuplr' fail in DeepSpeed, and here).
 
 Optimizer hyperparameters are checked here, by name and range, with the rules of the
 torch.optim constructors that ``zerosim.optim`` mirrors, plus DeepSpeed's two Adam switches:
@@ -32,12 +33,21 @@ from zerosim.config.values import (
     as_mapping,
     boolean,
     choice,
+    flag,
     join,
     knob,
     number,
 )
 
-OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam", "Lion")
+# DeepSpeed's own optimizer names (matched in any case) and torch.optim names (matched exactly).
+DEEPSPEED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion")
+TORCH_OPTIMIZERS = ("SGD", "RMSprop", "Adamax", "NAdam", "RAdam")
+OPTIMIZER_TYPES = DEEPSPEED_OPTIMIZERS + TORCH_OPTIMIZERS
+# DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS among zerosim's: any other type at ZeRO stage >= 1
+# needs "zero_allow_untested_optimizer": true (deepspeed/runtime/zero/utils.py).
+ZERO_SUPPORTED_OPTIMIZERS = DEEPSPEED_OPTIMIZERS
+# Defaults of DeepSpeed's Lion (FusedLion / DeepSpeedCPULion), which a config section builds.
+DEEPSPEED_LION_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999)}
 DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 TORCH_SCHEDULERS = (
     "StepLR",
@@ -75,6 +85,7 @@ def _betas() -> Parser:
 _NONNEGATIVE = number(0)
 _ANY_NUMBER = number()
 _FLAG = boolean()
+_SWITCH = flag()  # DeepSpeed's own switches: it pops them and tests their truth
 _ADAM = {
     "lr": _NONNEGATIVE,
     "betas": _betas(),
@@ -82,8 +93,8 @@ _ADAM = {
     "weight_decay": _NONNEGATIVE,
     "amsgrad": _FLAG,
     "maximize": _FLAG,
-    "adam_w_mode": _FLAG,
-    "torch_adam": _FLAG,
+    "adam_w_mode": _SWITCH,
+    "torch_adam": _SWITCH,
 }
 _ADAM_FAMILY = {
     "lr": _NONNEGATIVE,
@@ -152,6 +163,25 @@ def check_hyperparameters(kind: str, params: Mapping[str, Any], path: str) -> di
     return parsed
 
 
+def _optimizer_type() -> Parser:
+    ours = ", ".join(repr(name) for name in DEEPSPEED_OPTIMIZERS)
+    torch_names = ", ".join(repr(name) for name in TORCH_OPTIMIZERS)
+    allowed = (
+        f"one of {ours} (any case: DeepSpeed's own optimizers) or {torch_names} (exactly as "
+        "written: DeepSpeed looks torch.optim names up as given)"
+    )
+    by_lower = {name.lower(): name for name in DEEPSPEED_OPTIMIZERS}
+
+    def convert(value: Any, path: str) -> str:
+        if isinstance(value, str) and value.lower() in by_lower:
+            return by_lower[value.lower()]
+        if isinstance(value, str) and value in TORCH_OPTIMIZERS:
+            return value
+        raise ConfigError(path, value, allowed)
+
+    return Parser(allowed, convert)
+
+
 def _json_object() -> Parser:
     def convert(value: Any, path: str) -> Mapping[str, Any]:
         return as_mapping(value, path)
@@ -179,14 +209,30 @@ def check_json_value(value: Any, path: str) -> None:
 class OptimizerConfig(Section):
     """``optimizer``: ``type`` (required) and ``params`` (a read-only mapping)."""
 
-    type: str = knob(None, choice(*OPTIMIZER_TYPES), "required when the section is given")
+    type: str = knob(None, _optimizer_type(), "required when the section is given")
     params: Mapping[str, Any] = knob(None, _json_object(), "hyperparameters, checked per type")
 
     @classmethod
     def finish(cls, values: dict[str, Any], raw: Mapping[str, Any], path: str) -> dict[str, Any]:
         if values["type"] is None:
-            raise ConfigError(join(path, "type"), None, choice(*OPTIMIZER_TYPES).allowed)
+            raise ConfigError(
+                join(path, "type"),
+                None,
+                f"{_optimizer_type().allowed} (DeepSpeed ignores a section without a type and "
+                "builds an engine that cannot step)",
+            )
         params = check_hyperparameters(values["type"], values["params"] or {}, join(path, "params"))
+        if (
+            values["type"] in ("Adam", "AdamW")
+            and params.get("amsgrad")
+            and not params.get("torch_adam")
+        ):
+            raise ConfigError(
+                join(path, "params.amsgrad"),
+                True,
+                "false unless torch_adam is true: DeepSpeed's FusedAdam and CPU Adam do not "
+                "implement AMSGrad (torch's Adam does)",
+            )
         values["params"] = MappingProxyType(params)
         return values
 
@@ -208,27 +254,30 @@ class OptimizerConfig(Section):
         """Constructor arguments for ``class_name``: params without DeepSpeed's switches.
 
         FusedAdam's default ``weight_decay`` (0.0) is filled in unless ``torch_adam`` asks for
-        torch's class, whose own default then applies.
+        torch's class, whose own default then applies; Lion gets DeepSpeed's lr 1e-3 and betas
+        (0.9, 0.999) unless given.
         """
         kwargs = {k: v for k, v in self.params.items() if k not in DEEPSPEED_ONLY_KEYS}
         if self.type in ("Adam", "AdamW") and not self.params.get("torch_adam", False):
             kwargs.setdefault("weight_decay", 0.0)
+        if self.type == "Lion":  # DeepSpeed's defaults, not lion-pytorch's (zerosim.optim.Lion)
+            for key, value in DEEPSPEED_LION_DEFAULTS.items():
+                kwargs.setdefault(key, value)
         return kwargs
 
 
 def _scheduler_type() -> Parser:
-    supported = choice(*DEEPSPEED_SCHEDULERS, *TORCH_SCHEDULERS)
+    supported = choice(*DEEPSPEED_SCHEDULERS, *TORCH_SCHEDULERS, any_case=False)
 
     def convert(value: Any, path: str) -> str:
-        name = value.lower() if isinstance(value, str) else None
-        if name == "lrrangetest":
+        if value == "LRRangeTest":
             raise ConfigError(
                 path,
                 value,
                 "a training schedule; LRRangeTest is not supported by zerosim (it is a "
                 f"learning-rate search, not a schedule): {supported.allowed}",
             )
-        if name in (python_only.lower() for python_only in PYTHON_ONLY_SCHEDULERS):
+        if value in PYTHON_ONLY_SCHEDULERS:
             raise ConfigError(
                 path,
                 value,
@@ -242,16 +291,33 @@ def _scheduler_type() -> Parser:
 
 @dataclass(frozen=True)
 class SchedulerConfig(Section):
-    """``scheduler``: ``type`` (required) and ``params``, checked later by the builder."""
+    """``scheduler``: ``type`` and ``params`` (both required), params checked by the builder."""
 
     type: str = knob(None, _scheduler_type(), "required when the section is given")
-    params: Mapping[str, Any] = knob(None, _json_object(), "checked by the scheduler builder")
+    params: Mapping[str, Any] = knob(None, _json_object(), "required; checked by the builder")
 
     @classmethod
     def finish(cls, values: dict[str, Any], raw: Mapping[str, Any], path: str) -> dict[str, Any]:
         if values["type"] is None:
-            raise ConfigError(join(path, "type"), None, _scheduler_type().allowed)
-        params = dict(values["params"] or {})
+            raise ConfigError(
+                join(path, "type"),
+                None,
+                f"{_scheduler_type().allowed} (DeepSpeed ignores a section without a type)",
+            )
+        if values["params"] is None:
+            raise ConfigError(
+                join(path, "params"),
+                None,
+                "a JSON object, {} for the defaults (DeepSpeed calls the scheduler with "
+                "**params and fails without one)",
+            )
+        params = dict(values["params"])
         check_json_value(params, join(path, "params"))
         values["params"] = MappingProxyType(params)
         return values
+
+    @property
+    def is_torch(self) -> bool:
+        """A torch.optim.lr_scheduler class: DeepSpeed hands it its optimizer wrapper, which
+        under ZeRO or fp16/bf16 is not a torch Optimizer (DeepSpeed's own schedulers unwrap it)."""
+        return self.type in TORCH_SCHEDULERS

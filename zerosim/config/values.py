@@ -6,15 +6,26 @@ JSON-like dict, list the keys nobody declared, and write a section back to a dic
 section only declares its keys and its cross-field rules (``config_sections.py``,
 ``config_optim.py``, ``config.py``).
 
-Parsers are strict where Python is loose: ``True`` is an ``int`` in Python but is rejected
-where a number goes; strings are never converted to numbers or booleans. Integral floats
-are accepted where integers go, because DeepSpeed configs write sizes as ``5e8``.
+Two families of parsers, because DeepSpeed reads its config in two ways:
+
+- the sections DeepSpeed validates with pydantic models (``zero_optimization``, its offload
+  sections, ``fp16``, ``bf16``) are read the way pydantic's lax mode reads them
+  (``lax_boolean``, ``lax_integer``): ``"true"``, ``"yes"``, ``1`` are booleans there, ``"2"``
+  is an integer, and anything pydantic rejects is rejected;
+- the keys DeepSpeed takes with a plain ``dict.get`` (the top level, ``checkpoint``,
+  ``optimizer``, ``scheduler``) and zerosim's own section are read strictly: ``True`` is not a
+  number, strings are never converted. DeepSpeed accepts such values unread and fails or
+  misreads them later (``"false"`` is a true flag to Python); zerosim rejects them up front.
+
+Integral floats are accepted where integers go everywhere, because DeepSpeed configs write
+sizes as ``5e8``.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from typing import Any
@@ -160,15 +171,86 @@ def number(
     return Parser(allowed, convert)
 
 
-def choice(*options: str) -> Parser:
-    """One of ``options``, compared case-insensitively, returned in the spelling given here."""
-    by_lower = {option.lower(): option for option in options}
-    allowed = "one of " + ", ".join(repr(option) for option in options) + " (any case)"
+def choice(*options: str, any_case: bool = True) -> Parser:
+    """One of ``options``, returned in the spelling given here; compared case-insensitively
+    unless ``any_case`` is False (DeepSpeed's pydantic enums match exactly)."""
+    fold = str.lower if any_case else str
+    by_key = {fold(option): option for option in options}
+    allowed = "one of " + ", ".join(repr(option) for option in options)
+    allowed += " (any case)" if any_case else " (exactly as written here)"
 
     def convert(value: Any, path: str) -> str:
-        if not isinstance(value, str) or value.lower() not in by_lower:
+        if not isinstance(value, str) or fold(value) not in by_key:
             raise ConfigError(path, value, allowed)
-        return by_lower[value.lower()]
+        return by_key[fold(value)]
+
+    return Parser(allowed, convert)
+
+
+def flag() -> Parser:
+    """A top-level switch DeepSpeed reads with ``dict.get``: true/false, or 0/1."""
+
+    def convert(value: Any, path: str) -> bool:
+        if isinstance(value, bool):
+            return value
+        if as_integer(value) in (0, 1):
+            return bool(as_integer(value))
+        raise ConfigError(path, value, "true or false (or 0 / 1)")
+
+    return Parser("true or false (or 0 / 1)", convert)
+
+
+# --- pydantic's lax mode, for the sections DeepSpeed validates with pydantic models ----------
+
+_TRUE_TEXT = ("true", "yes", "on", "t", "y", "1")
+_FALSE_TEXT = ("false", "no", "off", "f", "n", "0")
+_INT_TEXT = re.compile(r"\s*[+-]?\d+(?:_\d+)*(?:\.0+)?\s*")
+
+
+def lax_boolean() -> Parser:
+    """A bool as pydantic's lax mode reads it: true/false, 0/1 (int or float), or the strings
+    true/false, yes/no, on/off, t/f, y/n, 1/0 in any case."""
+    allowed = "true or false (also 0/1, 'true'/'false', 'yes'/'no', 'on'/'off', as DeepSpeed)"
+
+    def convert(value: Any, path: str) -> bool:
+        if isinstance(value, bool):
+            return value
+        if is_number(value) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.lower() in _TRUE_TEXT + _FALSE_TEXT:
+            return value.lower() in _TRUE_TEXT
+        raise ConfigError(path, value, allowed)
+
+    return Parser(allowed, convert)
+
+
+def lax_integer(
+    minimum: int | None = None, maximum: int | None = None, *, from_bool: bool = True
+) -> Parser:
+    """An int as pydantic's lax mode reads it, in [minimum, maximum]: ints, integral floats,
+    decimal strings ('2', ' 2', '1_000', '2.0') and, with ``from_bool``, true/false as 1/0."""
+    if minimum is None and maximum is None:
+        allowed = "an integer"
+    elif maximum is None:
+        allowed = f"an integer >= {minimum}"
+    elif minimum is None:
+        allowed = f"an integer <= {maximum}"
+    else:
+        allowed = f"an integer in [{minimum}, {maximum}]"
+
+    def convert(value: Any, path: str) -> int:
+        result = None
+        if isinstance(value, bool):
+            result = int(value) if from_bool else None
+        elif isinstance(value, str):
+            if _INT_TEXT.fullmatch(value):
+                result = int(value.strip().split(".")[0])
+        else:
+            result = as_integer(value)
+        in_range = result is not None and (minimum is None or result >= minimum)
+        if not in_range or (maximum is not None and result > maximum):
+            raise ConfigError(path, value, allowed)
+        return result
 
     return Parser(allowed, convert)
 
@@ -205,12 +287,36 @@ def as_mapping(raw: Any, path: str) -> Mapping[str, Any]:
     return raw
 
 
-def knob(default: Any, parser: Parser, doc: str, *, aliases: tuple[str, ...] = ()) -> Any:
+def knob(
+    default: Any,
+    parser: Parser,
+    doc: str,
+    *,
+    aliases: tuple[str, ...] = (),
+    null: str | None = None,
+    inert: str | None = None,
+    reproduces: tuple[Any, ...] = (),
+    refuse: bool = False,
+) -> Any:
     """Declare a config key: dataclass field named as the JSON key, its default and parser.
 
-    ``aliases`` are other JSON names DeepSpeed accepts for the same key.
+    ``aliases`` are other JSON names DeepSpeed accepts for the same key. ``null`` is None when
+    JSON null means "not given" (the default applies); otherwise it says why DeepSpeed cannot
+    take null there, and null is an error. ``inert`` marks a DeepSpeed key that zerosim reads
+    but does not act on, saying why; writing it with a value outside ``reproduces`` (the values
+    whose DeepSpeed behaviour zerosim has anyway) is warned about at load, or rejected with
+    ``refuse`` (DeepSpeed would compute something zerosim does not build).
     """
-    return field(default=default, metadata={"parser": parser, "doc": doc, "aliases": aliases})
+    metadata = {
+        "parser": parser,
+        "doc": doc,
+        "aliases": aliases,
+        "null": null,
+        "inert": inert,
+        "reproduces": reproduces,
+        "refuse": refuse,
+    }
+    return field(default=default, metadata=metadata)
 
 
 def knob_fields(cls: type) -> list[Field]:
@@ -219,8 +325,8 @@ def knob_fields(cls: type) -> list[Field]:
 
 
 def known_keys(cls: type) -> set[str]:
-    """Every JSON key ``cls`` reads: field names, their aliases and legacy keys."""
-    keys = set(getattr(cls, "LEGACY_KEYS", ()))
+    """Every JSON key ``cls`` reads: field names, their aliases, legacy and removed keys."""
+    keys = set(getattr(cls, "LEGACY_KEYS", ())) | set(getattr(cls, "REMOVED_KEYS", ()))
     for f in knob_fields(cls):
         keys.add(f.name)
         keys.update(f.metadata["aliases"])
@@ -228,7 +334,8 @@ def known_keys(cls: type) -> set[str]:
 
 
 def read_knobs(cls: type, raw: Mapping[str, Any], path: str) -> dict[str, Any]:
-    """Parse each knob of ``cls`` from ``raw``; absent or null keys take the field default.
+    """Parse each knob of ``cls`` from ``raw``; absent keys take the field default, and so do
+    null ones unless the knob says null is an error.
 
     A key given under two of its names (name and alias) is a ConfigError.
     """
@@ -239,6 +346,10 @@ def read_knobs(cls: type, raw: Mapping[str, Any], path: str) -> dict[str, Any]:
             raise ConfigError(
                 join(path, given[1]), raw[given[1]], f"only one of {given} (they are one key)"
             )
+        if given and raw[given[0]] is None and f.metadata["null"] is not None:
+            parser = f.metadata["parser"]
+            allowed = f"{parser.allowed} (not null: {f.metadata['null']})"
+            raise ConfigError(join(path, given[0]), None, allowed)
         if given and raw[given[0]] is not None:
             values[f.name] = f.metadata["parser"](raw[given[0]], join(path, given[0]))
         else:
@@ -246,8 +357,10 @@ def read_knobs(cls: type, raw: Mapping[str, Any], path: str) -> dict[str, Any]:
     return values
 
 
-def find_unknown_keys(cls: type, raw: Any, path: str) -> list[str]:
-    """Key paths in ``raw`` that ``cls`` (and its nested sections) does not read.
+def find_unknown_keys(cls: type, raw: Any, path: str) -> list[tuple[str, bool]]:
+    """(key path, closed) for each key in ``raw`` that ``cls`` (and its nested sections) does
+    not read; ``closed`` when the section forbids unknown keys (``CLOSED``: DeepSpeed's pydantic
+    models reject extra keys, so zerosim does too).
 
     Tolerates values of the wrong type: this runs before validation, so that the warning
     about a misspelled key appears even when the config is then rejected.
@@ -255,7 +368,8 @@ def find_unknown_keys(cls: type, raw: Any, path: str) -> list[str]:
     if not isinstance(raw, Mapping):
         return []
     keys = known_keys(cls)
-    unknown = [join(path, key) for key in raw if key not in keys]
+    closed = getattr(cls, "CLOSED", False)
+    unknown = [(join(path, key), closed) for key in raw if key not in keys]
     for f in knob_fields(cls):
         nested = f.metadata["parser"].section
         if nested is None:
@@ -264,6 +378,27 @@ def find_unknown_keys(cls: type, raw: Any, path: str) -> list[str]:
             if isinstance(name, str) and name in raw:
                 unknown += find_unknown_keys(nested, raw[name], join(path, name))
     return unknown
+
+
+def inert_keys_given(cls: type, raw: Any, obj: Any, path: str) -> list[tuple[str, Any, str, bool]]:
+    """(key path as written, value, why, refuse) for each inert knob written in ``raw`` with a
+    value whose DeepSpeed behaviour zerosim does not have (see ``knob``); ``obj`` is the parsed
+    section."""
+    if not isinstance(raw, Mapping) or obj is None:
+        return []
+    found = []
+    for f in knob_fields(cls):
+        for name in (f.name, *f.metadata["aliases"]):
+            if name not in raw or raw[name] is None:
+                continue
+            value = getattr(obj, f.name)
+            nested = f.metadata["parser"].section
+            if nested is not None:
+                found += inert_keys_given(nested, raw[name], value, join(path, name))
+            elif f.metadata["inert"] is not None and value not in f.metadata["reproduces"]:
+                inert = (join(path, name), value, f.metadata["inert"], f.metadata["refuse"])
+                found.append(inert)
+    return found
 
 
 def known_key_paths(cls: type, path: str = "") -> list[str]:
@@ -290,12 +425,15 @@ def to_plain(value: Any) -> Any:
 
 
 def knobs_to_dict(obj: Any) -> dict[str, Any]:
-    """The JSON keys of a section with their values; None (= not set) is left out."""
-    return {
-        f.name: to_plain(getattr(obj, f.name))
-        for f in knob_fields(type(obj))
-        if getattr(obj, f.name) is not None
-    }
+    """The JSON keys of a section with their values; None (= not set) is left out, and so is an
+    inert key at its default (writing it back would only add a warning)."""
+    result = {}
+    for f in knob_fields(type(obj)):
+        value = getattr(obj, f.name)
+        if value is None or (f.metadata["inert"] is not None and value == f.default):
+            continue
+        result[f.name] = to_plain(value)
+    return result
 
 
 class Section:

@@ -6,7 +6,8 @@ optimizer step. A scale too large makes some gradient overflow to inf/nan; then 
 skipped and the scale lowered. This module holds the scale and its update rule; the engine
 owns the rest (multiplying the loss, unscaling, skipping the step).
 
-The rules are those of DeepSpeed's ``deepspeed/runtime/fp16/loss_scaler.py``:
+The rules are those of DeepSpeed 0.19.8's ``deepspeed/runtime/fp16/loss_scaler.py`` (the tests
+drive both on random overflow sequences and compare every step):
 
 - ``LossScaler`` (static, ``fp16.loss_scale > 0``): the scale never changes.
 - ``DynamicLossScaler`` with ``init_scale``, ``scale_factor`` (2), ``scale_window``,
@@ -19,20 +20,25 @@ The rules are those of DeepSpeed's ``deepspeed/runtime/fp16/loss_scaler.py``:
   overflow, hysteresis left: ``cur_hysteresis -= 1`` (the scale stays)
   overflow, either way: ``last_overflow_iter = cur_iter``
   no overflow: if ``consecutive_hysteresis``: ``cur_hysteresis = delayed_shift``;
-      if ``(cur_iter - last_overflow_iter) % scale_window == 0``:
+      ``stable = cur_iter - last_overflow_iter - 1``;
+      if ``stable > 0 and stable % scale_window == 0``:
           if not ``consecutive_hysteresis``: ``cur_hysteresis = delayed_shift``;
           ``cur_scale *= scale_factor``
   always: ``cur_iter += 1``
 
-  ``cur_iter - last_overflow_iter`` on a good step is the number of good steps in a row
-  ending with this one (``last_overflow_iter`` starts at -1), so the scale grows after
-  every ``scale_window`` overflow-free steps. A scale cut does not refill the hysteresis:
-  only growth does (or any good step, when consecutive).
+  On a good step ``stable`` counts the good steps in a row *before* this one
+  (``last_overflow_iter`` starts at -1), so the scale doubles on the good step that follows
+  ``scale_window`` good steps: after ``scale_window + 1`` good steps from the start or from an
+  overflow. A scale cut does not refill the hysteresis: only growth does (or any good step,
+  when consecutive).
 
-``build_loss_scaler`` turns the config's ``LossScaleSettings`` (``Config.loss_scaler()``,
-which already resolves DeepSpeed's no-keys quirk) into a scaler. ``has_inf_or_nan`` and
-``overflow_flag`` check one rank's gradient slice; the engine all-reduces the flag with max
-so that every rank takes the same decision.
+DeepSpeed's stage-0 ``FP16_Optimizer`` uses the same rule without hysteresis and without the
+error at the minimum: ``delayed_shift=1, raise_error_at_min_scale=False`` here.
+
+``build_loss_scaler`` turns the config's ``LossScaleSettings`` (``Config.loss_scaler()``, which
+resolves the stage) into a scaler. ``has_inf_or_nan`` and ``overflow_flag`` check one rank's
+gradient slice; the engine all-reduces the flag with max so that every rank takes the same
+decision. The overflow log lines are DeepSpeed's, without its "[deepspeed]" and rank prefix.
 """
 
 from __future__ import annotations
@@ -123,7 +129,9 @@ class LossScaler(LossScalerBase):
 
     def update_scale(self, overflow: bool) -> None:
         if overflow:
-            logger.info("gradient overflow with static loss scale %s: step skipped", self.cur_scale)
+            logger.warning(
+                "OVERFLOW! Skipping step. Gradients are non-finite, weights were not updated."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"type": "static", "cur_scale": self.cur_scale}
@@ -134,17 +142,18 @@ class LossScaler(LossScalerBase):
 
 class DynamicLossScaler(LossScalerBase):
     """DeepSpeed's dynamic scale: divide on overflow (after ``delayed_shift`` overflows),
-    multiply after ``scale_window`` overflow-free steps. Defaults are DeepSpeed's."""
+    multiply after ``scale_window`` overflow-free steps. The defaults are those of the fp16
+    section (2**16, window 1000, minimum 1, hysteresis 2), as DeepSpeed 0.19.8 builds it."""
 
     dynamic = True
 
     def __init__(
         self,
-        init_scale: float = 2.0**32,
+        init_scale: float = 2.0**16,
         scale_factor: float = 2.0,
         scale_window: int = 1000,
         min_scale: float = 1.0,
-        delayed_shift: int = 1,
+        delayed_shift: int = 2,
         consecutive_hysteresis: bool = False,
         raise_error_at_min_scale: bool = True,
     ) -> None:
@@ -174,14 +183,15 @@ class DynamicLossScaler(LossScalerBase):
                     )
                 next_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
                 logger.info(
-                    "gradient overflow: step skipped, loss scale %s -> %s",
+                    "OVERFLOW! Skipping step. Attempted loss scale: %d, reducing to %d",
                     self.cur_scale,
                     next_scale,
                 )
                 self.cur_scale = next_scale
             else:
                 logger.info(
-                    "gradient overflow: step skipped, loss scale stays %s, hysteresis %d -> %d",
+                    "OVERFLOW! Skipping step. Attempted loss scale: %d, but hysteresis is %d. "
+                    "Reducing hysteresis to %d",
                     self.cur_scale,
                     self.cur_hysteresis,
                     self.cur_hysteresis - 1,
@@ -190,8 +200,13 @@ class DynamicLossScaler(LossScalerBase):
             self.last_overflow_iter = self.cur_iter
         else:
             if self.consecutive_hysteresis:
+                logger.info(
+                    "Consecutive hysteresis is enabled. Restoring hysteresis to %d",
+                    self.delayed_shift,
+                )
                 self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            stable = self.cur_iter - self.last_overflow_iter - 1
+            if stable > 0 and stable % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.delayed_shift
                 self.cur_scale *= self.scale_factor
@@ -231,9 +246,7 @@ class DynamicLossScaler(LossScalerBase):
         self.__dict__.update(fresh.__dict__)
 
 
-def build_loss_scaler(
-    settings: LossScaleSettings | None, *, raise_error_at_min_scale: bool = True
-) -> LossScalerBase:
+def build_loss_scaler(settings: LossScaleSettings | None) -> LossScalerBase:
     """The scaler for ``Config.loss_scaler()``: None (bf16 or full precision) → static 1.0,
     as DeepSpeed's ``CreateLossScaler`` does for non-fp16 dtypes."""
     if settings is None:
@@ -248,7 +261,7 @@ def build_loss_scaler(
         min_scale=settings.min_scale,
         delayed_shift=settings.hysteresis,
         consecutive_hysteresis=settings.consecutive_hysteresis,
-        raise_error_at_min_scale=raise_error_at_min_scale,
+        raise_error_at_min_scale=settings.raise_error_at_min_scale,
     )
 
 
