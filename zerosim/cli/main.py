@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--json", action="store_true", help="print the report as JSON")
+    train.add_argument(
+        "--ds-summary",
+        action="store_true",
+        help="also print rank 0's collectives as DeepSpeed's comms logger log_summary() does",
+    )
     train.add_argument("--plot", metavar="FILE.png", help="draw the loss curve into FILE.png")
     train.add_argument("--save", metavar="DIR", help="save a checkpoint in DIR at the end")
     train.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")

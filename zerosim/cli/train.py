@@ -3,7 +3,8 @@
 The default is the main job of ``./run_mpi.sh``: a small character-level GPT on the corpus that
 ships with zerosim, with ZeRO stage 3 (the settings of ``examples/ds_config_stage3.json``). At the
 end rank 0 prints
-the ledger table, the bytes each rank sent in one optimizer step next to ``analysis.step_bytes``,
+the ledger table (and with ``--ds-summary`` the same calls in the layout of DeepSpeed's comms
+logger), the bytes each rank sent in one optimizer step next to ``analysis.step_bytes``,
 and each rank's memory next to ``analysis.full_precision_model_states``.
 """
 
@@ -113,7 +114,12 @@ def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
         bar.close()
     if getattr(args, "save", None):
         save_checkpoint(engine, args.save, loader=loader)
-    return {"engine": engine, "losses": losses, "step_bytes": last_step}
+    return {
+        "engine": engine,
+        "losses": losses,
+        "step_bytes": last_step,
+        "ds_summary": getattr(args, "ds_summary", False),
+    }
 
 
 def report(comm: Communicator, result: dict[str, Any]) -> str:
@@ -149,6 +155,13 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
         comm.ledger.table(),
         "",
     ]
+    if result.get("ds_summary"):
+        lines += [
+            "rank 0's collectives as DeepSpeed's comms logger prints them (log_summary(); message "
+            "size: an all-gather's input shard, a reduce-scatter's or all-reduce's whole buffer):",
+            comm.ledger.ds_table(),
+            "",
+        ]
     zero = engine.config.zero_optimization
     persistent = strategy.persistent_padded_numel() if strategy.stage == 3 else 0
     regather = strategy.stage != 3 or zero.stage3_max_reuse_distance == 0
@@ -185,7 +198,12 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
         == [formula["forward"], formula["backward"], formula["step"], clip_bytes(comm.size, r)]
         for r in range(comm.size)
     )
+    extra = {}
+    if result.get("ds_summary"):
+        rows = comm.ledger.ds_summary()
+        extra["ds_summary"] = {name: {str(k): v for k, v in r.items()} for name, r in rows.items()}
     return {
+        **extra,
         "text": text,
         "world_size": comm.size,
         "stage": strategy.stage,

@@ -23,6 +23,10 @@ split block by block. Without a node map the whole group is one node: everything
 ``ledger.node`` is this rank's node: sub-groups, which share their parent's ledger, learn their
 members' nodes from it.
 
+**DeepSpeed's layout.** ``ds_summary()`` / ``ds_table()`` give the same records as DeepSpeed's
+comms logger ``log_summary()`` shows them (its names, message sizes, ms and Gbit/s;
+``comm/deepspeed_log.py``), to diff a zerosim run against a DeepSpeed log.
+
 **Flight recorder.** ``ledger.flight`` numbers every call as it starts and keeps the last K of
 them, whatever ``reset()`` clears: what the watchdog prints when a collective stalls
 (``comm/flight.py``).
@@ -37,6 +41,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
+from zerosim.comm import deepspeed_log
 from zerosim.comm.flight import FlightRecorder
 
 WHERE = {"intra": "intra_bytes", "inter": "inter_bytes"}
@@ -210,6 +215,20 @@ class Ledger:
         lines.append("-" * len(header))
         lines.append(f"{'total':<58} {total_sent:>14,} {total_recv:>14,}")
         return "\n".join(lines)
+
+    def ds_summary(self, world_size: int | None = None) -> dict[str, dict[int, dict]]:
+        """The records as DeepSpeed's comms logger sums them up: ``{name: {message size: row}}``
+        with the keys of ``deepspeed.comm.log_summary(return_dict=True)["summary"]`` (count,
+        total and average latency in ms, algbw and busbw in Gbit/s). DeepSpeed's names, message
+        sizes (an all-gather's input shard, a reduce-scatter's or all-reduce's full buffer) and
+        arithmetic: ``comm/deepspeed_log.py``. ``world_size`` (DeepSpeed's n in the bandwidths)
+        defaults to the largest group in the records, the world's."""
+        n = world_size or max((r.peers for r in self.records), default=1)
+        return deepspeed_log.summary(self.records, n)
+
+    def ds_table(self, world_size: int | None = None) -> str:
+        """``ds_summary()`` as the text ``deepspeed.comm.log_summary()`` prints."""
+        return deepspeed_log.table(self.ds_summary(world_size))
 
     def to_json(self) -> str:
         """Every record as JSON (one object per record, with algbw and busbw in bytes/s)."""
