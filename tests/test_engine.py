@@ -306,6 +306,29 @@ def test_wall_clock_breakdown_times_each_phase_and_logs_it(caplog):
     assert not any("time over the last" in r.message for r in caplog.records)
 
 
+def test_steps_per_print_null_never_logs_progress_but_the_timers_log_every_step(caplog):
+    """DeepSpeed 0.19.8's default steps_per_print is None: no progress line; its timers (with
+    wall_clock_breakdown) still log at every step."""
+    import logging
+
+    def fn(comm, breakdown):
+        engine, *_ = initialize(
+            MLP([4, 3], seed=0), _cfg(wall_clock_breakdown=breakdown), comm=comm
+        )
+        assert engine.config.steps_per_print is None
+        for _ in range(3):
+            engine.backward(engine(np.ones((2, 4), np.float32), np.array([0, 1])))
+            engine.step()
+
+    for breakdown, timed in ((False, 0), (True, 3)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="zerosim.engine"):
+            zs.LocalWorld(1).run(fn, breakdown)
+        messages = [r.message for r in caplog.records]
+        assert not any(m.startswith("step ") for m in messages)
+        assert sum("time over the last 1 steps" in m for m in messages) == timed
+
+
 def _seeded_by_rank(comm, stage):
     """Each rank builds the model with its own seed; initialize starts all from rank 0's."""
     rank0 = {n: p.data.copy() for n, p in MLP([6, 5, 3], seed=0).named_parameters()}

@@ -451,11 +451,14 @@ class Engine:
                 self.loss_scale,
                 self.skipped_steps,
             )
-            if self.config.wall_clock_breakdown:  # DeepSpeed's per-phase timers
+        # DeepSpeed's per-phase timers: with the progress line, or every step without one
+        timed = period or 1
+        if self.comm.rank == 0 and self.config.wall_clock_breakdown:
+            if self.global_steps % timed == 0:
                 spent = {k: (v - self._printed_clock[k]) * 1e3 for k, v in self.wall_clock.items()}
                 log.info(
                     "time over the last %d steps (ms): forward %.1f, backward %.1f, step %.1f",
-                    self.config.steps_per_print,
+                    timed,
                     spent["forward"],
                     spent["backward"],
                     spent["step"],

@@ -1,7 +1,11 @@
 """Lion (EvoLved Sign Momentum, Chen et al. 2023), with the torch.optim-style API.
 
-torch.optim has no Lion; the defaults follow the paper (lr 1e-4, betas (0.9, 0.99),
-weight_decay 0), whose authors suggest an lr 3-10x smaller than AdamW's.
+torch.optim has no Lion; the class's defaults follow the paper and lion-pytorch (lr 1e-4,
+betas (0.9, 0.99), weight_decay 0), whose authors suggest an lr 3-10x smaller than AdamW's.
+A DeepSpeed config's ``"optimizer": {"type": "Lion"}`` section gets DeepSpeed's defaults
+instead (lr 1e-3, betas (0.9, 0.999), those of its FusedLion): ``OptimizerConfig.kwargs``
+fills them in, so the class keeps the API its users expect and a config means what it means
+in DeepSpeed.
 """
 
 from __future__ import annotations
