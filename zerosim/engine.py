@@ -167,13 +167,23 @@ def _flat_keys(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# Keys that may differ from rank to rank: node-local paths (each node its own NVMe, its own flight
+# folder); a bad one is caught where it is used, naming the rank (offload.check_nvme_paths).
+PER_RANK_KEYS = (
+    "zero_optimization.offload_optimizer.nvme_path",
+    "zero_optimization.offload_param.nvme_path",
+    "zerosim.flight_dir",
+)
+
+
 def check_same_config(cfg: Config, comm: Communicator) -> None:
     """Every rank loaded the same config (defaults filled in): one all-reduce of a hash of its
     canonical JSON; on a mismatch every rank raises one ConfigError naming the differing keys
     and each rank's value, before any state is built."""
     if comm.size == 1:
         return
-    text = json.dumps(_flat_keys(cfg.to_dict()), sort_keys=True, default=repr)
+    flat = {k: v for k, v in _flat_keys(cfg.to_dict()).items() if k not in PER_RANK_KEYS}
+    text = json.dumps(flat, sort_keys=True, default=repr)
     mine = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
     both = np.array([mine, -mine], dtype=np.int64)
     with comm.phase("init"):
