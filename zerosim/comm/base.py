@@ -46,6 +46,8 @@ OP_CODES = {
     "barrier": 6,
     "reduce": 7,
 }
+# what the cross-rank check compares, one int64 each ("pieces": a hash of uneven counts, or 0)
+SIGNATURE_FIELDS = ("op", "dtype", "count", "root", "pieces")
 
 
 class Handle:
@@ -75,6 +77,15 @@ def _address(x: Any) -> int:
 
 
 def _check_buffer(name: str, x: Any, writable: bool = False) -> None:
+    if type(x) is np.ndarray:  # the common case, accepted in a few attribute reads
+        flags = x.flags
+        if x.dtype in _SUPPORTED and flags.c_contiguous and (flags.writeable or not writable):
+            return
+    _explain_buffer(name, x, writable)
+
+
+def _explain_buffer(name: str, x: Any, writable: bool) -> None:
+    """Raise the error that says what is wrong with ``x`` (device arrays that pass return)."""
     if not (isinstance(x, np.ndarray) or is_device_array(x)):
         raise TypeError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
     if x.dtype not in _SUPPORTED:
@@ -244,23 +255,23 @@ class Communicator(ABC):
 
         ``inp`` may be this rank's own slice of ``out`` (in place, as ZeRO gathers a flat buffer).
         """
-        self._check_gather_scatter("all_gather", out, inp)
+        in_place = self._check_gather_scatter("all_gather", out, inp)
         self._run(
             "all_gather",
             out.dtype,
             out.size,
-            lambda: self._native_all_gather(out, inp),
+            lambda: self._native_all_gather(out, inp, in_place),
             lambda: ring.all_gather(self, out, inp),
         )
 
     def reduce_scatter(self, out: Any, inp: Any, op: str = "sum") -> None:
         """out ← chunk ``rank`` of the element-wise reduction of every rank's ``inp``."""
-        self._check_gather_scatter("reduce_scatter", inp, out, op=op)
+        in_place = self._check_gather_scatter("reduce_scatter", inp, out, op=op)
         self._run(
             "reduce_scatter",
             inp.dtype,
             inp.size,
-            lambda: self._native_reduce_scatter(out, inp, op),
+            lambda: self._native_reduce_scatter(out, inp, op, in_place),
             lambda: ring.reduce_scatter(self, out, inp, op, None),
         )
 
@@ -345,23 +356,23 @@ class Communicator(ABC):
     # -- non-blocking collectives ------------------------------------------------------------
     def iall_gather(self, out: Any, inp: Any) -> Handle:
         """Start an all-gather; the result is in ``out`` after ``.wait()``."""
-        self._check_gather_scatter("all_gather", out, inp)
+        in_place = self._check_gather_scatter("all_gather", out, inp)
         return self._start(
             "all_gather",
             out.dtype,
             out.size,
-            lambda: self._native_iall_gather(out, inp),
+            lambda: self._native_iall_gather(out, inp, in_place),
             lambda: ring.all_gather(self, out, inp),
         )
 
     def ireduce_scatter(self, out: Any, inp: Any, op: str = "sum") -> Handle:
         """Start a reduce-scatter; the result is in ``out`` after ``.wait()``."""
-        self._check_gather_scatter("reduce_scatter", inp, out, op=op)
+        in_place = self._check_gather_scatter("reduce_scatter", inp, out, op=op)
         return self._start(
             "reduce_scatter",
             inp.dtype,
             inp.size,
-            lambda: self._native_ireduce_scatter(out, inp, op),
+            lambda: self._native_ireduce_scatter(out, inp, op, in_place),
             lambda: ring.reduce_scatter(self, out, inp, op, None),
         )
 
@@ -431,10 +442,12 @@ class Communicator(ABC):
     # -- what a world provides ----------------------------------------------------------------
     # Native collectives (blocking, and non-blocking ones returning a function that completes
     # them), point-to-point messages for the ring algorithms, and the cross-rank argument check.
+    # ``in_place``: ``inp`` is this rank's own chunk of ``out`` (all-gather), ``out`` of ``inp``
+    # (reduce-scatter).
     @abstractmethod
-    def _native_all_gather(self, out: Any, inp: Any) -> None: ...
+    def _native_all_gather(self, out: Any, inp: Any, in_place: bool) -> None: ...
     @abstractmethod
-    def _native_reduce_scatter(self, out: Any, inp: Any, op: str) -> None: ...
+    def _native_reduce_scatter(self, out: Any, inp: Any, op: str, in_place: bool) -> None: ...
     @abstractmethod
     def _native_all_reduce(self, buf: Any, op: str) -> None: ...
     @abstractmethod
@@ -446,9 +459,11 @@ class Communicator(ABC):
     @abstractmethod
     def _native_barrier(self) -> None: ...
     @abstractmethod
-    def _native_iall_gather(self, out: Any, inp: Any) -> Callable[[], None]: ...
+    def _native_iall_gather(self, out: Any, inp: Any, in_place: bool) -> Callable[[], None]: ...
     @abstractmethod
-    def _native_ireduce_scatter(self, out: Any, inp: Any, op: str) -> Callable[[], None]: ...
+    def _native_ireduce_scatter(
+        self, out: Any, inp: Any, op: str, in_place: bool
+    ) -> Callable[[], None]: ...
     @abstractmethod
     def _native_iall_reduce(self, buf: Any, op: str) -> Callable[[], None]: ...
     @abstractmethod
@@ -496,8 +511,9 @@ class Communicator(ABC):
         if isinstance(out, np.ndarray) and np.may_share_memory(out, inp):
             raise ValueError(f"{name}: out and inp must not overlap")
 
-    def _check_gather_scatter(self, name: str, full: Any, part: Any, op: str | None = None) -> None:
-        """Checks shared by all_gather (full=out, part=inp) and reduce_scatter (the reverse)."""
+    def _check_gather_scatter(self, name: str, full: Any, part: Any, op: str | None = None) -> bool:
+        """Checks shared by all_gather (full=out, part=inp) and reduce_scatter (the reverse);
+        True when ``part`` is this rank's own chunk of ``full`` (the call runs in place)."""
         full_name, part_name = ("out", "inp") if name == "all_gather" else ("inp", "out")
         _check_buffer(part_name, part, writable=name == "reduce_scatter")
         _check_buffer(full_name, full, writable=name == "all_gather")
@@ -510,9 +526,12 @@ class Communicator(ABC):
                 f"{self.size} * {part.size} = {self.size * part.size}, "
                 f"got {full_name}.size={full.size}"
             )
+        if type(full) is np.ndarray and not np.may_share_memory(full, part):
+            return False  # the common case: two buffers, told apart by a bounds check in C
         if self._is_own_slice(full, part):
-            return  # in place: the part is this rank's own chunk of the full buffer
+            return True  # in place: the part is this rank's own chunk of the full buffer
         self._check_disjoint(name, full, part)
+        return False
 
     def _check_counts(self, out: Any, inp: Any, counts: Sequence[int], op: str) -> tuple[int, ...]:
         _check_buffer("inp", inp)
@@ -542,29 +561,20 @@ class Communicator(ABC):
             return False  # the common case, decided by a bounds check in C
         return _address(inp) == _address(out) + self.rank * inp.size * inp.dtype.itemsize
 
-    def _signature(
-        self, op: str, dtype: Any, count: int, root: int, counts: tuple[int, ...] | None
-    ) -> tuple[int, ...]:
-        pieces = 0 if counts is None else hash(counts) & 0x7FFFFFFFFFFFFFFF
-        return (OP_CODES[op], _dtype_code(dtype), int(count), int(root), pieces)
+    # The cross-rank check in two halves, so that its message travels while this rank writes the
+    # ledger record: ``_post_agree`` sends this rank's signature and returns a token,
+    # ``_agreed`` waits for every rank's and says whether they are all equal (the same answer on
+    # every rank). Worlds override them with something cheaper than ``_agree``'s all-gather.
+    def _post_agree(self, signature: tuple[int, ...]) -> Any:
+        return signature
 
-    def _all_agree(self, signature: tuple[int, ...]) -> bool:
-        """True when every rank passed the same ``signature`` (the same answer on every rank).
-
-        Worlds may override it with something cheaper than ``_agree``'s all-gather.
-        """
-        every = self._agree(signature)
+    def _agreed(self, token: Any) -> bool:
+        every = self._agree(token)
         return all(s == every[0] for s in every)
 
-    def _check_agreement(
-        self, op: str, dtype: Any, count: int, root: int, counts: tuple[int, ...] | None = None
-    ) -> None:
-        if not self.validate or self.size == 1:
-            return
-        mine = self._signature(op, dtype, count, root, counts)
-        if self._all_agree(mine):
-            return
-        # Every rank learnt the same answer, so all of them are here: gather the details.
+    def _disagreement(self, op: str, dtype: Any, mine: tuple[int, ...]) -> ValueError:
+        """The error every rank raises when the signatures differ (all of them are here, since
+        every rank learnt the same answer: one more exchange gathers the details)."""
         every = self._agree(mine)
         names = {v: k for k, v in OP_CODES.items()}
         described = ", ".join(
@@ -573,42 +583,12 @@ class Communicator(ABC):
             + ("" if s[1] == mine[1] else " with another dtype")
             for r, s in enumerate(every)
         )
-        raise ValueError(
+        return ValueError(
             f"ranks of group {self.group!r} called different collectives or "
             f"passed different sizes/dtypes/roots: {described}; every rank must "
             f"make the same call ({op} here on rank {self.rank}, "
             f"dtype {dtype_name(dtype)})"
         )
-
-    def _new_record(
-        self,
-        op: str,
-        dtype: Any,
-        count: int,
-        root: int,
-        blocking: bool,
-        sent: int,
-        recv: int,
-        counted: str,
-    ) -> Record:
-        return Record(
-            op=op,
-            phase=self.ledger.current_phase,
-            group=self.group,
-            dtype=dtype_name(dtype),
-            elements=count,
-            size_bytes=count * dtype.itemsize,
-            bytes_sent=sent,
-            bytes_recv=recv,
-            peers=self.size,
-            step=self.ledger.step,
-            counted=counted,
-            blocking=blocking,
-            start=self.ledger.now(),
-        )
-
-    def _use_ring(self, ring_fn: Callable | None) -> bool:
-        return self._collectives == "ring" and ring_fn is not None and self.size > 1
 
     def _run(
         self,
@@ -620,65 +600,108 @@ class Communicator(ABC):
         root: int = 0,
         counts: tuple[int, ...] | None = None,
     ) -> None:
-        self._sync_nodes()
-        itemsize = dtype.itemsize
-        use_ring = self._use_ring(ring_fn)
-        if use_ring:
-            record = self._new_record(op, dtype, count, root, True, 0, 0, "wire")
-        else:
-            sent, recv = ring.model_bytes(op, count, self.size, self.rank, itemsize, root, counts)
-            record = self._new_record(op, dtype, count, root, True, sent, recv, "model")
-        seq = self.ledger.flight.begin(record)
-        self._pending = (seq, record, "cross-rank argument check")
-        self._check_agreement(op, dtype, count, root, counts)
-        self._pending = (seq, record, "data exchange")
-        record.start = self.ledger.now()  # the wall time is the transfer's, without the check
-        if use_ring:
-            record.bytes_sent, record.bytes_recv = ring_fn()
-        else:
-            native()
-        self._pending = None
-        if self._node_of is None:
-            record.intra_bytes = record.bytes_sent  # one node: every byte stays on it
-        else:
-            record.intra_bytes, record.inter_bytes = self._split_sent(
-                op, record.bytes_sent, count, itemsize
-            )
-        record.wall_time = self.ledger.now() - record.start
-        self.ledger.append(record)
+        """A blocking collective: ``native()`` (or our ring) between the check and the record."""
+        self._call(op, dtype, count, native, ring_fn, root, counts, True)
 
     def _start(
         self,
         op: str,
         dtype: Any,
         count: int,
-        native_start: Callable[[], Callable],
+        native_start: Callable[[], Callable[[], None]],
         ring_fn: Callable[[], tuple[int, int]],
         root: int = 0,
         counts: tuple[int, ...] | None = None,
     ) -> Handle:
-        self._sync_nodes()
-        itemsize = dtype.itemsize
-        use_ring = self._use_ring(ring_fn)
-        if use_ring:
-            record = self._new_record(op, dtype, count, root, False, 0, 0, "wire")
-        else:
-            sent, recv = ring.model_bytes(op, count, self.size, self.rank, itemsize, root, counts)
-            record = self._new_record(op, dtype, count, root, False, sent, recv, "model")
-        seq = self.ledger.flight.begin(record)
-        self._pending = (seq, record, "cross-rank argument check")
-        self._check_agreement(op, dtype, count, root, counts)
-        self._pending = (seq, record, "data exchange")
-        record.start = self.ledger.now()
-        if use_ring:
-            # Our ring is synchronous: it runs now and the handle is already complete.
-            record.bytes_sent, record.bytes_recv = ring_fn()
-            finish: Callable[[], None] = lambda: None  # noqa: E731
-        else:
-            finish = native_start()
-        self._pending = None
-        record.intra_bytes, record.inter_bytes = self._split_sent(
-            op, record.bytes_sent, count, itemsize
+        """A non-blocking collective: ``native_start()`` returns what completes it in ``wait()``;
+        our ring is synchronous, so its handle is already complete."""
+        record, seq, finish = self._call(
+            op, dtype, count, native_start, ring_fn, root, counts, False
         )
-        self.ledger.append(record)
-        return Handle(finish, record, self, seq)
+        return Handle(finish or _nothing, record, self, seq)
+
+    def _call(
+        self,
+        op: str,
+        dtype: Any,
+        count: int,
+        native: Callable[[], Any],
+        ring_fn: Callable[[], tuple[int, int]] | None,
+        root: int,
+        counts: tuple[int, ...] | None,
+        blocking: bool,
+    ) -> tuple[Record, int, Any]:
+        """One collective call, in order: post the cross-rank check; write the record (the
+        ring-model bytes, or zeros for our ring to fill in) and number it in the flight
+        recorder while the check's message travels; wait for the check; move the data; split
+        the bytes by node and time the call. Returns (record, call number, what ``native``
+        returned)."""
+        ledger = self.ledger
+        if self._node_version != ledger.node_version:
+            self._sync_nodes()
+        checking = self.validate and self.size > 1
+        if checking:
+            pieces = 0 if counts is None else hash(counts) & 0x7FFFFFFFFFFFFFFF
+            signature = (OP_CODES[op], _dtype_code(dtype), count, int(root), pieces)
+            token = self._post_agree(signature)
+        use_ring = ring_fn is not None and self._collectives == "ring" and self.size > 1
+        if use_ring:
+            sent = recv = 0
+        else:
+            sent, recv = ring.model_bytes(
+                op, count, self.size, self.rank, dtype.itemsize, root, counts
+            )
+        record = Record(  # positional (half the cost of keywords, on every call), in order:
+            op,  # op
+            ledger.current_phase,  # phase
+            self.group,  # group
+            _dtype_name(dtype),  # dtype
+            count,  # elements
+            count * dtype.itemsize,  # size_bytes
+            sent,  # bytes_sent
+            recv,  # bytes_recv
+            self.size,  # peers
+            ledger.step,  # step
+            "wire" if use_ring else "model",  # counted
+            blocking,  # blocking
+            0.0,  # start, set when the data starts to move
+        )
+        seq = ledger.flight.begin(record)
+        if checking:
+            self._pending = (seq, record, "cross-rank argument check")
+            if not self._agreed(token):
+                self._pending = None
+                raise self._disagreement(op, dtype, signature)
+        self._pending = (seq, record, "data exchange")
+        record.start = ledger.now()  # the wall time is the transfer's, without the check
+        returned = None
+        if use_ring:
+            record.bytes_sent, record.bytes_recv = ring_fn()
+        else:
+            returned = native()
+        self._pending = None
+        if self._node_of is None:
+            record.intra_bytes = record.bytes_sent  # one node: every byte stays on it
+        else:
+            record.intra_bytes, record.inter_bytes = self._split_sent(
+                op, record.bytes_sent, count, dtype.itemsize
+            )
+        if blocking:
+            record.wall_time = ledger.now() - record.start
+        ledger.append(record)
+        return record, seq, returned
+
+
+def _nothing() -> None:
+    """What completes a call that is already complete."""
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``dtype_name`` memoised by dtype object (one dict lookup on the hot path)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name

@@ -182,7 +182,7 @@ class LocalComm(Communicator):
         return self._collect(self._post(op, payload))
 
     # -- native collectives ----------------------------------------------------------------------
-    def _native_iall_gather(self, out: Any, inp: Any) -> Callable[[], None]:
+    def _native_iall_gather(self, out: Any, inp: Any, in_place: bool) -> Callable[[], None]:
         key = self._post("all_gather", inp.reshape(-1).copy())
         xp = array_module(out)
 
@@ -191,7 +191,9 @@ class LocalComm(Communicator):
 
         return finish
 
-    def _native_ireduce_scatter(self, out: Any, inp: Any, op: str) -> Callable[[], None]:
+    def _native_ireduce_scatter(
+        self, out: Any, inp: Any, op: str, in_place: bool
+    ) -> Callable[[], None]:
         return self._native_ireduce_scatter_v(out, inp, (out.size,) * self.size, op)
 
     def _native_ireduce_scatter_v(
@@ -225,11 +227,11 @@ class LocalComm(Communicator):
 
         return finish
 
-    def _native_all_gather(self, out: Any, inp: Any) -> None:
-        self._native_iall_gather(out, inp)()
+    def _native_all_gather(self, out: Any, inp: Any, in_place: bool) -> None:
+        self._native_iall_gather(out, inp, in_place)()
 
-    def _native_reduce_scatter(self, out: Any, inp: Any, op: str) -> None:
-        self._native_ireduce_scatter(out, inp, op)()
+    def _native_reduce_scatter(self, out: Any, inp: Any, op: str, in_place: bool) -> None:
+        self._native_ireduce_scatter(out, inp, op, in_place)()
 
     def _native_all_reduce(self, buf: Any, op: str) -> None:
         self._native_iall_reduce(buf, op)()
@@ -255,6 +257,13 @@ class LocalComm(Communicator):
 
     def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:
         return self._exchange("argument check", signature)
+
+    def _post_agree(self, signature: tuple[int, ...]) -> Any:
+        return self._post("argument check", signature)
+
+    def _agreed(self, token: Any) -> bool:
+        every = self._collect(token)
+        return all(s == every[0] for s in every)
 
     # -- point to point ----------------------------------------------------------------------
     def _send(self, buf: Any, dest: int) -> None:

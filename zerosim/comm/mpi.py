@@ -28,15 +28,17 @@ collective (``watchdog.install_abort_on_exception``).
 from __future__ import annotations
 
 import array
+import struct
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from zerosim.backend import DTYPES, any_device_array, is_device_array, is_half, to_host
+from zerosim.backend import DTYPES, is_half, to_host
 from zerosim.comm import watchdog
-from zerosim.comm.base import Communicator
+from zerosim.comm.base import SIGNATURE_FIELDS, Communicator
 from zerosim.comm.ledger import Ledger
 
 _MPI_TYPES = {
@@ -84,24 +86,61 @@ def _spec(x: np.ndarray) -> list:
     return [x if view is None else x.view(view), mpi_type]
 
 
-class _Staged:
-    """Host copies of CuPy arrays for one collective, copied back to the device when done.
+def _host(x: Any) -> np.ndarray:
+    """``x`` itself when it is a NumPy array; a host copy of a CuPy array (staging)."""
+    return x if type(x) is np.ndarray else to_host(x)
 
-    NumPy arrays pass through untouched (``host`` is the very list given).
-    """
 
-    def __init__(self, arrays: list[Any]) -> None:
-        self.device = arrays
-        self.host = arrays
-        if any_device_array(*arrays):
-            self.host = [to_host(a) if is_device_array(a) else a for a in arrays]
+def _back(x: Any, host: np.ndarray) -> None:
+    """Copy a staged result back to its CuPy array (nothing to do for NumPy arrays)."""
+    if host is not x:
+        x.set(host)
 
-    def copy_back(self, *indices: int) -> None:
-        if self.host is self.device:
-            return
-        for i in indices:
-            if is_device_array(self.device[i]):
-                self.device[i].set(self.host[i])
+
+def _result_to_own_chunk(rank: int, out: Any, host: np.ndarray) -> None:
+    """An in-place reduce-scatter over ``host`` (the input, or its staged copy): MPI leaves the
+    result at the front of the buffer; move it to this rank's own chunk ``out``."""
+    result = host.reshape(-1)[: out.size].reshape(out.shape)
+    if type(out) is not np.ndarray:
+        out.set(result)
+    elif rank:
+        out[...] = result
+
+
+class _ArgumentCheck:
+    """The buffers and the request of the cross-rank argument check: an all-gather of every rank's
+    signature (a few int64). With MPI 4 it is a persistent collective (``Allgather_init``: set up
+    once with the communicator, started once per call), else one ``Iallgather`` per call."""
+
+    def __init__(self, mpi: MPI.Intracomm, fields: int) -> None:
+        self.size = mpi.Get_size()
+        self.mine = array.array("q", bytes(8 * fields))  # this rank's signature
+        self.every = array.array("q", bytes(8 * fields * self.size))  # every rank's, rank order
+        self._args = ([self.mine, MPI.INT64_T], [self.every, MPI.INT64_T])
+        self._mpi = mpi
+        try:
+            self.persistent: MPI.Prequest | None = mpi.Allgather_init(*self._args)
+        except (AttributeError, NotImplementedError, MPI.Exception):
+            self.persistent = None  # an MPI before 4.0
+        else:  # freed with the communicator, or at exit before MPI finalizes
+            weakref.finalize(self, _free_request, self.persistent)
+
+    def start(self, signature: tuple[int, ...]) -> MPI.Request:
+        """Send this rank's ``signature``; the request completes once every rank's is here."""
+        struct.pack_into(f"{len(signature)}q", self.mine, 0, *signature)
+        if self.persistent is None:
+            return self._mpi.Iallgather(*self._args)
+        self.persistent.Start()
+        return self.persistent
+
+    def all_equal(self) -> bool:
+        """After the request completed: did every rank send this rank's signature?"""
+        return self.every.tobytes() == self.mine.tobytes() * self.size
+
+
+def _free_request(request: MPI.Request) -> None:
+    if not MPI.Is_finalized():
+        request.Free()
 
 
 class MPIComm(Communicator):
@@ -119,7 +158,6 @@ class MPIComm(Communicator):
         super().__init__(
             self.mpi.Get_rank(), self.mpi.Get_size(), ledger, collectives, group, validate
         )
-        self._agree_buf: array.array | None = None
         self.world_rank = MPI.COMM_WORLD.Get_rank()
         mine, world = self.mpi.Get_group(), MPI.COMM_WORLD.Get_group()
         self._world_ranks = mine.Translate_ranks(list(range(self.size)), world)
@@ -130,164 +168,138 @@ class MPIComm(Communicator):
         self._row = watchdog.row()
         watchdog.start(self)
         self._row = watchdog.row()
+        # every rank is here (``start`` and ``split`` waited for them): set up the check
+        self._check = _ArgumentCheck(self.mpi, len(SIGNATURE_FIELDS)) if self.size > 1 else None
 
     def world_ranks(self) -> list[int]:
         """The COMM_WORLD rank of each rank of this group, in group order."""
         return list(self._world_ranks)
 
     # -- blocking: MPI's own call, watched -----------------------------------------------------
-    def _native_all_gather(self, out: Any, inp: Any) -> None:
-        s = _Staged([out, inp])
-        send = MPI.IN_PLACE if self._is_own_slice(out, inp) else _spec(s.host[1])
+    def _blocking(self, call: Callable[..., None], *args: Any) -> None:
+        """``call(*args)``, one of MPI's blocking collectives, watched by the watchdog."""
         watchdog.enter(self)
         try:
-            self.mpi.Allgather(send, _spec(s.host[0]))
+            call(*args)
         finally:
             watchdog.leave(self)
-        s.copy_back(0)
 
-    def _native_reduce_scatter(self, out: Any, inp: Any, op: str) -> None:
-        s = _Staged([out, inp])
-        mpi_op = _mpi_op(inp.dtype, op)
-        in_place = self._is_own_slice(inp, out)
-        watchdog.enter(self)
-        try:
-            if in_place:
-                self.mpi.Reduce_scatter_block(MPI.IN_PLACE, _spec(s.host[1]), mpi_op)
-            else:
-                self.mpi.Reduce_scatter_block(_spec(s.host[1]), _spec(s.host[0]), mpi_op)
-        finally:
-            watchdog.leave(self)
-        if in_place and self.rank:
-            # MPI leaves the result at the front of the buffer; move it to our chunk.
-            s.host[0][...] = s.host[1].reshape(-1)[: out.size].reshape(out.shape)
-        s.copy_back(0)
+    def _native_all_gather(self, out: Any, inp: Any, in_place: bool) -> None:
+        host = _host(out)
+        send = MPI.IN_PLACE if in_place else _spec(_host(inp))
+        self._blocking(self.mpi.Allgather, send, _spec(host))
+        _back(out, host)
+
+    def _native_reduce_scatter(self, out: Any, inp: Any, op: str, in_place: bool) -> None:
+        host, mpi_op = _host(inp), _mpi_op(inp.dtype, op)
+        if in_place:
+            self._blocking(self.mpi.Reduce_scatter_block, MPI.IN_PLACE, _spec(host), mpi_op)
+            _result_to_own_chunk(self.rank, out, host)
+        else:
+            result = _host(out)
+            self._blocking(self.mpi.Reduce_scatter_block, _spec(host), _spec(result), mpi_op)
+            _back(out, result)
 
     def _native_all_reduce(self, buf: Any, op: str) -> None:
-        s = _Staged([buf])
-        watchdog.enter(self)
-        try:
-            self.mpi.Allreduce(MPI.IN_PLACE, _spec(s.host[0]), _mpi_op(buf.dtype, op))
-        finally:
-            watchdog.leave(self)
-        s.copy_back(0)
-
-    def _native_broadcast(self, buf: Any, root: int) -> None:
-        s = _Staged([buf])
-        watchdog.enter(self)
-        try:
-            self.mpi.Bcast(_spec(s.host[0]), root=root)
-        finally:
-            watchdog.leave(self)
-        s.copy_back(0)
+        host = _host(buf)
+        self._blocking(self.mpi.Allreduce, MPI.IN_PLACE, _spec(host), _mpi_op(buf.dtype, op))
+        _back(buf, host)
 
     def _native_reduce(self, buf: Any, root: int, op: str) -> None:
-        s = _Staged([buf])
-        send, recv = self._reduce_specs(s.host[0], root)
-        watchdog.enter(self)
-        try:
-            self.mpi.Reduce(send, recv, _mpi_op(buf.dtype, op), root=root)
-        finally:
-            watchdog.leave(self)
-        s.copy_back(0)
+        host = _host(buf)
+        send, recv = self._reduce_specs(host, root)
+        self._blocking(self.mpi.Reduce, send, recv, _mpi_op(buf.dtype, op), root)
+        _back(buf, host)
 
     def _reduce_specs(self, host: np.ndarray, root: int) -> tuple[Any, Any]:
         """(send, receive) buffers of a reduce in place on the root; no receive buffer elsewhere."""
         return (MPI.IN_PLACE, _spec(host)) if self.rank == root else (_spec(host), None)
 
+    def _native_broadcast(self, buf: Any, root: int) -> None:
+        host = _host(buf)
+        self._blocking(self.mpi.Bcast, _spec(host), root)
+        _back(buf, host)
+
     def _native_all_to_all(self, out: Any, inp: Any) -> None:
-        s = _Staged([out, inp])
-        watchdog.enter(self)
-        try:
-            self.mpi.Alltoall(_spec(s.host[1]), _spec(s.host[0]))
-        finally:
-            watchdog.leave(self)
-        s.copy_back(0)
+        host = _host(out)
+        self._blocking(self.mpi.Alltoall, _spec(_host(inp)), _spec(host))
+        _back(out, host)
 
     def _native_barrier(self) -> None:
         watchdog.poll(self, self.mpi.Ibarrier())  # a pure rendezvous: wait without a core
 
-    # -- non-blocking --------------------------------------------------------------------------
-    def _finisher(self, request: MPI.Request, staged: _Staged) -> Callable[[], None]:
+    # -- non-blocking: started now, completed by MPI's blocking Wait, watched ------------------
+    def _finisher(self, request: MPI.Request, then: Callable[[], None] | None = None) -> Callable:
         def finish() -> None:
             watchdog.wait(self, request)
-            staged.copy_back(0)
+            if then is not None:
+                then()
 
         return finish
 
-    def _native_iall_gather(self, out: Any, inp: Any) -> Callable[[], None]:
-        s = _Staged([out, inp])
-        send = MPI.IN_PLACE if self._is_own_slice(out, inp) else _spec(s.host[1])
-        return self._finisher(self.mpi.Iallgather(send, _spec(s.host[0])), s)
+    def _native_iall_gather(self, out: Any, inp: Any, in_place: bool) -> Callable[[], None]:
+        host = _host(out)
+        send = MPI.IN_PLACE if in_place else _spec(_host(inp))
+        request = self.mpi.Iallgather(send, _spec(host))
+        return self._finisher(request, None if host is out else lambda: _back(out, host))
 
-    def _native_ireduce_scatter(self, out: Any, inp: Any, op: str) -> Callable[[], None]:
-        s = _Staged([out, inp])
-        mpi_op = _mpi_op(inp.dtype, op)
-        if not self._is_own_slice(inp, out):
-            request = self.mpi.Ireduce_scatter_block(_spec(s.host[1]), _spec(s.host[0]), mpi_op)
-            return self._finisher(request, s)
-        # In place: MPI leaves the result at the front of the buffer; move it to our own chunk.
-        request = self.mpi.Ireduce_scatter_block(MPI.IN_PLACE, _spec(s.host[1]), mpi_op)
-
-        def finish() -> None:
-            watchdog.wait(self, request)
-            if self.rank:
-                s.host[0][...] = s.host[1].reshape(-1)[: out.size].reshape(out.shape)
-            s.copy_back(0)
-
-        return finish
+    def _native_ireduce_scatter(
+        self, out: Any, inp: Any, op: str, in_place: bool
+    ) -> Callable[[], None]:
+        host, mpi_op = _host(inp), _mpi_op(inp.dtype, op)
+        if in_place:  # MPI leaves the result at the front of the buffer: moved at the wait
+            request = self.mpi.Ireduce_scatter_block(MPI.IN_PLACE, _spec(host), mpi_op)
+            return self._finisher(request, lambda: _result_to_own_chunk(self.rank, out, host))
+        result = _host(out)
+        request = self.mpi.Ireduce_scatter_block(_spec(host), _spec(result), mpi_op)
+        return self._finisher(request, None if result is out else lambda: _back(out, result))
 
     def _native_ireduce_scatter_v(
         self, out: Any, inp: Any, counts: tuple[int, ...], op: str
     ) -> Callable[[], None]:
-        s = _Staged([out, inp])
+        result = _host(out)
         request = self.mpi.Ireduce_scatter(
-            _spec(s.host[1]), _spec(s.host[0]), list(counts), _mpi_op(inp.dtype, op)
+            _spec(_host(inp)), _spec(result), list(counts), _mpi_op(inp.dtype, op)
         )
-        return self._finisher(request, s)
+        return self._finisher(request, None if result is out else lambda: _back(out, result))
 
     def _native_ireduce(self, buf: Any, root: int, op: str) -> Callable[[], None]:
-        s = _Staged([buf])
-        send, recv = self._reduce_specs(s.host[0], root)
-        return self._finisher(self.mpi.Ireduce(send, recv, _mpi_op(buf.dtype, op), root=root), s)
+        host = _host(buf)
+        send, recv = self._reduce_specs(host, root)
+        request = self.mpi.Ireduce(send, recv, _mpi_op(buf.dtype, op), root=root)
+        return self._finisher(request, None if host is buf else lambda: _back(buf, host))
 
     def _native_iall_reduce(self, buf: Any, op: str) -> Callable[[], None]:
-        s = _Staged([buf])
-        request = self.mpi.Iallreduce(MPI.IN_PLACE, _spec(s.host[0]), _mpi_op(buf.dtype, op))
-        return self._finisher(request, s)
+        host = _host(buf)
+        request = self.mpi.Iallreduce(MPI.IN_PLACE, _spec(host), _mpi_op(buf.dtype, op))
+        return self._finisher(request, None if host is buf else lambda: _back(buf, host))
 
     # -- point to point and checks ------------------------------------------------------------
     _RING_TAG = 7071
 
     def _sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
-        s = _Staged([recvbuf, sendbuf])
-        watchdog.enter(self)
-        try:
-            self.mpi.Sendrecv(
-                _spec(s.host[1]), dest, self._RING_TAG, _spec(s.host[0]), source, self._RING_TAG
-            )
-        finally:
-            watchdog.leave(self)
-        s.copy_back(0)
+        host = _host(recvbuf)
+        tag = self._RING_TAG
+        send = _spec(_host(sendbuf))
+        self._blocking(self.mpi.Sendrecv, send, dest, tag, _spec(host), source, tag)
+        _back(recvbuf, host)
 
     def _send(self, buf: Any, dest: int) -> None:
-        watchdog.wait(self, self.mpi.Isend(_spec(to_host(buf)), dest, self._RING_TAG))
+        watchdog.wait(self, self.mpi.Isend(_spec(_host(buf)), dest, self._RING_TAG))
 
     def _recv(self, buf: Any, source: int) -> None:
-        s = _Staged([buf])
-        watchdog.wait(self, self.mpi.Irecv(_spec(s.host[0]), source, self._RING_TAG))
-        s.copy_back(0)
+        host = _host(buf)
+        watchdog.wait(self, self.mpi.Irecv(_spec(host), source, self._RING_TAG))
+        _back(buf, host)
 
-    def _all_agree(self, signature: tuple[int, ...]) -> bool:
-        # The all-gather of _agree without building tuples: equal bytes mean equal signatures.
-        # (array.array is cheaper than a NumPy array for a handful of ints.) It is where a rank
-        # waits for the others to arrive at a collective, so it is polled without holding a core.
-        mine = array.array("q", signature)
-        if self._agree_buf is None or len(self._agree_buf) != len(mine) * self.size:
-            self._agree_buf = array.array("q", bytes(8 * len(mine) * self.size))
-        request = self.mpi.Iallgather([mine, MPI.INT64_T], [self._agree_buf, MPI.INT64_T])
+    def _post_agree(self, signature: tuple[int, ...]) -> MPI.Request:
+        return self._check.start(signature)
+
+    def _agreed(self, request: MPI.Request) -> bool:
+        # Where a rank waits for the others to arrive at a collective: polled without holding a
+        # core. Equal bytes mean equal signatures.
         watchdog.poll(self, request)
-        return self._agree_buf.tobytes() == mine.tobytes() * self.size
+        return self._check.all_equal()
 
     def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:
         mine = np.asarray(signature, dtype=np.int64)
