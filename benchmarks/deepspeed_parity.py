@@ -60,7 +60,9 @@ DIRECT = [
 
 def bound_of(name: str) -> tuple[float, float]:
     """(loss rtol, weight atol) the peer test uses for a case."""
-    if "bf16" in name or "fp16" in name:
+    if "fp16" in name:
+        return peer.BF16_LOSS_RTOL, peer.FP16_ATOL
+    if "bf16" in name:
         return peer.BF16_LOSS_RTOL, peer.BF16_ATOL
     return peer.FP32_LOSS_RTOL, peer.GPT_ATOL if "gpt" in name else peer.FP32_ATOL
 
@@ -143,6 +145,17 @@ def main(argv: list[str] | None = None) -> int:
             "|---|---|---|",
             *comms,
         ]
+    lines += [
+        "",
+        "Not compared (open): fp16 at stage 0, where DeepSpeed steps a torch optimizer through "
+        "its FP16_UnfusedOptimizer and the two sides part after the first step; fp16 with gradient "
+        "accumulation, where the two sides round the accumulated 16-bit gradients differently; "
+        "and fp16 from "
+        "DeepSpeed's default initial loss scale 2^16 on these small models, where DeepSpeed's "
+        "fp16 backward overflows in the first steps (and skips them) while zerosim's, which "
+        "accumulates each matmul in fp32 before rounding, does not. fp16 at stages 1-3 from 2^8 "
+        "or 2^10 is compared above.",
+    ]
     lines += ["", "## Direct oracles (no launch)", "", "| what | test | holds |", "|---|---|---|"]
     lines += [f"| {what} | `{path}` | {holds} |" for what, path, holds in DIRECT]
     Path(args.out).write_text("\n".join(lines) + "\n")
