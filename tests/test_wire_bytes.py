@@ -110,6 +110,20 @@ def test_every_stage_puts_its_model_bytes_on_the_wire(stage, schedule):
     assert_wire_equals_model(3, cfg)
 
 
+@pytest.mark.parametrize("schedule", [s for s in schedules() if s == "deepspeed"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_deepspeeds_per_owner_reduces_put_their_model_bytes_on_the_wire(stage, schedule):
+    """``use_multi_rank_bucket_allreduce: false``: each bucket piece is reduced to its owner."""
+
+    def cfg(collectives):
+        zero = {"use_multi_rank_bucket_allreduce": False}
+        return config(stage, schedule, collectives, zero=zero)
+
+    assert_wire_equals_model(3, cfg)
+    rows = zs.LocalWorld(3).run(run, cfg("native"))[0][0]
+    assert any(r[0] == "reduce" for r in rows)  # the path under test
+
+
 def test_the_megatron_layout_puts_its_model_bytes_on_the_wire():
     def cfg(collectives):
         return config(1, None, collectives, zerosim={"layout": "megatron"})
@@ -163,18 +177,19 @@ sys.path.insert(0, "tests")
 import test_wire_bytes as t
 from zerosim.comm import MPIComm
 
-for stage in (1, 3):
-    for extra in ({}, {"zero": t.ZEROPP["all"], "zerosim": {"ranks_per_node": 2}}):
-        if stage == 1 and extra:
-            continue
-        rows = {}
-        for collectives in ("native", "ring"):
-            comm = MPIComm(collectives=collectives)  # fresh: its sub-groups are named alike
-            cfg = t.config(stage, None, collectives, **{k: dict(v) for k, v in extra.items()})
-            rows[collectives] = t.run(comm, cfg)[0]
-        assert [r[:9] for r in rows["native"]] == [r[:9] for r in rows["ring"]], stage
-        assert all(r[9] == "wire" for r in rows["ring"] if r[4] and r[10] > 1), stage
-        print("WIRE", comm.rank, stage, len(rows["ring"]), flush=True)
+cases = [(1, {}), (3, {"zero": t.ZEROPP["all"], "zerosim": {"ranks_per_node": 2}})]
+if "deepspeed" in t.schedules():  # MPI's Reduce against our chain, DeepSpeed's per-owner path
+    cases.append((2, {"zero": {"use_multi_rank_bucket_allreduce": False}}))
+for stage, extra in cases:
+    rows = {}
+    for collectives in ("native", "ring"):
+        comm = MPIComm(collectives=collectives)  # fresh: its sub-groups are named alike
+        cfg = t.config(stage, None, collectives, **{k: dict(v) for k, v in extra.items()})
+        rows[collectives] = t.run(comm, cfg)[0]
+    assert [r[:9] for r in rows["native"]] == [r[:9] for r in rows["ring"]], stage
+    assert all(r[9] == "wire" for r in rows["ring"] if r[4] and r[10] > 1), stage
+    print("WIRE", comm.rank, stage, len(rows["ring"]), flush=True)
+print("CASES", comm.rank, len(cases), flush=True)
 """
 
 
@@ -182,4 +197,5 @@ for stage in (1, 3):
 def test_wire_bytes_equal_model_bytes_under_mpirun():
     proc = run_mpi(4, ["-c", WORKER], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("WIRE") == 4 * 3
+    cases = int(proc.stdout.split("CASES 0 ")[1].split()[0])
+    assert proc.stdout.count("WIRE") == 4 * cases
