@@ -39,6 +39,7 @@ class Case:
     max_live: int = 10**9  # stage 3: stage3_max_live_parameters
     prescale: bool = False  # prescale_gradients
     predivide: float = 1.0  # gradient_predivide_factor
+    schedule: str = "deepspeed"  # zerosim.schedule: "deepspeed" or "paper"
 
     def with_(self, **kw) -> Case:
         return replace(self, **kw)
@@ -120,7 +121,12 @@ def config(case: Case) -> dict:
                 else {}
             ),
         },
-        "zerosim": {"dtype": case.dtype, "layout": case.layout, "collectives": case.collectives},
+        "zerosim": {
+            "dtype": case.dtype,
+            "layout": case.layout,
+            "collectives": case.collectives,
+            "schedule": case.schedule,
+        },
     }
 
 
@@ -182,6 +188,64 @@ def expected_step_bytes(case: Case, n: int, padded: int, persistent: int = 0) ->
     return 2 * volume
 
 
+def gradient_order(case: Case) -> list[int]:
+    """Parameter indices in the order backward finishes their gradients (a property of the
+    model: modules last to first, each module's parameters in its ``grad_ready_order``)."""
+    from zerosim.zero.buckets import GradReadyTracker
+
+    model = build_model(case)
+    index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
+    order: list[int] = []
+    GradReadyTracker(model, lambda p: order.append(index[id(p)]))
+    x, y = data(case, 1)
+    model(x[: case.micro], y[: case.micro])
+    model.backward()
+    return order
+
+
+def formula_bytes(case: Case, n: int, rank: int, persistent: int, megatron_padded: int) -> dict:
+    """{phase: bytes ``rank`` sends} in one optimizer step, from ``zerosim.analysis`` with Ψ and
+    its padding derived here from the model's shapes (not the engine's buffers): the paper's
+    schedule pads to N (stage 3: each parameter), DeepSpeed's follows its buckets and pads to 2N.
+    Megatron's layout (its own buckets, in either schedule) takes the engine's Ψ_pad."""
+    from zerosim.analysis import boundary_messages, clip_bytes, step_bytes
+
+    numels = [p.numel for _, p in build_model(case).named_parameters()]
+    b = np.dtype(case.dtype).itemsize
+    k = case.accumulation
+    if case.stage == 3:
+        padded = sum(-(-m // n) * n for m in numels)
+        out = step_bytes(3, n, padded, b, k, persistent, case.reuse == 0)
+    elif case.layout == "megatron":
+        out = step_bytes(1, n, megatron_padded, b, k)
+    elif case.schedule == "paper":
+        out = step_bytes(case.stage, n, -(-sum(numels) // n) * n, b, k)
+    else:
+        scaled = case.prescale or case.predivide != 1.0  # config(): reduce_scatter false
+        out = step_bytes(
+            case.stage,
+            n,
+            0,
+            b,
+            k,
+            schedule="deepspeed",
+            numels=numels,
+            rank=rank,
+            order=gradient_order(case),
+            reduce_bucket_size=case.bucket,
+            reduce_scatter=not (scaled and case.stage >= 2),
+            overlap_comm=case.overlap,
+        )
+    checks = boundary_messages(
+        case.stage,
+        schedule=case.schedule,
+        clip=case.clip,
+        float64=case.dtype == "float64",
+    )
+    out["clip"] = clip_bytes(n, rank, checks["clip"]) if "clip" in checks else 0
+    return out
+
+
 def expected_memory(case: Case, n: int, padded: int, states: int) -> dict:
     """Model-state bytes per rank from zerosim.analysis (the parameter is its own master)."""
     b = np.dtype(case.dtype).itemsize
@@ -201,23 +265,21 @@ def check_case(comm, case: Case) -> float:
     n = comm.size
     err = max_rel_error(out["params"], reference(case, n))
     assert err <= tolerance(case), (case, n, err)
-    want = expected_step_bytes(case, n, out["padded"], out["persistent"])
-    from zerosim.analysis import clip_bytes, step_bytes
-
     b = np.dtype(case.dtype).itemsize
+    per_phase = formula_bytes(case, n, comm.rank, out["persistent"], out["padded"])
+    want = sum(per_phase[p] for p in ("forward", "backward", "step"))
+    if case.schedule == "paper" or case.stage == 3 or case.layout == "megatron":
+        assert want == expected_step_bytes(case, n, out["padded"], out["persistent"])
     regather = not (case.stage == 3 and case.reuse > 0)
-    per_phase = step_bytes(
-        case.stage, n, out["padded"], b, case.accumulation, out["persistent"], regather
-    )
     for step, phases in enumerate(out["bytes"]):
         got = phases["forward"] + phases["backward"] + phases["step"]
-        assert phases["clip"] == clip_bytes(n, comm.rank)
+        assert phases["clip"] == per_phase["clip"], (case, n, phases, per_phase)
         if not regather and step == 0:  # the first micro-step records the trace: no reuse yet
             once = (n - 1) * (out["padded"] - out["persistent"]) // n * b
             assert got == want + once, (case, n, phases, want, once)
             continue
         assert got == want, (case, n, step, phases, want)
-        assert {k: phases[k] for k in per_phase} == per_phase, (case, n, phases, per_phase)
+        assert phases == per_phase, (case, n, phases, per_phase)
     mem = out["memory"]
     states = 2 if case.optimizer == "adam" else 1
     want_mem = expected_memory(case, n, out["padded"], states)

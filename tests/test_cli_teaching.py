@@ -113,6 +113,27 @@ def test_volume_json_equals_step_bytes_with_psi_padded_to_n(n, k, capsys):
     assert data["clip_bytes"]["end_ranks"] == analysis.clip_bytes(n, 0) == 8
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_volume_json_gives_deepspeeds_schedule_beside_the_papers(k, capsys):
+    """Ψ = 1,000,001 on N = 3: DeepSpeed all-reduces the unpadded Ψ (one bucket, chunks of
+    333,334 / 333,334 / 333,333: rank 0 sends 2Ψ − c_0 − c_1 elements), at stage 2 once per
+    micro-step, and all-gathers Ψ padded to a multiple of 2N = 6, 1,000,002."""
+    params, n = 1_000_001, 3
+    data = run_json(
+        capsys, "volume", "--params", str(params), "--dp", str(n), "--accumulation", str(k),
+        "--json",
+    )  # fmt: skip
+    reduce = (2 * params - 333_334 - 333_334) * 4
+    gather = (n - 1) * 1_000_002 // n * 4
+    want = {"0": (reduce, 0), "1": (reduce, gather), "2": (k * reduce, gather)}
+    for stage, (backward, step) in want.items():
+        row = data["deepspeed"][stage]
+        assert (row["forward"], row["backward"], row["step"]) == (0, backward, step)
+        assert row["ratio"] == row["total"] / data["stages"][stage]["total"]
+    assert data["deepspeed"]["1"]["padded_numel"] == 1_000_002
+    assert 1.49 < data["deepspeed"]["1"]["ratio"] < 1.51  # stage 1: 3(N−1)/N·Ψ vs 2(N−1)/N·Ψ
+
+
 def test_volume_json_for_stage3_with_persistent_parameters_and_reuse(capsys):
     n, params, persist = 4, 100_000, 400
     argv = ["volume", "--params", str(params), "--dp", str(n), "--dtype", "float16"]
@@ -182,11 +203,15 @@ def test_volume_rejects_an_accumulation_below_one_naming_it():
 def test_compare_on_a_local_world_reports_equal_bytes_and_memory(n, capsys):
     data = run_json(capsys, "compare", "-n", str(n), "--steps", "2", "--json")
     assert data["ok"] is True and data["world_size"] == n
-    assert [s["name"] for s in data["stages"]] == ["0", "1", "2", "3", "megatron"]
+    assert data["schedules"] == ["deepspeed", "paper"]
+    names = ["0", "1", "2", "3", "megatron"]
+    assert [(s["schedule"], s["name"]) for s in data["stages"]] == [
+        (schedule, name) for schedule in data["schedules"] for name in names
+    ]
     pad = -(-MLP_PARAMS // n) * n
     once = (n - 1) * (pad // n) * 4
     for row in data["stages"]:
-        if row["name"] in ("megatron", "3"):
+        if row["name"] in ("megatron", "3") or row["schedule"] != "paper":
             continue
         assert row["padded_numel"] == pad and row["bytes"]["equal"] and row["memory"]["equal"]
         backward = 2 * once if row["stage"] == 0 else once
@@ -198,8 +223,28 @@ def test_compare_on_a_local_world_reports_equal_bytes_and_memory(n, capsys):
 
 
 @pytest.mark.parametrize("n", [2, 3])
+def test_compare_shows_deepspeeds_stage_1_and_2_sending_half_as_much_again(n, capsys):
+    """DeepSpeed's schedule all-reduces Ψ (in buckets of 20,000 here, cut at parameter
+    boundaries and inside the large ones) and all-gathers Ψ padded to 2N: rank 0 sends
+    2(N−1)/N·Ψ·b up to the rounding of each all-reduce's chunks, plus (N−1)/N·Ψ_pad·b."""
+    argv = ["compare", "-n", str(n), "--steps", "2", "--stage", "1", "2", "--json"]
+    rows = run_json(capsys, *argv)["stages"]
+    by = {(r["schedule"], r["name"]): r for r in rows}
+    pad = -(-MLP_PARAMS // (2 * n)) * 2 * n
+    for name in ("1", "2"):
+        deepspeed, paper = by["deepspeed", name], by["paper", name]
+        assert deepspeed["padded_numel"] == pad and deepspeed["bytes"]["equal"]
+        forward, backward, step, clip = deepspeed["bytes"]["measured"][0]
+        assert (forward, step, clip) == (0, (n - 1) * pad // n * 4, 4)  # float32 norm: 4 B
+        assert abs(backward - 2 * (n - 1) * MLP_PARAMS * 4 // n) < 4 * 4 * 20
+        ratio = sum(deepspeed["bytes"]["measured"][0][:3]) / sum(paper["bytes"]["measured"][0][:3])
+        assert 1.49 < ratio < 1.51
+
+
+@pytest.mark.parametrize("n", [2, 3])
 def test_compare_stage3_moves_three_times_the_shard_and_holds_a_nth_of_everything(n, capsys):
-    data = run_json(capsys, "compare", "-n", str(n), "--stage", "3", "--steps", "2", "--json")
+    argv = ["compare", "-n", str(n), "--stage", "3", "--steps", "2", "--schedule", "paper"]
+    data = run_json(capsys, *argv, "--json")
     (row,) = data["stages"]
     shard = stage3_shard(n)  # P, with Ψ_pad = N·P ≥ Ψ padded as one buffer
     assert row["padded_numel"] == n * shard and row["persistent_numel"] == 0
@@ -241,6 +286,10 @@ def test_compare_with_mixed_precision_holds_the_zero_paper_bytes(precision, caps
     data = run_json(capsys, *argv)
     assert data["ok"] is True and data["precision"] == precision
     for row in data["stages"]:
+        if row["schedule"] == "deepspeed":  # bytes equal its formula ("ok"); flag: schedule.py
+            flagged = row["stage"] in (1, 2) or (precision, row["stage"]) == ("fp16", 3)
+            assert ("overflow" in row["bytes"]["phases"]) == flagged
+            continue
         pad, mem = row["padded_numel"], row["memory"]
         held = [dict(zip(mem["categories"], r, strict=True)) for r in mem["measured"]]
         assert row["skipped_steps"] == 0 and row["itemsize"] == 2
@@ -293,8 +342,8 @@ def test_compare_exits_1_and_says_mismatch_when_a_formula_disagrees(monkeypatch,
 
     real = compare.step_bytes
 
-    def off_by_one(*args):
-        out = real(*args)
+    def off_by_one(*args, **kwargs):
+        out = real(*args, **kwargs)
         out["step"] += 1
         return out
 
@@ -342,7 +391,9 @@ def test_plot_command_writes_a_png_and_its_data_as_json(argv, tmp_path, capsys):
         records = data["records_by_rank"]
         assert len(records) == 3
         ops = [r["op"] for r in records[0]]
-        assert ops.count("reduce_scatter") >= 1 and ops.count("all_gather") == 1
+        # DeepSpeed's schedule: gradient buckets all-reduced (and the norm), one all-gather
+        assert ops.count("all_reduce") >= 2 and ops.count("all_gather") == 1
+        assert "reduce_scatter" not in ops
     else:  # stage 3: one gather per parameter in forward and in backward, then the release
         records, events = data["records_by_rank"], data["events_by_rank"]
         assert len(records) == len(events) == 2

@@ -97,14 +97,19 @@ def test_fp32_wire_sends_twice_the_gradient_bytes_and_the_same_parameter_bytes(s
         engine.backward(engine(x, y))
         engine.step()
         return {
-            op: sum(r.bytes_sent for r in comm.ledger.records if r.op == op and r.phase != "clip")
+            op: sum(
+                r.bytes_sent
+                for r in comm.ledger.records
+                if r.op == op and r.phase not in ("clip", "overflow")  # the one-element ones
+            )
             for op in ("all_reduce", "reduce_scatter", "all_gather")
         }
 
     narrow = LocalWorld(3).run(bytes_by_op, None)
     wide = LocalWorld(3).run(bytes_by_op, "fp32")
     for a, b in zip(narrow, wide, strict=True):
-        reduce_op = "all_reduce" if stage == 0 else "reduce_scatter"
+        # DeepSpeed's schedule (the default) all-reduces the gradients at stages 0-2
+        reduce_op = "reduce_scatter" if stage == 3 else "all_reduce"
         assert b[reduce_op] == 2 * a[reduce_op] > 0
         assert b["all_gather"] == a["all_gather"]
 

@@ -12,10 +12,10 @@ from zerosim.nn import MLP
 STAGES = [(0, "deepspeed"), (1, "deepspeed"), (2, "deepspeed"), (1, "megatron")]
 VARIANTS = [  # rotated over (stage, N) so every option meets every stage somewhere
     dict(model="mlp", accumulation=1, clip=0.0, optimizer="adam"),
-    dict(model="gpt", accumulation=3, clip=0.5, optimizer="sgd"),
+    dict(model="gpt", accumulation=3, clip=0.5, optimizer="sgd", schedule="paper"),
     dict(model="mlp", accumulation=3, clip=0.05, optimizer="adam", overlap=False),
     dict(model="gpt", accumulation=1, clip=0.0, optimizer="adam", sub_group_size=7),
-    dict(model="mlp", accumulation=1, clip=1e-3, optimizer="sgd", bucket=10**6),
+    dict(model="mlp", accumulation=1, clip=1e-3, optimizer="sgd", bucket=10**6, schedule="paper"),
 ]
 
 
@@ -98,11 +98,28 @@ def test_power_of_two_predivision_is_bitwise_the_plain_average(stage):
 
 
 def test_stage_2_bytes_grow_with_accumulation_as_k_plus_1():
-    one = zs.LocalWorld(4).run(train, Case(stage=2, steps=2))[0]
-    three = zs.LocalWorld(4).run(train, Case(stage=2, steps=2, accumulation=3))[0]
-    v = 3 * one["padded"] // 4 * 8  # (N-1)/N · Ψ_pad · b
-    assert one["bytes"][1]["backward"] == v and three["bytes"][1]["backward"] == 3 * v
-    assert one["bytes"][1]["step"] == three["bytes"][1]["step"] == v
+    """The paper's schedule: a reduce-scatter of Ψ_pad per micro-step, one all-gather."""
+    one = zs.LocalWorld(4).run(train, Case(stage=2, steps=2, schedule="paper"))[0]
+    three = zs.LocalWorld(4).run(train, Case(stage=2, steps=2, accumulation=3, schedule="paper"))
+    v = 3 * 140 // 4 * 8  # (N-1)/N · Ψ_pad · b, Ψ = 137 padded to a multiple of N = 140
+    assert one["padded"] == 140
+    assert one["bytes"][1]["backward"] == v and three[0]["bytes"][1]["backward"] == 3 * v
+    assert one["bytes"][1]["step"] == three[0]["bytes"][1]["step"] == v
+
+
+def test_deepspeeds_stage_2_all_reduces_every_micro_step_and_gathers_once():
+    """DeepSpeed's schedule: every micro-step all-reduces the unpadded Ψ = 137 (one bucket):
+    rank r sends 2·137 − c_r − c_{r+1} elements (chunks 35, 34, 34, 34), 1.5× the paper's
+    reduce-scatter and more; the all-gather moves Ψ padded to a multiple of 2N = 144."""
+    case = Case(stage=2, steps=2, bucket=10**6)
+    runs = {k: zs.LocalWorld(4).run(train, case.with_(accumulation=k)) for k in (1, 3)}
+    chunks = [35, 34, 34, 34]
+    for rank in range(4):
+        reduce = (2 * 137 - chunks[rank] - chunks[(rank + 1) % 4]) * 8
+        for k, ranks in runs.items():
+            assert ranks[rank]["padded"] == 144
+            assert ranks[rank]["bytes"][1]["backward"] == k * reduce
+            assert ranks[rank]["bytes"][1]["step"] == 3 * 144 // 4 * 8
 
 
 def test_memory_falls_with_n_as_the_stage_formula_says():

@@ -58,10 +58,11 @@ def test_mixed_precision_adam_memory_equals_the_zero_paper_formula(n, precision)
         assert total == paper, (stage, n, total, paper)
 
 
-def _inject(comm, stage, rank_with_inf, steps_with_inf, **fp16):
+def _inject(comm, stage, rank_with_inf, steps_with_inf, schedule="deepspeed", **fp16):
     model = MLP([6, 9, 5, 4], seed=3)
     cfg = _cfg(stage, None)
     cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, **fp16}
+    cfg["zerosim"] = {"schedule": schedule}
     engine, *_ = initialize(model, cfg, comm=comm)
     x = np.random.default_rng(comm.rank).standard_normal((4, 6)).astype(np.float32)
     y = np.arange(4) % 4
@@ -91,7 +92,11 @@ def _inject(comm, stage, rank_with_inf, steps_with_inf, **fp16):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_inf_in_one_ranks_own_slice_makes_every_rank_skip_the_step(stage):
-    results = zs.LocalWorld(3).run(_inject, stage, 1, {1})
+    """The overflow flag's max all-reduce makes every rank agree. DeepSpeed's stage 0 sends no
+    flag (every rank checks the reduced gradients it holds whole: see the next test), so stage 0
+    is checked under the paper's schedule, which all-reduces one."""
+    schedule = "paper" if stage == 0 else "deepspeed"
+    results = zs.LocalWorld(3).run(_inject, stage, 1, {1}, schedule)
     for seen in results:
         assert seen == results[0]  # every rank made the same decision
     (u0, s0, e0, k0, _, _), (u1, s1, e1, k1, steps1, _) = results[0][0], results[0][1]
@@ -99,6 +104,31 @@ def test_inf_in_one_ranks_own_slice_makes_every_rank_skip_the_step(stage):
     assert u1 and k1 == 1 and e1 == s1 / 2  # skipped: nothing changed, the scale halved
     assert steps1 == [1.0] or steps1 == [1]  # the optimizer's step count did not advance
     assert not results[0][2][0] and results[0][3][3] == 1  # training goes on afterwards
+
+
+def test_deepspeeds_stage_0_skips_on_every_rank_without_a_flag_all_reduce():
+    """An inf in one rank's gradient reaches every rank through the gradient all-reduce, so each
+    rank's own check skips the step: no overflow collective (DeepSpeed's stage 0)."""
+
+    def fn(comm):
+        model = MLP([6, 9, 5, 4], seed=3)
+        cfg = _cfg(0, None)
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+        engine, *_ = initialize(model, cfg, comm=comm)
+
+        def poison(module, grad_input, grad_output):  # before the boundary's all-reduce
+            if comm.rank == 1:
+                module.weight.grad[0, 0] = np.inf
+
+        model.layers[0].register_full_backward_hook(poison)
+        comm.ledger.reset()
+        engine.backward(engine(np.ones((4, 6), np.float32), np.arange(4) % 4))
+        engine.step()
+        phases = {r.phase for r in comm.ledger.records}
+        return engine.skipped_steps, engine.loss_scale, phases
+
+    for skipped, scale, phases in zs.LocalWorld(3).run(fn):
+        assert skipped == 1 and scale == 2.0**7 and phases == {"backward"}
 
 
 def test_reaching_the_minimum_loss_scale_raises_on_every_rank():

@@ -171,8 +171,8 @@ def test_nvme_swap_reads_and_writes_master_and_states_once_per_step(tmp_path):
         return store.bytes_read, store.bytes_written, engine.memory_report(), engine.strategy
 
     for read, written, report, strategy in zs.LocalWorld(n).run(run):
-        p = strategy.padded_numel // n  # 137 parameters padded to 138: 69 per rank
-        assert p == 69
+        p = strategy.padded_numel // n  # 137 parameters padded to 2N = 4's multiple 140: 70
+        assert p == 70
         first_read = 4 * p  # the first step finds no state to read, only the master
         assert read == first_read + (steps - 1) * (1 + k) * 4 * p
         assert written == steps * (1 + k) * 4 * p

@@ -35,6 +35,7 @@ from zerosim.zero import STRATEGIES, Strategy
 from zerosim.zero.init import is_partitioned
 from zerosim.zero.loss_scaler import build_loss_scaler
 from zerosim.zero.offload import check_nvme_paths
+from zerosim.zero.schedule import boundary_checks
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +240,19 @@ class Engine:
         model.to(dtype=cfg.model_dtype)
         broadcast_model(model, comm)
         zero = cfg.zero_optimization
+        try:  # the overflow and norm collectives of the boundary (zerosim/zero/schedule.py)
+            self.checks = boundary_checks(
+                cfg.zerosim.schedule,
+                zero.stage,
+                fp16=cfg.fp16.enabled,
+                bf16=cfg.bf16.enabled,
+                clip=cfg.gradient_clipping,
+                reference_precision=np.dtype(cfg.model_dtype) == np.float64,
+                bf16_overflow=cfg.bf16.check_grad_overflow,
+                compute_grad_norm=zero.compute_grad_norm,
+            )
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
         strategy_cls = STRATEGIES[zero.stage]
         self.strategy: Strategy = strategy_cls(
             groups=groups,
@@ -251,6 +265,7 @@ class Engine:
             comm_dtype=None if cfg.communication_data_type is None else cfg.communication_dtype,
             prescale=cfg.prescale_gradients,
             predivide=cfg.gradient_predivide_factor,
+            schedule=cfg.zerosim.schedule,
         )
         self.loss_scaler = build_loss_scaler(cfg.loss_scaler())
         self.skipped_steps = 0
@@ -477,10 +492,13 @@ class Engine:
 
     def _update(self) -> bool:
         """The boundary's work; False when an overflow skipped the step (fp16)."""
-        if self.config.fp16.enabled:
-            flag = np.array([self.strategy.overflow()], dtype=np.float64)
-            with self.comm.phase("overflow"):  # every rank agrees: one scalar, max
-                self.comm.all_reduce(flag, op="max")
+        checks = self.checks
+        if checks.overflow != "none":  # fp16 (and bf16 where DeepSpeed checks): skip on inf/nan
+            local = checks.overflow == "local"  # every rank holds the reduced gradients
+            flag = np.array([self.strategy.overflow(whole=local)], dtype=checks.flag_dtype)
+            if not local:
+                with self.comm.phase("overflow"):  # every rank agrees: one scalar, max
+                    self.comm.all_reduce(flag, op="max")
             if flag[0] > 0:
                 self.strategy.zero_grad()
                 self.skipped_steps += 1
@@ -508,18 +526,31 @@ class Engine:
         """The current loss scale (1.0 without fp16)."""
         return self.loss_scaler.loss_scale
 
-    def _clip(self, inv_scale: float = 1.0) -> float:
-        """Global gradient norm from each rank's owned partial sum (one all-reduce); clip.
+    def _clip(self, inv_scale: float = 1.0) -> float | None:
+        """Global gradient norm as the schedule says (``self.checks``); clip.
 
-        The norm is of the unscaled gradients. In one-precision training the coefficient is
-        applied here; under mixed precision to the fp32 gradients ``unscale_grads`` makes.
+        "sum_sq": each rank's partial Σg² over what it owns, summed by one all-reduce; "mean":
+        DeepSpeed's stage 0 all-reduces ‖g‖/N of the full local gradients; "local": the full
+        local gradients, no collective; "none": no norm, no clipping. The norm is of the
+        unscaled gradients. In one-precision training the coefficient is applied here; under
+        mixed precision to the fp32 gradients ``unscale_grads`` makes.
         """
-        partial = np.array([self.strategy.grad_norm_sq(inv_scale)], dtype=np.float64)
-        with self.comm.phase("clip"):  # one float64, kept apart from the model-sized volume
-            self.comm.all_reduce(partial)
-        norm = math.sqrt(partial[0])
-        self._global_grad_norm = norm
         self._clip_coef = 1.0
+        checks = self.checks
+        if checks.norm == "none":  # compute_grad_norm false (and so no clipping)
+            self._global_grad_norm = None
+            return None
+        sum_sq = self.strategy.grad_norm_sq(inv_scale, whole=checks.norm != "sum_sq")
+        if checks.norm == "local":
+            norm = math.sqrt(sum_sq)
+        else:  # one scalar, phase "clip": kept apart from the model-sized volume
+            mean = checks.norm == "mean"
+            value = math.sqrt(sum_sq) / self.comm.size if mean else sum_sq
+            message = np.array([value], dtype=checks.norm_dtype)
+            with self.comm.phase("clip"):
+                self.comm.all_reduce(message)
+            norm = float(message[0]) if mean else math.sqrt(float(message[0]))
+        self._global_grad_norm = norm
         max_norm = self.config.gradient_clipping
         if max_norm > 0 and max_norm / (norm + 1e-6) < 1:
             self._clip_coef = max_norm / (norm + 1e-6)

@@ -2,7 +2,8 @@
 
 The same cases, configs and data as ds_driver.py, on zerosim's engine. Writes
 ``OUT/<case>.rank<r>.json`` (each micro-step's loss; each optimizer step's collectives from the
-ledger, by op and message size as DeepSpeed's comms logger counts them) and, on rank 0,
+ledger, by op and message size as DeepSpeed's comms logger counts them, and the ledger phases
+they carry) and, on rank 0,
 ``OUT/<case>.npz`` (the fp32 weights after the last step, ``engine.full_state_dict()``).
 """
 
@@ -22,15 +23,16 @@ import zerosim as zs  # noqa: E402
 from zerosim.comm import MPIComm  # noqa: E402
 
 
-def ledger_snapshot(comm) -> dict[str, dict[str, int]]:
+def ledger_snapshot(comm) -> tuple[dict[str, dict[str, int]], list[str]]:
     """{op: {buffer bytes S: calls}} of this rank's ledger since the last snapshot (the test
-    converts S to DeepSpeed's message-size convention)."""
+    converts S to DeepSpeed's message-size convention), and the phases the records carry."""
     out: dict[str, dict[str, int]] = {}
     for r in comm.ledger.records:
         sizes = out.setdefault(r.op, {})
         sizes[str(r.size_bytes)] = sizes.get(str(r.size_bytes), 0) + 1
+    phases = sorted({r.phase for r in comm.ledger.records})
     comm.ledger.reset()
-    return out
+    return out, phases
 
 
 def run_case(case: dict, out: Path, comm) -> None:
@@ -38,7 +40,7 @@ def run_case(case: dict, out: Path, comm) -> None:
         warnings.simplefilter("ignore")
         engine, *_ = zs.initialize(model_of(case), zerosim_config(case), comm=comm)
     comm.ledger.reset()
-    losses, steps = [], []
+    losses, steps, phases = [], [], []
     for step in range(case["steps"]):
         for micro in range(gas(case)):
             x, y = micro_batch(case, step, micro, comm.rank)
@@ -46,9 +48,12 @@ def run_case(case: dict, out: Path, comm) -> None:
             engine.backward(loss)
             engine.step()
             losses.append(float(loss))
-        steps.append(ledger_snapshot(comm))
+        collectives, labels = ledger_snapshot(comm)
+        steps.append(collectives)
+        phases.append(labels)
     weights = engine.full_state_dict()
     result = {"losses": losses, "steps": steps, "skipped": int(engine.skipped_steps)}
+    result["phases"] = phases
     (out / f"{case['name']}.rank{comm.rank}.json").write_text(json.dumps(result))
     if comm.rank == 0:
         np.savez(out / f"{case['name']}.npz", **weights)

@@ -4,6 +4,7 @@ Pure functions, no communicator. ``memory``: per-rank model-state bytes of ZeRO 
 Megatron's distributed optimizer (ZeRO paper Table 1, Megatron's table). ``estimators``:
 DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` and how they differ from the exact model.
 ``timing``: the α-β model of collectives, flat and two-level, compute time and step time.
+``volume``: the bytes of a step's collectives, for the ZeRO paper's schedule and DeepSpeed's.
 Formulas and sources are in each module's docstring and in docs/formulas.md.
 """
 
@@ -48,8 +49,14 @@ from zerosim.analysis.timing import (
     transformer_training_flops,
 )
 from zerosim.analysis.volume import (
+    SCHEDULES,
+    Collective,
+    boundary_messages,
     clip_bytes,
     collective_schedule,
+    deepspeed_gradient_messages,
+    deepspeed_padded_numel,
+    deepspeed_stage0_messages,
     quantized_nbytes,
     ring_split,
     step_bytes,
@@ -93,6 +100,12 @@ __all__ = [
     "zero_model_states",
     "zero_paper_bytes",
     "clip_bytes",
+    "boundary_messages",
+    "Collective",
+    "deepspeed_gradient_messages",
+    "deepspeed_padded_numel",
+    "deepspeed_stage0_messages",
+    "SCHEDULES",
     "quantized_nbytes",
     "ring_split",
     "step_bytes",

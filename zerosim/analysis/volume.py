@@ -1,8 +1,11 @@
 """Bytes each rank sends per optimizer step, by ledger phase, for zerosim's ZeRO stages.
 
-With the ring model of nccl-tests (an all-gather or reduce-scatter of a buffer of S bytes sends
-(N−1)/N · S per rank; an all-reduce twice that), Ψ_pad elements of b bytes, N ranks and
-k micro-steps per optimizer step (gradient accumulation):
+Two schedules (``zerosim.schedule``): the ZeRO paper's and DeepSpeed 0.19.8's.
+
+**The paper's** (``schedule="paper"``). With the ring model of nccl-tests (an all-gather or
+reduce-scatter of a buffer of S bytes sends (N−1)/N · S per rank; an all-reduce twice that),
+Ψ_pad elements of b bytes (Ψ padded to a multiple of N), N ranks and k micro-steps per optimizer
+step (gradient accumulation):
 
     stage                                   backward           step
     0  (all-reduce at the boundary)         2(N−1)/N·Ψ_pad·b   0
@@ -16,16 +19,134 @@ with Ψ_persist the padded elements of the persistent parameters (``stage3_param
 _threshold``), Ψ_np = Ψ_pad − Ψ_persist, and the backward all-gather dropped for parameters kept
 gathered from forward to backward (``stage3_max_reuse_distance``); without persistent parameters
 and reuse, stage 3 moves 3(N−1)/N·Ψ_pad·b per micro-step (ZeRO paper, Sec. 7.2.2: 1.5× data
-parallelism).
+parallelism). So stages 0-2 move 2(N−1)/N·Ψ_pad·b per step at k = 1 (ZeRO paper, Sec. 7: stage
+2 costs the same as data parallelism) and stage 2 moves (k+1)(N−1)/N·Ψ_pad·b at accumulation k.
+Megatron's layout pads buckets to lcm(N, 128). The clipping norm adds one float64 all-reduce
+(phase ``clip``, ``clip_bytes``); the forward phase moves nothing.
 
-So stages 0-2 move 2(N−1)/N·Ψ_pad·b per step at k = 1 (ZeRO paper, Sec. 7: stage 2 costs the
-same as data parallelism) and stage 2 moves (k+1)(N−1)/N·Ψ_pad·b at accumulation k, where stages
-0 and 1 stay at 2(N−1)/N·Ψ_pad·b. Ψ_pad is the flat buffer after padding: a multiple of N in
-DeepSpeed's layout, buckets padded to lcm(N, 128) in Megatron's. The clipping norm adds one
-float64 all-reduce (phase ``clip``, ``clip_bytes``); the forward phase moves nothing.
+**DeepSpeed's** (``schedule="deepspeed"``, the engine's default). With Ψ the unpadded elements and
+Ψ_pad = ⌈Ψ / 2N⌉·2N (DeepSpeed pads flat buffers to a multiple of 2·N), with its defaults:
+
+    stage                                                    backward            step
+    0  all-reduce of Ψ after the boundary backward           2(N−1)/N·Ψ·b        0
+    1  all-reduce of Ψ at the boundary, all-gather           2(N−1)/N·Ψ·b        (N−1)/N·Ψ_pad·b
+    2  all-reduce of Ψ every micro-step, all-gather         k·2(N−1)/N·Ψ·b       (N−1)/N·Ψ_pad·b
+    3  as the paper's
+
+so stages 1-2 cost ≈ 3(N−1)/N·Ψ·b per step, 1.5× the paper's: DeepSpeed all-reduces each
+gradient bucket (``use_multi_rank_bucket_allreduce``) and every rank keeps its own part, where a
+reduce-scatter would send each rank only its part. The messages follow DeepSpeed's buckets
+(``deepspeed_gradient_messages``): the gradients in the order they are reduced, a bucket closed
+before a parameter that would take it past ``reduce_bucket_size``, cut into the runs each rank's
+partition owns; each message's bytes are the ring model's exactly (an all-reduce of c elements
+sends 2c − c_r − c_{r+1} on rank r with the chunks of ``comm.ring.chunk_bounds``; a reduce sends
+c on every rank but the root). Its norm and overflow all-reduces are ``boundary_messages``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
+
+SCHEDULES = ("deepspeed", "paper")
+DEEPSPEED_ALIGNMENT = 2  # DeepSpeed pads stage 1-2 flat buffers to a multiple of 2·N
+DEEPSPEED_STAGE0_MESSAGE = 500_000_000  # DeepSpeed's stage-0 all-reduce size (elements)
+DEEPSPEED_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size's default
+
+
+class Collective(NamedTuple):
+    """One collective of a step: its ledger phase, op, what it carries ("params" or "grads"),
+    its buffer's elements, and the root of a ``reduce`` (None otherwise)."""
+
+    phase: str
+    op: str
+    what: str
+    elements: int
+    root: int | None = None
+
+
+def deepspeed_padded_numel(numel: int, world_size: int) -> int:
+    """Ψ_pad of DeepSpeed's stage 1-2 flat buffer: Ψ rounded up to a multiple of 2·N."""
+    multiple = DEEPSPEED_ALIGNMENT * world_size
+    return max(1, -(-numel // multiple)) * multiple
+
+
+def _runs(sizes: list[int], limit: int) -> list[int]:
+    """DeepSpeed's message cutting: consecutive sizes summed, a run closed once > ``limit``."""
+    runs, total = [], 0
+    for size in sizes:
+        total += size
+        if total > limit:
+            runs.append(total)
+            total = 0
+    return runs + ([total] if total else [])
+
+
+def deepspeed_gradient_messages(
+    numels: list[int],
+    world_size: int,
+    order: list[int] | None = None,
+    reduce_bucket_size: int = DEEPSPEED_BUCKET,
+    reduce_scatter: bool = True,
+    use_multi_rank_bucket_allreduce: bool = True,
+    contiguous_gradients: bool = True,
+) -> list[tuple[str, int, int | None]]:
+    """(op, elements, root) of the gradient reductions of one stage-1/2 backward, DeepSpeed's way.
+
+    ``numels``: the parameters' sizes in definition order (their flat-buffer order); ``order``:
+    the order their gradients are reduced (stage 2 and stage 1 with ``overlap_comm``: as backward
+    finishes them; stage 1 otherwise: definition order; default: reversed definition order). A
+    bucket is reduced before a parameter that would take it past ``reduce_bucket_size``. With
+    ``contiguous_gradients`` and ``reduce_scatter`` a bucket is cut into the runs of each
+    parameter that one rank's partition (P = Ψ_pad / N elements) owns, consecutive runs of one
+    owner merged; then either all-reduces of runs of them (``use_multi_rank_bucket_allreduce``)
+    or, per owner in order of first appearance, reduces of runs of its pieces to it, a run closed
+    once it holds more than ``reduce_bucket_size`` elements. Otherwise one all-reduce per bucket.
+    """
+    n = world_size
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    part = deepspeed_padded_numel(sum(numels), n) // n
+    order = list(range(len(numels)))[::-1] if order is None else list(order)
+    buckets: list[list[int]] = [[]]
+    held = 0
+    for i in order:
+        if numels[i] == 0:
+            continue
+        if held + numels[i] > reduce_bucket_size and buckets[-1]:
+            buckets.append([])
+            held = 0
+        buckets[-1].append(i)
+        held += numels[i]
+    out: list[tuple[str, int, int | None]] = []
+    for bucket in (b for b in buckets if b):
+        if not (contiguous_gradients and reduce_scatter):
+            out.append(("all_reduce", sum(numels[i] for i in bucket), None))
+            continue
+        owned: list[list[int]] = []  # [owner, elements], consecutive owners merged
+        for i in bucket:
+            at, stop = starts[i], starts[i] + numels[i]
+            while at < stop:
+                owner = at // part
+                end = min((owner + 1) * part, stop)
+                if owned and owned[-1][0] == owner:
+                    owned[-1][1] += end - at
+                else:
+                    owned.append([owner, end - at])
+                at = end
+        if use_multi_rank_bucket_allreduce:
+            sizes = [size for _, size in owned]
+            out += [("all_reduce", m, None) for m in _runs(sizes, reduce_bucket_size)]
+            continue
+        for owner in dict.fromkeys(o for o, _ in owned):
+            sizes = [size for o, size in owned if o == owner]
+            out += [("reduce", m, owner) for m in _runs(sizes, reduce_bucket_size)]
+    return out
+
+
+def deepspeed_stage0_messages(numels: list[int]) -> list[int]:
+    """DeepSpeed's stage-0 all-reduces: the parameters in definition order, a message closed
+    once it holds more than 5e8 elements (``allreduce_gradients``' ``MEMORY_OPT_ALLREDUCE_SIZE``,
+    whatever ``reduce_bucket_size`` says)."""
+    return _runs([n for n in numels if n], DEEPSPEED_STAGE0_MESSAGE)
 
 
 def collective_schedule(
@@ -34,41 +155,86 @@ def collective_schedule(
     accumulation: int = 1,
     persistent_numel: int = 0,
     backward_gather: bool = True,
-) -> list[tuple[str, str, str, int]]:
-    """The collectives of one optimizer step: (phase, op, "params" | "grads", elements).
+    *,
+    schedule: str = "paper",
+    numels: list[int] | None = None,
+    world_size: int | None = None,
+    order: list[int] | None = None,
+    reduce_bucket_size: int = DEEPSPEED_BUCKET,
+    reduce_scatter: bool = True,
+    use_multi_rank_bucket_allreduce: bool = True,
+    contiguous_gradients: bool = True,
+    overlap_comm: bool = False,
+) -> list[Collective]:
+    """The collectives of one optimizer step (the clip and overflow all-reduces are apart).
 
-    One entry per kind of collective per micro-step (buckets are not modelled: a stage's buckets
-    together cover its buffer once). Stage 0: one all-reduce of the gradients at the boundary.
-    Stages 1 and megatron: a reduce-scatter of the gradients at the boundary, an all-gather of the
-    parameters after the step; stage 2 reduce-scatters every micro-step. Stage 3, every
-    micro-step: an all-gather of the non-persistent parameters in forward, another in backward
-    (unless reuse keeps them), a reduce-scatter of all gradients; after the step, an all-gather
-    of the persistent parameters. The clipping all-reduce is ``clip_bytes``'s.
+    ``schedule="paper"``: one entry per kind of collective per micro-step (buckets are not
+    modelled: a stage's buckets together cover its buffer once). Stage 0: one all-reduce of the
+    gradients at the boundary. Stage 1 (and megatron): a reduce-scatter of the gradients at the
+    boundary, an all-gather of the parameters after the step; stage 2 reduce-scatters every
+    micro-step. Stage 3, every micro-step: an all-gather of the non-persistent parameters in
+    forward, another in backward (unless reuse keeps them), a reduce-scatter of all gradients;
+    after the step, an all-gather of the persistent parameters.
+
+    ``schedule="deepspeed"``: stage 3 as the paper's; stages 0-2 need ``numels`` (the
+    parameters' sizes in definition order) and ``world_size``, and ``padded_numel`` is not used
+    for them: stage 0 all-reduces ``deepspeed_stage0_messages``; stage 1 issues
+    ``deepspeed_gradient_messages`` once at the boundary, in definition order (in ``order``,
+    the order backward finishes gradients, with ``overlap_comm``), stage 2 every micro-step in
+    ``order``; both then all-gather Ψ_pad (``deepspeed_padded_numel``) in one call.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if accumulation < 1:
         raise ValueError(f"accumulation must be ≥ 1, got {accumulation}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     k = accumulation
+    if schedule == "deepspeed" and stage < 3:
+        if numels is None or world_size is None:
+            raise ValueError("schedule='deepspeed' needs numels and world_size at stages 0-2")
+        if stage == 0:
+            return [
+                Collective("backward", "all_reduce", "grads", m)
+                for m in deepspeed_stage0_messages(numels)
+            ]
+        switches = dict(
+            reduce_bucket_size=reduce_bucket_size,
+            reduce_scatter=reduce_scatter,
+            use_multi_rank_bucket_allreduce=use_multi_rank_bucket_allreduce,
+            contiguous_gradients=contiguous_gradients,
+        )
+        definition = list(range(len(numels)))
+        grad_order = order if stage == 2 or overlap_comm else definition
+        once = [
+            Collective("backward", op, "grads", m, root)
+            for op, m, root in deepspeed_gradient_messages(
+                numels, world_size, grad_order, **switches
+            )
+        ]
+        gather = Collective(
+            "step", "all_gather", "params", deepspeed_padded_numel(sum(numels), world_size)
+        )
+        return once * (k if stage == 2 else 1) + [gather]
     if stage == 0:
-        return [("backward", "all_reduce", "grads", padded_numel)]
+        return [Collective("backward", "all_reduce", "grads", padded_numel)]
     if stage == 1:
         return [
-            ("backward", "reduce_scatter", "grads", padded_numel),
-            ("step", "all_gather", "params", padded_numel),
+            Collective("backward", "reduce_scatter", "grads", padded_numel),
+            Collective("step", "all_gather", "params", padded_numel),
         ]
     if stage == 2:
-        return [("backward", "reduce_scatter", "grads", padded_numel)] * k + [
-            ("step", "all_gather", "params", padded_numel)
+        return [Collective("backward", "reduce_scatter", "grads", padded_numel)] * k + [
+            Collective("step", "all_gather", "params", padded_numel)
         ]
     if not 0 <= persistent_numel <= padded_numel:
         raise ValueError(f"persistent_numel must be in [0, padded_numel], got {persistent_numel}")
     gathered = padded_numel - persistent_numel
-    micro = [("forward", "all_gather", "params", gathered)]
+    micro = [Collective("forward", "all_gather", "params", gathered)]
     if backward_gather:
-        micro.append(("backward", "all_gather", "params", gathered))
-    micro.append(("backward", "reduce_scatter", "grads", padded_numel))
-    return micro * k + [("step", "all_gather", "params", persistent_numel)]
+        micro.append(Collective("backward", "all_gather", "params", gathered))
+    micro.append(Collective("backward", "reduce_scatter", "grads", padded_numel))
+    return micro * k + [Collective("step", "all_gather", "params", persistent_numel)]
 
 
 def step_bytes(
@@ -79,15 +245,27 @@ def step_bytes(
     accumulation: int = 1,
     persistent_numel: int = 0,
     backward_gather: bool = True,
+    *,
+    schedule: str = "paper",
+    numels: list[int] | None = None,
+    rank: int = 0,
+    **switches: object,
 ) -> dict[str, int]:
-    """{phase: bytes one rank sends} for one optimizer step (megatron = stage 1).
+    """{phase: bytes ``rank`` sends} for one optimizer step (megatron = stage 1).
 
     The ring model applied to ``collective_schedule``: (N−1)/N of each all-gather's or
-    reduce-scatter's buffer, 2(N−1)/N of each all-reduce's. For stage 3, ``persistent_numel`` is
-    Ψ_persist and ``backward_gather`` says whether the non-persistent parameters are gathered
-    again in backward (False when reuse keeps them).
+    reduce-scatter's buffer, 2(N−1)/N of each all-reduce's (exactly 2c − c_r − c_{r+1} elements
+    when N does not divide its c), a reduce's whole buffer on every rank but its root. For stage
+    3, ``persistent_numel`` is Ψ_persist and ``backward_gather`` says whether the non-persistent
+    parameters are gathered again in backward (False when reuse keeps them). ``schedule``,
+    ``numels`` and ``switches`` (``order``, ``reduce_bucket_size``, ``reduce_scatter``,
+    ``use_multi_rank_bucket_allreduce``, ``contiguous_gradients``, ``overlap_comm``) as in
+    ``collective_schedule``; with the paper's schedule every rank sends the same.
     """
-    if world_size < 1 or padded_numel % world_size:
+    from zerosim.comm.ring import model_bytes
+
+    deepspeed = schedule == "deepspeed" and stage < 3
+    if world_size < 1 or (not deepspeed and padded_numel % world_size):
         raise ValueError(
             f"padded_numel must be a multiple of world_size ≥ 1, got {padded_numel} and "
             f"{world_size}"
@@ -98,24 +276,68 @@ def step_bytes(
             f"{world_size}"
         )
     out = {"forward": 0, "backward": 0, "step": 0}
-    schedule = collective_schedule(
-        stage, padded_numel, accumulation, persistent_numel, backward_gather
+    calls = collective_schedule(
+        stage,
+        padded_numel,
+        accumulation,
+        persistent_numel,
+        backward_gather,
+        schedule=schedule,
+        numels=numels,
+        world_size=world_size,
+        **switches,  # type: ignore[arg-type]
     )
-    for phase, op, _, numel in schedule:
-        sends = (world_size - 1) * (numel // world_size) * itemsize
-        out[phase] += 2 * sends if op == "all_reduce" else sends
+    for c in calls:
+        if c.elements:
+            root = 0 if c.root is None else c.root
+            out[c.phase] += model_bytes(c.op, c.elements, world_size, rank, itemsize, root)[0]
     return out
 
 
-def clip_bytes(world_size: int, rank: int) -> int:
-    """Bytes ``rank`` sends in the one-element float64 all-reduce of the squared gradient norm.
+def clip_bytes(world_size: int, rank: int, itemsize: int = 8) -> int:
+    """Bytes ``rank`` sends in a one-element all-reduce (the norm, or the overflow flag).
 
     A ring all-reduce of one element: chunk 0 holds it, so rank r sends 2 − c_r − c_{r+1}
-    elements: 8 bytes on ranks 0 and N−1, 16 on the others (0 when N = 1).
+    elements: one element (``itemsize`` bytes; 8 for the paper schedule's float64) on ranks 0 and
+    N−1, two on the others (0 when N = 1).
     """
     from zerosim.comm.ring import model_bytes
 
-    return model_bytes("all_reduce", 1, world_size, rank, 8)[0]
+    return model_bytes("all_reduce", 1, world_size, rank, itemsize)[0]
+
+
+def boundary_messages(
+    stage: int,
+    *,
+    schedule: str = "paper",
+    precision: str = "fp32",
+    clip: float = 1.0,
+    float64: bool = False,
+    bf16_overflow: bool = True,
+    compute_grad_norm: bool = True,
+) -> dict[str, int]:
+    """{phase: bytes of its one-element all-reduce} at the accumulation boundary: "overflow"
+    (the inf/nan flag) and "clip" (the gradient norm), absent when not sent.
+
+    paper: the norm in float64 (8), the flag in float64 under fp16. deepspeed: stage 0 sends no
+    flag (each rank holds the reduced gradients) and a float32 norm (4) only without fp16/bf16
+    and with clipping; stages 1-2 a uint8 flag (1) under fp16 and under bf16 with
+    ``bf16_overflow``, a float32 norm unless ``compute_grad_norm`` is false; stage 3 a uint8
+    flag under fp16 and a float64 norm. ``float64``: zerosim's float64 reference mode, whose
+    norm is float64 (8) where DeepSpeed's is float32.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    fp16, bf16 = precision == "fp16", precision == "bf16"
+    if schedule == "paper":
+        return {"clip": 8, **({"overflow": 8} if fp16 else {})}
+    f32 = 8 if float64 else 4
+    if stage == 0:
+        return {"clip": f32} if clip > 0 and not (fp16 or bf16) else {}
+    if stage in (1, 2):
+        flag = {"overflow": 1} if fp16 or (bf16 and bf16_overflow) else {}
+        return {**flag, **({"clip": f32} if compute_grad_norm else {})}
+    return {**({"overflow": 1} if fp16 else {}), "clip": 8}
 
 
 # -- ZeRO++ (Wang et al. 2023, arXiv:2306.10209) ------------------------------------------------

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from zerosim import analysis
+from zerosim.analysis import SCHEDULES
 from zerosim.analysis.stages import STAGES
 from zerosim.backend import PRECISION_DTYPES
 from zerosim.report.tables import (
@@ -114,6 +115,24 @@ def cmd_volume(args: argparse.Namespace) -> int:
         f"stage 3: Ψ_persist = {args.persistent_numel:,}, "
         + ("every parameter reused in backward" if args.stage3_reuse else "no reuse")
     )
+    lines += [
+        "",
+        "DeepSpeed 0.19.8's schedule (zerosim.schedule = deepspeed, its defaults; stage 3 as "
+        "above), rank 0:",
+        f"{'stage':>9} {'Ψ_pad':>16}"
+        + "".join(f"{p:>18}" for p in (*phases, "total"))
+        + f"{'× paper':>9}",
+    ]
+    for s, row in data["deepspeed"].items():
+        values = [row[p] for p in (*phases, "total")]
+        ratio = "" if row["ratio"] is None else f"{row['ratio']:>9.3f}"
+        lines.append(
+            f"{s:>9} {row['padded_numel']:>16,}" + "".join(f"{v:>18,}" for v in values) + ratio
+        )
+    lines += [
+        "stages 1-2: DeepSpeed all-reduces each gradient bucket, 2(N−1)/N·Ψ, where the paper",
+        "reduce-scatters it, (N−1)/N·Ψ_pad; its norm all-reduce is one float32 (4 B)",
+    ]
     _emit(args, data, "\n".join(lines))
     if args.plot:
         bars = {s: {p: row[p] for p in phases} for s, row in data["stages"].items()}
@@ -196,13 +215,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.dtype,
         args.accumulation,
         args.precision,
+        tuple(dict.fromkeys(args.schedule)),
     )
     report = result[0] if isinstance(result, list) else result
     if rank == 0:
         _emit(args, report, compare.format_report(report))
         if args.plot:
+            several = len(report["schedules"]) > 1
             bars = {
-                r["name"]: dict(zip(r["bytes"]["phases"], r["bytes"]["measured"][0], strict=True))
+                (f"{r['name']} {r['schedule']}" if several else r["name"]): dict(
+                    zip(r["bytes"]["phases"], r["bytes"]["measured"][0], strict=True)
+                )
                 for r in report["stages"]
             }
             plots.volume_by_phase(bars, args.plot, "measured bytes sent by rank 0 per step")
@@ -409,6 +432,14 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "float32); memory against analysis.zero_model_states with 2-byte params (default fp32)",
     )
     comp.add_argument("--accumulation", type=int, default=1, metavar="K")
+    comp.add_argument(
+        "--schedule",
+        nargs="+",
+        choices=list(SCHEDULES),
+        default=list(SCHEDULES),
+        help="zerosim.schedule to run each stage under: DeepSpeed 0.19.8's collectives, the "
+        "ZeRO paper's, or both side by side (default both)",
+    )
     _common(comp)
     comp.set_defaults(func=cmd_compare)
 

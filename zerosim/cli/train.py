@@ -18,7 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.analysis import clip_bytes, full_precision_model_states, step_bytes
+from zerosim.analysis import (
+    boundary_messages,
+    clip_bytes,
+    full_precision_model_states,
+    step_bytes,
+)
 from zerosim.checkpoint import load_checkpoint, save_checkpoint
 from zerosim.comm import Communicator
 from zerosim.engine import initialize
@@ -73,6 +78,9 @@ def _gather_rows(comm: Communicator, values: list[int]) -> np.ndarray:
 def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
     config = json.loads(Path(args.config).read_text()) if args.config else DEFAULT_CONFIG
     model, data = build(args)
+    from zerosim.report.compare import gradient_order
+
+    order = gradient_order(model)  # DeepSpeed's schedule buckets gradients in this order
     engine, _, loader, _ = initialize(model, config, comm=comm, training_data=data)
     if getattr(args, "resume", None):  # weights, optimizer, scheduler, RNG and data position
         load_checkpoint(engine, args.resume, loader=loader)
@@ -116,10 +124,56 @@ def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
         save_checkpoint(engine, args.save, loader=loader)
     return {
         "engine": engine,
+        "order": order,
         "losses": losses,
         "step_bytes": last_step,
         "ds_summary": getattr(args, "ds_summary", False),
     }
+
+
+def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[int]]:
+    """Per rank, the bytes of ``PHASES`` one optimizer step sends by ``zerosim.analysis``: the
+    paper's schedule from Ψ_pad, DeepSpeed's (stages 0-2, DeepSpeed's layout) from the model's
+    parameter sizes and ``order``, the order backward finishes their gradients; the norm
+    all-reduce of the schedule (``boundary_messages``)."""
+    cfg, strategy, n = engine.config, engine.strategy, engine.comm.size
+    zero = cfg.zero_optimization
+    b = np.dtype(cfg.zerosim.dtype).itemsize
+    k = engine.gradient_accumulation_steps
+    schedule = cfg.zerosim.schedule
+    precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+    checks = boundary_messages(
+        strategy.stage,
+        schedule=schedule,
+        precision=precision,
+        clip=cfg.gradient_clipping,
+        float64=b == 8,
+        bf16_overflow=cfg.bf16.check_grad_overflow,
+        compute_grad_norm=zero.compute_grad_norm,
+    )
+    rows = []
+    for r in range(n):
+        if schedule == "deepspeed" and strategy.stage < 3 and strategy.layout_kind == "deepspeed":
+            formula = step_bytes(
+                strategy.stage, n, 0, b, k,
+                schedule="deepspeed",
+                numels=[p.numel for _, p in engine.module.named_parameters()],
+                rank=r,
+                order=order,
+                reduce_bucket_size=zero.reduce_bucket_size,
+                reduce_scatter=zero.reduce_scatter,
+                use_multi_rank_bucket_allreduce=zero.use_multi_rank_bucket_allreduce,
+                contiguous_gradients=zero.contiguous_gradients,
+                overlap_comm=zero.overlap_comm,
+            )  # fmt: skip
+        else:
+            regather = strategy.stage != 3 or zero.stage3_max_reuse_distance == 0
+            formula = step_bytes(
+                strategy.stage, n, strategy.padded_numel, b, k, persistent, regather
+            )
+        clip = clip_bytes(n, r, checks["clip"]) if "clip" in checks else 0
+        rows.append([formula["forward"], formula["backward"], formula["step"], clip])
+    return rows
 
 
 def report(comm: Communicator, result: dict[str, Any]) -> str:
@@ -162,19 +216,15 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
             comm.ledger.ds_table(),
             "",
         ]
-    zero = engine.config.zero_optimization
     persistent = strategy.persistent_padded_numel() if strategy.stage == 3 else 0
-    regather = strategy.stage != 3 or zero.stage3_max_reuse_distance == 0
-    formula = step_bytes(
-        strategy.stage, comm.size, strategy.padded_numel, b, k, persistent, regather
-    )
+    formulas = expected_rows(engine, result["order"], persistent)
     lines.append(
         f"bytes sent per optimizer step (Ψ_pad = {strategy.padded_numel:,}, "
-        f"b = {b}, N = {comm.size}, k = {k})"
+        f"b = {b}, N = {comm.size}, k = {k}, {engine.config.zerosim.schedule}'s schedule)"
     )
     lines.append(f"{'rank':>5} " + " ".join(f"{p:>12}" for p in PHASES) + "   vs formula")
     for r in range(comm.size):
-        want = [formula["forward"], formula["backward"], formula["step"], clip_bytes(comm.size, r)]
+        want = formulas[r]
         ok = "OK" if list(measured[r]) == want else f"MISMATCH (formula {want})"
         lines.append(f"{r:>5} " + " ".join(f"{v:>12,}" for v in measured[r]) + f"   {ok}")
     states = len(engine.optimizer.state_keys(engine.optimizer.param_groups[0]))
@@ -193,11 +243,7 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
     verdict = all(list(held[r][:4]) == want for r in range(comm.size))
     lines.append("memory matches the formula on every rank" if verdict else "MEMORY MISMATCH")
     text = "\n".join(lines)
-    bytes_ok = all(
-        list(measured[r])
-        == [formula["forward"], formula["backward"], formula["step"], clip_bytes(comm.size, r)]
-        for r in range(comm.size)
-    )
+    bytes_ok = all(list(measured[r]) == formulas[r] for r in range(comm.size))
     extra = {}
     if result.get("ds_summary"):
         rows = comm.ledger.ds_summary()
@@ -213,7 +259,8 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
         "bytes": {
             "phases": list(PHASES),
             "measured": measured.tolist(),
-            "formula": [formula["forward"], formula["backward"], formula["step"]],
+            "formula": formulas[0][:3],
+            "formula_by_rank": formulas,
             "equal": bytes_ok,
         },
         "memory": {

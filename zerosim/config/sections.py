@@ -250,46 +250,35 @@ class ZeroConfig(Section):
     )
     contiguous_gradients: bool = _flag(
         True,
-        "copy gradients into a contiguous buffer",
-        inert="zerosim's gradient buckets are always contiguous buffers (DeepSpeed's true)",
-        reproduces=(True,),
+        "copy gradients into a contiguous buffer (false: stages 1-2 all-reduce each bucket)",
     )
     overlap_comm: bool = knob(
         False, lax_boolean(), "overlap reduction with backward; default stage==3"
     )
     reduce_scatter: bool = _flag(
         True,
-        "reduce gradients with reduce-scatter",
-        inert="DeepSpeed would all-reduce each gradient bucket instead of reduce-scattering it; "
-        "zerosim always runs as with true (same results, its own byte counts)",
-        reproduces=(True,),
+        "stages 1-2: reduce each bucket's slices to their owners (false: all-reduce the bucket)",
     )
     reduce_bucket_size: int = _count(500_000_000, 1, "elements per gradient bucket")
     use_multi_rank_bucket_allreduce: bool = _flag(
         True,
-        "all-reduce the buckets of several ranks at once",
-        inert="it applies to the all-reduce of reduce_scatter=false, which zerosim does not build",
-        reproduces=(True,),
+        "stages 1-2 with reduce_scatter: all-reduce the slices of all owners at once "
+        "(false: one reduce per owner)",
     )
     allgather_partitions: bool = _flag(
         True,
-        "all-gather (vs broadcast) updated params",
-        inert="DeepSpeed would broadcast each updated partition instead of all-gathering; "
-        "zerosim always runs as with true (same results, its own byte counts)",
-        reproduces=(True,),
+        "all-gather (vs broadcast) updated params; DeepSpeed 0.19.8 reads but never uses it "
+        "(one all-gather either way), nor does zerosim",
     )
     allgather_bucket_size: int = _count(
         500_000_000,
         0,
-        "elements per all-gather",
-        inert="stages 1 and 2 all-gather each group's updated partitions in one call "
-        "(DeepSpeed cuts it into calls of this many elements; the bytes are the same)",
+        "elements per all-gather; DeepSpeed 0.19.8 all-gathers each group in one call whatever "
+        "it says (all_gather_into_tensor), and so does zerosim",
     )
     compute_grad_norm: bool = _flag(
         True,
-        "compute the global gradient norm (false: stages 1 and 2 only)",
-        inert="zerosim always computes the global gradient norm",
-        reproduces=(True,),
+        "compute the global gradient norm (false, stages 1-2: no norm all-reduce, no clipping)",
     )
     load_from_fp32_weights: bool = _flag(
         True,
@@ -662,9 +651,7 @@ class BF16Config(Section):
     )
     check_grad_overflow: bool = _flag(
         True,
-        "skip a step whose bfloat16 gradients hold inf/nan",
-        inert="zerosim checks for overflow under fp16 only; a bfloat16 step is never skipped",
-        reproduces=(False,),
+        "skip a step whose bfloat16 gradients hold inf/nan (stages 1-2: a one-byte all-reduce)",
     )
     bf16_master_weights_and_grads: bool = _flag(
         False,
@@ -747,6 +734,12 @@ class ZerosimConfig(Section):
     )
     collectives: str = knob("native", choice("native", "ring"), "MPI's or explicit ring")
     layout: str = knob("deepspeed", choice("deepspeed", "megatron"), "flat buffer layout")
+    schedule: str = knob(
+        "deepspeed",
+        choice("deepspeed", "paper"),
+        "whose collectives: DeepSpeed 0.19.8's for these switches, or the ZeRO paper's "
+        "reduce-scatter schedule (zerosim/zero/schedule.py)",
+    )
     ranks_per_node: int | None = knob(
         None, optional(integer(1)), "ranks per node for intra/inter-node bytes"
     )

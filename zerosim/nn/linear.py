@@ -35,6 +35,10 @@ class Linear(Module):
     Initialised like torch: W, b ~ U(−1/√in_features, 1/√in_features).
     """
 
+    # The order torch's autograd finishes the gradients (addmm's bias gradient needs no
+    # transpose, so its hook fires first): DeepSpeed's gradient buckets fill in this order.
+    grad_ready_order = ("bias", "weight")
+
     def __init__(
         self,
         in_features: int,

@@ -1,13 +1,16 @@
 """Measured against predicted: run each ZeRO stage on a world and set it beside the formulas.
 
-For every stage (0, 1, 2, 3 and Megatron's layout) on the communicator it is given, in fp32/fp64
-or in fp16/bf16 mixed precision, ``compare`` trains a few optimizer steps and collects, from
-every rank:
+For every stage (0, 1, 2, 3 and Megatron's layout) on the communicator it is given, under each
+collective schedule asked for (``zerosim.schedule``: DeepSpeed's and the ZeRO paper's), in
+fp32/fp64 or in fp16/bf16 mixed precision, ``compare`` trains a few optimizer steps and
+collects, from every rank:
 
 - the bytes the ledger recorded in the last step, by phase, next to ``analysis.step_bytes``
-  (forward, backward, step) and ``analysis.clip_bytes`` (clip, and fp16's overflow flag, also one
-  float64 all-reduce) — must be equal. Stage 3 runs with ``stage3_param_persistence_threshold``
-  0 and ``stage3_max_reuse_distance`` 0 unless told otherwise, so its formula is the plain
+  of that schedule (forward, backward, step; DeepSpeed's from the model's parameter sizes and
+  the order backward finishes their gradients) and ``analysis.clip_bytes`` of the
+  one-element all-reduces ``analysis.boundary_messages`` says the schedule sends (clip, and the
+  overflow flag) — must be equal. Stage 3 runs with ``stage3_param_persistence_threshold`` 0
+  and ``stage3_max_reuse_distance`` 0 unless told otherwise, so its formula is the plain
   3(N−1)/N·Ψ_pad·b (ZeRO paper, Sec. 7.2.2);
 - the bytes ``engine.memory_report()`` counts per category, next to
   ``analysis.full_precision_model_states`` (fp32/fp64), ``analysis.zero_model_states`` with
@@ -33,7 +36,9 @@ from typing import Any
 import numpy as np
 
 from zerosim.analysis import (
+    SCHEDULES,
     alpha_beta_coefficients,
+    boundary_messages,
     clip_bytes,
     collective_time,
     fit_alpha_beta,
@@ -60,11 +65,13 @@ def stage_config(
     bucket: int = 20000,
     precision: str = "fp32",
     zero: dict[str, Any] | None = None,
+    schedule: str = "deepspeed",
 ) -> dict[str, Any]:
     """The DeepSpeed config ``compare`` trains stage ``name`` with (Adam, clipping on).
 
     ``precision`` fp16 or bf16 adds that section with ``enabled`` (fp16 starts its loss scale at
-    2**8 so that no step of a short run is skipped); ``zero`` overrides ``zero_optimization`` keys.
+    2**8 so that no step of a short run is skipped); ``zero`` overrides ``zero_optimization`` keys;
+    ``schedule`` is ``zerosim.schedule``.
     """
     info = stage_info(name)
     if precision not in PRECISION_DTYPES:
@@ -83,7 +90,7 @@ def stage_config(
         "steps_per_print": 10**9,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
         "zero_optimization": {**section, **(zero or {})},
-        "zerosim": {"dtype": dtype, "layout": layout},
+        "zerosim": {"dtype": dtype, "layout": layout, "schedule": schedule},
     }
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
@@ -168,12 +175,53 @@ def _backward_gather(zero: dict[str, Any], gathered_numel: int, steps: int) -> b
 def _formula_bytes(
     name: str, n: int, padded: int, dtype: str, k: int, persistent: int = 0, gather: bool = True
 ) -> dict[str, int]:
-    """{phase: bytes} of one optimizer step; Megatron's bf16 gradients are fp32 (``grad_b``)."""
+    """{phase: bytes} of one step of the paper's schedule; Megatron's bf16 gradients are fp32
+    (``grad_b``)."""
     param_b, grad_b = element_bytes(name, dtype)
     phases = step_bytes(STAGES[name].stage, n, padded, param_b, k, persistent, gather)
     if grad_b != param_b:  # only Megatron (stage 1): backward is its gradient reduce-scatter
         phases["backward"] = step_bytes(1, n, padded, grad_b, k)["backward"]
     return phases
+
+
+def _deepspeed_formula_bytes(
+    stage: int, n: int, rank: int, dtype: str, k: int, numels: list[int], order: list[int],
+    zero: dict[str, Any],
+) -> dict[str, int]:  # fmt: skip
+    """{phase: bytes ``rank`` sends} of one step of DeepSpeed's schedule (stages 0-2)."""
+    overlap = zero.get("overlap_comm", False)
+    switches = {
+        key: zero[key]
+        for key in (
+            "reduce_bucket_size",
+            "reduce_scatter",
+            "use_multi_rank_bucket_allreduce",
+            "contiguous_gradients",
+        )
+        if key in zero
+    }
+    b = np.dtype(dtype).itemsize
+    return step_bytes(
+        stage, n, 0, b, k, schedule="deepspeed", numels=numels, rank=rank, order=order,
+        overlap_comm=overlap, **switches,
+    )  # fmt: skip
+
+
+def gradient_order(model: Any) -> list[int]:
+    """Starts recording the order backward finishes ``model``'s gradients (parameter indices,
+    the first backward's), which DeepSpeed's gradient buckets follow: returns the list that
+    fills during that backward."""
+    from zerosim.zero.buckets import GradReadyTracker
+
+    index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
+    order: list[int] = []
+
+    def ready(p: Any) -> None:
+        if len(order) < len(index):
+            order.append(index[id(p)])
+
+    GradReadyTracker(model, ready)
+    return order
 
 
 def _watch_modules(model: Any, ledger: Any, events: list[dict[str, Any]]) -> None:
@@ -208,21 +256,52 @@ def _watch_modules(model: Any, ledger: Any, events: list[dict[str, Any]]) -> Non
 
 
 def _predicted(
-    name: str, config: dict[str, Any], net: Any, engine: Any, steps: int, precision: str
+    name: str,
+    config: dict[str, Any],
+    net: Any,
+    engine: Any,
+    steps: int,
+    precision: str,
+    order: list[int],
 ) -> dict[str, Any]:
-    """The formulas' side of :func:`run_stage`: bytes per phase per rank, memory per category."""
+    """The formulas' side of :func:`run_stage`: bytes per phase per rank, memory per category.
+
+    Ψ_pad of the paper's schedule is the engine's (its layout's padding); DeepSpeed's schedule
+    takes the model's parameter sizes and ``order``, the order backward finished them.
+    """
     strategy, n = engine.strategy, engine.comm.size
     model_dtype = config["zerosim"]["dtype"] if precision == "fp32" else PRECISION_DTYPES[precision]
     k = config["gradient_accumulation_steps"]
     pad, knobs = strategy.padded_numel, config["zero_optimization"]
+    schedule = config["zerosim"]["schedule"]
     persistent = 0
     if strategy.stage == 3:
         persistent = persistent_numel(net, n, knobs["stage3_param_persistence_threshold"])
     gather = _backward_gather(knobs, pad - persistent, steps)
-    formula = _formula_bytes(name, n, pad, model_dtype, k, persistent, gather)
-    phases = PHASES + (("overflow",) if precision == "fp16" else ())
-    # clip and overflow: one float64 all-reduce each
-    per_rank = [[formula.get(p, clip_bytes(n, r)) for p in phases] for r in range(n)]
+    if schedule == "deepspeed" and strategy.stage < 3 and name != "megatron":
+        numels = [p.numel for _, p in net.named_parameters()]
+        formulas = [
+            _deepspeed_formula_bytes(strategy.stage, n, r, model_dtype, k, numels, order, knobs)
+            for r in range(n)
+        ]
+    else:
+        formulas = [_formula_bytes(name, n, pad, model_dtype, k, persistent, gather)] * n
+    checks = boundary_messages(
+        strategy.stage,
+        schedule=schedule,
+        precision=precision,
+        clip=config["gradient_clipping"],
+        float64=model_dtype == "float64",
+    )
+    phases = PHASES + (("overflow",) if "overflow" in checks else ())
+    # clip and overflow: one-element all-reduces, of the schedule's dtypes (none: 0)
+    per_rank = [
+        [
+            formula[p] if p in formula else clip_bytes(n, r, checks[p]) if p in checks else 0
+            for p in phases
+        ]
+        for r, formula in enumerate(formulas)
+    ]
     categories = list(MEMORY)
     if precision != "fp32":
         categories.insert(3, "master_grads")  # Megatron's fp16 main-grad shard
@@ -254,6 +333,7 @@ def run_stage(
     bucket: int = 20000,
     precision: str = "fp32",
     zero: dict[str, Any] | None = None,
+    schedule: str = "deepspeed",
 ) -> dict[str, Any]:
     """Train stage ``name`` for ``steps`` optimizer steps on ``comm``; measured vs predicted.
 
@@ -262,14 +342,16 @@ def run_stage(
     times in seconds and the α-β prediction when ``fit`` has one). ``keep_records`` adds
     ``records``: this rank's own ledger records of the last step, as dicts (they differ by rank),
     and ``events``: its modules' forward/backward spans in that step (``start``, ``stop``).
-    ``bucket`` is ``reduce_bucket_size``; ``precision`` and ``zero`` go to :func:`stage_config`.
+    ``bucket`` is ``reduce_bucket_size``; ``precision``, ``zero`` and ``schedule`` (whose
+    collectives: "deepspeed" or "paper") go to :func:`stage_config`.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     net, data = build_model(model)
-    config = stage_config(name, dtype, accumulation, bucket, precision, zero)
+    config = stage_config(name, dtype, accumulation, bucket, precision, zero, schedule)
     comm.ledger.reset()
     comm.ledger.step = 0
+    order = gradient_order(net)
     engine, _, loader, _ = initialize(net, config, comm=comm, training_data=data)
     events: list[dict[str, Any]] = []
     if keep_records:
@@ -283,7 +365,7 @@ def run_stage(
             engine.step()
         step_times.append(time.perf_counter() - t0)
 
-    want = _predicted(name, config, net, engine, steps, precision)
+    want = _predicted(name, config, net, engine, steps, precision, order)
     last = [r for r in comm.ledger.select(step=steps - 1) if r.phase in want["phases"]]
     measured_bytes = [sum(r.bytes_sent for r in last if r.phase == p) for p in want["phases"]]
     comm_time = sum(r.wall_time or 0.0 for r in last)
@@ -304,6 +386,7 @@ def run_stage(
     strategy = engine.strategy
     out = {
         "name": name,
+        "schedule": schedule,
         "stage": strategy.stage,
         "layout": strategy.layout_kind,
         "precision": precision,
@@ -349,12 +432,20 @@ def compare(
     dtype: str = "float32",
     accumulation: int = 1,
     precision: str = "fp32",
+    schedules: tuple[str, ...] = SCHEDULES,
 ) -> dict[str, Any]:
-    """Fit α and B on ``comm``, then :func:`run_stage` every stage; the report (collective)."""
+    """Fit α and B on ``comm``, then :func:`run_stage` every stage under every schedule (in that
+    order: all stages of the first schedule first); the report (collective)."""
     stages = list(STAGES) if stages is None else stages
+    for schedule in schedules:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     fit = fit_world(comm)
     rows = [
-        run_stage(comm, s, model, steps, dtype, accumulation, fit, precision=precision)
+        run_stage(
+            comm, s, model, steps, dtype, accumulation, fit, precision=precision, schedule=sched
+        )
+        for sched in schedules
         for s in stages
     ]
     ok = all(r["bytes"]["equal"] and r["memory"]["equal"] for r in rows)
@@ -365,6 +456,7 @@ def compare(
         "precision": precision,
         "accumulation": accumulation,
         "steps": steps,
+        "schedules": list(schedules),
         "fit": fit,
         "stages": rows,
         "ok": ok,
@@ -392,10 +484,12 @@ def format_report(report: dict[str, Any]) -> str:
         b = row["bytes"]
         scale = "" if precision != "fp16" else f", loss scale {row['loss_scale']:g}"
         skipped = f", {row['skipped_steps']} steps skipped" if row["skipped_steps"] else ""
+        schedule = row.get("schedule", "deepspeed")
         lines += [
             "",
-            f"stage {row['name']} (Ψ = {row['numel']:,}, Ψ_pad = {row['padded_numel']:,}, "
-            f"b = {row['itemsize']}, K_s = {row['num_states']}{scale}{skipped})",
+            f"stage {row['name']}, {schedule}'s schedule (Ψ = {row['numel']:,}, "
+            f"Ψ_pad = {row['padded_numel']:,}, b = {row['itemsize']}, "
+            f"K_s = {row['num_states']}{scale}{skipped})",
             f"  bytes sent in the last step {'':<6}" + "".join(f"{p:>12}" for p in b["phases"]),
         ]
         for r, (got, want) in enumerate(zip(b["measured"], b["formula"], strict=True)):
@@ -418,5 +512,25 @@ def format_report(report: dict[str, Any]) -> str:
             f"  time per step {t['step_s'] * 1e3:.2f} ms; its collectives "
             f"{t['collectives_s'] * 1e3:.2f} ms measured, {predicted} α-β"
         )
+    totals = _schedule_totals(report["stages"])
+    if len(totals) > 1:
+        lines += ["", "bytes rank 0 sent in the last step, by schedule (measured):"]
+        names = list(totals)
+        lines.append(f"  {'stage':<10}" + "".join(f"{s:>14}" for s in names) + f"{'ratio':>9}")
+        for stage in totals[names[0]]:
+            values = [totals[s].get(stage) for s in names]
+            if None in values:
+                continue
+            ratio = f"{values[0] / values[1]:>9.3f}" if values[1] else ""
+            lines.append(f"  {stage:<10}" + "".join(f"{v:>14,}" for v in values) + ratio)
     lines += ["", "all bytes and memory equal the formulas" if report["ok"] else "MISMATCH"]
     return "\n".join(lines)
+
+
+def _schedule_totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """{schedule: {stage name: bytes rank 0 sent in the last step, all phases}}."""
+    totals: dict[str, dict[str, int]] = {}
+    for row in rows:
+        sent = sum(row["bytes"]["measured"][0])
+        totals.setdefault(row.get("schedule", "deepspeed"), {})[row["name"]] = sent
+    return totals

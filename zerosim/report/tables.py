@@ -99,11 +99,18 @@ def volume_data(
 ) -> dict[str, Any]:
     """Bytes one rank sends per optimizer step, by phase and stage (``zerosim volume --json``).
 
-    Ψ_pad: Ψ padded to a multiple of N (DeepSpeed's layout; stage 3 pads each parameter, so a
-    model's real Ψ_pad can be a little larger) or, for megatron, to lcm(N, 128) as one bucket.
-    Stage 3 keeps ``persistent_numel`` (Ψ_persist, a multiple of N) elements whole on every rank
-    and, with ``reuse``, keeps every parameter from forward to backward (no backward
-    all-gather). The clip all-reduce sends 8 bytes on the first and last rank, 16 on the others.
+    ``stages``: the ZeRO paper's schedule. Ψ_pad: Ψ padded to a multiple of N (stage 3 pads each
+    parameter, so a model's real Ψ_pad can be a little larger) or, for megatron, to lcm(N, 128)
+    as one bucket. Stage 3 keeps ``persistent_numel`` (Ψ_persist, a multiple of N) elements whole
+    on every rank and, with ``reuse``, keeps every parameter from forward to backward (no
+    backward all-gather). The clip all-reduce sends 8 bytes on the first and last rank, 16 on
+    the others.
+
+    ``deepspeed``: stages 0-2 under DeepSpeed 0.19.8's schedule with its defaults, on rank 0:
+    Ψ all-reduced unpadded (in 5e8-element messages), the stage 1-2 all-gather of Ψ padded to a
+    multiple of 2N, and ``ratio`` = its total / the paper's. The gradients are taken as parameters
+    much smaller than a bucket, so its buckets hold exactly ``reduce_bucket_size`` elements (one
+    bucket when Ψ ≤ 5e8: exact for any model); stage 3 is the same in both schedules.
     """
     b = resolve_dtype(dtype).itemsize
     stages = {}
@@ -118,6 +125,23 @@ def volume_data(
         stages[s] = {"padded_numel": pad, **phases, "total": sum(phases.values())}
     clip = {"end_ranks": analysis.clip_bytes(dp, 0)}
     clip["middle_ranks"] = analysis.clip_bytes(dp, 1) if dp > 2 else None
+    bucket = analysis.volume.DEEPSPEED_BUCKET
+    numels = [bucket] * (int(params) // bucket) + [int(params) % bucket]
+    numels = [m for m in numels if m]
+    deepspeed = {}
+    for s in ("0", "1", "2"):
+        phases = analysis.step_bytes(
+            int(s), dp, 0, b, accumulation, schedule="deepspeed", numels=numels
+        )
+        total = sum(phases.values())
+        pad = int(params) if s == "0" else analysis.deepspeed_padded_numel(int(params), dp)
+        paper = stages[s]["total"]
+        deepspeed[s] = {
+            "padded_numel": pad,
+            **phases,
+            "total": total,
+            "ratio": total / paper if paper else None,
+        }
     return {
         "num_params": params,
         "dp": dp,
@@ -126,6 +150,7 @@ def volume_data(
         "persistent_numel": persistent_numel,
         "reuse": reuse,
         "stages": stages,
+        "deepspeed": deepspeed,
         "clip_bytes": clip,
     }
 
@@ -138,9 +163,9 @@ def stage_collectives(
     the 8-byte clip all-reduce."""
     schedule = analysis.collective_schedule(STAGES[name].stage, padded_numel, accumulation)
     calls = [
-        (op, numel * (param_bytes if what == "params" else grad_bytes))
-        for _, op, what, numel in schedule
-        if numel
+        (c.op, c.elements * (param_bytes if c.what == "params" else grad_bytes))
+        for c in schedule
+        if c.elements
     ]
     return [*calls, ("all_reduce", 8)]
 

@@ -10,7 +10,9 @@ A stage's backward path, hop by hop:
      are recorded, so a no-grad forward or the discarded first pass of activation
      checkpointing does not count);
    * full backward hook of the same module (after it wrote its gradients): ``uses[p] -= 1``;
-     at zero the parameter is reported ready.
+     at zero the parameter is reported ready. A module's parameters are reported in the order
+     of its ``grad_ready_order`` (names; default: registration order), the order torch's
+     autograd finishes them, which DeepSpeed's gradient buckets follow (``ipg.py``).
 
 2. ``BucketQueue`` collects ready parameters into buckets and *launches* a bucket (the stage's
    reduction: all-reduce, reduce-scatter, …) once all its parameters are ready, strictly in bucket
@@ -120,7 +122,10 @@ class GradReadyTracker:
         self._uses: dict[int, int] = {}
         self._handles = []
         for module in model.modules():
-            own = list(module._parameters.values())
+            order = getattr(module, "grad_ready_order", ())
+            names = [n for n in order if n in module._parameters]
+            names += [n for n in module._parameters if n not in names]
+            own = [module._parameters[n] for n in names if module._parameters[n] is not None]
             if not own:
                 continue
             self._handles.append(module.register_forward_hook(self._forward_hook(own)))

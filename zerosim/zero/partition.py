@@ -3,10 +3,11 @@
 Pure functions and small dataclasses, no communicator, so a notebook can print them.
 
 **DeepSpeed layout** (stages 0-2). The parameters of a group are laid end to end in definition
-order; the buffer is padded with zeros to Ψ_pad = ceil(Ψ / N) · N elements, and rank r owns the
-contiguous shard [r·P, (r+1)·P) with P = Ψ_pad / N. (DeepSpeed pads to a multiple of 2·N so that
-every fp16 shard starts 4-byte aligned for NCCL; zerosim needs no alignment and pads to N.)
-The whole buffer is one partition unit: ``Layout.units == [(0, Ψ_pad)]``.
+order; the buffer is padded with zeros to Ψ_pad = ceil(Ψ / (a·N)) · a·N elements, and rank r owns
+the contiguous shard [r·P, (r+1)·P) with P = Ψ_pad / N. DeepSpeed 0.19.8 pads to a multiple of 2·N
+(a = ``DEEPSPEED_ALIGNMENT``, its ``nccl_start_alignment_factor``: every fp16 shard then starts
+4-byte aligned for NCCL), which is what zerosim's "deepspeed" schedule does; the "paper" schedule
+pads to N (a = 1). The whole buffer is one partition unit: ``Layout.units == [(0, Ψ_pad)]``.
 
 **Megatron layout** (``zerosim.layout = "megatron"``, Megatron-LM's distributed optimizer). The
 parameters are laid in *reverse* definition order (the order backward produces gradients) and cut
@@ -25,6 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
+
+DEEPSPEED_ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: flat buffers pad to 2·N
 
 
 class Range(NamedTuple):
@@ -108,11 +111,14 @@ def _slots(named_shapes: list[tuple[str, tuple[int, ...]]], order: list[int]) ->
     return slots
 
 
-def deepspeed_layout(named_shapes: list[tuple[str, tuple[int, ...]]], world_size: int) -> Layout:
-    """Definition order, padded to a multiple of N, one contiguous shard per rank."""
+def deepspeed_layout(
+    named_shapes: list[tuple[str, tuple[int, ...]]], world_size: int, alignment: int = 1
+) -> Layout:
+    """Definition order, padded to a multiple of ``alignment``·N, one contiguous shard per rank
+    (``alignment`` = ``DEEPSPEED_ALIGNMENT`` for DeepSpeed's own padding)."""
     slots = _slots(named_shapes, list(range(len(named_shapes))))
     total = slots[-1].range.stop if slots else 0
-    padded = padded_size(total, world_size)
+    padded = padded_size(total, alignment * world_size)
     return Layout(tuple(slots), padded, (Range(0, padded),), world_size, "deepspeed")
 
 

@@ -1,11 +1,19 @@
 """Stage 0: plain data parallelism (DeepSpeed's ZeRO disabled), for reference.
 
 Every rank holds the full parameters, the full gradients and the full optimizer state, and steps
-all of it. Gradients live in one flat buffer (module ``.grad`` are views of it); in the backward of
-the accumulation boundary, buckets of ``reduce_bucket_size`` elements are all-reduced as soon as
-every parameter in them has its final gradient, in bucket order (non-blocking when
-``overlap_comm``, then waited on at the end of backward). Bucket boundaries fall on multiples of N,
-so each all-reduce sends exactly 2(N−1)/N of its bytes: 2(N−1)/N · Ψ_pad per step in all.
+all of it. Gradients live in one flat buffer (module ``.grad`` are views of it), padded to a
+multiple of N so that the norm can be summed over owned shards (DeepSpeed's stage 0 has no flat
+buffer). They are all-reduced once per optimizer step, in the backward of the accumulation
+boundary:
+
+- ``deepspeed`` schedule: after backward, the unpadded gradients Ψ in definition order, in
+  messages closed once they exceed 5e8 elements (DeepSpeed's ``allreduce_gradients`` with
+  ``MEMORY_OPT_ALLREDUCE_SIZE``, whatever ``reduce_bucket_size`` says): 2(N−1)/N · Ψ per step,
+  one message below 5e8 parameters.
+- ``paper`` schedule: buckets of ``reduce_bucket_size`` elements, all-reduced as soon as every
+  parameter in them has its final gradient, in bucket order (non-blocking when ``overlap_comm``,
+  then waited on at the end of backward). Bucket boundaries fall on multiples of N, so each
+  all-reduce sends exactly 2(N−1)/N of its bytes: 2(N−1)/N · Ψ_pad per step in all.
 """
 
 from __future__ import annotations
@@ -23,29 +31,51 @@ from zerosim.zero.buckets import (
 from zerosim.zero.partition import Range, reduction_buckets
 from zerosim.zero.strategy import FlatGroup, Strategy
 
+DEEPSPEED_ALLREDUCE_SIZE = 500_000_000  # DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE (elements)
+
+
+def allreduce_messages(numels: list[int], limit: int = DEEPSPEED_ALLREDUCE_SIZE) -> list[Range]:
+    """DeepSpeed's stage-0 messages over parameters laid end to end: runs of whole parameters,
+    each closed once it holds more than ``limit`` elements (``allreduce_no_retain``)."""
+    runs, start, at = [], 0, 0
+    for numel in numels:
+        at += numel
+        if at - start > limit:
+            runs.append(Range(start, at))
+            start = at
+    if at > start:
+        runs.append(Range(start, at))
+    return runs
+
 
 class Stage0(Strategy):
-    """Full replicas; bucketed gradient all-reduce during the boundary backward."""
+    """Full replicas; gradient all-reduce in the boundary backward."""
 
     stage = 0
+    alignment = 1  # zerosim's own padding (to N), in both schedules
 
     def setup_gradients(self) -> None:
         self.handles: list[Any] = []  # in-place all-reduces in flight (overlap_comm)
         self.cast = PendingReductions(self.give_buffer)  # reductions of cast copies
         self.reducing = False  # only the boundary backward reduces
-        self.queues: list[BucketQueue] = []  # per group
+        self.queues: list[BucketQueue] = []  # paper: per group, its buckets during backward
+        self.messages: list[tuple[FlatGroup, list[Range]]] = []  # deepspeed: after backward
         self.owner_of: dict[int, int] = {}  # id(param) -> its group
         for gi, g in enumerate(self.groups):
             g.flat_grad = g.xp.zeros_like(g.flat_param)
             for i, (_, p) in enumerate(g.named_params):
                 p.grad = g.param_view(i, g.flat_grad)
                 self.owner_of[id(p)] = gi
+            if self.schedule == "deepspeed":
+                self.messages.append((g, allreduce_messages([s.range.size for s in g.slots])))
+                continue
             buckets = reduction_buckets(g.layout, self.zero.reduce_bucket_size, self.comm.size)
             members = bucket_members(g.named_params, g.slots, buckets)
             self.queues.append(BucketQueue(members, self._launcher(g, buckets)))
 
     def attach(self, model: Any) -> None:
-        self.tracker = GradReadyTracker(model, self._ready)
+        if self.schedule == "paper":  # DeepSpeed's schedule reduces after backward: no hooks
+            self.tracker = GradReadyTracker(model, self._ready)
 
     def _launcher(self, g: FlatGroup, buckets: list[Range]) -> Any:
         def launch(i: int) -> None:
@@ -80,11 +110,16 @@ class Stage0(Strategy):
             q.start()
 
     def after_backward(self, boundary: bool) -> None:
-        self.tracker.reset()
+        if self.schedule == "paper":
+            self.tracker.reset()
         if not boundary:
             return
         for q in self.queues:
             q.flush()
+        for g, runs in self.messages:
+            launch = self._launcher(g, runs)
+            for i in range(len(runs)):
+                launch(i)
         for h in self.handles:
             h.wait()
         self.handles.clear()

@@ -9,13 +9,15 @@ Ownership is DeepSpeed's contiguous [r·P, (r+1)·P), so a bucket's parts are un
 true reduce-scatter with uneven pieces (MPI_Reduce_scatter). Over a step's buckets rank r sends
 Σ_b (|b| − c_{b,r}) = Ψ_pad − P = (N−1)/N · Ψ_pad, the same as one even reduce-scatter.
 
-DeepSpeed itself reduces a stage-2 bucket either with an all-reduce of the whole bucket
-(2(N−1)/N of its bytes, twice the reduce-scatter, after which each rank keeps only its part) or,
-with ``reduce_scatter``, with one ``reduce`` to each owner of the bucket's parameters — the same
-bytes as a reduce-scatter but as several collectives.
+That is the ``paper`` schedule. With accumulation k every micro-step reduces, so a step sends
+k·(N−1)/N · Ψ_pad in reduce-scatters plus (N−1)/N · Ψ_pad in the all-gather: (k+1)(N−1)/N · Ψ_pad.
 
-With accumulation k every micro-step reduces, so a step sends k·(N−1)/N · Ψ_pad in reduce-scatters
-plus (N−1)/N · Ψ_pad in the all-gather: (k+1)(N−1)/N · Ψ_pad.
+The ``deepspeed`` schedule (the default) reduces as DeepSpeed 0.19.8 does (``zerosim/zero/ipg.py``):
+gradients join IPG buckets in the order backward finishes them, and with DeepSpeed's default
+switches each bucket is *all-reduced*, after which every rank keeps the part it owns
+(``use_multi_rank_bucket_allreduce: false`` reduces each owner's part to it instead). The flat
+buffer pads to a multiple of 2·N. A step then sends k·2(N−1)/N · Ψ + (N−1)/N · Ψ_pad: about
+3(N−1)/N · Ψ at k = 1, 1.5× the paper's.
 """
 
 from __future__ import annotations
@@ -24,21 +26,33 @@ from typing import Any
 
 from zerosim.nn import Parameter
 from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, GradReadyTracker, bucket_members
+from zerosim.zero.ipg import IpgBuckets
 from zerosim.zero.partition import Range, piece_counts, reduction_buckets
 from zerosim.zero.strategy import FlatGroup, Strategy
 
 
 class Stage2(Strategy):
-    """Partitioned gradients: bucketed reduce-scatter during every backward."""
+    """Partitioned gradients: bucketed reduction during every backward."""
 
     stage = 2
 
     def setup_gradients(self) -> None:
-        self.queues: list[BucketQueue] = []  # per group
+        self.queues: list[BucketQueue] = []  # paper: per group, its buckets in order
+        self.ipg: IpgBuckets | None = None  # deepspeed: DeepSpeed's IPG bucket
+        self.added: set[int] = set()  # deepspeed: id(param) of gradients added this backward
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (group, index)
         for gi, g in enumerate(self.groups):
             (own,) = g.owned
             g.grad_shard = g.xp.zeros(own.size, dtype=self.dtype)
+            for i, (_, p) in enumerate(g.named_params):
+                p.grad = None
+                self.where[id(p)] = (gi, i)
+        if self.schedule == "deepspeed":
+            starts = [[slot.range.start for slot in g.slots] for g in self.groups]
+            sizes = [g.layout.shard_numel for g in self.groups]
+            self.ipg = IpgBuckets(self, starts, sizes, self._deliver)
+            return
+        for g in self.groups:
             g.buckets = reduction_buckets(g.layout, self.zero.reduce_bucket_size)
             g.bucket_counts = [piece_counts(b, g.layout) for b in g.buckets]
             g.bucket_of = [  # parameter index -> its bucket (buckets cut at parameter starts)
@@ -48,9 +62,6 @@ class Stage2(Strategy):
             g.bucket_params = [
                 [i for i, b in enumerate(g.bucket_of) if b == k] for k in range(len(g.buckets))
             ]
-            for i, (_, p) in enumerate(g.named_params):
-                p.grad = None
-                self.where[id(p)] = (gi, i)
             members = bucket_members(g.named_params, g.slots, g.buckets)
             self.queues.append(BucketQueue(members, self._launcher(g)))
 
@@ -75,8 +86,26 @@ class Stage2(Strategy):
         p.grad = None
 
     def _ready(self, p: Parameter) -> None:
+        if self.ipg is not None:
+            self._add(p)
+            return
         self._move_grad(p)
         self.queues[self.where[id(p)][0]].ready(p)
+
+    def _add(self, p: Parameter) -> None:
+        """DeepSpeed's schedule: the gradient joins the IPG bucket; the module's copy goes."""
+        if p.grad is None:
+            return
+        gi, i = self.where[id(p)]
+        self.ipg.add(gi, i, p.grad)
+        self.added.add(id(p))
+        p.grad = None
+
+    def _deliver(self, gi: int, flat_start: int, values: Any) -> None:
+        """A reduced piece this rank owns: add it into the gradient shard."""
+        g = self.groups[gi]
+        (own,) = g.owned
+        g.grad_shard[flat_start - own.start : flat_start - own.start + values.size] += values
 
     def _launcher(self, g: FlatGroup) -> Any:
         def launch(b: int) -> None:
@@ -110,6 +139,13 @@ class Stage2(Strategy):
 
     def after_backward(self, boundary: bool) -> None:
         self.tracker.reset()
+        if self.ipg is not None:
+            for g in self.groups:  # parameters whose uses never completed, last first
+                for _, p in reversed(g.named_params):
+                    if id(p) not in self.added:
+                        self._add(p)
+            self.added.clear()
+            self.ipg.finish()
         for q in self.queues:
             q.flush()
         self.pending.complete()

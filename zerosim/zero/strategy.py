@@ -10,11 +10,14 @@ stepping tiles of a flat shard gives the same numbers as stepping whole paramete
 The engine drives a strategy through a few calls. Once, after construction: ``attach(model)``
 (stages that act during forward or backward install their module hooks). Every micro-step:
 ``before_forward()``, the model's forward, ``before_backward(boundary)``, the model's backward,
-``after_backward(boundary)``. At the accumulation boundary: ``grad_norm_sq(inv_scale)`` (summed
-over ranks by the engine), ``overflow()`` under fp16, ``unscale_grads(inv_scale)``, ``clip(coef)``,
+``after_backward(boundary)``. At the accumulation boundary: ``overflow()`` and
+``grad_norm_sq(inv_scale)`` when the schedule's checks ask for them (``schedule.py``; the engine
+all-reduces them), ``unscale_grads(inv_scale)``, ``clip(coef)``,
 ``optimizer.step()``, ``master_to_params()``, ``gather()``, ``zero_grad()``. Subclasses (one per
 stage, in this package) decide where gradients live, how they are reduced and what is gathered;
-the bucket machinery that stages 0, 2 and 3 share is ``zerosim/zero/buckets.py``.
+the bucket machinery that stages 0, 2 and 3 share is ``zerosim/zero/buckets.py``, DeepSpeed's
+gradient buckets of stages 1-2 are ``zerosim/zero/ipg.py``. ``schedule`` ("deepspeed" or "paper",
+``zerosim/zero/schedule.py``) says whose collectives a stage issues.
 
 Offload (``zero.offload_optimizer`` / ``offload_param``, ``zerosim/zero/offload.py``): whenever
 anything is offloaded the optimizer steps a separate master copy (of the model dtype in fp32/fp64
@@ -35,7 +38,8 @@ from zerosim.comm import Communicator
 from zerosim.nn import Parameter
 from zerosim.zero.buckets import BufferPool, PendingReductions
 from zerosim.zero.offload import Offload
-from zerosim.zero.partition import Layout, Range, deepspeed_layout
+from zerosim.zero.partition import DEEPSPEED_ALIGNMENT, Layout, Range, deepspeed_layout
+from zerosim.zero.schedule import SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,11 @@ class Strategy(ABC):
         comm_dtype: Any = None,
         prescale: bool = False,
         predivide: float = 1.0,
+        schedule: str = "deepspeed",
     ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.schedule = schedule  # whose collectives: DeepSpeed's or the paper's (schedule.py)
         self.comm = comm
         self.prescale, self.predivide = bool(prescale), float(predivide)
         # communication_data_type: gradients are cast to it for their reduction (None: reduced
@@ -185,7 +193,13 @@ class Strategy(ABC):
         return FlatGroup(named, self.make_layout(named), self.dtype, self.comm.rank, hyper)
 
     def make_layout(self, named: list[tuple[str, Parameter]]) -> Layout:
-        return deepspeed_layout([(n, p.shape) for n, p in named], self.comm.size)
+        return deepspeed_layout([(n, p.shape) for n, p in named], self.comm.size, self.alignment)
+
+    @property
+    def alignment(self) -> int:
+        """Flat buffers pad to a multiple of this times N: DeepSpeed's 2 (``deepspeed``
+        schedule) or 1 (``paper``)."""
+        return DEEPSPEED_ALIGNMENT if self.schedule == "deepspeed" else 1
 
     def attach(self, model: Any) -> None:  # noqa: B027 (a no-op by default)
         """Once, after construction: install module hooks (stages that reduce or gather
@@ -250,22 +264,25 @@ class Strategy(ABC):
                             out.append(Segment(slot.name, rng, gi, k, x.start - tile.start))
         return out
 
-    def grad_norm_sq(self, inv_scale: float = 1.0) -> float:
-        """This rank's partial sum of squared (unscaled) gradients over its owned ranges."""
+    def grad_norm_sq(self, inv_scale: float = 1.0, whole: bool = False) -> float:
+        """This rank's partial sum of squared (unscaled) gradients over its owned ranges (with
+        ``whole``: over every range it steps, which at stage 0 is the whole reduced gradient)."""
         total = 0.0
         for g in self.groups:
-            for rng in g.owned:
+            for rng in self.step_ranges(g) if whole else g.owned:
                 v = self.grad_view(g, rng)
                 if self.master_dtype is not None:
                     v = v.astype(self.master_dtype)
                 total += float(g.xp.vdot(v, v))
         return total * inv_scale * inv_scale
 
-    def overflow(self) -> float:
-        """1.0 when this rank's owned reduced gradients hold an inf or a nan, else 0.0."""
+    def overflow(self, whole: bool = False) -> float:
+        """1.0 when this rank's owned reduced gradients (with ``whole``: all it steps) hold an
+        inf or a nan, else 0.0."""
         from zerosim.zero.loss_scaler import overflow_flag
 
-        return overflow_flag([self.grad_view(g, r) for g in self.groups for r in g.owned])
+        ranges = [(g, r) for g in self.groups for r in (self.step_ranges(g) if whole else g.owned)]
+        return overflow_flag([self.grad_view(g, r) for g, r in ranges])
 
     def unscale_grads(self, inv_scale: float) -> None:
         """Give the optimizer unscaled gradients (fp32 copies under mixed precision)."""

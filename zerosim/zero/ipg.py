@@ -1,0 +1,262 @@
+"""DeepSpeed's gradient reduction at stages 1 and 2 (the "deepspeed" schedule): IPG buckets.
+
+DeepSpeed 0.19.8 (``deepspeed/runtime/zero/stage_1_and_2.py``) does not reduce-scatter a
+gradient bucket at stages 1 and 2. Parameters join an *independent partition gradient* (IPG)
+bucket one at a time, in the order their gradients are reduced: stage 2 as backward finishes
+them, every micro-step; stage 1 at the accumulation boundary, in definition order (as backward
+finishes them with ``overlap_comm``). Before a parameter of n elements joins a bucket that holds
+e, the bucket is reduced if e + n > ``reduce_bucket_size`` (so a bucket holds at most that many
+elements, unless it is one larger parameter); the last bucket is reduced when backward ends.
+
+A bucket is cut into *slices*: the runs of each parameter that one rank's partition owns
+(partition r = [r·P, (r+1)·P) of its group's flat buffer), consecutive runs of one owner merged
+(``average_tensor``). How the slices travel, by DeepSpeed's switches:
+
+    contiguous_gradients  reduce_scatter  use_multi_rank_bucket_allreduce  per bucket
+    true                  true            true (the default)               all_reduce of runs of
+                                                                           slices, a run closed
+                                                                           once it holds more than
+                                                                           reduce_bucket_size
+    true                  true            false                            per owner, in order of
+                                                                           its first slice:
+                                                                           reduce(root=owner) of
+                                                                           runs of its slices
+    true                  false           any                              all_reduce of the bucket
+    false                 any             any                              all_reduce of the bucket
+
+After an all-reduce every rank keeps the slices it owns; after a reduce only the root has them.
+With the defaults a bucket is one all-reduce, so every gradient element is all-reduced once:
+2(N−1)/N · Ψ per reduction where the paper's reduce-scatter sends (N−1)/N · Ψ_pad.
+
+``plan_bucket`` is the pure part (what a notebook can print); ``IpgBuckets`` runs it for a stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+MAX_IN_FLIGHT = 2  # reductions in flight with overlap_comm (DeepSpeed alternates two buffers)
+
+
+class Entry(NamedTuple):
+    """A parameter in a bucket: its group and where it starts in the group's flat buffer."""
+
+    group: int
+    flat_start: int
+    numel: int
+
+
+class Piece(NamedTuple):
+    """A run of one parameter that one partition owns: ``size`` elements at ``bucket_start`` of
+    the bucket, which are elements ``flat_start`` … of group ``group``'s flat buffer."""
+
+    owner: int
+    bucket_start: int
+    size: int
+    group: int
+    flat_start: int
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Consecutive pieces of one owner: one contiguous run of the bucket."""
+
+    owner: int
+    bucket_start: int
+    size: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One collective of a bucket: ``op`` "all_reduce" (``root`` None) or "reduce" to ``root``,
+    over the concatenation of ``slices`` (a contiguous run of the bucket for an all-reduce)."""
+
+    op: str
+    root: int | None
+    slices: tuple[Slice, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.size for s in self.slices)
+
+
+def bucket_pieces(entries: list[Entry], partition_sizes: list[int]) -> list[Piece]:
+    """Each entry cut at the partition boundaries of its group (P = ``partition_sizes[group]``)."""
+    pieces, at = [], 0
+    for e in entries:
+        size = partition_sizes[e.group]
+        start, stop = e.flat_start, e.flat_start + e.numel
+        while start < stop:
+            owner = start // size
+            end = min((owner + 1) * size, stop)
+            pieces.append(Piece(owner, at + start - e.flat_start, end - start, e.group, start))
+            start = end
+        at += e.numel
+    return pieces
+
+
+def merge_slices(pieces: list[Piece]) -> list[Slice]:
+    """Consecutive pieces of one owner become one slice (DeepSpeed merges them)."""
+    slices: list[Slice] = []
+    for p in pieces:
+        if slices and slices[-1].owner == p.owner:
+            last = slices[-1]
+            slices[-1] = Slice(last.owner, last.bucket_start, last.size + p.size, (*last.pieces, p))
+        else:
+            slices.append(Slice(p.owner, p.bucket_start, p.size, (p,)))
+    return slices
+
+
+def _runs(slices: list[Slice], limit: int) -> list[tuple[Slice, ...]]:
+    """Runs of slices, each closed once it holds more than ``limit`` elements (DeepSpeed's
+    ``allreduce_and_scatter`` / ``allreduce_no_retain``: the test is ``numel > limit``)."""
+    runs, run, numel = [], [], 0
+    for s in slices:
+        run.append(s)
+        numel += s.size
+        if numel > limit:
+            runs.append(tuple(run))
+            run, numel = [], 0
+    if run:
+        runs.append(tuple(run))
+    return runs
+
+
+def plan_bucket(
+    entries: list[Entry],
+    partition_sizes: list[int],
+    reduce_bucket_size: int,
+    *,
+    reduce_scatter: bool = True,
+    use_multi_rank_bucket_allreduce: bool = True,
+    contiguous_gradients: bool = True,
+) -> list[Reduction]:
+    """The collectives DeepSpeed issues for one IPG bucket (the table in the module docstring)."""
+    slices = merge_slices(bucket_pieces(entries, partition_sizes))
+    if not slices:
+        return []
+    if not (contiguous_gradients and reduce_scatter):
+        return [Reduction("all_reduce", None, tuple(slices))]
+    if use_multi_rank_bucket_allreduce:
+        return [Reduction("all_reduce", None, run) for run in _runs(slices, reduce_bucket_size)]
+    owners = list(dict.fromkeys(s.owner for s in slices))
+    return [
+        Reduction("reduce", owner, run)
+        for owner in owners
+        for run in _runs([s for s in slices if s.owner == owner], reduce_bucket_size)
+    ]
+
+
+class IpgBuckets:
+    """A stage's IPG bucket: ``add`` parameters' gradients as they are reduced, ``finish`` at the
+    end of backward. ``deliver(group, flat_start, values)`` receives each reduced piece this rank
+    owns (values are the sum over ranks, in the bucket's dtype).
+
+    ``strategy`` lends pooled buffers (``take_buffer``/``give_buffer``), the communicator, the
+    wire dtype and the pre-reduction scaling; ``flat_starts[g][i]`` is where parameter i of group
+    g starts in its flat buffer; ``partition_sizes[g]`` is P of group g.
+    """
+
+    def __init__(
+        self,
+        strategy: Any,
+        flat_starts: list[list[int]],
+        partition_sizes: list[int],
+        deliver: Callable[[int, int, Any], None],
+    ) -> None:
+        zero = strategy.zero
+        self.strategy = strategy
+        self.comm = strategy.comm
+        self.flat_starts = flat_starts
+        self.partition_sizes = partition_sizes
+        self.deliver = deliver
+        self.limit = int(zero.reduce_bucket_size)
+        self.switches = dict(
+            reduce_scatter=bool(zero.reduce_scatter),
+            use_multi_rank_bucket_allreduce=bool(zero.use_multi_rank_bucket_allreduce),
+            contiguous_gradients=bool(zero.contiguous_gradients),
+        )
+        self.overlap = bool(zero.overlap_comm)
+        self.entries: list[Entry] = []  # the bucket being filled
+        self.grads: list[Any] = []  # their gradients (flattened views), until the bucket goes
+        self.numel = 0
+        self.pending: list[tuple[Any, Any, Reduction, tuple]] = []  # launched, oldest first
+
+    def add(self, group: int, index: int, grad: Any) -> None:
+        """Parameter ``index`` of ``group`` joins the bucket (which is reduced first if full)."""
+        numel = int(grad.size)
+        if numel == 0:
+            return
+        if self.numel + numel > self.limit:
+            self.reduce()
+        self.entries.append(Entry(group, self.flat_starts[group][index], numel))
+        self.grads.append(grad.reshape(-1))
+        self.numel += numel
+
+    def reduce(self) -> None:
+        """Reduce the bucket being filled (nothing when empty)."""
+        if not self.entries:
+            return
+        plan = plan_bucket(self.entries, self.partition_sizes, self.limit, **self.switches)
+        s = self.strategy
+        wire = s.wire_dtype(self.grads[0].dtype)
+        bucket = s.take_buffer(self.numel, wire)
+        at = 0
+        for g in self.grads:
+            bucket[at : at + g.size] = g
+            at += g.size
+        self.entries, self.grads, self.numel = [], [], 0
+        s.before_reduction(bucket)
+        for i, r in enumerate(plan):
+            last = i == len(plan) - 1
+            self._launch(r, bucket, last)
+
+    def _launch(self, r: Reduction, bucket: Any, last: bool) -> None:
+        """Start one collective of a bucket; the bucket buffer is given back with its last."""
+        s = self.strategy
+        self.complete(leave=MAX_IN_FLIGHT - 1)
+        first, stop = r.slices[0].bucket_start, r.slices[-1].bucket_start + r.slices[-1].size
+        if stop - first == r.numel:  # contiguous in the bucket: reduce it in place
+            message, extra = bucket[first:stop], ()
+        else:  # a reduce of one owner's scattered slices: flatten them (DeepSpeed does too)
+            message = s.take_buffer(r.numel, bucket.dtype)
+            at = 0
+            for sl in r.slices:
+                message[at : at + sl.size] = bucket[sl.bucket_start : sl.bucket_start + sl.size]
+                at += sl.size
+            extra = (message,)
+        views = extra + ((bucket,) if last else ())
+        comm = self.comm
+        if r.op == "all_reduce":
+            handle = comm.iall_reduce(message) if self.overlap else comm.all_reduce(message)
+        else:
+            handle = comm.ireduce(message, r.root) if self.overlap else comm.reduce(message, r.root)
+        self.pending.append((handle, message, r, views))
+        if handle is None:
+            self.complete()
+
+    def complete(self, leave: int = 0) -> None:
+        """Finish launched collectives, oldest first, until ``leave`` remain: hand this rank's
+        pieces to ``deliver``, give the buffers back."""
+        while len(self.pending) > leave:
+            handle, message, r, views = self.pending.pop(0)
+            if handle is not None:
+                handle.wait()
+            if r.root is None or r.root == self.comm.rank:
+                at = 0
+                for sl in r.slices:
+                    if sl.owner == self.comm.rank:
+                        for p in sl.pieces:
+                            start = at + p.bucket_start - sl.bucket_start
+                            self.deliver(p.group, p.flat_start, message[start : start + p.size])
+                    at += sl.size
+            for view in views:
+                self.strategy.give_buffer(view)
+
+    def finish(self) -> None:
+        """End of backward: reduce the last bucket and wait for every collective."""
+        self.reduce()
+        self.complete()
