@@ -191,7 +191,7 @@ def expected_step_bytes(case: Case, n: int, padded: int, persistent: int = 0) ->
 def gradient_order(case: Case) -> list[int]:
     """Parameter indices in the order backward finishes their gradients (a property of the
     model: modules last to first, each module's parameters in its ``grad_ready_order``)."""
-    from zerosim.zero.buckets import GradReadyTracker
+    from zerosim.nn import GradReadyTracker
 
     model = build_model(case)
     index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}

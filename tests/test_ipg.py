@@ -8,8 +8,7 @@ import pytest
 
 from zerosim.comm import LocalWorld
 from zerosim.engine import initialize
-from zerosim.nn import MLP
-from zerosim.zero.buckets import GradReadyTracker
+from zerosim.nn import MLP, GradReadyTracker
 from zerosim.zero.ipg import Entry, bucket_pieces, merge_slices, plan_bucket
 
 # MLP [20, 37, 5]: w1 740, b1 37, w2 185, b2 5 laid at 0, 740, 777, 962; Ψ = 967. N = 3 pads

@@ -9,6 +9,7 @@ from zerosim.nn.activation import GELU, Dropout, ReLU, Tanh
 from zerosim.nn.attention import CausalSelfAttention
 from zerosim.nn.containers import ModuleList, Sequential
 from zerosim.nn.grad_mode import enable_grad, is_grad_enabled, no_grad
+from zerosim.nn.grad_ready import GradReadyTracker
 from zerosim.nn.linear import Embedding, Linear
 from zerosim.nn.loss import CrossEntropyLoss, MSELoss
 from zerosim.nn.models import GPT, MLP, LossModel
@@ -21,6 +22,7 @@ from zerosim.nn.transformer import Block, FeedForward
 __all__ = [
     "GELU",
     "GPT",
+    "GradReadyTracker",
     "MLP",
     "BatchNorm1d",
     "Block",

@@ -211,7 +211,7 @@ def gradient_order(model: Any) -> list[int]:
     """Starts recording the order backward finishes ``model``'s gradients (parameter indices,
     the first backward's), which DeepSpeed's gradient buckets follow: returns the list that
     fills during that backward."""
-    from zerosim.zero.buckets import GradReadyTracker
+    from zerosim.nn import GradReadyTracker
 
     index = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
     order: list[int] = []

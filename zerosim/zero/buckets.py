@@ -2,17 +2,8 @@
 
 A stage's backward path, hop by hop:
 
-1. ``GradReadyTracker`` (module hooks) says when a parameter's gradient is *final*: the last
-   module that used the parameter in forward has finished its backward. Parameters can be used
-   more than once (tied embeddings, a block applied twice), so uses are counted:
-
-   * forward hook of each module that owns parameters: ``uses[p] += 1`` (only while gradients
-     are recorded, so a no-grad forward or the discarded first pass of activation
-     checkpointing does not count);
-   * full backward hook of the same module (after it wrote its gradients): ``uses[p] -= 1``;
-     at zero the parameter is reported ready. A module's parameters are reported in the order
-     of its ``grad_ready_order`` (names; default: registration order), the order torch's
-     autograd finishes them, which DeepSpeed's gradient buckets follow (``ipg.py``).
+1. ``zerosim.nn.GradReadyTracker`` (module hooks) says when a parameter's gradient is final;
+   the stage's callback moves it into its bucket.
 
 2. ``BucketQueue`` collects ready parameters into buckets and *launches* a bucket (the stage's
    reduction: all-reduce, reduce-scatter, …) once all its parameters are ready, strictly in bucket
@@ -37,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.nn import Module, Parameter, is_grad_enabled
+from zerosim.nn import Parameter
 from zerosim.zero.partition import Range
 
 MAX_IN_FLIGHT = 2  # launched reductions in flight at once (double buffering)
@@ -112,51 +103,6 @@ class PendingReductions:
                 dest += out
             for view in views:
                 self.give(view)
-
-
-class GradReadyTracker:
-    """Calls ``on_ready(param)`` once per backward for each parameter whose gradient is final."""
-
-    def __init__(self, model: Module, on_ready: Callable[[Parameter], None]) -> None:
-        self._on_ready = on_ready
-        self._uses: dict[int, int] = {}
-        self._handles = []
-        for module in model.modules():
-            order = getattr(module, "grad_ready_order", ())
-            names = [n for n in order if n in module._parameters]
-            names += [n for n in module._parameters if n not in names]
-            own = [module._parameters[n] for n in names if module._parameters[n] is not None]
-            if not own:
-                continue
-            self._handles.append(module.register_forward_hook(self._forward_hook(own)))
-            self._handles.append(module.register_full_backward_hook(self._backward_hook(own)))
-
-    def _forward_hook(self, own: list[Parameter]) -> Callable[..., None]:
-        def hook(module: Module, args: Any, output: Any) -> None:
-            if is_grad_enabled():
-                for p in own:
-                    self._uses[id(p)] = self._uses.get(id(p), 0) + 1
-
-        return hook
-
-    def _backward_hook(self, own: list[Parameter]) -> Callable[..., None]:
-        def hook(module: Module, grad_input: Any, grad_output: Any) -> None:
-            for p in own:
-                left = self._uses.get(id(p), 0) - 1
-                self._uses[id(p)] = left
-                if left == 0:
-                    self._on_ready(p)
-
-        return hook
-
-    def reset(self) -> None:
-        """Forget the counts (after a backward, or a forward that was never backpropagated)."""
-        self._uses.clear()
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
 
 
 def bucket_members(named_params: list, slots: list, buckets: list[Range]) -> list[list[int]]:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-MAX_IN_FLIGHT = 2  # reductions in flight with overlap_comm (DeepSpeed alternates two buffers)
+from zerosim.zero.buckets import MAX_IN_FLIGHT
 
 
 class Entry(NamedTuple):

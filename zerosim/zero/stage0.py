@@ -20,11 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.nn import Parameter
+from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.buckets import (
     MAX_IN_FLIGHT,
     BucketQueue,
-    GradReadyTracker,
     PendingReductions,
     bucket_members,
 )

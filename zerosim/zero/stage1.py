@@ -25,8 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.nn import Parameter
-from zerosim.zero.buckets import GradReadyTracker
+from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.ipg import IpgBuckets
 from zerosim.zero.partition import (
     Layout,

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.nn import Parameter
-from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, GradReadyTracker, bucket_members
+from zerosim.nn import GradReadyTracker, Parameter
+from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, bucket_members
 from zerosim.zero.ipg import IpgBuckets
 from zerosim.zero.partition import Range, piece_counts, reduction_buckets
 from zerosim.zero.strategy import FlatGroup, Strategy

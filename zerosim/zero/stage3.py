@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import array_module, to_host
-from zerosim.nn import Parameter
+from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero import zeropp
-from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, GradReadyTracker
+from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue
 from zerosim.zero.coordinator import ParamCoordinator
 from zerosim.zero.init import ParamChunk
 from zerosim.zero.offload import read_param_chunk
