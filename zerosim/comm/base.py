@@ -664,7 +664,7 @@ class Communicator(ABC):
             ledger.step,  # step
             "wire" if use_ring else "model",  # counted
             blocking,  # blocking
-            0.0,  # start, set when the data starts to move
+            ledger.now(),  # start (set again when the data starts to move)
         )
         seq = ledger.flight.begin(record)
         if checking:

@@ -163,11 +163,7 @@ class MPIComm(Communicator):
         self._world_ranks = mine.Translate_ranks(list(range(self.size)), world)
         mine.Free()
         world.Free()
-        # this rank's row of the node's progress table: a private one until ``start`` (which
-        # may wait under the watchdog) has made the table
-        self._row = watchdog.row()
         watchdog.start(self)
-        self._row = watchdog.row()
         # every rank is here (``start`` and ``split`` waited for them): set up the check
         self._check = _ArgumentCheck(self.mpi, len(SIGNATURE_FIELDS)) if self.size > 1 else None
 

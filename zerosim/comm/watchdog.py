@@ -12,18 +12,22 @@ How a rank waits (``MPIComm``):
 * Where the data moves (the collective itself once every rank has arrived, a ``wait()`` of a
   non-blocking one), it makes MPI's blocking call, at MPI's full speed.
 
-Either way the wait is *watched*: the rank notes (call, start time) in ``_CURRENT`` before and
-clears it after — two stores — and one daemon thread per process looks every quarter second. When a
-wait has lasted more than the communicator's ``timeout`` (``zerosim.timeout``, ``ZEROSIM_TIMEOUT``;
+Either way the wait is *watched*: the rank notes (communicator, call, start time) in ``_CURRENT``
+before and marks it done after — one store each, on every wait of every collective — and one
+daemon thread per process looks every quarter second. When a wait has lasted more than the
+communicator's ``timeout`` (``zerosim.timeout``, ``ZEROSIM_TIMEOUT``;
 0 = never), that thread prints what the rank waits for (op, phase, group, dtype, elements, seconds),
 which ranks have not reached that call, and the rank's flight record (``comm/flight.py``), writes
 the flight file if a folder is set, and calls ``MPI.COMM_WORLD.Abort(1)``: the whole job ends with
 a non-zero code. NCCL's watchdog thread in PyTorch works the same way.
 
 Which ranks have not reached the call comes from ``Progress``, a table in node-shared memory where
-every rank writes, with plain stores, how many calls it has begun and which one it waits in; the
-rank that gives up reads it without any message from the others, so a rank that stopped calling
-collectives is named although it takes no part. Ranks on other nodes are not visible.
+every rank's watchdog thread copies, each time it looks (``publish``), how many calls its rank has
+begun and which one it waits in; the rank that gives up reads it without any message from the
+others, so a rank that stopped calling collectives is named although it takes no part. (The thread
+copies it, not the waits themselves: four shared-memory stores per wait cost about a third of a
+microsecond, on every collective; a row at most a quarter second old is exact for a rank that has
+stalled for seconds.) Ranks on other nodes are not visible.
 
 An uncaught exception on any rank (``install_abort_on_exception``) prints its traceback and flight
 record and aborts the job the same way, so the other ranks do not wait for it.
@@ -98,7 +102,8 @@ class Progress:
 
 PROGRESS: Progress | None = None  # made once per process by the first MPIComm over COMM_WORLD
 PRIVATE_ROW = memoryview(bytearray(8 * Progress.FIELDS)).cast("q")  # until then, or without one
-_CURRENT: list[Any] = [None]  # (comm, pending, start) of the wait in progress, or None
+# (comm, pending, start) of the wait in progress; start None once it is over; None before any
+_CURRENT: list[Any] = [None]
 _started = False
 
 
@@ -126,27 +131,35 @@ def row() -> memoryview:
     return PRIVATE_ROW if PROGRESS is None else PROGRESS.mine
 
 
-def enter(comm: MPIComm, _clock: Any = time.monotonic, _codes: Any = OP_CODES) -> None:
-    """A wait begins: note it for the watchdog thread and in this rank's progress row.
-    (On every collective: kept to a few stores; the defaults bind the globals once.)"""
-    pending = comm._pending
-    now = _clock()
-    mine = comm._row
-    mine[0] = comm.ledger.flight.calls
-    if pending is None:
-        mine[1] = mine[0]
-        mine[2] = 0
-    else:
-        mine[1] = pending[0]
-        mine[2] = 0 if pending[1] is None else _codes[pending[1].op]
-    mine[3] = int(now * 1e3)
-    _CURRENT[0] = (comm, pending, now)
+def enter(comm: MPIComm, _clock: Any = time.monotonic) -> None:
+    """A wait begins: note it for the watchdog thread (on every collective: one store)."""
+    _CURRENT[0] = (comm, comm._pending, _clock())
 
 
 def leave(comm: MPIComm) -> None:
-    _CURRENT[0] = None
-    mine = comm._row
-    mine[1] = -mine[1]
+    """The wait is over (the call it was stays noted, for the progress table)."""
+    _CURRENT[0] = (comm, comm._pending, None)
+
+
+def publish() -> None:
+    """Copy this rank's progress into its row of the node's table: calls begun, the call it waits
+    in (negated once the wait is over, so the row still names its last call), that call's op code
+    (0: not a collective) and when the wait began (ms of the monotonic clock, which a node's
+    processes share). The watchdog thread calls it each time it looks, and so does every report."""
+    current = _CURRENT[0]
+    if current is None:
+        return
+    comm, pending, since = current
+    mine = row()
+    mine[0] = comm.ledger.flight.calls
+    call = mine[0] if pending is None else pending[0]
+    record = None if pending is None else pending[1]
+    mine[2] = 0 if record is None else OP_CODES[record.op]
+    if since is None:
+        mine[1] = -call
+    else:
+        mine[1] = call
+        mine[3] = int(since * 1e3)
 
 
 def poll(comm: MPIComm, request: MPI.Request) -> None:
@@ -186,7 +199,8 @@ def _watch() -> None:
     while True:
         time.sleep(LOOK_EVERY_S)
         current = _CURRENT[0]
-        if current is None:
+        publish()
+        if current is None or current[2] is None:
             continue
         comm, _, since = current
         waited = time.monotonic() - since
@@ -204,6 +218,7 @@ def report(comm: MPIComm, pending: tuple | None, waited: float) -> tuple[str, di
         f"(timeout {comm.timeout:g} s: zerosim.timeout or ZEROSIM_TIMEOUT); this is rank "
         f"{comm.rank} of group {comm.group!r} ({comm.size} ranks)"
     ]
+    publish()
     table = None if PROGRESS is None else PROGRESS.read()
     behind = []
     if table is None:
@@ -247,6 +262,7 @@ def expire(comm: MPIComm, pending: tuple | None, waited: float) -> None:
 def dump_flight_records(reason: str, waiting: dict[str, Any] | None = None) -> None:
     """Print every flight recorder of this process to stderr; write the files that are due."""
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    publish()
     table = None if PROGRESS is None else PROGRESS.read()
     for recorder in live_recorders():
         sys.stderr.write(recorder.format(rank) + "\n")
