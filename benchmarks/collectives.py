@@ -1,19 +1,27 @@
-"""zerosim's collectives against raw mpi4py calls on the same buffers.
+"""zerosim's collectives against raw mpi4py calls on the same buffers, timed two ways.
 
-    python benchmarks/collectives.py [--ranks 2 4] [--max-mib 256] [--repeats 5]
+    python benchmarks/collectives.py [--ranks 2 4] [--max-mib 256] [--repeats 15]
 
 launches ``mpirun -n N`` for each N, times all_gather / reduce_scatter / all_reduce from 4 KiB to
 ``--max-mib`` MiB (S, the full buffer, as nccl-tests counts it), and prints algbw, busbw and the
-ratio zerosim / raw mpi4py (time_raw / time_zerosim: 1.0 means no overhead). zerosim runs with its
-defaults (ledger on, cross-rank argument check on) and with the check off (``validate=False``),
-timed interleaved with the raw calls; each sample times enough back-to-back calls to last about
-10 ms (as nccl-tests averages over iterations). The ring column is our explicit ring algorithm over
-point-to-point messages, for reference. Target: ratio ≥ 0.95 from 1 MiB up.
+ratio raw / zerosim (time_raw / time_zerosim: 1.0 means no overhead). zerosim runs with its
+defaults (ledger on, cross-rank argument check on) and with the check off (``validate=False``).
+
+Two timing modes, each sample the slowest rank's time:
+
+* **back-to-back**: a barrier, then enough calls in a row to last about 10 ms, time per call (as
+  nccl-tests averages over iterations): what a training step's train of collectives sees;
+* **one at a time**: a barrier before each call and the call timed alone, so nothing of one call
+  hides in the next (a fixed cost per call, or a cost that overlaps the next call's transfer).
+
+Samples are interleaved (raw, zerosim, check off, then the reverse order on the next repeat), so
+a change of load on a shared machine hits all three alike; each cell's ratio is the median over
+repeats of the ratio of neighbouring samples, and its times the medians. The ring column is our
+explicit ring algorithm over point-to-point messages (back-to-back), for reference. Targets:
+ratio ≥ 0.97 from 4 MiB and ≥ 0.95 from 1 MiB, in both modes, check on.
 
 The summary also states the fixed cost zerosim adds to every call (its time minus raw's at the
-smallest size, where the transfer is negligible) and the ratio that cost alone allows at 1 MiB:
-the argument checks, the ledger record and, with the check on, one extra small all-gather that
-makes every rank's arguments agree before any data moves.
+smallest size, where the transfer is negligible) and the ratio that cost alone allows at 1 MiB.
 """
 
 from __future__ import annotations
@@ -30,39 +38,56 @@ import numpy as np
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
+VARIANTS = ("raw", "zerosim", "fast")  # raw mpi4py, zerosim's defaults, zerosim check off
+MODES = {"": "back-to-back", "_bar": "one at a time"}  # row-key suffix → timing mode
+MIB = 2**20
 
 
 def _sizes(max_mib: float) -> list[int]:
     sizes, s = [], 4 * 1024
-    while s <= max_mib * 2**20:
+    while s <= max_mib * MIB:
         sizes.append(s)
         s *= 4
     return sizes
 
 
-def _time(comm, fn, repeats: int, iters: int = 1) -> float:
-    """Median over repeats of the slowest rank's time per call, over ``iters`` calls in a row.
-
-    As nccl-tests does, each sample times several back-to-back calls, so one call's jitter (a
-    rank descheduled for a moment) is averaged instead of deciding the sample.
-    """
+def _slowest(comm, seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (the collective took as long as its last rank)."""
     from mpi4py import MPI
 
+    value = np.array([seconds])
+    comm.Allreduce(MPI.IN_PLACE, value, op=MPI.MAX)
+    return float(value[0])
+
+
+def back_to_back(comm, fn, iters: int) -> float:
+    """Time per call of ``iters`` calls in a row after a barrier, on the slowest rank."""
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return _slowest(comm, (time.perf_counter() - t0) / iters)
+
+
+def one_at_a_time(comm, fn, calls: int) -> float:
+    """Median over ``calls`` calls, each timed alone between a barrier and its return."""
     times = []
-    for _ in range(repeats):
+    for _ in range(calls):
         comm.Barrier()
         t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        elapsed = np.array([(time.perf_counter() - t0) / iters])
-        comm.Allreduce(MPI.IN_PLACE, elapsed, op=MPI.MAX)
-        times.append(elapsed[0])
-    return float(np.median(times))
+        fn()
+        times.append(time.perf_counter() - t0)
+    # per call, the slowest rank's time (one reduction for all calls, outside the timing)
+    from mpi4py import MPI
+
+    every = np.array(times)
+    comm.Allreduce(MPI.IN_PLACE, every, op=MPI.MAX)
+    return float(np.median(every))
 
 
 def _iters(comm, fn, target_s: float = 0.01) -> int:
-    """Calls per sample so that one sample lasts about ``target_s`` (the same on every rank)."""
-    one = _time(comm, fn, 3)
+    """Calls per back-to-back sample so that one lasts about ``target_s`` (same on every rank)."""
+    one = min(back_to_back(comm, fn, 1) for _ in range(3))
     return max(1, min(1000, int(target_s / max(one, 1e-7))))
 
 
@@ -84,6 +109,24 @@ def _zerosim_calls(comm, full, part) -> dict:
     }
 
 
+def measure(mpi, calls: dict, iters: int, repeats: int) -> dict:
+    """Interleaved samples of every variant in both modes; medians and paired ratios."""
+    samples: dict[str, list[float]] = {v + m: [] for v in calls for m in MODES}
+    alone = max(1, min(20, iters))  # calls per one-at-a-time sample
+    for rep in range(repeats):
+        order = list(calls) if rep % 2 == 0 else list(calls)[::-1]
+        for variant in order:
+            samples[variant].append(back_to_back(mpi, calls[variant], iters))
+        for variant in order:
+            samples[variant + "_bar"].append(one_at_a_time(mpi, calls[variant], alone))
+    row = {key: float(np.median(v)) for key, v in samples.items()}
+    for variant in ("zerosim", "fast"):
+        for mode in MODES:
+            pairs = np.array(samples["raw" + mode]) / np.array(samples[variant + mode])
+            row[f"ratio_{variant}{mode}"] = float(np.median(pairs))
+    return row
+
+
 def worker(max_mib: float, repeats: int) -> None:
     from mpi4py import MPI
 
@@ -91,41 +134,27 @@ def worker(max_mib: float, repeats: int) -> None:
 
     mpi = MPI.COMM_WORLD
     n, rank = mpi.Get_size(), mpi.Get_rank()
-    zs_comm = MPIComm()
-    fast_comm = MPIComm(validate=False)
+    comms = {"zerosim": MPIComm(), "fast": MPIComm(validate=False)}
     ring_comm = MPIComm(collectives="ring")
     for size in _sizes(max_mib):
         count = size // 4 // n * n
         full = np.ones(count, dtype=np.float32)
         part = np.ones(count // n, dtype=np.float32)
         raw = _raw_calls(mpi, full, part)
-
+        ours = {name: _zerosim_calls(c, full, part) for name, c in comms.items()}
+        ring = _zerosim_calls(ring_comm, full, part)
         for op in OPS:
-            ours = _zerosim_calls(zs_comm, full, part)
-            fast = _zerosim_calls(fast_comm, full, part)
-            ring = _zerosim_calls(ring_comm, full, part)
-            ours[op]()  # warm-up
+            calls = {"raw": raw[op], "zerosim": ours["zerosim"][op], "fast": ours["fast"][op]}
+            for fn in calls.values():
+                fn()  # warm-up
             iters = _iters(mpi, raw[op])
-            t_raw, t_zs, t_fast = [], [], []
-            for _ in range(repeats):  # interleaved, so a change of load hits all three
-                t_raw.append(_time(mpi, raw[op], 1, iters))
-                t_zs.append(_time(mpi, ours[op], 1, iters))
-                t_fast.append(_time(mpi, fast[op], 1, iters))
-                for c in (zs_comm, fast_comm):
-                    c.ledger.reset()  # between samples, so the ledger does not grow unbounded
-            t_ring = _time(mpi, ring[op], max(1, repeats // 2), max(1, iters // 4))
-            ring_comm.ledger.reset()
+            # bounded: the ledger keeps a record per call; it is reset between cells
+            row = measure(mpi, calls, iters, repeats)
+            row["ring"] = back_to_back(mpi, ring[op], max(1, iters // 4))
+            for c in (*comms.values(), ring_comm):
+                c.ledger.reset()
             if rank == 0:
-                row = {
-                    "n": n,
-                    "op": op,
-                    "bytes": count * 4,
-                    "raw": float(np.median(t_raw)),
-                    "zerosim": float(np.median(t_zs)),
-                    "fast": float(np.median(t_fast)),
-                    "ring": t_ring,
-                    "iters": iters,
-                }
+                row.update(n=n, op=op, bytes=count * 4, iters=iters)
                 print(json.dumps(row), flush=True)
 
 
@@ -136,23 +165,55 @@ def _row(r: dict) -> str:
     cells = [
         n,
         r["op"],
-        f"{size / 2**20:.3f}",
-        f"{alg_raw:.3f}",
+        f"{size / MIB:.3f}",
         f"{alg_raw * factor:.3f}",
-        f"{alg:.3f}",
         f"{alg * factor:.3f}",
         f"{size / r['ring'] / 1e9 * factor:.3f}",
-        f"{r['raw'] / r['zerosim']:.3f}",
-        f"{r['raw'] / r['fast']:.3f}",
+        f"{r['ratio_zerosim']:.3f}",
+        f"{r['ratio_fast']:.3f}",
+        f"{r['raw_bar'] * 1e6:.0f}",
+        f"{r['ratio_zerosim_bar']:.3f}",
+        f"{r['ratio_fast_bar']:.3f}",
     ]
     return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """The lines under the table: each threshold per mode, and the fixed cost per call."""
+    lines = []
+    for mode, label in MODES.items():
+        for floor, target in ((MIB, 0.95), (4 * MIB, 0.97)):
+            for key, what in (("zerosim", "check on"), ("fast", "check off")):
+                got = [r[f"ratio_{key}{mode}"] for r in rows if r["bytes"] >= floor]
+                if got:
+                    lines.append(
+                        f"{label}, from {floor // MIB} MiB, {what}: ratio min {min(got):.3f}, "
+                        f"median {float(np.median(got)):.3f} (target >= {target})"
+                    )
+    for n in sorted({r["n"] for r in rows}):
+        mine = [r for r in rows if r["n"] == n]
+        small = min(r["bytes"] for r in mine)
+        at_small = [r for r in mine if r["bytes"] == small]
+        at_mib = [r for r in mine if r["bytes"] >= MIB]
+        for key, label in (("zerosim", "check on"), ("fast", "check off")):
+            extra = float(np.median([r[key + "_bar"] - r["raw_bar"] for r in at_small]))
+            line = f"N={n}, {label}: fixed cost per call {extra * 1e6:.1f} us (at {small} B)"
+            if at_mib:
+                first = min(r["bytes"] for r in at_mib)
+                raw = min(r["raw_bar"] for r in at_mib if r["bytes"] == first)
+                line += (
+                    f"; raw takes {raw * 1e6:.0f} us at {first / MIB:.0f} MiB, so that cost "
+                    f"alone caps the ratio there at {raw / (raw + extra):.3f}"
+                )
+            lines.append(line)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--max-mib", type=float, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", help="also write the rows (times in seconds) to this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -185,40 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     print(
-        "| N | op | S (MiB) | raw algbw GB/s | raw busbw GB/s | zerosim algbw GB/s | "
-        "zerosim busbw GB/s | ring busbw GB/s | ratio zerosim/raw | ratio, check off |"
+        "| N | op | S (MiB) | raw busbw GB/s | zerosim busbw GB/s | ring busbw GB/s | "
+        "ratio zerosim/raw | ratio, check off | one at a time: raw µs | ratio zerosim/raw | "
+        "ratio, check off |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(_row(r))
     print()
-    for key, label in (
-        ("zerosim", "defaults (ledger on, argument check on)"),
-        ("fast", "ledger on, argument check off"),
-    ):
-        big = [r["raw"] / r[key] for r in rows if r["bytes"] >= 2**20]
-        if big:
-            print(
-                f"from 1 MiB up, {label}: ratio min {min(big):.3f}, median "
-                f"{float(np.median(big)):.3f} (target >= 0.95)"
-            )
-    for n in args.ranks:
-        mine = [r for r in rows if r["n"] == n]
-        if not mine:
-            continue
-        small = min(r["bytes"] for r in mine)
-        at_small = [r for r in mine if r["bytes"] == small]
-        at_mib = [r for r in mine if r["bytes"] >= 2**20]
-        for key, label in (("zerosim", "check on"), ("fast", "check off")):
-            extra = float(np.median([r[key] - r["raw"] for r in at_small]))
-            line = f"N={n}, {label}: fixed cost per call {extra * 1e6:.1f} us (at {small} B)"
-            if at_mib:
-                raw = min(r["raw"] for r in at_mib if r["bytes"] == min(x["bytes"] for x in at_mib))
-                line += (
-                    f"; raw takes {raw * 1e6:.0f} us at 1 MiB, so that cost alone caps the "
-                    f"ratio there at {raw / (raw + extra):.3f}"
-                )
-            print(line)
+    print("\n".join(summary(rows)))
     return 0
 
 

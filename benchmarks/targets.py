@@ -23,18 +23,26 @@ MIB = 2**20
 
 
 def collectives(rows: Rows) -> tuple[str, bool]:
-    """raw / zerosim time ≥ 0.95 for every operation and N from 1 MiB up (defaults: ledger on,
-    cross-rank check on); the check-off ratio is reported beside it."""
-    big = [r for r in rows if r["bytes"] >= MIB]
-    if not big:
-        return "no message of 1 MiB or more", False
-    on = [r["raw"] / r["zerosim"] for r in big]
-    off = [r["raw"] / r["fast"] for r in big]
-    text = (
-        f"check on: min {min(on):.2f}, median {statistics.median(on):.2f}; check off: min "
-        f"{min(off):.2f}, median {statistics.median(off):.2f} ({len(big)} sizes × ops × N)"
-    )
-    return text, min(on) >= 0.95
+    """raw / zerosim time ≥ 0.95 from 1 MiB and ≥ 0.97 from 4 MiB, for every operation and N,
+    timed back-to-back and one call at a time between barriers (zerosim's defaults: ledger on,
+    cross-rank check on). A cell's ratio is the median of its paired samples (``ratio_zerosim``,
+    ``ratio_zerosim_bar``; rows without them: raw / zerosim); the check-off ratios beside them."""
+    parts, met = [], True
+    for mode, label in (("", "back-to-back"), ("_bar", "one at a time")):
+        for floor, target in ((MIB, 0.95), (4 * MIB, 0.97)):
+            big = [r for r in rows if r["bytes"] >= floor]
+            if not big or any(f"raw{mode}" not in r for r in big):
+                parts.append(f"{label} from {floor // MIB} MiB: not measured")
+                met = False
+                continue
+            on = [r.get(f"ratio_zerosim{mode}", r[f"raw{mode}"] / r[f"zerosim{mode}"]) for r in big]
+            off = [r.get(f"ratio_fast{mode}", r[f"raw{mode}"] / r[f"fast{mode}"]) for r in big]
+            parts.append(
+                f"{label} from {floor // MIB} MiB: check on min {min(on):.2f}, median "
+                f"{statistics.median(on):.2f}; check off min {min(off):.2f}"
+            )
+            met = met and min(on) >= target
+    return "; ".join(parts), met
 
 
 def adam(rows: Rows) -> tuple[str, bool]:
@@ -135,20 +143,20 @@ def allocations(rows: Rows) -> tuple[str, bool]:
 # (target, benchmark module, check, the measured cause of a miss)
 TARGETS: list[tuple[str, str, Check, str]] = [
     (
-        "collectives ≥ 0.95 of raw mpi4py from 1 MiB",
+        "collectives ≥ 0.97 of raw mpi4py from 4 MiB and ≥ 0.95 from 1 MiB, both timing modes",
         "collectives",
         collectives,
-        "Each zerosim call costs a fixed time on top of the raw call: argument checks, the ledger "
-        "record, and with the check on (the default) one small all-gather that makes every rank "
-        "agree on the call before any data moves (the issue asks for it: a mismatch raises "
-        "instead of hanging). The collectives section prints that fixed cost, measured at 4 KiB, "
-        "and the ratio it alone allows at 1 MiB. Across runs on this shared 2-core machine a raw "
-        "1 MiB collective at N = 2 took 0.09-0.23 ms and the fixed cost was 8-25 µs (7 µs of "
-        "Python at N = 1, spread over about ten functions of under 1 µs each, by cProfile), which "
-        "caps the ratio at 0.80-0.95 there; from 4-16 MiB the ratio is at or near 1, and with "
-        "the check off the median from 1 MiB is 0.94-0.98. At N = 4 the 4 ranks share 2 cores: a "
-        "message waits for the peer's time slice, raw and zerosim alike, so single ratios "
-        "scatter on both sides of 1.",
+        "Each zerosim call adds a fixed cost to the raw call: about 40k instructions of Python "
+        "at N = 1 by callgrind (argument checks, ledger record, flight-recorder entry, the "
+        "watchdog's note; 64k before the call path was trimmed), about 4 µs on an idle core, and "
+        "with the check on one small persistent all-gather that every rank must reach before the "
+        "data moves. On this shared 2-core machine, loaded by other jobs (load average 5-8 in "
+        "the runs), the cores are time-shared: the fixed cost stretches to 10-20 µs of wall time "
+        "and the check's extra meeting point costs a scheduling hand-off whenever the ranks are "
+        "not running at the same moment. At N = 2, one call at a time, 1 MiB (raw 90-160 µs): "
+        "check off 0.88-0.90, check on 0.73-0.87; from 4 MiB: check off 0.93-1.0, check on "
+        "0.83-1.0, while raw against raw (A/A) stayed within 0.95-1.05. At N = 4 the 4 ranks "
+        "share 2 cores and every meeting point waits for a time slice, raw and zerosim alike.",
     ),
     (
         "Adam ≥ 0.7 of copy bandwidth; every optimizer at or under torch fused (1 thread each)",
