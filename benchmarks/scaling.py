@@ -67,13 +67,14 @@ def named_shapes(width: int) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def padded_numel(width: int, n: int, stage: int) -> int:
-    """Ψ_pad: stages 0-2 pad the flat buffer to a multiple of N, stage 3 each parameter."""
-    from zerosim.zero.partition import deepspeed_layout, per_param_partition
+    """Ψ_pad under DeepSpeed's schedule (the default): stages 1-2 pad the flat buffer to a
+    multiple of 2N (DeepSpeed's nccl_start_alignment_factor), stage 3 each parameter to N."""
+    from zerosim.zero.partition import DEEPSPEED_ALIGNMENT, deepspeed_layout, per_param_partition
 
     shapes = named_shapes(width)
     if stage == 3:
         return per_param_partition(shapes, n).padded_numel
-    return deepspeed_layout(shapes, n).padded_numel
+    return deepspeed_layout(shapes, n, DEEPSPEED_ALIGNMENT).padded_numel
 
 
 def formula_bytes(psi_pad: int, n: int, stage: int) -> int:

@@ -153,13 +153,14 @@ def mlp_numels(width: int) -> list[int]:
 def zero_fp32_adam_bytes(width: int, n: int, stage: int) -> int:
     """ZeRO paper Sec. 5 for float32 Adam without a master copy: params 4Ψ, grads 4Ψ, Adam m and
     v 8Ψ; stage 1 splits the Adam states over N, stage 2 also the grads, stage 3 also the params.
-    Ψ padded as zerosim pads: stages 0-2 the flat buffer to a multiple of N, stage 3 each
-    parameter to a multiple of N."""
+    Ψ padded as DeepSpeed 0.19.8 pads (the default schedule): stages 1-2 the flat buffer to a
+    multiple of 2N (its nccl_start_alignment_factor of 2), stage 3 each parameter to a multiple
+    of N."""
     numels = mlp_numels(width)
     if stage == 3:
         psi = sum(-(-k // n) * n for k in numels)
     else:
-        psi = -(-sum(numels) // n) * n
+        psi = -(-sum(numels) // (2 * n)) * (2 * n)
     params = 4 * psi // (n if stage >= 3 else 1)
     grads = 4 * psi // (n if stage >= 2 else 1)
     adam = 8 * psi // (n if stage >= 1 else 1)
