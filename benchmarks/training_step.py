@@ -230,6 +230,7 @@ def zerosim_worker(a: argparse.Namespace) -> None:
     config = {
         "train_batch_size": GLOBAL_BATCH[a.model],
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH[a.model] // n,
+        "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; the torch peers do not clip
         "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0}},
         "zero_optimization": {"stage": a.stage}
         if a.stage < 3
