@@ -2,7 +2,7 @@
 # The whole test suite from a fresh clone: ./run_tests.sh [pytest arguments…]
 #
 # Creates .venv on first use, installs zerosim with its test extra (pytest, hypothesis, the
-# notebook runner, ruff and PyTorch CPU as the oracle), then runs pytest over tests/ (which also
+# notebook runner, ruff, numba, and PyTorch CPU and DeepSpeed as the oracles), then runs pytest over tests/ (which also
 # launches real mpirun jobs) and ruff over the code.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -11,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "run_tests.sh: creating .venv (first run only)…" >&2
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import zerosim, torch, pytest, hypothesis, nbmake, deepspeed" 2>/dev/null; then
+if ! .venv/bin/python -c "import zerosim, torch, pytest, hypothesis, nbmake, deepspeed, numba" 2>/dev/null; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet -e ".[test]"
 fi
