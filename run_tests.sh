@@ -2,8 +2,8 @@
 # The whole test suite from a fresh clone: ./run_tests.sh [pytest arguments…]
 #
 # Creates .venv on first use, installs zerosim with its test extra (pytest, hypothesis, the
-# notebook runner, ruff, numba, and PyTorch CPU and DeepSpeed as the oracles), then runs pytest over tests/ (which also
-# launches real mpirun jobs) and ruff over the code.
+# notebook runner, ruff, numba, and PyTorch CPU and DeepSpeed 0.19.8 as the oracles), then runs
+# ruff over the code and pytest over tests/ (which also launches real mpirun and torchrun jobs).
 set -euo pipefail
 cd "$(dirname "$0")"
 
