@@ -164,7 +164,7 @@ class MPIComm(Communicator):
         mine.Free()
         world.Free()
         watchdog.start(self)
-        # every rank is here (``start`` and ``split`` waited for them): set up the check
+        # the check's persistent all-gather: set up by every rank as it makes this communicator
         self._check = _ArgumentCheck(self.mpi, len(SIGNATURE_FIELDS)) if self.size > 1 else None
 
     def world_ranks(self) -> list[int]:
