@@ -1124,6 +1124,9 @@ def test_fuzz_strategy_reaches_valid_configs_with_sections():
         got = loads(config)
         return got is not None and got.zero_optimization.stage >= 1
 
+    # The non-chaos half of CONFIGS (which draws its ``chaos`` flag first): searched alone, the
+    # outcome does not hang on how many chaos draws the other half takes (hypothesis seeds its
+    # text with the string constants of the modules loaded, so those change with the code).
     budget = settings(database=None, phases=[Phase.generate], derandomize=True, max_examples=2000)
-    example = find(CONFIGS, interesting, settings=budget)
+    example = find(section_strategy(Config, False), interesting, settings=budget)
     assert interesting(example)

@@ -1,15 +1,36 @@
-"""The one place that decides between NumPy (CPU) and CuPy (GPU), and names dtypes.
+"""The one place that decides the array namespace, names dtypes, and crosses host <-> device.
 
-Everything else in zerosim receives arrays and asks this module for their array
-module (``array_module(x)``), so the same code runs on both. bfloat16 on the CPU
-comes from ``ml_dtypes``; CuPy has no bfloat16 dtype, so the GPU path supports
-float64, float32 and float16 only and says so when asked for bfloat16.
+Everything else in zerosim receives arrays and asks this module for their namespace
+(``xp_of(x)``), so the same code runs on every backend:
+
+- ``numpy`` (the CPU): ``xp_of`` returns NumPy itself. NumPy 2's main namespace holds the
+  Array API's functions (``astype``, ``concat``, ``permute_dims``, ``pow`` …) beside its own
+  ufuncs with ``out=``, which the CPU hot paths use to avoid temporaries.
+- ``cupy`` (a GPU): CuPy's own namespace, NumPy's names on device memory.
+- ``array_api_strict`` (the portability test): the strict, minimal implementation of the
+  Python Array API standard, with arrays on ``Device("device1")``, which refuse to mix with
+  host arrays and refuse ``numpy.asarray`` just as GPU arrays do. Its namespace comes from
+  ``array_api_compat.array_namespace`` and is wrapped in ``StandardNamespace``, which adds
+  what zerosim's code calls that the standard lacks, each as a *named fallback* written with
+  standard functions only: NumPy's ``out=`` argument, ``copyto``, ``concatenate``,
+  ``add_at`` (NumPy's ``np.add.at``, for an embedding's backward) and NumPy dtypes as
+  arguments. 16-bit floats are not in the standard; asking for one on this backend raises
+  a TypeError that names the dtype (see docs/install.md, "What runs where").
+
+What must happen on the host (the RNG of parameter init, checkpoint files, NVMe memmaps,
+MPI buffers without device support) crosses through ``to_host`` and ``from_host``, and
+each crossing is counted (``crossings()``: calls and bytes in each direction, per thread,
+so each rank of a ``LocalWorld`` counts its own).
+
+bfloat16 on the CPU comes from ``ml_dtypes``; CuPy has no bfloat16 dtype, so the GPU path
+supports float64, float32 and float16 only and says so when asked for bfloat16.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -17,7 +38,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-BACKENDS = ("numpy", "cupy")
+BACKENDS = ("numpy", "cupy", "array_api_strict")
+# The non-host device array_api_strict arrays live on (the stand-in for a GPU).
+STRICT_DEVICE_NAME = "device1"
 ENV_VAR = "ZEROSIM_BACKEND"
 
 # The floating dtypes zerosim trains in, by the names the config uses.
@@ -38,26 +61,40 @@ def resolve_dtype(dtype: str | np.dtype | type) -> np.dtype:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; allowed: {sorted(DTYPES)}")
         return DTYPES[dtype]
+    return np_dtype(dtype)
+
+
+def np_dtype(dtype: Any) -> np.dtype:
+    """The NumPy dtype of ``dtype``: a NumPy dtype or type, or another namespace's dtype
+    object (array_api_strict's ``float32`` …), matched by its name."""
+    if isinstance(dtype, np.dtype):
+        return dtype
     try:
-        resolved = np.dtype(dtype)
+        return np.dtype(dtype)
+    except TypeError:
+        pass
+    name = str(dtype).rsplit(".", 1)[-1]
+    if name in DTYPES:
+        return DTYPES[name]
+    try:
+        return np.dtype(name)
     except TypeError as err:
         raise TypeError(f"dtype {dtype!r} is not a dtype; allowed: {sorted(DTYPES)}") from err
-    return resolved
 
 
 @functools.lru_cache(maxsize=64)
-def _name_of(dtype: np.dtype) -> str:
-    return dtype.name
+def _name_of(dtype: Any) -> str:
+    return np_dtype(dtype).name
 
 
 def dtype_name(dtype: np.dtype | type) -> str:
     """The short name of a dtype: 'float32', 'bfloat16', 'int8', … (cached: on the hot path)."""
-    return _name_of(np.dtype(dtype))
+    return _name_of(dtype)
 
 
 def is_half(dtype: np.dtype | type) -> bool:
     """True for the 16-bit floating dtypes (float16, bfloat16)."""
-    return np.dtype(dtype) in HALF_DTYPES
+    return np_dtype(dtype) in HALF_DTYPES
 
 
 @functools.cache
@@ -81,55 +118,292 @@ def gpu_available() -> bool:
         return False
 
 
-def array_module(*arrays: Any) -> ModuleType:
-    """The array module (numpy or cupy) that owns these arrays."""
+# --- the Array API standard's namespaces, with zerosim's named fallbacks ----------------------
+
+# Creation functions: they take ``device=``; the wrapper puts new arrays on its device.
+_CREATION = frozenset(
+    {"asarray", "zeros", "ones", "empty", "full", "arange", "linspace", "eye"}
+)
+# Functions whose dtype argument is positional, and where.
+_DTYPE_AT = {"astype": 1, "finfo": 0, "iinfo": 0, "isdtype": 0}
+# NumPy's names for the standard's functions.
+_RENAMED = {
+    "concatenate": "concat",
+    "power": "pow",
+    "transpose": "permute_dims",
+    "absolute": "abs",
+    "arccos": "acos",
+    "arcsin": "asin",
+    "arctan": "atan",
+    "arctan2": "atan2",
+    "bool_": "bool",
+}
+
+
+class StandardNamespace:
+    """An Array API standard namespace on one device, with NumPy's conventions where zerosim's
+    code uses them (each a named fallback built from standard functions only):
+
+    - ``out=``: ``xp.multiply(a, b, out=c)`` computes ``a * b`` and stores it in ``c``
+      (``c[...] = r``); the standard has no output arguments, so this makes one temporary.
+    - dtypes: NumPy dtypes (``np.float32``, ``resolve_dtype("float32")``) are accepted and
+      mapped to the namespace's by name; float16 and bfloat16, which the standard lacks,
+      raise a TypeError naming them.
+    - new arrays (``zeros``, ``empty``, ``asarray`` …) are made on this namespace's device;
+      ``asarray`` refuses a NumPy array (a host array must cross with ``from_host``).
+    - ``copyto(dst, src)``, ``concatenate``, ``power``, ``transpose``, ``copy(x)`` and
+      ``add_at(target, indices, values)`` (NumPy's ``np.add.at``).
+
+    Anything else is the standard's function of that name; a name the standard lacks raises
+    AttributeError naming it and the namespace.
+    """
+
+    def __init__(self, ns: Any, device: Any) -> None:
+        self._ns = ns
+        self.device = device
+        self.__name__ = getattr(ns, "__name__", type(ns).__name__)
+
+    def __repr__(self) -> str:
+        return f"StandardNamespace({self.__name__}, device={self.device!r})"
+
+    def dtype(self, dtype: Any) -> Any:
+        """This namespace's dtype object for a NumPy dtype (or a name, or its own dtype)."""
+        if dtype is None or not isinstance(dtype, str | np.dtype | type):
+            return dtype
+        name = np_dtype(dtype).name
+        if name == "bool":
+            return self._ns.bool
+        found = getattr(self._ns, name, None)
+        if found is None:
+            raise TypeError(
+                f"dtype {name!r} is not in the Array API standard, so {self.__name__} arrays "
+                "cannot hold it; allowed on this backend: float64, float32 and the integer "
+                "dtypes (16-bit floats need the numpy or cupy backend)"
+            )
+        return found
+
+    def _store(self, out: Any, result: Any) -> Any:
+        if result.dtype != out.dtype:
+            result = self._ns.astype(result, out.dtype)
+        out[...] = result
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._ns, _RENAMED.get(name, name), None)
+        if target is None:
+            raise AttributeError(
+                f"{name!r} is not in the Array API standard's namespace {self.__name__} "
+                "and zerosim's backend has no fallback for it"
+            )
+        if not callable(target) or name in ("Device",):
+            return target
+        if name in _CREATION:
+            fn = self._creation(name, target)
+        elif name in _DTYPE_AT:
+            fn = self._dtype_positional(target, _DTYPE_AT[name])
+        else:
+            fn = self._operation(target)
+        self.__dict__[name] = fn  # look each name up once
+        return fn
+
+    def _creation(self, name: str, target: Any) -> Any:
+        def create(*args: Any, dtype: Any = None, device: Any = None, **kw: Any) -> Any:
+            if name == "asarray" and args and isinstance(args[0], np.ndarray | np.generic):
+                raise TypeError(
+                    f"a NumPy (host) array was given to {self.__name__}.asarray; host data "
+                    "crosses to the device through zerosim.backend.from_host"
+                )
+            return target(*args, dtype=self.dtype(dtype), device=device or self.device, **kw)
+
+        create.__name__ = name
+        return create
+
+    def _dtype_positional(self, target: Any, at: int) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            if len(args) > at:
+                args = (*args[:at], self.dtype(args[at]), *args[at + 1 :])
+            if "dtype" in kw:
+                kw["dtype"] = self.dtype(kw["dtype"])
+            return target(*args, **kw)
+
+        call.__name__ = getattr(target, "__name__", "call")
+        return call
+
+    def _operation(self, target: Any) -> Any:
+        def op(*args: Any, out: Any = None, dtype: Any = None, **kw: Any) -> Any:
+            if dtype is not None:
+                kw["dtype"] = self.dtype(dtype)
+            result = target(*args, **kw)
+            return result if out is None else self._store(out, result)
+
+        op.__name__ = getattr(target, "__name__", "op")
+        return op
+
+    # --- NumPy's functions that the standard lacks, from standard ones ---------------------
+
+    def copyto(self, dst: Any, src: Any) -> None:
+        self._store(dst, src if hasattr(src, "dtype") else self._ns.asarray(src, device=self.device))
+
+    def copy(self, x: Any) -> Any:
+        return self._ns.asarray(x, copy=True)
+
+    def add_at(self, target: Any, indices: Any, values: Any) -> None:
+        """``target[indices[k]] += values[k]`` for every k, repeated indices summed (NumPy's
+        ``np.add.at`` along the first axis), as a one-hot matrix product: (n, V)ᵀ @ (n, …)."""
+        ns = self._ns
+        idx = ns.reshape(indices, (-1,))
+        rows = ns.reshape(values, (idx.shape[0], -1))
+        positions = ns.arange(target.shape[0], device=self.device, dtype=idx.dtype)
+        one_hot = ns.astype(idx[:, None] == positions[None, :], rows.dtype)
+        added = ns.reshape(ns.matmul(ns.matrix_transpose(one_hot), rows), target.shape)
+        target += ns.astype(added, target.dtype)
+
+
+def add_at(target: Any, indices: Any, values: Any) -> None:
+    """``target[indices] += values`` with repeated indices summed, on any backend."""
+    xp = xp_of(target)
+    if xp is np:
+        np.add.at(target, indices, values)
+    elif isinstance(xp, StandardNamespace):
+        xp.add_at(target, indices, values)
+    else:  # CuPy
+        xp.add.at(target, indices, values)
+
+
+@functools.cache
+def _standard_namespace(ns: Any, device: Any) -> StandardNamespace:
+    return StandardNamespace(ns, device)
+
+
+def array_module(*arrays: Any) -> Any:
+    """The namespace that owns these arrays (see ``xp_of``); they must share it."""
+    return xp_of(arrays[0]) if arrays else np
+
+
+def xp_of(x: Any) -> Any:
+    """The namespace of one array: NumPy for NumPy arrays and scalars (checked first: this
+    runs in every layer call and optimizer block), CuPy for CuPy arrays, else the Array API
+    standard namespace of ``x`` on its device (``StandardNamespace``)."""
+    if isinstance(x, np.ndarray | np.generic | float | int):
+        return np
+    import array_api_compat  # noqa: PLC0415  (only device backends need it)
+
     cupy = _cupy_or_none()
-    if cupy is not None:
-        return cupy.get_array_module(*arrays)
-    return np
-
-
-def xp_of(x: Any) -> ModuleType:
-    """The array module of one array: numpy for numpy arrays and scalars without asking CuPy
-    (this runs in every layer call and every optimizer block), else ``array_module``."""
-    return np if isinstance(x, np.ndarray | np.generic) else array_module(x)
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        # CuPy's names (ufuncs with out=, add.at) plus the standard's (astype, concat …).
+        return array_api_compat.array_namespace(x)
+    return _standard_namespace(array_api_compat.array_namespace(x), x.device)
 
 
 def is_device_array(x: Any) -> bool:
-    """True for a CuPy array (memory on a GPU)."""
-    cupy = _cupy_or_none()
-    return cupy is not None and isinstance(x, cupy.ndarray)
+    """True for an array whose memory NumPy cannot read: CuPy's, or another namespace's."""
+    return not isinstance(x, np.ndarray | np.generic) and hasattr(x, "__array_namespace__")
 
 
 def any_device_array(*arrays: Any) -> bool:
-    """True if any of the arrays is a CuPy array (one cached lookup when CuPy is absent)."""
-    cupy = _cupy_or_none()
-    return cupy is not None and any(isinstance(a, cupy.ndarray) for a in arrays)
+    """True if any of the arrays is a device (non-NumPy) array."""
+    return any(is_device_array(a) for a in arrays)
+
+
+# --- the one host <-> device crossing, counted ------------------------------------------------
+
+
+@dataclass
+class Crossings:
+    """Host <-> device crossings of one thread (one rank of a LocalWorld, or an MPI process)."""
+
+    to_host_calls: int = 0
+    to_host_bytes: int = 0
+    from_host_calls: int = 0
+    from_host_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+_crossings = threading.local()
+
+
+def crossings() -> Crossings:
+    """This thread's running totals of host <-> device crossings (calls and bytes)."""
+    counts = getattr(_crossings, "counts", None)
+    if counts is None:
+        counts = _crossings.counts = Crossings()
+    return counts
+
+
+def nbytes(x: Any) -> int:
+    """Bytes held by an array of any namespace (size × item size)."""
+    return int(x.size) * np_dtype(x.dtype).itemsize
 
 
 def to_host(x: Any) -> np.ndarray:
-    """Copy an array to host memory as numpy (no copy when it already is numpy)."""
-    if is_device_array(x):
+    """The host (NumPy) copy of an array; NumPy arrays pass through uncounted and uncopied.
+
+    The one way device data reaches the host: each call on a device array is counted in
+    ``crossings()`` (bytes and calls).
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    if not is_device_array(x):
+        return np.asarray(x)
+    counts = crossings()
+    counts.to_host_calls += 1
+    counts.to_host_bytes += nbytes(x)
+    cupy = _cupy_or_none()
+    if cupy is not None and isinstance(x, cupy.ndarray):
         return x.get()
-    return np.asarray(x)
+    xp = xp_of(x)
+    host = xp._ns.asarray(x, device=_host_device(xp._ns), copy=True) if isinstance(
+        xp, StandardNamespace
+    ) else x
+    return np.asarray(host).astype(np_dtype(x.dtype), copy=False)
+
+
+def from_host(x: Any, like: Any = None, *, xp: Any = None, dtype: Any = None) -> Any:
+    """``x`` (host data) as an array of ``like``'s namespace and device (or of ``xp``);
+    NumPy targets take it uncopied and uncounted. The one way host data reaches a device:
+    each call is counted in ``crossings()``."""
+    if xp is None:
+        xp = np if like is None else xp_of(like)
+    if xp is np:
+        return np.asarray(x, dtype=None if dtype is None else resolve_dtype(dtype))
+    host = np.asarray(x, dtype=None if dtype is None else resolve_dtype(dtype))
+    counts = crossings()
+    counts.from_host_calls += 1
+    counts.from_host_bytes += host.nbytes
+    if isinstance(xp, StandardNamespace):
+        dt = xp.dtype(host.dtype)
+        on_host = xp._ns.asarray(host, dtype=dt, device=_host_device(xp._ns))
+        return xp._ns.asarray(on_host, device=xp.device, copy=True)
+    return xp.asarray(host)
+
+
+def _host_device(ns: Any) -> Any:
+    """The namespace's host (CPU) device: array_api_strict's ``CPU_DEVICE``."""
+    return ns.Device("CPU_DEVICE") if hasattr(ns, "Device") else None
 
 
 @dataclass(frozen=True)
 class Backend:
-    """An array module plus the helpers that depend on it."""
+    """A backend's name and namespace, plus the helpers that depend on it."""
 
     name: str
-    xp: ModuleType
+    xp: Any
 
     def asarray(self, x: Any, dtype: str | np.dtype | None = None) -> Any:
-        """Move or convert ``x`` to this backend's arrays (host → device for cupy)."""
+        """``x`` as this backend's array: host data crosses with ``from_host`` (counted)."""
         dt = None if dtype is None else resolve_dtype(dtype)
         if self.name == "cupy" and dt is not None and dt == DTYPES["bfloat16"]:
             raise TypeError(
                 "dtype 'bfloat16' is not supported by the cupy backend; "
                 "allowed on cupy: float64, float32, float16"
             )
-        return self.xp.asarray(x, dtype=dt)
+        if self.name == "numpy":
+            return np.asarray(to_host(x), dtype=dt)
+        if xp_of(x) is self.xp:
+            return x if dt is None else self.xp.astype(x, dt)
+        return from_host(to_host(x), xp=self.xp, dtype=dt)
 
     def zeros(self, shape: Any, dtype: str | np.dtype = "float32") -> Any:
         return self.xp.zeros(shape, dtype=resolve_dtype(dtype))
@@ -141,11 +415,23 @@ class Backend:
         return to_host(x)
 
 
+def strict_namespace() -> StandardNamespace:
+    """array_api_strict's namespace on its non-host ``Device("device1")``."""
+    try:
+        import array_api_strict  # noqa: PLC0415  (test-only dependency, imported on demand)
+    except ImportError as err:
+        raise RuntimeError(
+            "backend 'array_api_strict' was requested but array-api-strict is not installed; "
+            "pip install array-api-strict (it is in the test extra)"
+        ) from err
+    return _standard_namespace(array_api_strict, array_api_strict.Device(STRICT_DEVICE_NAME))
+
+
 def get_backend(name: str | None = None) -> Backend:
     """The backend named by ``name``, else by ``$ZEROSIM_BACKEND``, else numpy.
 
     Raises ValueError for an unknown name and RuntimeError when cupy is asked for
-    on a machine without CuPy or without a GPU.
+    on a machine without CuPy or without a GPU, or array_api_strict without the package.
     """
     source = "backend"
     if name is None:
@@ -155,6 +441,8 @@ def get_backend(name: str | None = None) -> Backend:
         raise ValueError(f"{source} {name!r} is not supported; allowed: {list(BACKENDS)}")
     if name == "numpy":
         return Backend("numpy", np)
+    if name == "array_api_strict":
+        return Backend("array_api_strict", strict_namespace())
     cupy = _cupy_or_none()
     if cupy is None:
         raise RuntimeError(
