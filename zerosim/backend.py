@@ -121,9 +121,7 @@ def gpu_available() -> bool:
 # --- the Array API standard's namespaces, with zerosim's named fallbacks ----------------------
 
 # Creation functions: they take ``device=``; the wrapper puts new arrays on its device.
-_CREATION = frozenset(
-    {"asarray", "zeros", "ones", "empty", "full", "arange", "linspace", "eye"}
-)
+_CREATION = frozenset({"asarray", "zeros", "ones", "empty", "full", "arange", "linspace", "eye"})
 # Functions whose dtype argument is positional, and where.
 _DTYPE_AT = {"astype": 1, "finfo": 0, "iinfo": 0, "isdtype": 0}
 # NumPy's names for the standard's functions.
@@ -242,7 +240,9 @@ class StandardNamespace:
     # --- NumPy's functions that the standard lacks, from standard ones ---------------------
 
     def copyto(self, dst: Any, src: Any) -> None:
-        self._store(dst, src if hasattr(src, "dtype") else self._ns.asarray(src, device=self.device))
+        self._store(
+            dst, src if hasattr(src, "dtype") else self._ns.asarray(src, device=self.device)
+        )
 
     def copy(self, x: Any) -> Any:
         return self._ns.asarray(x, copy=True)
@@ -354,9 +354,11 @@ def to_host(x: Any) -> np.ndarray:
     if cupy is not None and isinstance(x, cupy.ndarray):
         return x.get()
     xp = xp_of(x)
-    host = xp._ns.asarray(x, device=_host_device(xp._ns), copy=True) if isinstance(
-        xp, StandardNamespace
-    ) else x
+    host = (
+        xp._ns.asarray(x, device=_host_device(xp._ns), copy=True)
+        if isinstance(xp, StandardNamespace)
+        else x
+    )
     return np.asarray(host).astype(np_dtype(x.dtype), copy=False)
 
 
