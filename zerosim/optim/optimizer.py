@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from zerosim.backend import from_host, is_device_array, to_host
 from zerosim.optim.functional.common import (
     SCRATCH_SLOTS,
     block_length,
@@ -78,6 +79,16 @@ def check_betas(owner: str, betas: Any) -> None:
 
 def _is_parameter(obj: Any) -> bool:
     return hasattr(obj, "data") and hasattr(obj, "grad")
+
+
+def _array_like(value: Any, data: Any) -> Any:
+    """``value`` (an array of any namespace, or host data) as an array of ``data``'s
+    namespace and device; what is on another side of the host/device line crosses it."""
+    xp = xp_of(data)
+    if is_device_array(value) and xp_of(value) is xp:
+        return value
+    host = to_host(value) if is_device_array(value) else np.asarray(value)
+    return host if xp is np else from_host(host, xp=xp)
 
 
 class Optimizer(ABC):
@@ -292,13 +303,15 @@ class Optimizer(ABC):
         out: dict[str, Any] = {}
         for k, value in entry.items():
             if k in array_keys:
-                arr = xp.asarray(value)
+                arr = _array_like(value, param.data)
                 if arr.shape != param.data.shape:
                     raise ValueError(
                         f"{where}: {k!r} has shape {tuple(arr.shape)}; the parameter has "
                         f"shape {tuple(param.data.shape)}"
                     )
-                out[k] = xp.array(arr, dtype=state_dtype(param.data.dtype), copy=True)
+                out[k] = xp.asarray(arr, dtype=state_dtype(param.data.dtype), copy=True)
+            elif is_device_array(value) and value.ndim == 0:
+                out[k] = float(to_host(value))
             elif np.ndim(value) == 0 and isinstance(np.asarray(value).item(), numbers.Real):
                 out[k] = float(np.asarray(value).item())
             else:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from zerosim.backend import np_dtype
 from zerosim.optim.deepspeed_schedulers import per_group
 
 from .lr_scheduler import LRScheduler
@@ -80,7 +81,7 @@ def get_swa_multi_avg_fn() -> MultiAvgFn:
 
     def swa_update(averaged: list[Any], current: list[Any], n_averaged: int) -> None:
         for avg, cur in zip(averaged, current, strict=True):
-            if avg.dtype.kind in "fc":
+            if np_dtype(avg.dtype).kind in "fc":
                 _lerp_(avg, cur, 1 / (n_averaged + 1))
             else:  # integer buffers: truncate like torch's copy into an integer tensor
                 avg[...] = avg + (cur - avg) / (n_averaged + 1)
@@ -94,7 +95,7 @@ def get_ema_multi_avg_fn(decay: float = 0.999) -> MultiAvgFn:
 
     def ema_update(averaged: list[Any], current: list[Any], n_averaged: int) -> None:
         for avg, cur in zip(averaged, current, strict=True):
-            if avg.dtype.kind in "fc":
+            if np_dtype(avg.dtype).kind in "fc":
                 _lerp_(avg, cur, 1 - decay)
             else:
                 avg[...] = avg * decay + cur * (1 - decay)

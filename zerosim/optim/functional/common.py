@@ -16,6 +16,11 @@ Python float argument or an in-place operator adds about as much again.
 16-bit parameters keep their optimizer state in float32 (the mixed-precision recipe of
 Micikevicius et al. 2018); a block of such a parameter is upcast into a work buffer,
 updated in float32 and rounded back to the parameter's dtype.
+
+The rules compute with the namespace of their arrays (``xp_of``): NumPy's ufuncs on the
+CPU, CuPy's on a GPU, and on an Array API standard namespace (array_api_strict) the same
+calls through the backend's named fallbacks (``out=`` stores the result). Standard arrays
+hide their memory layout, so they are not walked in blocks: each array is one block.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import DTYPES, dtype_name, xp_of
+from zerosim.backend import DTYPES, dtype_name, np_dtype, xp_of
 
 # Elements per block on the CPU: a 32nd of the parameter, between 64 Ki and 256 Ki. Each
 # block costs ~12 ufunc calls of ~0.4 µs each on top of the arithmetic, so longer blocks are
@@ -46,7 +51,8 @@ def scalar(value: float, param: Any) -> Any:
     """``value`` rounded to the state dtype of ``param``, ready to pass to ufuncs.
 
     On NumPy it is a 0-d array: a Python float rounds to the array's dtype just the same
-    (NEP 50), but costs every ufunc call a conversion. Elsewhere (CuPy) it stays a float.
+    (NEP 50), but costs every ufunc call a conversion. Elsewhere (CuPy, the Array API
+    standard's arrays, which refuse NumPy operands) it stays a float.
     Make the scalars of a rule once per step, before walking the blocks.
     """
     if isinstance(param, np.ndarray):
@@ -60,7 +66,7 @@ def state_dtype(param_dtype: Any) -> np.dtype:
     float64 and float32 parameters keep state in their own dtype; float16 and bfloat16
     parameters keep it in float32. Other dtypes raise TypeError.
     """
-    dt = np.dtype(param_dtype)
+    dt = np_dtype(param_dtype)
     if dt in (DTYPES["float64"], DTYPES["float32"]):
         return dt
     if dt in (DTYPES["float16"], DTYPES["bfloat16"]):
@@ -70,13 +76,23 @@ def state_dtype(param_dtype: Any) -> np.dtype:
     )
 
 
+def has_layout(x: Any) -> bool:
+    """True for arrays that expose their memory layout (NumPy's and CuPy's ``.flags``).
+
+    The Array API standard's arrays do not; the rules update them whole (one block).
+    """
+    return hasattr(x, "flags")
+
+
 def block_length(param: Any) -> int:
     """How many elements of ``param`` one block holds (at least 1)."""
     size = int(param.size)
     if isinstance(param, np.ndarray):
         limit = min(CPU_BLOCK_LENGTH, max(CPU_MIN_BLOCK_LENGTH, size // 32))
-    else:
+    elif has_layout(param):
         limit = GPU_BLOCK_LENGTH
+    else:
+        limit = size
     return max(1, min(size, limit))
 
 
@@ -106,7 +122,7 @@ def check_arrays(param: Any, grad: Any, **states: Any) -> None:
     for name, arr in states.items():
         if arr is None:
             continue
-        if arr.shape != param.shape or arr.dtype != want:
+        if arr.shape != param.shape or np_dtype(arr.dtype) != want:
             raise ValueError(
                 f"{name} has shape {tuple(arr.shape)} and dtype {dtype_name(arr.dtype)}; "
                 f"it must have the parameter's shape {tuple(param.shape)} and the state "
@@ -119,7 +135,8 @@ def _work_buffers(param: Any, count: int, length: int, scratch: Any) -> list[Any
     want = state_dtype(param.dtype)
     if scratch is None:
         return [xp_of(param).empty(length, dtype=want) for _ in range(count)]
-    if scratch.ndim != 1 or scratch.dtype != want or not scratch.flags.c_contiguous:
+    contiguous = not has_layout(scratch) or scratch.flags.c_contiguous
+    if scratch.ndim != 1 or np_dtype(scratch.dtype) != want or not contiguous:
         raise ValueError(
             f"scratch must be a contiguous 1-D array of dtype {dtype_name(want)}; got "
             f"shape {tuple(scratch.shape)} and dtype {dtype_name(scratch.dtype)}"
@@ -146,23 +163,26 @@ def blocks(
     ``n_work`` work buffers of the block's length. Write the update into ``p`` and the
     state blocks in place; ``g`` may be the caller's gradient, so never write to it.
     A 16-bit parameter block is an upcast copy that is rounded back after the body.
-    Arrays that are not all C-contiguous are processed as a single block, with work
-    buffers of their full size allocated for the call (``scratch`` is not used).
+    NumPy or CuPy arrays that are not all C-contiguous are processed as a single block,
+    with work buffers of their full size allocated for the call (``scratch`` is not used).
+    The Array API standard's arrays, whose layout is hidden, are one block too, with
+    their work buffers carved from ``scratch`` when it is given.
     """
     xp = xp_of(param)
     want = state_dtype(param.dtype)
-    cast_param = param.dtype != want
-    cast_grad = grad.dtype != want
+    cast_param = np_dtype(param.dtype) != want
+    cast_grad = np_dtype(grad.dtype) != want
     arrays = [param, grad, *[s for s in states if s is not None]]
-    flat = all(a.flags.c_contiguous for a in arrays)
+    layout = all(has_layout(a) for a in arrays)
+    flat = layout and all(a.flags.c_contiguous for a in arrays)
     length = block_length(param) if flat else max(1, int(param.size))
     count = n_work + cast_param + cast_grad
-    buffers = _work_buffers(param, count, length, scratch if flat else None)
+    buffers = _work_buffers(param, count, length, scratch if flat or not layout else None)
     if flat:
-        param, grad = param.reshape(-1), grad.reshape(-1)
-        states = [None if s is None else s.reshape(-1) for s in states]
+        param, grad = xp.reshape(param, (-1,)), xp.reshape(grad, (-1,))
+        states = [None if s is None else xp.reshape(s, (-1,)) for s in states]
     else:
-        buffers = [b.reshape(param.shape) for b in buffers]
+        buffers = [xp.reshape(b, tuple(param.shape)) for b in buffers]
     p_buf = buffers.pop() if cast_param else None
     g_buf = buffers.pop() if cast_grad else None
     size = int(param.size)

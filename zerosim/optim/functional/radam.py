@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from zerosim.optim.functional import fused
 from zerosim.optim.functional.adam import Moments
 from zerosim.optim.functional.common import (
@@ -95,7 +97,10 @@ def radam(
         if rho_t > 5.0:
             xp.sqrt(v, out=tmp)
             tmp += eps
-            xp.reciprocal(tmp, out=tmp)
+            if xp is np:
+                xp.reciprocal(tmp, out=tmp)
+            else:  # the standard has no reciprocal; 1/x rounds the same (IEEE division)
+                xp.divide(1.0, tmp, out=tmp)
             tmp *= math.sqrt(bias_correction2)
             g_buf *= tmp
             g_buf *= rect
