@@ -8,12 +8,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.backend import xp_of
+import numpy as np
+
+from zerosim.backend import from_host, xp_of
 from zerosim.nn.functional import downcast, gelu, gelu_backward, upcast
 from zerosim.nn.init import RngLike, as_generator
 from zerosim.nn.module import Module
 
 GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+def _times_mask(x: Any, mask: Any) -> Any:
+    """x · mask for a boolean ``mask`` (a new array); the standard multiplies numbers only,
+    so off NumPy the mask becomes 0/1 in x's dtype first (the same products)."""
+    if isinstance(x, np.ndarray):
+        return x * mask
+    xp = xp_of(x)
+    return x * xp.astype(mask, x.dtype)
 
 
 class ReLU(Module):
@@ -26,7 +37,7 @@ class ReLU(Module):
 
     def _backward(self, grad: Any) -> Any:
         (y,) = self.pop_saved()
-        return grad * (y > 0)
+        return _times_mask(grad, y > 0)
 
 
 class Tanh(Module):
@@ -70,9 +81,10 @@ class Dropout(Module):
     """Training: y = x · m / (1 − p) with m ~ Bernoulli(1 − p) drawn from ``self.rng``;
     evaluation (or p = 0): y = x. Backward: dx = g · m / (1 − p).
 
-    The mask is drawn on the host from a seeded numpy Generator (then moved to the
-    array's device), whatever the grad mode, so a recomputation that restores
-    ``rng``'s state (activation checkpointing) draws the same mask.
+    The mask is drawn on the host from a seeded numpy Generator (then crossed to the
+    array's device with ``from_host``), whatever the grad mode and the backend, so a
+    recomputation that restores ``rng``'s state (activation checkpointing) and a run on
+    another backend draw the same mask.
     """
 
     def __init__(self, p: float = 0.5, *, rng: RngLike = None) -> None:
@@ -86,11 +98,10 @@ class Dropout(Module):
         if not self.training or self.p == 0.0:
             self.save_for_backward(None)
             return x
-        xp = xp_of(x)
-        keep = xp.asarray(self.rng.random(x.shape) >= self.p)
+        keep = from_host(self.rng.random(x.shape) >= self.p, like=x)
         scale = 0.0 if self.p == 1.0 else 1.0 / (1.0 - self.p)
         self.save_for_backward(keep)
-        y = x * keep
+        y = _times_mask(x, keep)
         y *= scale
         return y
 
@@ -99,7 +110,7 @@ class Dropout(Module):
         if keep is None:
             return grad
         scale = 0.0 if self.p == 1.0 else 1.0 / (1.0 - self.p)
-        dx = grad * keep
+        dx = _times_mask(grad, keep)
         dx *= scale
         return dx
 

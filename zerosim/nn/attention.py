@@ -16,7 +16,9 @@ The blocks above the diagonal, where P = 0, are never multiplied: with n blocks 
 skips (n − 1)/2n of the attention matmuls and softmax (1/4 for n = 2, 3/8 for n = 4).
 P is kept as one (B, h, T, T) array with zeros there, so dropout draws its mask for
 the whole matrix, as without blocks. q, k, v and their gradients stay in c_attn's
-(B, T, 3, h, d) layout; the matmuls read and write (B, h, T, d) views of it.
+(B, T, 3, h, d) layout; the matmuls read and write (B, h, T, d) views of it (``out=``
+writes into a view of the bigger array, on NumPy directly, on the other backends
+through ``view[...] = result``).
 """
 
 from __future__ import annotations
@@ -50,12 +52,13 @@ def _blocks(t: int) -> Iterator[tuple[int, int]]:
 
 def _heads(qkv: Any) -> tuple[Any, Any, Any]:
     """q, k, v as (B, h, T, d) views of a (B, T, 3, h, d) array (c_attn's output layout)."""
-    return tuple(qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    xp = xp_of(qkv)
+    return tuple(xp.permute_dims(qkv[:, :, i, ...], (0, 2, 1, 3)) for i in range(3))
 
 
 def _transposed(a: Any) -> Any:
     """The last two axes swapped (a view)."""
-    return a.swapaxes(-1, -2)
+    return a.mT
 
 
 class CausalSelfAttention(Module):
@@ -94,24 +97,24 @@ class CausalSelfAttention(Module):
         xp = xp_of(x)
         b, t, c = x.shape
         h, d = self.n_head, c // self.n_head
-        qkv = upcast(self.c_attn(x)).reshape(b, t, 3, h, d)
+        qkv = xp.reshape(upcast(self.c_attn(x)), (b, t, 3, h, d))
         q, k, v = _heads(qkv)
         mask = _causal_mask(xp, t, qkv.dtype)
         probs = xp.empty((b, h, t, t), dtype=qkv.dtype)
         for a, e in _blocks(t):  # rows a:e of P; columns e: stay 0
             s = probs[:, :, a:e, :e]
-            xp.matmul(q[:, :, a:e], _transposed(k[:, :, :e]), out=s)
+            xp.matmul(q[:, :, a:e, ...], _transposed(k[:, :, :e, ...]), out=s)
             s *= 1.0 / math.sqrt(d)
             s += mask[a:e, :e]
             softmax_(s)
             probs[:, :, a:e, e:] = 0
         dropped = self.attn_dropout(probs)
         y = xp.empty((b, t, h, d), dtype=qkv.dtype)  # heads side by side, as c_proj reads
-        y_heads = y.transpose(0, 2, 1, 3)
+        y_heads = xp.permute_dims(y, (0, 2, 1, 3))
         for a, e in _blocks(t):
-            xp.matmul(dropped[:, :, a:e, :e], v[:, :, :e], out=y_heads[:, :, a:e])
+            xp.matmul(dropped[:, :, a:e, :e], v[:, :, :e, ...], out=y_heads[:, :, a:e, ...])
         self.save_for_backward(qkv, probs, dropped, x.dtype)
-        return self.resid_dropout(self.c_proj(downcast(y.reshape(b, t, c), x.dtype)))
+        return self.resid_dropout(self.c_proj(downcast(xp.reshape(y, (b, t, c)), x.dtype)))
 
     def _backward(self, grad: Any) -> Any:
         qkv, probs, dropped, dtype = self.pop_saved()
@@ -119,13 +122,15 @@ class CausalSelfAttention(Module):
         b, t, _, h, d = qkv.shape
         q, k, v = _heads(qkv)
         dy = upcast(self.c_proj.backward(self.resid_dropout.backward(grad)))
-        dy = dy.reshape(b, t, h, d).transpose(0, 2, 1, 3)  # (B, h, T, d)
+        dy = xp.permute_dims(xp.reshape(dy, (b, t, h, d)), (0, 2, 1, 3))  # (B, h, T, d)
         dqkv = xp.empty(qkv.shape, dtype=qkv.dtype)  # laid out as c_attn's output
         dq, dk, dv = _heads(dqkv)
         dscores = xp.empty_like(probs)
         for a, e in _blocks(t):
-            xp.matmul(dy[:, :, a:e], _transposed(v[:, :, :e]), out=dscores[:, :, a:e, :e])
-            xp.matmul(_transposed(dropped[:, :, a:, a:e]), dy[:, :, a:], out=dv[:, :, a:e])
+            dp = dscores[:, :, a:e, :e]
+            xp.matmul(dy[:, :, a:e, ...], _transposed(v[:, :, :e, ...]), out=dp)
+            dv_block = dv[:, :, a:e, ...]
+            xp.matmul(_transposed(dropped[:, :, a:, a:e]), dy[:, :, a:, ...], out=dv_block)
             dscores[:, :, a:e, e:] = 0
         del dropped
         dscores = self.attn_dropout.backward(dscores)  # dP
@@ -133,11 +138,11 @@ class CausalSelfAttention(Module):
             softmax_backward_(probs[:, :, a:e, :e], dscores[:, :, a:e, :e])  # dS
         del probs
         for a, e in _blocks(t):
-            xp.matmul(dscores[:, :, a:e, :e], k[:, :, :e], out=dq[:, :, a:e])
-            xp.matmul(_transposed(dscores[:, :, a:, a:e]), q[:, :, a:], out=dk[:, :, a:e])
+            xp.matmul(dscores[:, :, a:e, :e], k[:, :, :e, ...], out=dq[:, :, a:e, ...])
+            xp.matmul(_transposed(dscores[:, :, a:, a:e]), q[:, :, a:, ...], out=dk[:, :, a:e, ...])
         del dscores
-        dqkv[:, :, :2] *= 1.0 / math.sqrt(d)  # dq = dS k / √d,  dk = dSᵀ q / √d
-        return self.c_attn.backward(downcast(dqkv.reshape(b, t, 3 * h * d), dtype))
+        dqkv[:, :, :2, ...] *= 1.0 / math.sqrt(d)  # dq = dS k / √d,  dk = dSᵀ q / √d
+        return self.c_attn.backward(downcast(xp.reshape(dqkv, (b, t, 3 * h * d)), dtype))
 
     def extra_repr(self) -> str:
         return f"n_embd={self.n_embd}, n_head={self.n_head}"

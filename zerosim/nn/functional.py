@@ -1,7 +1,9 @@
 """Array functions the layers are built from: dtypes for accumulation, erfc, GELU, softmax.
 
-Pure functions of arrays (numpy or cupy, through ``xp_of``); the modules in
-``zerosim.nn`` own the parameters and the saved activations and call these for the math.
+Pure functions of arrays of any backend (numpy, cupy, an Array API standard namespace such
+as array_api_strict's, through ``xp_of``); the modules in ``zerosim.nn`` own the parameters
+and the saved activations and call these for the math. NumPy-only fast paths (einsum, the
+cache-sized pieces of the GELU backward) run under ``if xp is np``, beside a standard path.
 
 NumPy has no ``erf``, so :func:`erfc` is evaluated from Chebyshev interpolants fitted
 once at import to the C library's ``math.erfc`` (the transform is the one of Numerical
@@ -16,13 +18,12 @@ as 0. Relative error ≤ 2e-14 on [0, 6] and ≤ 3e-13 on [6, 26] in float64.
 from __future__ import annotations
 
 import math
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 from numpy.polynomial import chebyshev
 
-from zerosim.backend import DTYPES, is_half, xp_of
+from zerosim.backend import DTYPES, is_half, np_dtype, xp_of
 
 _SQRT_2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -36,29 +37,35 @@ def compute_dtype(dtype: Any) -> np.dtype:
     16-bit storage with float32 accumulation is what tensor cores and torch's CPU
     kernels do for matmuls, softmax, normalisation statistics and loss reductions.
     """
-    dtype = np.dtype(dtype)
+    dtype = np_dtype(dtype)
     return np.dtype(np.float32) if is_half(dtype) else dtype
 
 
 def is_floating(dtype: Any) -> bool:
     """True for the floating dtypes, bfloat16 included (numpy sees ml_dtypes' as kind 'V')."""
-    dtype = np.dtype(dtype)
+    dtype = np_dtype(dtype)
     return dtype.kind == "f" or dtype == DTYPES["bfloat16"]
 
 
 def upcast(x: Any) -> Any:
     """``x`` in its compute dtype (no copy unless it is a 16-bit float array)."""
-    return x.astype(compute_dtype(x.dtype), copy=False)
+    if isinstance(x, np.ndarray):
+        return x.astype(compute_dtype(x.dtype), copy=False)
+    return xp_of(x).astype(x, compute_dtype(x.dtype), copy=False)
 
 
 def downcast(x: Any, dtype: Any) -> Any:
     """``x`` rounded to the storage ``dtype`` (no copy when it already is). Values beyond the
     dtype's range become ±inf silently: with float16 that is the overflow the engine's loss
     scaler checks for, not an error."""
-    if x.dtype == dtype:
+    if isinstance(x, np.ndarray):
+        if x.dtype == dtype:
+            return x
+        with np.errstate(over="ignore"):
+            return x.astype(dtype)
+    if np_dtype(x.dtype) == np_dtype(dtype):
         return x
-    with np.errstate(over="ignore"):
-        return x.astype(dtype)
+    return xp_of(x).astype(x, dtype)
 
 
 # --- erfc -----------------------------------------------------------------------------
@@ -84,13 +91,14 @@ _ERFC_PIECES = [
 
 
 def _clenshaw(coefficients: np.ndarray, u: Any) -> Any:
-    """Σ c_k T_k(u) by Clenshaw's recurrence, in the dtype of ``u``."""
+    """Σ c_k T_k(u) by Clenshaw's recurrence, in the dtype of ``u`` (each c_k, a Python
+    float, is rounded to it as it meets the array)."""
     xp = xp_of(u)
     b1 = xp.zeros_like(u)
     b2 = xp.zeros_like(u)
-    for c in coefficients[:0:-1]:
-        b1, b2 = 2 * u * b1 - b2 + u.dtype.type(c), b1
-    return u * b1 - b2 + u.dtype.type(coefficients[0])
+    for c in coefficients[:0:-1].tolist():
+        b1, b2 = 2 * u * b1 - b2 + c, b1
+    return u * b1 - b2 + float(coefficients[0])
 
 
 def _erfc_nonnegative(z: Any) -> Any:
@@ -98,7 +106,7 @@ def _erfc_nonnegative(z: Any) -> Any:
     out = xp.zeros_like(z)
     for z_lo, z_hi, (coefficients, t_lo, t_hi) in _ERFC_PIECES:
         mask = (z >= z_lo) & (z < z_hi)
-        whole = bool(mask.all())
+        whole = bool(xp.all(mask))
         zz = z if whole else z[mask]
         if zz.size == 0:
             continue
@@ -131,10 +139,9 @@ def erfc(x: Any) -> Any:
 _PIECE = 1 << 16
 
 
-def _pieces(xp: ModuleType, size: int) -> list[slice]:
-    """Contiguous slices of ``range(size)`` for :func:`gelu_backward` (one on a GPU)."""
-    step = _PIECE if xp is np else max(size, 1)
-    return [slice(i, min(i + step, size)) for i in range(0, size, step)]
+def _pieces(size: int) -> list[slice]:
+    """Contiguous slices of ``range(size)`` for :func:`gelu_backward` on the host."""
+    return [slice(i, min(i + _PIECE, size)) for i in range(0, size, _PIECE)]
 
 
 def _minus_2u(x: Any, x2: Any = None) -> Any:
@@ -177,7 +184,10 @@ def _gelu_tanh_backward(x: Any, grad: Any, out: Any) -> None:
     with np.errstate(over="ignore"):  # s = 1 / (1 + inf) = 0 where exp overflows
         xp.exp(s, out=s)
     s += 1
-    xp.reciprocal(s, out=s)
+    if xp is np:
+        np.reciprocal(s, out=s)
+    else:  # the standard has no reciprocal
+        xp.divide(1.0, s, out=s)
     p = x2  # p = x·(2c + 6ca·x²), in x²'s place
     p *= 6 * _TANH_C * _TANH_A
     p += 2 * _TANH_C
@@ -203,11 +213,14 @@ def gelu_backward(x: Any, grad: Any, approximate: str = "none") -> Any:
     x = upcast(x)
     grad = upcast(grad)
     if approximate == "tanh":
-        x_flat = xp.ascontiguousarray(x).reshape(-1)
-        grad_flat = xp.ascontiguousarray(grad).reshape(-1)
         out = xp.empty(x.shape, dtype=xp.result_type(x, grad))
+        if xp is not np:  # one pass over whole arrays: no cache to fit in
+            _gelu_tanh_backward(x, grad, out)
+            return out
+        x_flat = np.ascontiguousarray(x).reshape(-1)
+        grad_flat = np.ascontiguousarray(grad).reshape(-1)
         out_flat = out.reshape(-1)
-        for piece in _pieces(xp, x_flat.size):
+        for piece in _pieces(x_flat.size):
             _gelu_tanh_backward(x_flat[piece], grad_flat[piece], out_flat[piece])
         return out
     cdf = 0.5 * erfc(-x / _SQRT_2)
@@ -222,16 +235,24 @@ def softmax_(z: Any, axis: int = -1) -> Any:
     """exp(z − max z) / Σ exp(z − max z) along ``axis``, computed in place in ``z``
     (a float32/float64 array, overwritten and returned)."""
     xp = xp_of(z)
-    z -= z.max(axis=axis, keepdims=True)
+    z -= xp.max(z, axis=axis, keepdims=True)
     xp.exp(z, out=z)
-    z *= 1 / z.sum(axis=axis, keepdims=True)
+    z *= 1 / xp.sum(z, axis=axis, keepdims=True)
     return z
 
 
 def softmax_backward_(probs: Any, grad: Any) -> Any:
     """Jacobian-vector product of softmax over the last axis, p ⊙ (g − Σ p ⊙ g),
     computed in place in ``grad`` (overwritten and returned)."""
-    xp = xp_of(grad)
-    grad -= xp.einsum("...i,...i->...", grad, probs)[..., None]
+    grad -= rowdot(grad, probs)[..., None]
     grad *= probs
     return grad
+
+
+def rowdot(a: Any, b: Any) -> Any:
+    """Σ_i a[..., i]·b[..., i]: the dot product along the last axis, without an (…, n)
+    temporary (NumPy's einsum on the host, the standard's ``vecdot`` elsewhere; the two may
+    round differently in the last bit)."""
+    if isinstance(a, np.ndarray):
+        return np.einsum("...i,...i->...", a, b)
+    return xp_of(a).vecdot(a, b, axis=-1)

@@ -10,21 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import resolve_dtype, xp_of
+from zerosim.backend import add_at, np_dtype, resolve_dtype, xp_of
 from zerosim.nn.functional import compute_dtype, downcast, upcast
 from zerosim.nn.init import RngLike, as_generator, check_positive_int, linear_default, normal
 from zerosim.nn.module import Module
 from zerosim.nn.parameter import Parameter, accumulate_grad
-
-
-def _scatter_add_rows(xp: Any, target: Any, idx: Any, rows: Any) -> None:
-    """target[idx[i]] += rows[i] for every i, repeated ids accumulating (unbuffered)."""
-    if xp is np:
-        np.add.at(target, idx, rows)
-    else:
-        import cupyx  # noqa: PLC0415  (only on the cupy backend)
-
-        cupyx.scatter_add(target, idx, rows)
 
 
 class Linear(Module):
@@ -63,21 +53,23 @@ class Linear(Module):
                 f"Linear expects input whose last axis is in_features={self.in_features}; "
                 f"got shape {tuple(x.shape)}"
             )
+        xp = xp_of(x)
         w = self.weight.data
-        y = upcast(x).reshape(-1, self.in_features) @ upcast(w).T
+        y = xp.reshape(upcast(x), (-1, self.in_features)) @ upcast(w).T
         if self.bias is not None:
             y += upcast(self.bias.data)
         self.save_for_backward(x)
-        return downcast(y.reshape(*x.shape[:-1], self.out_features), w.dtype)
+        return downcast(xp.reshape(y, (*x.shape[:-1], self.out_features)), w.dtype)
 
     def _backward(self, grad: Any) -> Any:
         (x,) = self.pop_saved()
-        g = upcast(grad).reshape(-1, self.out_features)
-        accumulate_grad(self.weight, g.T @ upcast(x).reshape(-1, self.in_features))
+        xp = xp_of(grad)
+        g = xp.reshape(upcast(grad), (-1, self.out_features))
+        accumulate_grad(self.weight, g.T @ xp.reshape(upcast(x), (-1, self.in_features)))
         if self.bias is not None:
-            accumulate_grad(self.bias, g.sum(axis=0))
+            accumulate_grad(self.bias, xp.sum(g, axis=0))
         dx = g @ upcast(self.weight.data)
-        return downcast(dx.reshape(x.shape), x.dtype)
+        return downcast(xp.reshape(dx, x.shape), x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"
@@ -106,15 +98,21 @@ class Embedding(Module):
         self.weight = Parameter(normal(as_generator(rng), shape, std, resolve_dtype(dtype)))
 
     def forward(self, idx: Any) -> Any:
-        if idx.dtype.kind not in "iu":
+        if np_dtype(idx.dtype).kind not in "iu":
             raise TypeError(f"Embedding expects integer ids; got dtype {idx.dtype}")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= self.num_embeddings):
+        xp = xp_of(idx)
+        low, high = (int(xp.min(idx)), int(xp.max(idx))) if idx.size else (0, 0)
+        if low < 0 or high >= self.num_embeddings:
             raise IndexError(
-                f"Embedding ids must lie in [0, {self.num_embeddings}); "
-                f"got min {int(idx.min())}, max {int(idx.max())}"
+                f"Embedding ids must lie in [0, {self.num_embeddings}); got min {low}, max {high}"
             )
         self.save_for_backward(idx)
-        return self.weight.data[idx]
+        w = self.weight.data
+        if xp is np:
+            return w[idx]
+        # the standard indexes with one integer array per axis only: take rows, then shape
+        rows = xp.take(w, xp.reshape(idx, (-1,)), axis=0)
+        return xp.reshape(rows, (*idx.shape, self.embedding_dim))
 
     def _backward(self, grad: Any) -> None:
         (idx,) = self.pop_saved()
@@ -122,12 +120,13 @@ class Embedding(Module):
         if not p.requires_grad:
             return None
         xp = xp_of(grad)
-        rows = upcast(grad).reshape(-1, self.embedding_dim)
-        if p.grad is not None and p.grad.dtype == rows.dtype:
-            _scatter_add_rows(xp, p.grad, idx.reshape(-1), rows)  # straight into the gradient
+        rows = xp.reshape(upcast(grad), (-1, self.embedding_dim))
+        ids = xp.reshape(idx, (-1,))
+        if p.grad is not None and np_dtype(p.grad.dtype) == np_dtype(rows.dtype):
+            add_at(p.grad, ids, rows)  # straight into the gradient
         else:
             dw = xp.zeros(p.shape, dtype=compute_dtype(p.dtype))
-            _scatter_add_rows(xp, dw, idx.reshape(-1), rows)
+            add_at(dw, ids, rows)
             accumulate_grad(p, dw)
         return None
 

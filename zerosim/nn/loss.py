@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.backend import xp_of
+import numpy as np
+
+from zerosim.backend import np_dtype, xp_of
 from zerosim.nn.functional import downcast, upcast
 from zerosim.nn.module import Module
 
@@ -42,27 +44,31 @@ class CrossEntropyLoss(Module):
                 f"CrossEntropyLoss expects logits (N, C) and targets (N,); got "
                 f"{tuple(logits.shape)} and {tuple(target.shape)}"
             )
-        if target.dtype.kind not in "iu":
+        if np_dtype(target.dtype).kind not in "iu":
             raise TypeError(f"CrossEntropyLoss targets must be integers; got dtype {target.dtype}")
         xp = xp_of(logits)
         n, c = logits.shape
         valid = target != self.ignore_index
         t = xp.where(valid, target, 0)
-        if n and (int(t.min()) < 0 or int(t.max()) >= c):
+        if n and (int(xp.min(t)) < 0 or int(xp.max(t)) >= c):
             raise IndexError(
                 f"CrossEntropyLoss targets must lie in [0, {c}) or equal "
-                f"ignore_index={self.ignore_index}; got min {int(target.min())}, "
-                f"max {int(target.max())}"
+                f"ignore_index={self.ignore_index}; got min {int(xp.min(target))}, "
+                f"max {int(xp.max(target))}"
             )
         z = upcast(logits)
-        rows = xp.arange(n)
-        zmax = z.max(axis=1, keepdims=True)
+        zmax = xp.max(z, axis=1, keepdims=True)
         e = z - zmax
         xp.exp(e, out=e)
-        s = e.sum(axis=1, keepdims=True)
+        s = xp.sum(e, axis=1, keepdims=True)
         lse = (xp.log(s) + zmax)[:, 0]
-        total = ((lse - z[rows, t]) * valid).sum()
-        count = int(valid.sum())
+        if xp is np:
+            z_target = z[np.arange(n), t]
+            total = ((lse - z_target) * valid).sum()
+        else:  # the standard: one index array per axis only with take_along_axis; no bool·float
+            z_target = xp.take_along_axis(z, t[:, None], axis=1)[:, 0]
+            total = xp.sum((lse - z_target) * xp.astype(valid, z.dtype))
+        count = int(xp.count_nonzero(valid))
         denom = count if self.reduction == "mean" else 1
         e /= s  # softmax probabilities, kept for backward
         self.save_for_backward(e, t, valid, denom, logits.dtype)
@@ -74,8 +80,14 @@ class CrossEntropyLoss(Module):
         probs, t, valid, denom, dtype = self.pop_saved()
         xp = xp_of(probs)
         d = probs  # reused in place: this entry is never read again
-        d[xp.arange(d.shape[0]), t] -= 1
-        d *= (valid * (xp.asarray(grad, dtype=d.dtype) / max(denom, 1)))[:, None]
+        scale = xp.asarray(grad, dtype=d.dtype) / max(denom, 1)
+        if xp is np:
+            d[np.arange(d.shape[0]), t] -= 1
+            d *= (valid * scale)[:, None]
+        else:  # no fancy-index assignment in the standard: subtract the one-hot rows
+            classes = xp.arange(d.shape[1], dtype=t.dtype)
+            d -= xp.astype(t[:, None] == classes[None, :], d.dtype)
+            d *= (xp.astype(valid, d.dtype) * scale)[:, None]
         return downcast(d, dtype), None
 
     def extra_repr(self) -> str:
@@ -98,7 +110,7 @@ class MSELoss(Module):
         diff = upcast(prediction) - upcast(target)
         denom = diff.size if self.reduction == "mean" else 1
         self.save_for_backward(diff, denom, prediction.dtype)
-        return (diff * diff).sum() / denom
+        return xp_of(diff).sum(diff * diff) / denom
 
     def _backward(self, grad: Any) -> tuple[Any, None]:
         diff, denom, dtype = self.pop_saved()

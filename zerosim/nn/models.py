@@ -79,6 +79,8 @@ class LossModel(Module):
                     f"grad_scale must be a scalar after model(x, y); got shape "
                     f"{np.shape(grad_scale)}"
                 )
+            if xp is not np and isinstance(grad_scale, np.ndarray | np.generic):
+                grad_scale = float(grad_scale)  # a host number: the standard takes Python's
             seed = xp.asarray(grad_scale, dtype=dtype)
         else:
             if tuple(np.shape(grad_scale)) != tuple(shape):
@@ -226,13 +228,14 @@ class GPT(LossModel):
                 f"targets must have the shape of the ids {tuple(logits.shape[:2])}; "
                 f"got {tuple(targets.shape)}"
             )
-        return logits.reshape(-1, self.vocab_size), targets.reshape(-1)
+        xp = xp_of(logits)
+        return xp.reshape(logits, (-1, self.vocab_size)), xp.reshape(targets, (-1,))
 
     def _output_backward(self, grad: Any) -> None:
         grad = self.ln_f.backward(self.lm_head.backward(grad))
         for block in reversed(list(self.blocks)):
             grad = block.backward(grad)
         grad = self.drop.backward(grad)
-        self.wpe.backward(grad.sum(axis=0, dtype=compute_dtype(grad.dtype)))
+        self.wpe.backward(xp_of(grad).sum(grad, axis=0, dtype=compute_dtype(grad.dtype)))
         self.wte.backward(grad)
         return None

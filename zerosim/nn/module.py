@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import Backend
+from zerosim.backend import Backend, is_device_array
 from zerosim.nn import state
 from zerosim.nn.grad_mode import is_grad_enabled
 from zerosim.nn.parameter import Parameter
@@ -67,7 +67,7 @@ def _iter_arrays(item: Any) -> Iterator[Any]:
     if isinstance(item, tuple | list):
         for x in item:
             yield from _iter_arrays(x)
-    elif isinstance(item, np.ndarray) or hasattr(item, "__cuda_array_interface__"):
+    elif isinstance(item, np.ndarray) or is_device_array(item):
         yield item
 
 
@@ -319,7 +319,9 @@ class Module:
 
     def to(self, dtype: Any = None, backend: str | Backend | None = None) -> Module:
         """Cast floating parameters, gradients and buffers to ``dtype`` and/or move them to
-        ``backend`` ('numpy' | 'cupy'); the Parameter objects stay the same. Returns self."""
+        ``backend`` ('numpy' | 'cupy' | 'array_api_strict', whose arrays live on its
+        ``Device("device1")``), crossing through ``to_host`` / ``from_host``; the Parameter
+        objects stay the same. Returns self."""
         state.cast(self, dtype, backend)
         return self
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import resolve_dtype, xp_of
-from zerosim.nn.functional import downcast, upcast
+from zerosim.nn.functional import downcast, rowdot, upcast
 from zerosim.nn.init import check_positive_int
 from zerosim.nn.module import Module
 from zerosim.nn.parameter import Parameter, accumulate_grad
@@ -21,8 +21,9 @@ from zerosim.nn.parameter import Parameter, accumulate_grad
 
 def _normalized_grad(dxhat: Any, xhat: Any, rstd: Any, axes: tuple[int, ...]) -> Any:
     """dx = rstd · (dx̂ − mean(dx̂) − x̂ · mean(dx̂ · x̂)), means over ``axes``."""
-    dx = dxhat - dxhat.mean(axis=axes, keepdims=True)
-    dx -= xhat * (dxhat * xhat).mean(axis=axes, keepdims=True)
+    xp = xp_of(dxhat)
+    dx = dxhat - xp.mean(dxhat, axis=axes, keepdims=True)
+    dx -= xhat * xp.mean(dxhat * xhat, axis=axes, keepdims=True)
     dx *= rstd
     return dx
 
@@ -55,9 +56,9 @@ class LayerNorm(Module):
             )
         xp = xp_of(x)
         xc = upcast(x)
-        mean = xc.mean(axis=-1, keepdims=True)
+        mean = xp.mean(xc, axis=-1, keepdims=True)
         y = xc - mean  # the only new (…, C) array: x − μ, then x̂, then the output
-        var = xp.einsum("...i,...i->...", y, y)[..., None]  # Σ (x − μ)², no temporary
+        var = rowdot(y, y)[..., None]  # Σ (x − μ)², no temporary
         var *= 1.0 / self.normalized_shape
         var += self.eps
         rstd = 1 / xp.sqrt(var, out=var)
@@ -76,18 +77,22 @@ class LayerNorm(Module):
         xhat *= rstd
         g = upcast(grad)
         if self.weight is not None:
-            g_rows = g.reshape(-1, self.normalized_shape)
-            xhat_rows = xhat.reshape(g_rows.shape)
-            accumulate_grad(self.weight, xp.einsum("ij,ij->j", g_rows, xhat_rows))  # Σ g·x̂
+            g_rows = xp.reshape(g, (-1, self.normalized_shape))
+            xhat_rows = xp.reshape(xhat, g_rows.shape)
+            if xp is np:  # Σ g·x̂ without a (rows, C) temporary
+                dw = np.einsum("ij,ij->j", g_rows, xhat_rows)
+            else:
+                dw = xp.sum(g_rows * xhat_rows, axis=0)
+            accumulate_grad(self.weight, dw)
             if self.bias is not None:
-                accumulate_grad(self.bias, g_rows.sum(axis=0))
+                accumulate_grad(self.bias, xp.sum(g_rows, axis=0))
             dx = g * upcast(self.weight.data)  # dx̂, turned into dx in place below
         else:
-            dx = g.copy()
+            dx = xp.asarray(g, copy=True)
         # dx = rstd · (dx̂ − mean(dx̂) − x̂ · mean(dx̂ · x̂)), without further (…, C) arrays
-        mean_dxhat_xhat = xp.einsum("...i,...i->...", dx, xhat)[..., None]
+        mean_dxhat_xhat = rowdot(dx, xhat)[..., None]
         mean_dxhat_xhat *= 1.0 / self.normalized_shape
-        dx -= dx.mean(axis=-1, keepdims=True)
+        dx -= xp.mean(dx, axis=-1, keepdims=True)
         xhat *= mean_dxhat_xhat
         dx -= xhat
         dx *= rstd
@@ -151,18 +156,19 @@ class BatchNorm1d(Module):
                     f"BatchNorm1d needs more than 1 value per channel when "
                     f"training; got input shape {tuple(x.shape)}"
                 )
-            mean = xc.mean(axis=axes)
-            var = ((xc - mean.reshape(shape)) ** 2).mean(axis=axes)
+            mean = xp.mean(xc, axis=axes)
+            var = xp.mean((xc - xp.reshape(mean, shape)) ** 2, axis=axes)
             if self.training and self.track_running_stats:
                 self._update_running(mean, var * (m / (m - 1)))
         else:
             mean, var = upcast(self.running_mean), upcast(self.running_var)
-        rstd = (1 / xp.sqrt(var + self.eps)).reshape(shape)
-        xhat = (xc - mean.reshape(shape)) * rstd
+        rstd = xp.reshape(1 / xp.sqrt(var + self.eps), shape)
+        xhat = (xc - xp.reshape(mean, shape)) * rstd
         self.save_for_backward(xhat, rstd, use_batch, x.dtype)
         y = xhat
         if self.weight is not None:
-            y = y * upcast(self.weight.data).reshape(shape) + upcast(self.bias.data).reshape(shape)
+            weight = xp.reshape(upcast(self.weight.data), shape)
+            y = y * weight + xp.reshape(upcast(self.bias.data), shape)
         return downcast(y, x.dtype)
 
     def _update_running(self, mean: Any, unbiased_var: Any) -> None:
@@ -175,12 +181,13 @@ class BatchNorm1d(Module):
     def _backward(self, grad: Any) -> Any:
         xhat, rstd, use_batch, dtype = self.pop_saved()
         axes, shape = ((0,), (1, -1)) if xhat.ndim == 2 else ((0, 2), (1, -1, 1))
+        xp = xp_of(grad)
         g = upcast(grad)
         dxhat = g
         if self.weight is not None:
-            accumulate_grad(self.weight, (g * xhat).sum(axis=axes))
-            accumulate_grad(self.bias, g.sum(axis=axes))
-            dxhat = g * upcast(self.weight.data).reshape(shape)
+            accumulate_grad(self.weight, xp.sum(g * xhat, axis=axes))
+            accumulate_grad(self.bias, xp.sum(g, axis=axes))
+            dxhat = g * xp.reshape(upcast(self.weight.data), shape)
         dx = _normalized_grad(dxhat, xhat, rstd, axes) if use_batch else dxhat * rstd
         return downcast(dx, dtype)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import xp_of
+from zerosim.backend import np_dtype, xp_of
 from zerosim.nn.functional import downcast, is_floating
 
 
@@ -38,7 +38,7 @@ class Parameter:
         self.requires_grad = requires_grad
         self.shape: tuple[int, ...] = tuple(int(n) for n in data.shape)
         self.numel: int = int(np.prod(self.shape, dtype=np.int64))
-        self.dtype: np.dtype = np.dtype(data.dtype)
+        self.dtype: np.dtype = np_dtype(data.dtype)  # a NumPy dtype, whatever the backend
         # ZeRO-3 partition record when built inside ``zerosim.zero.Init``: this rank's chunk and
         # what gathering needs (then ``data`` is empty until gathered); None for a whole array.
         self.partition: Any = None
@@ -76,6 +76,8 @@ def accumulate_grad(param: Parameter, grad: Any) -> None:
         )
     if param.grad is None:
         param.grad = downcast(grad, param.dtype)
-    else:
+    elif isinstance(param.grad, np.ndarray):
         with np.errstate(over="ignore"):  # float16 overflow → inf, for the loss scaler
-            xp_of(param.grad).add(param.grad, grad, out=param.grad, casting="unsafe")
+            np.add(param.grad, grad, out=param.grad, casting="unsafe")
+    else:  # the sum in the wider dtype, rounded into the gradient (NumPy's unsafe casting)
+        xp_of(param.grad).add(param.grad, grad, out=param.grad)

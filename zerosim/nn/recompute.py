@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from zerosim.backend import nbytes, xp_of
 from zerosim.nn.grad_mode import enable_grad, no_grad
 from zerosim.nn.module import Module
 
@@ -65,7 +66,7 @@ class Checkpoint(Module):
         args, rng_at_forward = self.pop_saved()
         rng_now = _RngStates(self._random_modules())
         buffers = [
-            (m, name, b.copy())
+            (m, name, xp_of(b).asarray(b, copy=True))
             for m in self.inner.modules()
             for name, b in m._buffers.items()
             if b is not None
@@ -101,15 +102,16 @@ def checkpoint(module: Module) -> Checkpoint:
 
 
 def _root(array: Any) -> Any:
-    """The array that owns the memory ``array`` views."""
-    while hasattr(array.base, "nbytes") and hasattr(array.base, "shape"):
+    """The array that owns the memory ``array`` views (NumPy's and CuPy's ``.base``; an
+    Array API standard array does not say, so it stands for itself)."""
+    while hasattr(getattr(array, "base", None), "nbytes") and hasattr(array.base, "shape"):
         array = array.base
     return array
 
 
 def saved_bytes(model: Module) -> int:
     """Bytes held by the saved stacks of ``model``'s modules: each buffer counted once,
-    with its full size when a view of it is saved."""
+    with its full size when a view of it is saved (where the backend tells views apart)."""
     seen: set[int] = set()
     total = 0
     for m in model.modules():
@@ -117,5 +119,5 @@ def saved_bytes(model: Module) -> int:
             root = _root(array)
             if id(root) not in seen:
                 seen.add(id(root))
-                total += int(root.nbytes)
+                total += nbytes(root)
     return total

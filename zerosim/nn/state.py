@@ -11,7 +11,17 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from zerosim.backend import DTYPES, Backend, get_backend, resolve_dtype, to_host, xp_of
+from zerosim.backend import (
+    DTYPES,
+    Backend,
+    StandardNamespace,
+    from_host,
+    get_backend,
+    np_dtype,
+    resolve_dtype,
+    to_host,
+    xp_of,
+)
 from zerosim.nn.functional import is_floating
 
 if TYPE_CHECKING:
@@ -81,14 +91,28 @@ def load_state_dict(module: Module, values: dict[str, Any], strict: bool = True)
                 f"parameter {key!r} currently holds shape {tuple(target.shape)} (released?); "
                 f"gather it to its full shape {m._parameters[name].shape} before loading"
             )
-        xp = xp_of(target)
-        target[...] = to_host(values[key]) if xp is np else xp.asarray(values[key])
+        target[...] = _like(values[key], target)
     return LoadResult(missing, unexpected)
+
+
+def _like(value: Any, target: Any) -> Any:
+    """``value`` on ``target``'s backend: as it is when it already lives there, else crossed
+    through the host (``to_host`` then ``from_host``, each counted off NumPy)."""
+    xp = xp_of(target)
+    if xp is np:
+        return to_host(value)
+    if xp_of(value) is xp:
+        return value
+    return from_host(to_host(value), like=target)
 
 
 def cast(module: Module, dtype: Any = None, backend: str | Backend | None = None) -> None:
     """Rebind every parameter's ``.data`` / ``.grad`` and every buffer to a copy in ``dtype``
-    (floating arrays only) on ``backend``; Parameter objects and their ``shape`` stay."""
+    (floating arrays only) on ``backend``; Parameter objects and their ``shape`` stay.
+
+    Arrays reach another backend through the counted crossings (``to_host`` / ``from_host``
+    inside ``Backend.asarray``). A dtype the target namespace cannot hold (16-bit floats on
+    array_api_strict, bfloat16 on cupy) raises TypeError before anything is changed."""
     dt = None if dtype is None else resolve_dtype(dtype)
     be = get_backend(backend) if isinstance(backend, str) else backend
     if be is not None and be.name == "cupy" and dt == DTYPES["bfloat16"]:
@@ -97,11 +121,19 @@ def cast(module: Module, dtype: Any = None, backend: str | Backend | None = None
             "allowed on cupy: float64, float32, float16"
         )
 
-    def convert(a: Any) -> Any:
-        if be is not None:
-            a = to_host(a) if be.name == "numpy" else be.xp.asarray(a)
+    def target_dtype(a: Any) -> np.dtype:
+        current = np_dtype(a.dtype)
+        return dt if dt is not None and is_floating(current) else current
+
+    if be is not None and isinstance(be.xp, StandardNamespace):
+        for a in _arrays(module):
+            be.xp.dtype(target_dtype(a))  # raises TypeError naming a dtype it lacks
+
+    def convert(a: Any) -> Any:  # cast where the array is, then move it
         if dt is not None and is_floating(a.dtype):
-            a = a.astype(dt)
+            a = a.astype(dt) if isinstance(a, np.ndarray) else xp_of(a).astype(a, dt)
+        if be is not None:
+            a = to_host(a) if be.name == "numpy" else be.asarray(a)
         return a
 
     for p in module.parameters():
@@ -109,8 +141,20 @@ def cast(module: Module, dtype: Any = None, backend: str | Backend | None = None
             p.partition.chunk = convert(p.partition.chunk)
         p.data = convert(p.data)
         p.grad = None if p.grad is None else convert(p.grad)
-        p.dtype = np.dtype(p.data.dtype)
+        p.dtype = np_dtype(p.data.dtype)
     for m in module.modules():
         for name, b in m._buffers.items():
             if b is not None:
                 m._buffers[name] = convert(b)
+
+
+def _arrays(module: Module) -> list[Any]:
+    """Every array ``cast`` converts: parameters' data, chunks and gradients, and buffers."""
+    arrays = []
+    for p in module.parameters():
+        arrays += [a for a in (p.data, p.grad) if a is not None]
+        if p.partition is not None:
+            arrays.append(p.partition.chunk)
+    for m in module.modules():
+        arrays += [b for b in m._buffers.values() if b is not None]
+    return arrays
