@@ -178,10 +178,12 @@ def blocks(
     length = block_length(param) if flat else max(1, int(param.size))
     count = n_work + cast_param + cast_grad
     buffers = _work_buffers(param, count, length, scratch if flat or not layout else None)
-    if flat:
-        param, grad = xp.reshape(param, (-1,)), xp.reshape(grad, (-1,))
-        states = [None if s is None else xp.reshape(s, (-1,)) for s in states]
-    else:
+    if flat:  # NumPy or CuPy arrays: their own reshape costs a sixth of np.reshape's
+        param, grad = param.reshape(-1), grad.reshape(-1)
+        states = [None if s is None else s.reshape(-1) for s in states]
+    elif layout:
+        buffers = [b.reshape(param.shape) for b in buffers]
+    else:  # the standard's arrays: one block, the work buffers shaped like the parameter
         buffers = [xp.reshape(b, tuple(param.shape)) for b in buffers]
     p_buf = buffers.pop() if cast_param else None
     g_buf = buffers.pop() if cast_grad else None
