@@ -40,6 +40,7 @@ class Case:
     prescale: bool = False  # prescale_gradients
     predivide: float = 1.0  # gradient_predivide_factor
     schedule: str = "deepspeed"  # zerosim.schedule: "deepspeed" or "paper"
+    backend: str = "numpy"  # zerosim.backend: "numpy" or "array_api_strict"
 
     def with_(self, **kw) -> Case:
         return replace(self, **kw)
@@ -126,6 +127,7 @@ def config(case: Case) -> dict:
             "layout": case.layout,
             "collectives": case.collectives,
             "schedule": case.schedule,
+            "backend": case.backend,
         },
     }
 
@@ -296,3 +298,51 @@ def check_case(comm, case: Case) -> float:
 
 
 __all__ = ["Case", "check_case", "train", "reference", "zs"]
+
+
+def train_on(comm, case: Case, extra: dict | None = None, save_to: str | None = None) -> dict:
+    """Train ``case`` (its config merged with ``extra``) on this rank's micro-batches; with
+    ``save_to``, save a checkpoint halfway, train on, then load it back into a new engine and
+    train the second half again (so the result includes a save/load round trip). Returns the
+    full parameters (host arrays), the ledger's bytes, the crossings per step, and where the
+    parameters live."""
+    from zerosim.backend import crossings
+
+    cfg = config(case)
+    for key, value in (extra or {}).items():
+        section = cfg.setdefault(key, {})
+        if isinstance(value, dict) and isinstance(section, dict):
+            section.update(value)
+        else:
+            cfg[key] = value
+    x, y = data(case, comm.size)
+    width = comm.size * case.micro
+
+    def run(engine, steps):
+        before = crossings().as_dict()
+        for s in steps:
+            for j in range(case.accumulation):
+                at = (s * case.accumulation + j) * width + comm.rank * case.micro
+                loss = engine(x[at : at + case.micro], y[at : at + case.micro])
+                engine.backward(loss)
+                engine.step()
+        after = crossings().as_dict()
+        return {k: after[k] - before[k] for k in after}
+
+    engine, *_ = initialize(build_model(case), cfg, comm=comm)
+    devices = {str(getattr(p.data, "device", "cpu")) for p in engine.module.parameters()}
+    half = case.steps // 2 if save_to else case.steps
+    moved = run(engine, range(half))
+    if save_to:
+        engine.save_checkpoint(save_to, tag="half")
+        run(engine, range(half, case.steps))  # trained on, then thrown away
+        engine, *_ = initialize(build_model(case), cfg, comm=comm)
+        engine.load_checkpoint(save_to, tag="half")
+        run(engine, range(half, case.steps))
+    return {
+        "params": engine.full_state_dict(),
+        "bytes": comm.ledger.bytes_sent(),
+        "crossings": moved,
+        "devices": devices,
+        "steps": half,
+    }

@@ -74,6 +74,27 @@ def engine_parity(comm):
     return worst
 
 
+def array_api_parity(comm):
+    """Every stage on array_api_strict's non-host device against the NumPy run (same process)."""
+    import engine_cases
+
+    worst = 0.0
+    variants = [
+        dict(stage=0, model="gpt", accumulation=2, clip=0.5),
+        dict(stage=1, model="mlp", optimizer="sgd"),
+        dict(stage=1, model="gpt", layout="megatron", clip=1.0),
+        dict(stage=2, model="gpt", accumulation=2, clip=0.05),
+        dict(stage=3, model="gpt", accumulation=2, clip=0.5),
+        dict(stage=3, model="mlp", persistence=40, overlap=False),
+    ]
+    for variant in variants:
+        case = engine_cases.Case(steps=3, **variant)
+        want = engine_cases.train_on(comm, case)["params"]
+        got = engine_cases.train_on(comm, case.with_(backend="array_api_strict"))["params"]
+        worst = max(worst, max(float(np.max(np.abs(got[k] - want[k]))) for k in want))
+    return worst
+
+
 def engine_config_error(comm):
     """A bad config: every rank raises ConfigError before building anything; the job aborts."""
     from zerosim.engine import initialize
@@ -106,6 +127,7 @@ def engine_model_differs(comm):
 CHECKS = {
     "engine_model_differs": engine_model_differs,
     "engine_parity": engine_parity,
+    "array_api_parity": array_api_parity,
     "engine_config_error": engine_config_error,
     "collectives": collectives,
     "raise_on_rank_1": raise_on_rank_1,

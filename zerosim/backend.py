@@ -362,6 +362,17 @@ def to_host(x: Any) -> np.ndarray:
     return np.asarray(host).astype(np_dtype(x.dtype), copy=False)
 
 
+def item(x: Any) -> float:
+    """A 0-d (or one-element) array's value as a Python float; on a device this is a crossing
+    of one element, counted like ``to_host``'s."""
+    if isinstance(x, np.ndarray | np.generic | float | int):
+        return float(x)
+    counts = crossings()
+    counts.to_host_calls += 1
+    counts.to_host_bytes += np_dtype(x.dtype).itemsize
+    return float(x)
+
+
 def from_host(x: Any, like: Any = None, *, xp: Any = None, dtype: Any = None) -> Any:
     """``x`` (host data) as an array of ``like``'s namespace and device (or of ``xp``);
     NumPy targets take it uncopied and uncounted. The one way host data reaches a device:
@@ -379,6 +390,28 @@ def from_host(x: Any, like: Any = None, *, xp: Any = None, dtype: Any = None) ->
         on_host = xp._ns.asarray(host, dtype=dt, device=_host_device(xp._ns))
         return xp._ns.asarray(on_host, device=xp.device, copy=True)
     return xp.asarray(host)
+
+
+def flat(x: Any) -> Any:
+    """``x`` as a 1-D array (a view when its layout allows), in its own namespace."""
+    return np.reshape(x, -1) if isinstance(x, np.ndarray) else xp_of(x).reshape(x, (-1,))
+
+
+def contiguous(x: Any) -> Any:
+    """``x`` in C order: NumPy's and CuPy's ``ascontiguousarray``; an Array API standard array
+    has no memory layout to speak of, so it is returned as it is."""
+    xp = xp_of(x)
+    return x if isinstance(xp, StandardNamespace) else xp.ascontiguousarray(x)
+
+
+def move_like(x: Any, like: Any) -> Any:
+    """``x`` in ``like``'s namespace and device: itself when it already is, else a crossing
+    (``to_host`` or ``from_host``, counted) — e.g. an offloaded host master written back into
+    device parameters."""
+    xp = xp_of(like)
+    if xp_of(x) is xp:
+        return x
+    return to_host(x) if xp is np else from_host(to_host(x), xp=xp)
 
 
 def _host_device(ns: Any) -> Any:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from zerosim import optim
-from zerosim.backend import to_host
+from zerosim.backend import from_host, get_backend, item, nbytes, np_dtype, to_host, xp_of
 from zerosim.comm import Communicator, default_comm
 from zerosim.config import Config, ConfigError, load_config, reject_unbuilt
 from zerosim.config.optimizer import ZERO_SUPPORTED_OPTIMIZERS
@@ -54,9 +54,9 @@ def _fingerprint(model: Module) -> int:
 
 def _to_float16(x: Any) -> Any:
     """``x`` cast to float16 when it is a floating-point array (``fp16.auto_cast``)."""
-    if x is None or not hasattr(x, "dtype") or not np.issubdtype(np.dtype(x.dtype), np.floating):
+    if x is None or not hasattr(x, "dtype") or not np.issubdtype(np_dtype(x.dtype), np.floating):
         return x
-    return x.astype(np.float16)
+    return xp_of(x).astype(x, np.float16)
 
 
 def check_same_model(model: Module, comm: Communicator) -> None:
@@ -238,6 +238,9 @@ class Engine:
         opt_cls, groups = _optimizer_spec(cfg, optimizer, model)
         check_same_model(model, comm)
         model.to(dtype=cfg.model_dtype)
+        self.backend = get_backend(cfg.zerosim.backend)
+        if self.backend.name != "numpy":  # every parameter and buffer crosses once, here
+            model.to(backend=self.backend)
         broadcast_model(model, comm)
         zero = cfg.zero_optimization
         try:  # the overflow and norm collectives of the boundary (zerosim/zero/schedule.py)
@@ -309,6 +312,7 @@ class Engine:
     def __call__(self, x: Any, y: Any = None) -> Any:
         """Forward this rank's micro-batch; with targets, returns the loss (mean over it)."""
         self._check_forward(x, y)
+        x, y = self._to_device(x), self._to_device(y)
         if self.config.fp16.auto_cast:  # DeepSpeed casts floating-point inputs to float16
             x, y = _to_float16(x), _to_float16(y)
         with self._phase("forward"), self._fp16_quiet():
@@ -316,13 +320,20 @@ class Engine:
             out = self.module(x, y) if y is not None else self.module(x)
         if y is None:
             return out
-        loss = Loss(float(out))
+        loss = Loss(item(out))
         self._serial += 1
         loss.engine, loss.serial = self, self._serial
         self._last_loss = loss
         return loss
 
     forward = __call__
+
+    def _to_device(self, batch: Any) -> Any:
+        """A host batch crosses to the backend's device (``backend.from_host``, counted); one
+        already there stays."""
+        if batch is None or self.backend.name == "numpy" or xp_of(batch) is self.backend.xp:
+            return batch
+        return from_host(to_host(batch), xp=self.backend.xp)
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Any:
@@ -365,7 +376,7 @@ class Engine:
                 f"engine(x, y): y must hold one target per sample of x ({x.shape[0]}), got "
                 f"shape {tuple(y.shape)} for x of shape {tuple(x.shape)}"
             )
-        spec = (x.ndim, np.dtype(x.dtype).kind)
+        spec = (x.ndim, np_dtype(x.dtype).kind)
         if self._first_batch is None:
             self._first_batch = spec
         elif spec != self._first_batch:
@@ -395,13 +406,13 @@ class Engine:
         for name, p, data in self._model_at_init:
             if p.data is data:
                 continue
-            shape, dtype = tuple(p.data.shape), np.dtype(p.data.dtype)
-            if stage3 and (p.data.size == 0 or shape == p.shape) and dtype == np.dtype(data.dtype):
+            shape, dtype = tuple(p.data.shape), np_dtype(p.data.dtype)
+            if stage3 and (p.data.size == 0 or shape == p.shape) and dtype == np_dtype(data.dtype):
                 continue  # stage 3 releases and gathers parameters by swapping .data
             raise RuntimeError(
                 f"the model changed after initialize: parameter {name!r} no longer holds the "
                 f"engine's array (now shape {shape}, dtype {dtype}; at initialize "
-                f"{tuple(data.shape)}, {np.dtype(data.dtype)}), so the engine's updates would "
+                f"{tuple(data.shape)}, {np_dtype(data.dtype)}), so the engine's updates would "
                 f"not reach it; change weights in place (p.data[...] = values, "
                 f"model.load_state_dict, engine.load_checkpoint) or call initialize again"
             )
@@ -582,7 +593,7 @@ class Engine:
         """Bytes this rank holds, by category, from the arrays actually alive. Categories do not
         overlap: ``held`` in ``memory_totals()`` is their sum without the ``peak_*`` entries."""
         report = self.strategy.memory_report()
-        report["buffers"] = sum(to_host(b).nbytes for _, b in self.module.named_buffers())
+        report["buffers"] = sum(nbytes(b) for _, b in self.module.named_buffers())
         return report
 
     def memory_totals(self) -> dict[str, int]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import DTYPES, dtype_name, is_device_array, resolve_dtype
+from zerosim.backend import DTYPES, dtype_name, is_device_array, np_dtype, resolve_dtype
 from zerosim.comm import ring
 from zerosim.comm.flight import check_timeout, default_timeout, env_flight_dir, env_timeout
 from zerosim.comm.ledger import Ledger, Record
@@ -72,8 +72,13 @@ class Handle:
         self._record.wall_time = self._comm.ledger.now() - self._record.start
 
 
-def _address(x: Any) -> int:
-    return x.data.ptr if is_device_array(x) else x.__array_interface__["data"][0]
+def _address(x: Any) -> int | None:
+    """Where ``x``'s first element lives: NumPy's and CuPy's pointers; None for an Array API
+    standard array, which exposes none (its collectives then never run in place)."""
+    if isinstance(x, np.ndarray):
+        return x.__array_interface__["data"][0]
+    data = getattr(x, "data", None)
+    return data.ptr if hasattr(data, "ptr") else None
 
 
 def _check_buffer(name: str, x: Any, writable: bool = False) -> None:
@@ -87,11 +92,16 @@ def _check_buffer(name: str, x: Any, writable: bool = False) -> None:
 def _explain_buffer(name: str, x: Any, writable: bool) -> None:
     """Raise the error that says what is wrong with ``x`` (device arrays that pass return)."""
     if not (isinstance(x, np.ndarray) or is_device_array(x)):
-        raise TypeError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
-    if x.dtype not in _SUPPORTED:
+        raise TypeError(
+            f"{name} must be an array (numpy, cupy or the Array API backend's), got "
+            f"{type(x).__name__}"
+        )
+    if np_dtype(x.dtype) not in _SUPPORTED:
         raise TypeError(
             f"{name} has dtype {dtype_name(x.dtype)}; allowed: {list(SUPPORTED_DTYPES)}"
         )
+    if not hasattr(x, "flags"):  # an Array API standard array: no memory layout to check
+        return
     if not x.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous, got an array with strides {x.strides}")
     if writable and isinstance(x, np.ndarray) and not x.flags.writeable:
@@ -559,7 +569,10 @@ class Communicator(ABC):
             return False
         if isinstance(out, np.ndarray) and not np.may_share_memory(out, inp):
             return False  # the common case, decided by a bounds check in C
-        return _address(inp) == _address(out) + self.rank * inp.size * inp.dtype.itemsize
+        at, base = _address(inp), _address(out)
+        if at is None or base is None:
+            return False
+        return at == base + self.rank * inp.size * np_dtype(inp.dtype).itemsize
 
     # The cross-rank check in two halves, so that its message travels while this rank writes the
     # ledger record: ``_post_agree`` sends this rank's signature and returns a token,
@@ -637,6 +650,7 @@ class Communicator(ABC):
         the bytes by node and time the call. Returns (record, call number, what ``native``
         returned)."""
         ledger = self.ledger
+        dtype = np_dtype(dtype)
         if self._node_version != ledger.node_version:
             self._sync_nodes()
         checking = self.validate and self.size > 1

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import array_module
+from zerosim.backend import array_module, flat
 from zerosim.comm.base import Communicator, check_collectives
 from zerosim.comm.flight import check_timeout, default_timeout, describe
 from zerosim.comm.ledger import Ledger
@@ -96,11 +96,16 @@ class _WorldState:
 _REDUCE = {"sum": "add", "max": "maximum", "min": "minimum"}
 
 
+def _snapshot(x: Any) -> Any:
+    """A flat copy of ``x`` in its own namespace (what a rank posts for the others to read)."""
+    return array_module(x).asarray(flat(x), copy=True)
+
+
 def _reduce(parts: list[Any], op: str) -> Any:
     """Element-wise reduction of ``parts`` in rank order (every rank gets identical bits)."""
     xp = array_module(parts[0])
     ufunc = getattr(xp, _REDUCE[op])
-    acc = parts[0].copy()
+    acc = _snapshot(parts[0])
     for part in parts[1:]:
         ufunc(acc, part, out=acc)
     return acc
@@ -183,11 +188,11 @@ class LocalComm(Communicator):
 
     # -- native collectives ----------------------------------------------------------------------
     def _native_iall_gather(self, out: Any, inp: Any, in_place: bool) -> Callable[[], None]:
-        key = self._post("all_gather", inp.reshape(-1).copy())
+        key = self._post("all_gather", _snapshot(inp))
         xp = array_module(out)
 
         def finish() -> None:
-            out.reshape(-1)[...] = xp.concatenate(self._collect(key))
+            flat(out)[...] = xp.concatenate(self._collect(key))
 
         return finish
 
@@ -199,31 +204,31 @@ class LocalComm(Communicator):
     def _native_ireduce_scatter_v(
         self, out: Any, inp: Any, counts: tuple[int, ...], op: str
     ) -> Callable[[], None]:
-        key = self._post("reduce_scatter", inp.reshape(-1).copy())
+        key = self._post("reduce_scatter", _snapshot(inp))
         start = sum(counts[: self.rank])
         stop = start + counts[self.rank]
 
         def finish() -> None:
             parts = [p[start:stop] for p in self._collect(key)]
-            out.reshape(-1)[...] = _reduce(parts, op)
+            flat(out)[...] = _reduce(parts, op)
 
         return finish
 
     def _native_iall_reduce(self, buf: Any, op: str) -> Callable[[], None]:
-        key = self._post("all_reduce", buf.reshape(-1).copy())
+        key = self._post("all_reduce", _snapshot(buf))
 
         def finish() -> None:
-            buf.reshape(-1)[...] = _reduce(self._collect(key), op)
+            flat(buf)[...] = _reduce(self._collect(key), op)
 
         return finish
 
     def _native_ireduce(self, buf: Any, root: int, op: str) -> Callable[[], None]:
-        key = self._post("reduce", buf.reshape(-1).copy())
+        key = self._post("reduce", _snapshot(buf))
 
         def finish() -> None:
             parts = self._collect(key)  # every rank collects, so that the slot is freed
             if self.rank == root:
-                buf.reshape(-1)[...] = _reduce(parts, op)
+                flat(buf)[...] = _reduce(parts, op)
 
         return finish
 
@@ -240,15 +245,15 @@ class LocalComm(Communicator):
         self._native_ireduce(buf, root, op)()
 
     def _native_broadcast(self, buf: Any, root: int) -> None:
-        parts = self._exchange("broadcast", buf.reshape(-1).copy() if self.rank == root else None)
-        buf.reshape(-1)[...] = parts[root]
+        parts = self._exchange("broadcast", _snapshot(buf) if self.rank == root else None)
+        flat(buf)[...] = parts[root]
 
     def _native_all_to_all(self, out: Any, inp: Any) -> None:
         block = inp.size // self.size
-        parts = self._exchange("all_to_all", inp.reshape(-1).copy())
-        flat = out.reshape(-1)
+        parts = self._exchange("all_to_all", _snapshot(inp))
+        whole = flat(out)
         for src, part in enumerate(parts):
-            flat[src * block : (src + 1) * block] = part[
+            whole[src * block : (src + 1) * block] = part[
                 self.rank * block : (self.rank + 1) * block
             ]
 
@@ -270,7 +275,7 @@ class LocalComm(Communicator):
         st = self._state
         with st.cond:
             box = st.mailboxes.setdefault((self._ctx, self.rank, dest), deque())
-            box.append(buf.copy())
+            box.append(_snapshot(buf))
             st.cond.notify_all()
 
     def _recv(self, buf: Any, source: int) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from zerosim.backend import DTYPES, is_half, to_host
+from zerosim.backend import DTYPES, from_host, is_half, to_host
 from zerosim.comm import watchdog
 from zerosim.comm.base import SIGNATURE_FIELDS, Communicator
 from zerosim.comm.ledger import Ledger
@@ -87,14 +87,15 @@ def _spec(x: np.ndarray) -> list:
 
 
 def _host(x: Any) -> np.ndarray:
-    """``x`` itself when it is a NumPy array; a host copy of a CuPy array (staging)."""
+    """``x`` itself when it is a NumPy array; a host copy of a device array (staging through
+    ``backend.to_host``, counted in ``backend.crossings()``)."""
     return x if type(x) is np.ndarray else to_host(x)
 
 
 def _back(x: Any, host: np.ndarray) -> None:
-    """Copy a staged result back to its CuPy array (nothing to do for NumPy arrays)."""
+    """Copy a staged result back to its device array (nothing to do for NumPy arrays)."""
     if host is not x:
-        x.set(host)
+        x[...] = from_host(host, like=x)
 
 
 def _result_to_own_chunk(rank: int, out: Any, host: np.ndarray) -> None:
@@ -102,7 +103,7 @@ def _result_to_own_chunk(rank: int, out: Any, host: np.ndarray) -> None:
     result at the front of the buffer; move it to this rank's own chunk ``out``."""
     result = host.reshape(-1)[: out.size].reshape(out.shape)
     if type(out) is not np.ndarray:
-        out.set(result)
+        out[...] = from_host(result, like=out)
     elif rank:
         out[...] = result
 

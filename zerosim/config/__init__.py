@@ -303,6 +303,14 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(
             "zerosim.backend", "cupy", "'numpy' for bfloat16 (CuPy has no bfloat16 dtype)"
         )
+    halves = {cfg.model_dtype, cfg.communication_dtype} & {"float16", "bfloat16"}
+    if sim.backend == "array_api_strict" and halves:
+        raise ConfigError(
+            "zerosim.backend",
+            "array_api_strict",
+            f"'numpy' for {sorted(halves)} (the Array API standard has no 16-bit floats, so "
+            "array_api_strict runs float32 and float64 only)",
+        )
 
 
 def _check_deepspeed_engine_rules(cfg: Config) -> None:
@@ -430,12 +438,6 @@ def _unbuilt(cfg: Config) -> list[tuple[str, Any, bool, str]]:
             cfg.communication_data_type,
             cfg.communication_data_type is not None and zero.zero_quantized_gradients,
             "use null with zero_quantized_gradients (qgZ sends its own int4 codes)",
-        ),
-        (
-            "zerosim.backend",
-            cfg.zerosim.backend,
-            cfg.zerosim.backend != "numpy",
-            "use 'numpy' (the engine has not been run on cupy yet)",
         ),
     ]
 

@@ -726,7 +726,12 @@ class CheckpointConfig(Section):
 class ZerosimConfig(Section):
     """``zerosim``: our own section — array backend, precision, collectives, buffer layout."""
 
-    backend: str = knob("numpy", choice("numpy", "cupy"), "array module")
+    backend: str = knob(
+        "numpy",
+        choice("numpy", "cupy", "array_api_strict"),
+        "array namespace; array_api_strict is the portability test (arrays on a non-host "
+        "device, float32/float64 only)",
+    )
     dtype: str = knob(
         "float32",
         choice("float64", "float32", "float16", "bfloat16"),

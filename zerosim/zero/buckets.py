@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from zerosim.backend import nbytes, np_dtype
 from zerosim.nn import Parameter
 from zerosim.zero.partition import Range
 
@@ -50,7 +51,7 @@ class BufferPool:
 
     def take(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
         """A zero-filled array of this shape (and dtype), a view of a pooled buffer."""
-        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        dtype = self.dtype if dtype is None else np_dtype(dtype)
         numel = 1
         for d in shape if isinstance(shape, tuple) else (shape,):
             numel *= d
@@ -60,20 +61,20 @@ class BufferPool:
             buf = free.pop(min(fits, key=lambda i: free[i].size))
         else:
             buf = self.xp.empty(max(numel, 1), dtype=dtype)
-            self.nbytes += buf.nbytes
+            self.nbytes += nbytes(buf)
             self.allocations += 1
-        view = buf[:numel].reshape(shape)
-        view.fill(0)
+        view = self.xp.reshape(buf[:numel], shape if isinstance(shape, tuple) else (shape,))
+        view[...] = 0
         self.lent[id(view)] = buf
         return view
 
     def give(self, view: Any) -> None:
         """Return a view obtained from ``take``; its memory may be lent again."""
         buf = self.lent.pop(id(view))
-        self.free[buf.dtype].append(buf)
+        self.free[np_dtype(buf.dtype)].append(buf)
 
     def lent_nbytes(self) -> int:
-        return sum(b.nbytes for b in self.lent.values())
+        return sum(nbytes(b) for b in self.lent.values())
 
 
 class PendingReductions:

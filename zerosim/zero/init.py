@@ -23,11 +23,16 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import resolve_dtype, xp_of
+from zerosim.backend import contiguous, flat, move_like, nbytes, np_dtype, resolve_dtype, xp_of
 from zerosim.comm import Communicator, default_comm
 from zerosim.nn import Module, Parameter
 from zerosim.nn.module import register_module_parameter_registration_hook
 from zerosim.zero.partition import chunk_numel
+
+
+def _ndim(value: Any) -> int:
+    """Axes of an array of any namespace, or of a Python scalar or sequence."""
+    return value.ndim if hasattr(value, "ndim") else np.ndim(value)
 
 
 class ParamChunk:
@@ -47,20 +52,19 @@ class ParamChunk:
     def store(self, value: Any) -> None:
         """Keep this rank's piece of the full ``value`` (an array of the parameter's size, or a
         scalar)."""
-        xp = xp_of(self.chunk)
         start, n = self.comm.rank * self.chunk.size, self.valid
-        if np.ndim(value) == 0:
+        if _ndim(value) == 0:
             self.chunk[:n] = value
         else:
-            self.chunk[:n] = xp.asarray(value).reshape(-1)[start : start + n]
+            self.chunk[:n] = flat(move_like(value, self.chunk))[start : start + n]
 
     def set_full(self, value: Any) -> None:
         """Collective: rank 0's full ``value`` becomes the parameter (every rank keeps its
         chunk), as ``Parameter.set_full_`` does for a whole parameter; what a model's own
         post-construction initialisation calls, so ranks need not share a seed."""
-        if np.ndim(value) != 0 and self.comm.size > 1:
+        if _ndim(value) != 0 and self.comm.size > 1:
             xp = xp_of(self.chunk)
-            value = xp.ascontiguousarray(xp.asarray(value, dtype=self.chunk.dtype))
+            value = contiguous(xp.astype(move_like(value, self.chunk), self.chunk.dtype))
             with self.comm.phase("init"):
                 self.comm.broadcast(value, root=0)
         self.store(value)
@@ -124,11 +128,11 @@ class Init:
         if p.partition is not None:  # already partitioned (a tied weight assigned again)
             return
         comm = self.comm
-        if self.dtype is not None and p.data.dtype != self.dtype:
-            p.data = p.data.astype(self.dtype)
+        if self.dtype is not None and np_dtype(p.data.dtype) != self.dtype:
+            p.data = xp_of(p.data).astype(p.data, self.dtype)
             p.dtype = self.dtype
-        p.data = xp_of(p.data).ascontiguousarray(p.data)
-        self.peak_full_bytes = max(self.peak_full_bytes, p.data.nbytes)
+        p.data = contiguous(p.data)
+        self.peak_full_bytes = max(self.peak_full_bytes, nbytes(p.data))
         if comm.size > 1:
             with comm.phase("init"):
                 comm.broadcast(p.data, root=0)
@@ -184,13 +188,14 @@ class GatheredParameters:
 
     def __enter__(self) -> GatheredParameters:
         for p in self.params:
-            p.data = p.partition.gather().reshape(p.shape)
+            full = p.partition.gather()
+            p.data = xp_of(full).reshape(full, p.shape)
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         for p in self.params:
             if exc_type is None and self.modifier_rank is not None:
-                p.data = xp_of(p.data).ascontiguousarray(p.data)
+                p.data = contiguous(p.data)
                 self.comm.broadcast(p.data, root=self.modifier_rank)
                 p.partition.store(p.data)
             p.data = xp_of(p.data).empty(0, dtype=p.data.dtype)

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from zerosim.backend import flat
 from zerosim.zero.buckets import MAX_IN_FLIGHT
 
 
@@ -193,7 +194,7 @@ class IpgBuckets:
         if self.numel + numel > self.limit:
             self.reduce()
         self.entries.append(Entry(group, self.flat_starts[group][index], numel))
-        self.grads.append(grad.reshape(-1))
+        self.grads.append(flat(grad))
         self.numel += numel
 
     def reduce(self) -> None:

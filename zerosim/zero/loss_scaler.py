@@ -50,7 +50,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from zerosim.backend import array_module
+from zerosim.backend import StandardNamespace, item, xp_of
 from zerosim.config.sections import LossScaleSettings
 
 logger = logging.getLogger(__name__)
@@ -289,7 +289,9 @@ def has_inf_or_nan(x: Any, block_size: int = CHECK_BLOCK) -> bool:
     false alarm practically impossible; the block check makes it impossible.)
     """
     block_size = _count("block_size", block_size)
-    xp = array_module(x)
+    xp = xp_of(x)
+    if isinstance(xp, StandardNamespace):  # the Array API standard: one device reduction
+        return not item(xp.all(xp.isfinite(x)))
     if x.ndim == 0 or x.flags.c_contiguous:
         x = x.reshape(-1)  # a view: no copy for contiguous arrays
     # Otherwise blocks of whole rows along axis 0 (views of a strided array).

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from zerosim.backend import from_host, nbytes, to_host
 from zerosim.config.values import ConfigError
 
 log = logging.getLogger(__name__)
@@ -283,8 +284,8 @@ class Offload:
         for gi, g in enumerate(groups if self.param_store is not None else ()):
             g.param_file, flat = f"group{gi}.params", g.flat_param
             g.flat_param = self.param_store.array(g.param_file, flat.size, flat.dtype)
-            g.flat_param[...] = flat
-            self.param_store.bytes_written += flat.nbytes
+            g.flat_param[...] = to_host(flat)
+            self.param_store.bytes_written += nbytes(flat)
 
     def new_master(self, gi: int, numel: int, dtype: Any, xp: Any) -> Any:
         """The master buffer of group ``gi``: a file (nvme), host memory (cpu) or the device's."""
@@ -319,7 +320,7 @@ class Offload:
         out[f"{PLACES[self.param]}_bytes"] += report["params"]
         memory = "host" if self.optimizer != "none" else "device"
         for a in optimizer_arrays(strategy):
-            out[f"{'nvme' if file_backed(a) else memory}_bytes"] += a.nbytes
+            out[f"{'nvme' if file_backed(a) else memory}_bytes"] += nbytes(a)
         out["host_bytes"] += self.swap_nbytes()
         return out
 
@@ -357,4 +358,4 @@ def read_param_chunk(strategy: Any, group: Any, index: int) -> Any:
     if offload is None or offload.param_store is None:
         return group.chunk(index)
     start, count = group.partition.offsets[index], group.partition.chunks[index]
-    return group.xp.asarray(offload.param_store.read(group.param_file, start, count))
+    return from_host(offload.param_store.read(group.param_file, start, count), xp=group.xp)

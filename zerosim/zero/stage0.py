@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerosim.backend import nbytes, np_dtype
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.buckets import (
     MAX_IN_FLIGHT,
@@ -80,11 +81,11 @@ class Stage0(Strategy):
         def launch(i: int) -> None:
             view = g.flat_grad[buckets[i].start : buckets[i].stop]
             wire = self.wire_dtype(view.dtype)
-            if wire != view.dtype:  # communication_data_type: reduce a cast copy, add it back
+            if wire != np_dtype(view.dtype):  # communication_data_type: reduce a cast copy
                 self.cast.complete(leave=MAX_IN_FLIGHT - 1)
                 buf = self.take_buffer(view.size, wire)
                 buf[...] = view
-                view.fill(0)
+                view[...] = 0
                 self.before_reduction(buf)
                 handle = self.comm.iall_reduce(buf) if self.zero.overlap_comm else None
                 if handle is None:
@@ -135,7 +136,7 @@ class Stage0(Strategy):
 
     def zero_grad(self) -> None:
         for g in self.groups:
-            g.flat_grad.fill(0)
+            g.flat_grad[...] = 0
 
     def grad_bytes(self) -> int:
-        return sum(g.flat_grad.nbytes for g in self.groups)
+        return sum(nbytes(g.flat_grad) for g in self.groups)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerosim.backend import nbytes, np_dtype
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.ipg import IpgBuckets
 from zerosim.zero.partition import (
@@ -134,7 +135,7 @@ class Stage1(Strategy):
             for unit, own in zip(g.layout.units, g.owned, strict=True):
                 mine = g.flat_grad[own.start : own.stop]
                 full = g.flat_grad[unit.start : unit.stop]
-                if wire == full.dtype:
+                if wire == np_dtype(full.dtype):
                     self.before_reduction(full)
                     self.comm.reduce_scatter(mine, full)
                 else:  # communication_data_type: reduce a cast copy in place, keep our piece
@@ -159,10 +160,10 @@ class Stage1(Strategy):
 
     def zero_grad(self) -> None:
         for g in self.groups:
-            g.flat_grad.fill(0)
+            g.flat_grad[...] = 0
 
     def grad_bytes(self) -> int:
-        return sum(g.flat_grad.nbytes for g in self.groups)
+        return sum(nbytes(g.flat_grad) for g in self.groups)
 
     def range_maps(self) -> list[dict[str, MegatronRanges]]:
         """Megatron's (world, world_in_bucket, local, param) ranges per group for this rank."""

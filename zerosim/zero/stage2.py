@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerosim.backend import flat, nbytes
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, bucket_members
 from zerosim.zero.ipg import IpgBuckets
@@ -82,7 +83,7 @@ class Stage2(Strategy):
         b = g.bucket_of[i]
         slot = g.slots[i].range
         start = slot.start - g.buckets[b].start
-        self._buffer(g, b)[start : start + slot.size] = p.grad.reshape(-1)
+        self._buffer(g, b)[start : start + slot.size] = flat(p.grad)
         p.grad = None
 
     def _ready(self, p: Parameter) -> None:
@@ -164,9 +165,9 @@ class Stage2(Strategy):
 
     def zero_grad(self) -> None:
         for g in self.groups:
-            g.grad_shard.fill(0)
+            g.grad_shard[...] = 0
             for _, p in g.named_params:
                 p.grad = None
 
     def grad_bytes(self) -> int:
-        return sum(g.grad_shard.nbytes for g in self.groups)
+        return sum(nbytes(g.grad_shard) for g in self.groups)

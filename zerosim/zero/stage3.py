@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import array_module, to_host
+from zerosim.backend import flat, nbytes, to_host, xp_of
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero import zeropp
 from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue
@@ -55,7 +55,7 @@ class ShardGroup:
         self.named_params = named
         self.hyper = hyper
         self.partition = part = per_param_partition([(n, p.shape) for n, p in named], comm.size)
-        self.xp = array_module(named[0][1].data)
+        self.xp = xp_of(named[0][1].data)
         self.flat_param = self.xp.zeros(part.shard_numel, dtype=strategy.dtype)
         self.owned = [Range(0, part.shard_numel)]
         self.persistent_buffers: dict[int, Any] = {}  # id(param) -> its whole copy
@@ -77,7 +77,7 @@ class ShardGroup:
                     )
                 self.chunk(i)[...] = p.partition.chunk
             else:
-                full = p.data.reshape(-1).astype(strategy.dtype)
+                full = self.xp.astype(flat(p.data), strategy.dtype)
                 lo, n = comm.rank * part.chunks[i], part.valid(i, comm.rank)
                 self.chunk(i)[:n] = full[lo : lo + n]
             if strategy.is_persistent(p):
@@ -86,7 +86,7 @@ class ShardGroup:
                 buf = self.xp.zeros(part.chunks[i] * comm.size, dtype=strategy.dtype)
                 buf[: p.numel] = full
                 self.persistent_buffers[id(p)] = buf
-                p.data = buf[: p.numel].reshape(p.shape)
+                p.data = self.xp.reshape(buf[: p.numel], p.shape)
                 p.partition = None
             else:
                 p.data = self.xp.empty(0, dtype=strategy.dtype)
@@ -201,7 +201,7 @@ class Stage3(Strategy):
         secondary = g.secondary
         if secondary is not None and not secondary.fresh[i]:  # a full gather: cut the chunk
             secondary.store(i, full)
-        p.data = full[: p.numel].reshape(p.shape)
+        p.data = g.xp.reshape(full[: p.numel], p.shape)
 
     def free(self, p: Parameter) -> None:
         del self.gathered[id(p)]
@@ -223,9 +223,9 @@ class Stage3(Strategy):
         column = g.partition.offsets[i] - g.partition.offsets[members[0]]
         chunk = g.partition.chunks[i]
         block = self._bucket_buffer(g, b)[:, column : column + chunk]  # rank r's chunk in row r
-        grad = p.grad.reshape(-1)
+        grad = flat(p.grad)
         rows, rest = divmod(p.numel, chunk) if chunk else (0, 0)
-        block[:rows] = grad[: rows * chunk].reshape(rows, chunk)
+        block[:rows] = g.xp.reshape(grad[: rows * chunk], (rows, chunk))
         if rest:  # the last chunk is partly padding, which stays zero
             block[rows, :rest] = grad[rows * chunk :]
         p.grad = None
@@ -254,9 +254,9 @@ class Stage3(Strategy):
             if self.grad_reducer is not None:  # qgZ: blocking two-hop quantized all-to-all
                 out[...] = self.grad_reducer.reduce(buf)
             elif self.zero.overlap_comm:
-                handle = self.comm.ireduce_scatter(out, buf.reshape(-1))
+                handle = self.comm.ireduce_scatter(out, flat(buf))
             else:
-                self.comm.reduce_scatter(out, buf.reshape(-1))
+                self.comm.reduce_scatter(out, flat(buf))
             self.pending.add(handle, out, dest, (buf, out))
 
         return launch
@@ -296,10 +296,10 @@ class Stage3(Strategy):
 
     def zero_grad(self) -> None:
         for g in self.groups:
-            g.grad_shard.fill(0)
+            g.grad_shard[...] = 0
 
     def grad_bytes(self) -> int:
-        return sum(g.grad_shard.nbytes for g in self.groups)
+        return sum(nbytes(g.grad_shard) for g in self.groups)
 
     # -- views for the engine, checkpoints and reports --------------------------------------------
     def segments(self, which: str = "owned") -> list[Segment]:
@@ -351,11 +351,11 @@ class Stage3(Strategy):
     def memory_report(self) -> dict[str, int]:
         report = super().memory_report()
         report["persistent_params"] = sum(
-            b.nbytes for g in self.groups for b in g.persistent_buffers.values()
+            nbytes(b) for g in self.groups for b in g.persistent_buffers.values()
         )
         report["peak_gathered_params"] = self.coordinator.peak_live_bytes
         if self.hpz_comm is not None:
-            report["hpz_secondary_params"] = sum(g.secondary.buffer.nbytes for g in self.groups)
+            report["hpz_secondary_params"] = sum(nbytes(g.secondary.buffer) for g in self.groups)
         return report
 
     @property

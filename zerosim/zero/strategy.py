@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import array_module, to_host
+from zerosim.backend import item, move_like, nbytes, np_dtype, to_host, xp_of
 from zerosim.comm import Communicator
 from zerosim.nn import Parameter
 from zerosim.zero.buckets import BufferPool, PendingReductions
@@ -89,14 +89,14 @@ class FlatGroup:
         self.layout = layout
         self.hyper = hyper
         first = named_params[0][1].data
-        self.xp = array_module(first)
+        self.xp = xp_of(first)
         self.flat_param = self.xp.zeros(layout.padded_numel, dtype=dtype)
         by_index = {slot.index: slot for slot in layout.slots}
         self.slots = [by_index[i] for i in range(len(named_params))]
         for (_, p), slot in zip(named_params, self.slots, strict=True):
             view = self.flat_param[slot.range.start : slot.range.stop]
-            view[...] = p.data.reshape(-1)
-            p.data = view.reshape(p.shape)
+            view[...] = self.xp.reshape(p.data, (-1,))
+            p.data = self.xp.reshape(view, p.shape)
         self.owned = layout.owned_ranges(rank)  # the flat ranges this rank owns
         self.flat_grad: Any = None  # stages 0-1: gradients laid out like flat_param
         self.grad_shard: Any = None  # stage 2: the reduced gradient of the owned shard
@@ -111,7 +111,14 @@ class FlatGroup:
     def param_view(self, index: int, flat: Any) -> Any:
         """Parameter ``index``'s piece of a flat buffer laid out like the parameters."""
         slot = self.slots[index]
-        return flat[slot.range.start : slot.range.stop].reshape(slot.shape)
+        return self.xp.reshape(flat[slot.range.start : slot.range.stop], slot.shape)
+
+
+def sum_sq(v: Any) -> float:
+    """Σ v² of a 1-D array as a Python float: BLAS's dot on NumPy, ``vecdot`` elsewhere."""
+    if isinstance(v, np.ndarray):
+        return float(np.vdot(v, v))
+    return item(xp_of(v).vecdot(v, v))
 
 
 def tiles(ranges: Sequence[Range], tile: int) -> list[Range]:
@@ -161,6 +168,7 @@ class Strategy(ABC):
         self.groups = [self.make_group(named, hyper) for named, hyper in groups]
         self.offload.params_to_files(self.groups)
         self.live_transient = 0
+        self._transient_grads: list[Any] = []  # unscale_grads's fp32 copies, until the step ends
         self.peak_transient = 0
         xp = self.groups[0].xp if self.groups else np
         self.pool = BufferPool(xp, self.dtype)  # gradient bucket buffers (stages 0, 2 and 3)
@@ -178,7 +186,7 @@ class Strategy(ABC):
                 g.master = self.offload.new_master(gi, numel, self.master_dtype, g.xp)
                 shards, at = [], 0
                 for t in cut:
-                    g.master[at : at + t.size] = g.flat_param[t.start : t.stop]
+                    g.master[at : at + t.size] = move_like(g.flat_param[t.start : t.stop], g.master)
                     shards.append(Shard(g.master[at : at + t.size], None))
                     at += t.size
             self.shards.append(shards)
@@ -272,8 +280,8 @@ class Strategy(ABC):
             for rng in self.step_ranges(g) if whole else g.owned:
                 v = self.grad_view(g, rng)
                 if self.master_dtype is not None:
-                    v = v.astype(self.master_dtype)
-                total += float(g.xp.vdot(v, v))
+                    v = g.xp.astype(v, self.master_dtype)
+                total += sum_sq(v)
         return total * inv_scale * inv_scale
 
     def overflow(self, whole: bool = False) -> float:
@@ -293,18 +301,21 @@ class Strategy(ABC):
                         s.grad *= inv_scale
             return
         on_host = self.offload.optimizer != "none"  # the step runs in host memory
+        self._transient_grads = []
         for g, shards, cut in zip(self.groups, self.shards, self.tile_ranges, strict=True):
             at = 0
             for s, t in zip(shards, cut, strict=True):
                 view = self.grad_view(g, t)
-                if view.dtype == self.master_dtype and array_module(view) is array_module(s.data):
+                if np_dtype(view.dtype) == self.master_dtype and xp_of(view) is xp_of(s.data):
                     s.grad = view  # fp32 gradient storage next to the master: use it in place
                 elif g.master_grads is not None:  # a persistent fp32 gradient shard
                     s.grad = g.master_grads[at : at + t.size]
                     s.grad[...] = view
                 else:  # a transient fp32 copy, freed after the step (DeepSpeed's way)
-                    s.grad = (to_host(view) if on_host else view).astype(self.master_dtype)
-                    self.track_transient(s.grad.nbytes)
+                    source = to_host(view) if on_host else view
+                    s.grad = xp_of(source).astype(source, self.master_dtype)
+                    self._transient_grads.append(s.grad)
+                    self.track_transient(nbytes(s.grad))
                 s.grad *= inv_scale
                 at += t.size
 
@@ -313,10 +324,11 @@ class Strategy(ABC):
         if self.master_dtype is None:
             return
         self.params_from_master()
+        for grad in self._transient_grads:  # the fp32 copies unscale_grads made
+            self.track_transient(-nbytes(grad))
+        self._transient_grads = []
         for shards in self.shards:
             for s in shards:
-                if s.grad.base is None:  # the transient copy made by unscale_grads
-                    self.track_transient(-s.grad.nbytes)
                 s.grad = None
 
     def params_from_master(self) -> None:
@@ -329,7 +341,7 @@ class Strategy(ABC):
             return
         for g, shards, cut in zip(self.groups, self.shards, self.tile_ranges, strict=True):
             for s, t in zip(shards, cut, strict=True):
-                g.flat_param[t.start : t.stop] = g.xp.asarray(s.data)
+                g.flat_param[t.start : t.stop] = move_like(s.data, g.flat_param)
         self.offload.after_update()
 
     def clip(self, coef: float) -> None:
@@ -358,7 +370,7 @@ class Strategy(ABC):
 
     def wire_dtype(self, grads: Any) -> np.dtype:
         """The dtype gradients of this dtype are reduced in (communication_data_type)."""
-        return np.dtype(grads) if self.comm_dtype is None else self.comm_dtype
+        return np_dtype(grads) if self.comm_dtype is None else self.comm_dtype
 
     def take_buffer(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
         """A zero-filled bucket buffer from the pool (zerosim/zero/buckets.py); its bytes are
@@ -413,16 +425,16 @@ class Strategy(ABC):
         ``bucket_buffers``, not in ``peak_transient``). Where it lives: ``placement``.
         """
         report = {
-            "params": sum(g.flat_param.nbytes for g in self.groups),
+            "params": sum(nbytes(g.flat_param) for g in self.groups),
             "grads": self.grad_bytes(),
-            "master_params": sum(g.master.nbytes for g in self.groups if g.master is not None),
+            "master_params": sum(nbytes(g.master) for g in self.groups if g.master is not None),
         }
         if any(g.master_grads is not None for g in self.groups):
-            report["master_grads"] = sum(g.master_grads.nbytes for g in self.groups)
+            report["master_grads"] = sum(nbytes(g.master_grads) for g in self.groups)
         for group, shards in zip(self.optimizer.param_groups, self.shards, strict=True):
             for key in self.optimizer.state_keys(group):
                 total = sum(
-                    self.optimizer.state[s][key].nbytes
+                    nbytes(self.optimizer.state[s][key])
                     for s in shards
                     if s in self.optimizer.state and key in self.optimizer.state[s]
                 )
