@@ -324,3 +324,14 @@ def test_checkpointing_keeps_fewer_saved_bytes_on_device1() -> None:
     plain(x)
     wrapped(x)
     assert 0 < nn.saved_bytes(wrapped) < nn.saved_bytes(plain)
+
+
+def test_out_of_range_ids_and_targets_are_caught_on_device1_with_one_crossing_each() -> None:
+    embedding = nn.Embedding(5, 3, dtype="float64").to(backend=STRICT)
+    before = crossings().to_host_calls
+    embedding(to_device(np.array([[0, 4], [2, 1]])))
+    assert crossings().to_host_calls - before == 1  # min and max come back together
+    with pytest.raises(IndexError, match="min 0, max 5"):
+        embedding(to_device(np.array([0, 5])))
+    with pytest.raises(IndexError, match=r"\[0, 4\)"):
+        nn.CrossEntropyLoss()(to_device(np.zeros((2, 4))), to_device(np.array([1, 4])))

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from numpy.polynomial import chebyshev
 
-from zerosim.backend import DTYPES, is_half, np_dtype, xp_of
+from zerosim.backend import DTYPES, is_half, np_dtype, to_host, xp_of
 
 _SQRT_2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -66,6 +66,14 @@ def downcast(x: Any, dtype: Any) -> Any:
     if np_dtype(x.dtype) == np_dtype(dtype):
         return x
     return xp_of(x).astype(x, dtype)
+
+
+def host_ints(*scalars: Any) -> list[int]:
+    """0-d integer arrays (ids' bounds, counts) as Python ints. Off NumPy they are stacked
+    and brought to the host in one counted crossing (``to_host``), not one sync each."""
+    if isinstance(scalars[0], np.ndarray | np.generic):
+        return [int(v) for v in scalars]
+    return [int(v) for v in to_host(xp_of(scalars[0]).stack(scalars)).tolist()]
 
 
 # --- erfc -----------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def _central_differences(array: Any, objective: Any, eps: float) -> np.ndarray:
     flat = xp_of(array).reshape(array, (-1,))  # a view: perturbs ``array`` in place
     out = np.empty(flat.size)
     for i in range(flat.size):
-        original = float(flat[i])
+        original = float(to_host(flat[i]))
         flat[i] = original + eps
         up = objective()
         flat[i] = original - eps
@@ -58,7 +58,7 @@ def gradcheck(
 
     def objective() -> float:
         with no_grad():
-            return float(xp.sum(xp.astype(module(*inputs), np.float64) * upstream))
+            return float(to_host(xp.sum(xp.astype(module(*inputs), np.float64) * upstream)))
 
     errors = {}
     for name, p in module.named_parameters():

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import add_at, np_dtype, resolve_dtype, xp_of
-from zerosim.nn.functional import compute_dtype, downcast, upcast
+from zerosim.nn.functional import compute_dtype, downcast, host_ints, upcast
 from zerosim.nn.init import RngLike, as_generator, check_positive_int, linear_default, normal
 from zerosim.nn.module import Module
 from zerosim.nn.parameter import Parameter, accumulate_grad
@@ -101,7 +101,7 @@ class Embedding(Module):
         if np_dtype(idx.dtype).kind not in "iu":
             raise TypeError(f"Embedding expects integer ids; got dtype {idx.dtype}")
         xp = xp_of(idx)
-        low, high = (int(xp.min(idx)), int(xp.max(idx))) if idx.size else (0, 0)
+        low, high = host_ints(xp.min(idx), xp.max(idx)) if idx.size else (0, 0)
         if low < 0 or high >= self.num_embeddings:
             raise IndexError(
                 f"Embedding ids must lie in [0, {self.num_embeddings}); got min {low}, max {high}"

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import np_dtype, xp_of
-from zerosim.nn.functional import downcast, upcast
+from zerosim.nn.functional import downcast, host_ints, upcast
 from zerosim.nn.module import Module
 
 REDUCTIONS = ("mean", "sum")
@@ -50,7 +50,10 @@ class CrossEntropyLoss(Module):
         n, c = logits.shape
         valid = target != self.ignore_index
         t = xp.where(valid, target, 0)
-        if n and (int(xp.min(t)) < 0 or int(xp.max(t)) >= c):
+        low, high, count = (
+            host_ints(xp.min(t), xp.max(t), xp.count_nonzero(valid)) if n else (0, 0, 0)
+        )
+        if low < 0 or high >= c:
             raise IndexError(
                 f"CrossEntropyLoss targets must lie in [0, {c}) or equal "
                 f"ignore_index={self.ignore_index}; got min {int(xp.min(target))}, "
@@ -68,7 +71,6 @@ class CrossEntropyLoss(Module):
         else:  # the standard: one index array per axis only with take_along_axis; no bool·float
             z_target = xp.take_along_axis(z, t[:, None], axis=1)[:, 0]
             total = xp.sum((lse - z_target) * xp.astype(valid, z.dtype))
-        count = int(xp.count_nonzero(valid))
         denom = count if self.reduction == "mean" else 1
         e /= s  # softmax probabilities, kept for backward
         self.save_for_backward(e, t, valid, denom, logits.dtype)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import resolve_dtype, xp_of
-from zerosim.nn.functional import downcast, rowdot, upcast
+from zerosim.nn.functional import downcast, host_ints, rowdot, upcast
 from zerosim.nn.init import check_positive_int
 from zerosim.nn.module import Module
 from zerosim.nn.parameter import Parameter, accumulate_grad
@@ -173,7 +173,10 @@ class BatchNorm1d(Module):
 
     def _update_running(self, mean: Any, unbiased_var: Any) -> None:
         self.num_batches_tracked += 1
-        f = 1.0 / int(self.num_batches_tracked) if self.momentum is None else self.momentum
+        if self.momentum is None:
+            f = 1.0 / host_ints(self.num_batches_tracked)[0]
+        else:
+            f = self.momentum
         for buffer, stat in ((self.running_mean, mean), (self.running_var, unbiased_var)):
             buffer *= 1 - f
             buffer += downcast(f * stat, buffer.dtype)
