@@ -298,3 +298,31 @@ def test_weight_averaging_on_strict_equals_numpy(make: Any) -> None:
     fn([dev], [from_host(cur, xp=XP)], 3)
     assert _on_device(dev)
     np.testing.assert_array_equal(to_host(dev), host)
+
+
+class _Model:
+    """A duck-typed model of one parameter, as swa_utils reads models."""
+
+    def __init__(self, w: Any) -> None:
+        self.w = _Param(w)
+
+    def named_parameters(self) -> list[tuple[str, Any]]:
+        return [("w", self.w)]
+
+    def named_modules(self) -> list[tuple[str, Any]]:
+        return [("", self)]
+
+
+def test_averaged_model_on_strict_equals_numpy_and_stays_on_device() -> None:
+    rng = np.random.default_rng(7)
+    weights = [rng.standard_normal((2, 5)) for _ in range(3)]
+    results = []
+    for xp in (np, XP):
+        models = [_Model(from_host(w.copy(), xp=xp)) for w in weights]
+        averaged = optim.swa_utils.AveragedModel(models[0])
+        for m in models:
+            averaged.update_parameters(m)
+        results.append(averaged.module.w.data)
+    assert _on_device(results[1])
+    np.testing.assert_allclose(to_host(results[1]), np.mean(weights, axis=0), rtol=0, atol=1e-15)
+    np.testing.assert_array_equal(to_host(results[1]), results[0])

@@ -7,7 +7,8 @@ momentum product). Arguments follow one pattern::
 
     rule(param, grad, *state_arrays, step=t, lr=…, <hyperparameters>, scratch=None)
 
-- ``param``: float64/float32/float16/bfloat16 array (numpy or cupy), updated in place.
+- ``param``: float64/float32/float16/bfloat16 array (numpy or cupy; float64/float32 on an
+  Array API standard namespace such as array_api_strict), updated in place.
 - ``grad``: same shape; read only, never modified.
 - state arrays: same shape, dtype ``state_dtype(param.dtype)`` (float32 for 16-bit
   parameters); create them with ``zeros_state(param)``.

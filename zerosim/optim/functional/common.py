@@ -124,7 +124,7 @@ def check_arrays(param: Any, grad: Any, **states: Any) -> None:
             continue
         if arr.shape != param.shape or np_dtype(arr.dtype) != want:
             raise ValueError(
-                f"{name} has shape {tuple(arr.shape)} and dtype {dtype_name(arr.dtype)}; "
+                f"{name} has shape {tuple(arr.shape)} and dtype {np_dtype(arr.dtype).name}; "
                 f"it must have the parameter's shape {tuple(param.shape)} and the state "
                 f"dtype {dtype_name(want)}"
             )
@@ -139,7 +139,7 @@ def _work_buffers(param: Any, count: int, length: int, scratch: Any) -> list[Any
     if scratch.ndim != 1 or np_dtype(scratch.dtype) != want or not contiguous:
         raise ValueError(
             f"scratch must be a contiguous 1-D array of dtype {dtype_name(want)}; got "
-            f"shape {tuple(scratch.shape)} and dtype {dtype_name(scratch.dtype)}"
+            f"shape {tuple(scratch.shape)} and dtype {np_dtype(scratch.dtype).name}"
         )
     if scratch.size < count * length:
         raise ValueError(
