@@ -31,7 +31,14 @@ import numpy as np
 
 from zerosim.backend import xp_of
 from zerosim.nn.activation import Dropout
-from zerosim.nn.functional import downcast, softmax_, softmax_backward_, upcast
+from zerosim.nn.functional import (
+    downcast,
+    permute,
+    reshape,
+    softmax_,
+    softmax_backward_,
+    upcast,
+)
 from zerosim.nn.init import RngLike, as_generator, check_positive_int
 from zerosim.nn.linear import Linear
 from zerosim.nn.module import Module
@@ -52,8 +59,7 @@ def _blocks(t: int) -> Iterator[tuple[int, int]]:
 
 def _heads(qkv: Any) -> tuple[Any, Any, Any]:
     """q, k, v as (B, h, T, d) views of a (B, T, 3, h, d) array (c_attn's output layout)."""
-    xp = xp_of(qkv)
-    return tuple(xp.permute_dims(qkv[:, :, i, ...], (0, 2, 1, 3)) for i in range(3))
+    return tuple(permute(qkv[:, :, i, ...], (0, 2, 1, 3)) for i in range(3))
 
 
 def _transposed(a: Any) -> Any:
@@ -97,7 +103,7 @@ class CausalSelfAttention(Module):
         xp = xp_of(x)
         b, t, c = x.shape
         h, d = self.n_head, c // self.n_head
-        qkv = xp.reshape(upcast(self.c_attn(x)), (b, t, 3, h, d))
+        qkv = reshape(upcast(self.c_attn(x)), (b, t, 3, h, d))
         q, k, v = _heads(qkv)
         mask = _causal_mask(xp, t, qkv.dtype)
         probs = xp.empty((b, h, t, t), dtype=qkv.dtype)
@@ -110,11 +116,11 @@ class CausalSelfAttention(Module):
             probs[:, :, a:e, e:] = 0
         dropped = self.attn_dropout(probs)
         y = xp.empty((b, t, h, d), dtype=qkv.dtype)  # heads side by side, as c_proj reads
-        y_heads = xp.permute_dims(y, (0, 2, 1, 3))
+        y_heads = permute(y, (0, 2, 1, 3))
         for a, e in _blocks(t):
             xp.matmul(dropped[:, :, a:e, :e], v[:, :, :e, ...], out=y_heads[:, :, a:e, ...])
         self.save_for_backward(qkv, probs, dropped, x.dtype)
-        return self.resid_dropout(self.c_proj(downcast(xp.reshape(y, (b, t, c)), x.dtype)))
+        return self.resid_dropout(self.c_proj(downcast(reshape(y, (b, t, c)), x.dtype)))
 
     def _backward(self, grad: Any) -> Any:
         qkv, probs, dropped, dtype = self.pop_saved()
@@ -122,7 +128,7 @@ class CausalSelfAttention(Module):
         b, t, _, h, d = qkv.shape
         q, k, v = _heads(qkv)
         dy = upcast(self.c_proj.backward(self.resid_dropout.backward(grad)))
-        dy = xp.permute_dims(xp.reshape(dy, (b, t, h, d)), (0, 2, 1, 3))  # (B, h, T, d)
+        dy = permute(reshape(dy, (b, t, h, d)), (0, 2, 1, 3))  # (B, h, T, d)
         dqkv = xp.empty(qkv.shape, dtype=qkv.dtype)  # laid out as c_attn's output
         dq, dk, dv = _heads(dqkv)
         dscores = xp.empty_like(probs)
@@ -142,7 +148,7 @@ class CausalSelfAttention(Module):
             xp.matmul(_transposed(dscores[:, :, a:, a:e]), q[:, :, a:, ...], out=dk[:, :, a:e, ...])
         del dscores
         dqkv[:, :, :2, ...] *= 1.0 / math.sqrt(d)  # dq = dS k / √d,  dk = dSᵀ q / √d
-        return self.c_attn.backward(downcast(xp.reshape(dqkv, (b, t, 3 * h * d)), dtype))
+        return self.c_attn.backward(downcast(reshape(dqkv, (b, t, 3 * h * d)), dtype))
 
     def extra_repr(self) -> str:
         return f"n_embd={self.n_embd}, n_head={self.n_head}"

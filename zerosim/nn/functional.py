@@ -68,6 +68,29 @@ def downcast(x: Any, dtype: Any) -> Any:
     return xp_of(x).astype(x, dtype)
 
 
+def reshape(x: Any, shape: Any) -> Any:
+    """``x`` in ``shape`` (a view where the layout allows), on any backend. On NumPy the
+    method, which skips the function's dispatch (the layers call this for every batch)."""
+    if isinstance(x, np.ndarray):
+        return x.reshape(shape)
+    return xp_of(x).reshape(x, shape)
+
+
+def permute(x: Any, axes: tuple[int, ...]) -> Any:
+    """``x`` with its axes permuted (a view), on any backend; NumPy's method on NumPy."""
+    if isinstance(x, np.ndarray):
+        return x.transpose(axes)
+    return xp_of(x).permute_dims(x, axes)
+
+
+def reduce(op: str, x: Any, **kwargs: Any) -> Any:
+    """The reduction ``op`` ("sum", "mean", "max", "min") of ``x`` with the standard's
+    keywords (axis, keepdims, dtype), on any backend; NumPy's method on NumPy."""
+    if isinstance(x, np.ndarray):
+        return getattr(x, op)(**kwargs)
+    return getattr(xp_of(x), op)(x, **kwargs)
+
+
 def host_ints(*scalars: Any) -> list[int]:
     """0-d integer arrays (ids' bounds, counts) as Python ints. Off NumPy they are stacked
     and brought to the host in one counted crossing (``to_host``), not one sync each."""
@@ -243,9 +266,9 @@ def softmax_(z: Any, axis: int = -1) -> Any:
     """exp(z − max z) / Σ exp(z − max z) along ``axis``, computed in place in ``z``
     (a float32/float64 array, overwritten and returned)."""
     xp = xp_of(z)
-    z -= xp.max(z, axis=axis, keepdims=True)
+    z -= reduce("max", z, axis=axis, keepdims=True)
     xp.exp(z, out=z)
-    z *= 1 / xp.sum(z, axis=axis, keepdims=True)
+    z *= 1 / reduce("sum", z, axis=axis, keepdims=True)
     return z
 
 

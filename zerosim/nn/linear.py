@@ -11,7 +11,14 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import add_at, np_dtype, resolve_dtype, xp_of
-from zerosim.nn.functional import compute_dtype, downcast, host_ints, upcast
+from zerosim.nn.functional import (
+    compute_dtype,
+    downcast,
+    host_ints,
+    reduce,
+    reshape,
+    upcast,
+)
 from zerosim.nn.init import RngLike, as_generator, check_positive_int, linear_default, normal
 from zerosim.nn.module import Module
 from zerosim.nn.parameter import Parameter, accumulate_grad
@@ -53,23 +60,21 @@ class Linear(Module):
                 f"Linear expects input whose last axis is in_features={self.in_features}; "
                 f"got shape {tuple(x.shape)}"
             )
-        xp = xp_of(x)
         w = self.weight.data
-        y = xp.reshape(upcast(x), (-1, self.in_features)) @ upcast(w).T
+        y = reshape(upcast(x), (-1, self.in_features)) @ upcast(w).T
         if self.bias is not None:
             y += upcast(self.bias.data)
         self.save_for_backward(x)
-        return downcast(xp.reshape(y, (*x.shape[:-1], self.out_features)), w.dtype)
+        return downcast(reshape(y, (*x.shape[:-1], self.out_features)), w.dtype)
 
     def _backward(self, grad: Any) -> Any:
         (x,) = self.pop_saved()
-        xp = xp_of(grad)
-        g = xp.reshape(upcast(grad), (-1, self.out_features))
-        accumulate_grad(self.weight, g.T @ xp.reshape(upcast(x), (-1, self.in_features)))
+        g = reshape(upcast(grad), (-1, self.out_features))
+        accumulate_grad(self.weight, g.T @ reshape(upcast(x), (-1, self.in_features)))
         if self.bias is not None:
-            accumulate_grad(self.bias, xp.sum(g, axis=0))
+            accumulate_grad(self.bias, reduce("sum", g, axis=0))
         dx = g @ upcast(self.weight.data)
-        return downcast(xp.reshape(dx, x.shape), x.dtype)
+        return downcast(reshape(dx, x.shape), x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"
@@ -101,7 +106,7 @@ class Embedding(Module):
         if np_dtype(idx.dtype).kind not in "iu":
             raise TypeError(f"Embedding expects integer ids; got dtype {idx.dtype}")
         xp = xp_of(idx)
-        low, high = host_ints(xp.min(idx), xp.max(idx)) if idx.size else (0, 0)
+        low, high = host_ints(reduce("min", idx), reduce("max", idx)) if idx.size else (0, 0)
         if low < 0 or high >= self.num_embeddings:
             raise IndexError(
                 f"Embedding ids must lie in [0, {self.num_embeddings}); got min {low}, max {high}"
@@ -111,8 +116,8 @@ class Embedding(Module):
         if xp is np:
             return w[idx]
         # the standard indexes with one integer array per axis only: take rows, then shape
-        rows = xp.take(w, xp.reshape(idx, (-1,)), axis=0)
-        return xp.reshape(rows, (*idx.shape, self.embedding_dim))
+        rows = xp.take(w, reshape(idx, (-1,)), axis=0)
+        return reshape(rows, (*idx.shape, self.embedding_dim))
 
     def _backward(self, grad: Any) -> None:
         (idx,) = self.pop_saved()
@@ -120,8 +125,8 @@ class Embedding(Module):
         if not p.requires_grad:
             return None
         xp = xp_of(grad)
-        rows = xp.reshape(upcast(grad), (-1, self.embedding_dim))
-        ids = xp.reshape(idx, (-1,))
+        rows = reshape(upcast(grad), (-1, self.embedding_dim))
+        ids = reshape(idx, (-1,))
         if p.grad is not None and np_dtype(p.grad.dtype) == np_dtype(rows.dtype):
             add_at(p.grad, ids, rows)  # straight into the gradient
         else:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import np_dtype, xp_of
-from zerosim.nn.functional import downcast, host_ints, upcast
+from zerosim.nn.functional import downcast, host_ints, reduce, upcast
 from zerosim.nn.module import Module
 
 REDUCTIONS = ("mean", "sum")
@@ -50,27 +50,29 @@ class CrossEntropyLoss(Module):
         n, c = logits.shape
         valid = target != self.ignore_index
         t = xp.where(valid, target, 0)
-        low, high, count = (
-            host_ints(xp.min(t), xp.max(t), xp.count_nonzero(valid)) if n else (0, 0, 0)
-        )
+        low, high, count = (0, 0, 0)
+        if n:
+            low, high, count = host_ints(
+                reduce("min", t), reduce("max", t), xp.count_nonzero(valid)
+            )
         if low < 0 or high >= c:
+            given = host_ints(reduce("min", target), reduce("max", target))
             raise IndexError(
                 f"CrossEntropyLoss targets must lie in [0, {c}) or equal "
-                f"ignore_index={self.ignore_index}; got min {int(xp.min(target))}, "
-                f"max {int(xp.max(target))}"
+                f"ignore_index={self.ignore_index}; got min {given[0]}, max {given[1]}"
             )
         z = upcast(logits)
-        zmax = xp.max(z, axis=1, keepdims=True)
+        zmax = reduce("max", z, axis=1, keepdims=True)
         e = z - zmax
         xp.exp(e, out=e)
-        s = xp.sum(e, axis=1, keepdims=True)
+        s = reduce("sum", e, axis=1, keepdims=True)
         lse = (xp.log(s) + zmax)[:, 0]
         if xp is np:
             z_target = z[np.arange(n), t]
             total = ((lse - z_target) * valid).sum()
         else:  # the standard: one index array per axis only with take_along_axis; no bool·float
             z_target = xp.take_along_axis(z, t[:, None], axis=1)[:, 0]
-            total = xp.sum((lse - z_target) * xp.astype(valid, z.dtype))
+            total = reduce("sum", (lse - z_target) * xp.astype(valid, z.dtype))
         denom = count if self.reduction == "mean" else 1
         e /= s  # softmax probabilities, kept for backward
         self.save_for_backward(e, t, valid, denom, logits.dtype)
@@ -112,7 +114,7 @@ class MSELoss(Module):
         diff = upcast(prediction) - upcast(target)
         denom = diff.size if self.reduction == "mean" else 1
         self.save_for_backward(diff, denom, prediction.dtype)
-        return xp_of(diff).sum(diff * diff) / denom
+        return reduce("sum", diff * diff) / denom
 
     def _backward(self, grad: Any) -> tuple[Any, None]:
         diff, denom, dtype = self.pop_saved()

@@ -22,7 +22,7 @@ import numpy as np
 from zerosim.backend import resolve_dtype, xp_of
 from zerosim.nn.activation import GELU, Dropout, ReLU, Tanh
 from zerosim.nn.containers import ModuleList, Sequential
-from zerosim.nn.functional import compute_dtype
+from zerosim.nn.functional import compute_dtype, reduce, reshape
 from zerosim.nn.init import check_positive_int, normal
 from zerosim.nn.linear import Embedding, Linear
 from zerosim.nn.loss import CrossEntropyLoss, MSELoss
@@ -228,14 +228,13 @@ class GPT(LossModel):
                 f"targets must have the shape of the ids {tuple(logits.shape[:2])}; "
                 f"got {tuple(targets.shape)}"
             )
-        xp = xp_of(logits)
-        return xp.reshape(logits, (-1, self.vocab_size)), xp.reshape(targets, (-1,))
+        return reshape(logits, (-1, self.vocab_size)), reshape(targets, (-1,))
 
     def _output_backward(self, grad: Any) -> None:
         grad = self.ln_f.backward(self.lm_head.backward(grad))
         for block in reversed(list(self.blocks)):
             grad = block.backward(grad)
         grad = self.drop.backward(grad)
-        self.wpe.backward(xp_of(grad).sum(grad, axis=0, dtype=compute_dtype(grad.dtype)))
+        self.wpe.backward(reduce("sum", grad, axis=0, dtype=compute_dtype(grad.dtype)))
         self.wte.backward(grad)
         return None

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import resolve_dtype, xp_of
-from zerosim.nn.functional import downcast, host_ints, rowdot, upcast
+from zerosim.nn.functional import downcast, host_ints, reduce, reshape, rowdot, upcast
 from zerosim.nn.init import check_positive_int
 from zerosim.nn.module import Module
 from zerosim.nn.parameter import Parameter, accumulate_grad
@@ -21,9 +21,8 @@ from zerosim.nn.parameter import Parameter, accumulate_grad
 
 def _normalized_grad(dxhat: Any, xhat: Any, rstd: Any, axes: tuple[int, ...]) -> Any:
     """dx = rstd · (dx̂ − mean(dx̂) − x̂ · mean(dx̂ · x̂)), means over ``axes``."""
-    xp = xp_of(dxhat)
-    dx = dxhat - xp.mean(dxhat, axis=axes, keepdims=True)
-    dx -= xhat * xp.mean(dxhat * xhat, axis=axes, keepdims=True)
+    dx = dxhat - reduce("mean", dxhat, axis=axes, keepdims=True)
+    dx -= xhat * reduce("mean", dxhat * xhat, axis=axes, keepdims=True)
     dx *= rstd
     return dx
 
@@ -56,7 +55,7 @@ class LayerNorm(Module):
             )
         xp = xp_of(x)
         xc = upcast(x)
-        mean = xp.mean(xc, axis=-1, keepdims=True)
+        mean = reduce("mean", xc, axis=-1, keepdims=True)
         y = xc - mean  # the only new (…, C) array: x − μ, then x̂, then the output
         var = rowdot(y, y)[..., None]  # Σ (x − μ)², no temporary
         var *= 1.0 / self.normalized_shape
@@ -77,22 +76,22 @@ class LayerNorm(Module):
         xhat *= rstd
         g = upcast(grad)
         if self.weight is not None:
-            g_rows = xp.reshape(g, (-1, self.normalized_shape))
-            xhat_rows = xp.reshape(xhat, g_rows.shape)
+            g_rows = reshape(g, (-1, self.normalized_shape))
+            xhat_rows = reshape(xhat, g_rows.shape)
             if xp is np:  # Σ g·x̂ without a (rows, C) temporary
                 dw = np.einsum("ij,ij->j", g_rows, xhat_rows)
             else:
-                dw = xp.sum(g_rows * xhat_rows, axis=0)
+                dw = reduce("sum", g_rows * xhat_rows, axis=0)
             accumulate_grad(self.weight, dw)
             if self.bias is not None:
-                accumulate_grad(self.bias, xp.sum(g_rows, axis=0))
+                accumulate_grad(self.bias, reduce("sum", g_rows, axis=0))
             dx = g * upcast(self.weight.data)  # dx̂, turned into dx in place below
         else:
             dx = xp.asarray(g, copy=True)
         # dx = rstd · (dx̂ − mean(dx̂) − x̂ · mean(dx̂ · x̂)), without further (…, C) arrays
         mean_dxhat_xhat = rowdot(dx, xhat)[..., None]
         mean_dxhat_xhat *= 1.0 / self.normalized_shape
-        dx -= xp.mean(dx, axis=-1, keepdims=True)
+        dx -= reduce("mean", dx, axis=-1, keepdims=True)
         xhat *= mean_dxhat_xhat
         dx -= xhat
         dx *= rstd
@@ -156,19 +155,19 @@ class BatchNorm1d(Module):
                     f"BatchNorm1d needs more than 1 value per channel when "
                     f"training; got input shape {tuple(x.shape)}"
                 )
-            mean = xp.mean(xc, axis=axes)
-            var = xp.mean((xc - xp.reshape(mean, shape)) ** 2, axis=axes)
+            mean = reduce("mean", xc, axis=axes)
+            var = reduce("mean", (xc - reshape(mean, shape)) ** 2, axis=axes)
             if self.training and self.track_running_stats:
                 self._update_running(mean, var * (m / (m - 1)))
         else:
             mean, var = upcast(self.running_mean), upcast(self.running_var)
-        rstd = xp.reshape(1 / xp.sqrt(var + self.eps), shape)
-        xhat = (xc - xp.reshape(mean, shape)) * rstd
+        rstd = reshape(1 / xp.sqrt(var + self.eps), shape)
+        xhat = (xc - reshape(mean, shape)) * rstd
         self.save_for_backward(xhat, rstd, use_batch, x.dtype)
         y = xhat
         if self.weight is not None:
-            weight = xp.reshape(upcast(self.weight.data), shape)
-            y = y * weight + xp.reshape(upcast(self.bias.data), shape)
+            weight = reshape(upcast(self.weight.data), shape)
+            y = y * weight + reshape(upcast(self.bias.data), shape)
         return downcast(y, x.dtype)
 
     def _update_running(self, mean: Any, unbiased_var: Any) -> None:
@@ -184,13 +183,12 @@ class BatchNorm1d(Module):
     def _backward(self, grad: Any) -> Any:
         xhat, rstd, use_batch, dtype = self.pop_saved()
         axes, shape = ((0,), (1, -1)) if xhat.ndim == 2 else ((0, 2), (1, -1, 1))
-        xp = xp_of(grad)
         g = upcast(grad)
         dxhat = g
         if self.weight is not None:
-            accumulate_grad(self.weight, xp.sum(g * xhat, axis=axes))
-            accumulate_grad(self.bias, xp.sum(g, axis=axes))
-            dxhat = g * xp.reshape(upcast(self.weight.data), shape)
+            accumulate_grad(self.weight, reduce("sum", g * xhat, axis=axes))
+            accumulate_grad(self.bias, reduce("sum", g, axis=axes))
+            dxhat = g * reshape(upcast(self.weight.data), shape)
         dx = _normalized_grad(dxhat, xhat, rstd, axes) if use_batch else dxhat * rstd
         return downcast(dx, dtype)
 
