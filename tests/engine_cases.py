@@ -329,6 +329,7 @@ def train_on(comm, case: Case, extra: dict | None = None, save_to: str | None = 
         after = crossings().as_dict()
         return {k: after[k] - before[k] for k in after}
 
+    comm.ledger.reset()
     engine, *_ = initialize(build_model(case), cfg, comm=comm)
     devices = {str(getattr(p.data, "device", "cpu")) for p in engine.module.parameters()}
     half = case.steps // 2 if save_to else case.steps

@@ -89,7 +89,7 @@ def _name_of(dtype: Any) -> str:
 
 def dtype_name(dtype: np.dtype | type) -> str:
     """The short name of a dtype: 'float32', 'bfloat16', 'int8', … (cached: on the hot path)."""
-    return _name_of(dtype)
+    return _name_of(dtype if isinstance(dtype, np.dtype) else np_dtype(dtype))
 
 
 def is_half(dtype: np.dtype | type) -> bool:

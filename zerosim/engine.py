@@ -220,6 +220,8 @@ class Engine:
     ) -> None:
         cfg = config
         reject_unbuilt(cfg)
+        # before anything changes: cupy without a GPU, or a backend not installed, fails here
+        self.backend = get_backend(cfg.zerosim.backend)
         if cfg.zero_optimization.stage != 3 and is_partitioned(model):
             raise ConfigError(
                 f"zero_optimization.stage = {cfg.zero_optimization.stage}: the model was built "
@@ -238,7 +240,6 @@ class Engine:
         opt_cls, groups = _optimizer_spec(cfg, optimizer, model)
         check_same_model(model, comm)
         model.to(dtype=cfg.model_dtype)
-        self.backend = get_backend(cfg.zerosim.backend)
         if self.backend.name != "numpy":  # every parameter and buffer crosses once, here
             model.to(backend=self.backend)
         broadcast_model(model, comm)

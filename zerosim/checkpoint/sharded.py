@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from zerosim.backend import array_module, to_host
+from zerosim.backend import array_module, move_like, np_dtype, to_host
 from zerosim.checkpoint.files import (
     FORMAT_VERSION,
     METADATA,
@@ -215,10 +215,9 @@ def _write_rank_files(engine: Any, tag_dir: Path) -> dict[str, Any]:
                 _array(opt, shards[s.shard], kind)[s.offset : s.offset + s.size] for s in segs
             ]
             name = shard_file(rank, g, kind)
-            manifest["dtype"] = manifest["dtype"] or np.dtype(pieces[0].dtype).name
-            manifest["files"][name] = write_atomic(
-                tag_dir / name, npy_writer(pieces, pieces[0].dtype)
-            )
+            dtype = np_dtype(pieces[0].dtype)
+            manifest["dtype"] = manifest["dtype"] or dtype.name
+            manifest["files"][name] = write_atomic(tag_dir / name, npy_writer(pieces, dtype))
     manifest["rng"] = {
         name: to_json(m.rng.bit_generator.state)
         for name, m in _random_modules(engine.module).items()
@@ -418,7 +417,7 @@ def _apply(
             dst = _array(opt, strategy.shards[s.group][s.shard], kind)
             src = open_shard(tag_dir, cache, r.rank, r.group, kind)[r.src : r.src + r.size]
             at = s.offset + r.dst
-            dst[at : at + r.size] = array_module(dst).asarray(src)
+            dst[at : at + r.size] = move_like(src, dst)  # host file -> device: counted
 
     fill("master")
     if load_opt:

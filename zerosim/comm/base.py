@@ -510,6 +510,13 @@ class Communicator(ABC):
 
     @staticmethod
     def _check_same_dtype(out: Any, inp: Any) -> None:
+        if type(out) is not type(inp) and (is_device_array(out) or is_device_array(inp)):
+            raise TypeError(
+                f"out and inp must be arrays of one kind on one device, got out "
+                f"{type(out).__module__}.{type(out).__name__} and inp "
+                f"{type(inp).__module__}.{type(inp).__name__} (move one with "
+                "zerosim.backend.from_host / to_host)"
+            )
         if out.dtype != inp.dtype:
             raise TypeError(
                 f"out and inp must have the same dtype, got out {dtype_name(out.dtype)}"

@@ -225,7 +225,7 @@ class Stage3(Strategy):
         block = self._bucket_buffer(g, b)[:, column : column + chunk]  # rank r's chunk in row r
         grad = flat(p.grad)
         rows, rest = divmod(p.numel, chunk) if chunk else (0, 0)
-        block[:rows] = g.xp.reshape(grad[: rows * chunk], (rows, chunk))
+        block[:rows, :] = g.xp.reshape(grad[: rows * chunk], (rows, chunk))
         if rest:  # the last chunk is partly padding, which stays zero
             block[rows, :rest] = grad[rows * chunk :]
         p.grad = None
@@ -330,7 +330,7 @@ class Stage3(Strategy):
             for i, (name, p) in enumerate(g.named_params):
                 start = g.partition.offsets[i]
                 chunk = source[start : start + g.partition.chunks[i]]
-                buf = g.xp.empty(g.partition.chunks[i] * self.comm.size, dtype=dtype)
+                buf = xp_of(chunk).empty(g.partition.chunks[i] * self.comm.size, dtype=dtype)
                 self.comm.all_gather(buf, chunk)
                 out[name] = to_host(buf[: p.numel]).reshape(p.shape).copy()
         return out

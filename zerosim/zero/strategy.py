@@ -111,7 +111,7 @@ class FlatGroup:
     def param_view(self, index: int, flat: Any) -> Any:
         """Parameter ``index``'s piece of a flat buffer laid out like the parameters."""
         slot = self.slots[index]
-        return self.xp.reshape(flat[slot.range.start : slot.range.stop], slot.shape)
+        return xp_of(flat).reshape(flat[slot.range.start : slot.range.stop], slot.shape)
 
 
 def sum_sq(v: Any) -> float:
@@ -396,7 +396,7 @@ class Strategy(ABC):
         for g in self.groups:
             full = g.flat_param
             if self.master_dtype is not None:
-                full = g.xp.zeros(g.layout.padded_numel, dtype=self.master_dtype)
+                full = xp_of(g.master).zeros(g.layout.padded_numel, dtype=self.master_dtype)
                 ranges = self.step_ranges(g)
                 if len(ranges) == 1 and ranges[0].size == full.size:  # stage 0: all of it
                     full[...] = g.master
