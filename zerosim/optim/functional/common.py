@@ -66,7 +66,7 @@ def state_dtype(param_dtype: Any) -> np.dtype:
     float64 and float32 parameters keep state in their own dtype; float16 and bfloat16
     parameters keep it in float32. Other dtypes raise TypeError.
     """
-    dt = np_dtype(param_dtype)
+    dt = param_dtype if isinstance(param_dtype, np.dtype) else np_dtype(param_dtype)
     if dt in (DTYPES["float64"], DTYPES["float32"]):
         return dt
     if dt in (DTYPES["float16"], DTYPES["bfloat16"]):
@@ -119,10 +119,11 @@ def check_arrays(param: Any, grad: Any, **states: Any) -> None:
             f"shape {tuple(param.shape)}"
         )
     want = state_dtype(param.dtype)
+    host = isinstance(param, np.ndarray)  # NumPy's dtypes compare without np_dtype's call
     for name, arr in states.items():
         if arr is None:
             continue
-        if arr.shape != param.shape or np_dtype(arr.dtype) != want:
+        if arr.shape != param.shape or (arr.dtype if host else np_dtype(arr.dtype)) != want:
             raise ValueError(
                 f"{name} has shape {tuple(arr.shape)} and dtype {np_dtype(arr.dtype).name}; "
                 f"it must have the parameter's shape {tuple(param.shape)} and the state "
@@ -170,10 +171,11 @@ def blocks(
     """
     xp = xp_of(param)
     want = state_dtype(param.dtype)
-    cast_param = np_dtype(param.dtype) != want
-    cast_grad = np_dtype(grad.dtype) != want
+    host = xp is np  # NumPy's dtypes compare without np_dtype's call
+    cast_param = (param.dtype if host else np_dtype(param.dtype)) != want
+    cast_grad = (grad.dtype if host else np_dtype(grad.dtype)) != want
     arrays = [param, grad, *[s for s in states if s is not None]]
-    layout = all(has_layout(a) for a in arrays)
+    layout = host or all(has_layout(a) for a in arrays)
     flat = layout and all(a.flags.c_contiguous for a in arrays)
     length = block_length(param) if flat else max(1, int(param.size))
     count = n_work + cast_param + cast_grad
