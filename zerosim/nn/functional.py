@@ -23,12 +23,13 @@ from typing import Any
 import numpy as np
 from numpy.polynomial import chebyshev
 
-from zerosim.backend import DTYPES, is_half, np_dtype, to_host, xp_of
+from zerosim.backend import DTYPES, HALF_DTYPES, np_dtype, to_host, xp_of
 
 _SQRT_2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh approximation (Hendrycks & Gimpel 2016)
 _TANH_A = 0.044715
+_FLOAT32 = np.dtype(np.float32)
 
 
 def compute_dtype(dtype: Any) -> np.dtype:
@@ -37,8 +38,8 @@ def compute_dtype(dtype: Any) -> np.dtype:
     16-bit storage with float32 accumulation is what tensor cores and torch's CPU
     kernels do for matmuls, softmax, normalisation statistics and loss reductions.
     """
-    dtype = np_dtype(dtype)
-    return np.dtype(np.float32) if is_half(dtype) else dtype
+    dtype = dtype if isinstance(dtype, np.dtype) else np_dtype(dtype)
+    return _FLOAT32 if dtype in HALF_DTYPES else dtype
 
 
 def is_floating(dtype: Any) -> bool:
