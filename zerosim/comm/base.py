@@ -145,6 +145,7 @@ class Communicator(ABC):
         self.validate = validate
         self.collectives = collectives
         self._node_of: tuple[int, ...] | None = None
+        self._route_now = "host"  # how the current call's data travels (Record.transport)
         self._node_version = 0  # the ledger's node_version this group's map was learnt at
         self.timeout = default_timeout()  # seconds a wait may last (0: forever); the watchdog's
         # (call number, record, stage) of the call this rank may be waiting in, for the watchdog
@@ -696,11 +697,13 @@ class Communicator(ABC):
         self._pending = (seq, record, "data exchange")
         record.start = ledger.now()  # the wall time is the transfer's, without the check
         returned = None
+        self._route_now = "host"
         if use_ring:
             record.bytes_sent, record.bytes_recv = ring_fn()
         else:
             returned = native()
         self._pending = None
+        record.transport = self._route_now
         if self._node_of is None:
             record.intra_bytes = record.bytes_sent  # one node: every byte stays on it
         else:

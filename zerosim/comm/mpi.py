@@ -37,7 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from zerosim.backend import DTYPES, from_host, is_half, to_host
-from zerosim.comm import watchdog
+from zerosim.comm import cuda, watchdog
 from zerosim.comm.base import SIGNATURE_FIELDS, Communicator
 from zerosim.comm.ledger import Ledger
 
@@ -86,12 +86,6 @@ def _spec(x: np.ndarray) -> list:
     return [x if view is None else x.view(view), mpi_type]
 
 
-def _host(x: Any) -> np.ndarray:
-    """``x`` itself when it is a NumPy array; a host copy of a device array (staging through
-    ``backend.to_host``, counted in ``backend.crossings()``)."""
-    return x if type(x) is np.ndarray else to_host(x)
-
-
 def _back(x: Any, host: np.ndarray) -> None:
     """Copy a staged result back to its device array (nothing to do for NumPy arrays)."""
     if host is not x:
@@ -106,6 +100,14 @@ def _result_to_own_chunk(rank: int, out: Any, host: np.ndarray) -> None:
         out[...] = from_host(result, like=out)
     elif rank:
         out[...] = result
+
+
+def _cupy_installed() -> bool:
+    """Whether CuPy imports here (every rank of a job is assumed to share one installation, so
+    the NCCL set-up's agreement all-reduce runs on all ranks or on none)."""
+    from zerosim.backend import _cupy_or_none  # noqa: PLC0415
+
+    return _cupy_or_none() is not None
 
 
 class _ArgumentCheck:
@@ -167,6 +169,32 @@ class MPIComm(Communicator):
         watchdog.start(self)
         # the check's persistent all-gather: set up by every rank as it makes this communicator
         self._check = _ArgumentCheck(self.mpi, len(SIGNATURE_FIELDS)) if self.size > 1 else None
+        # how CuPy arrays travel (comm/cuda.py): NCCL, CUDA-aware MPI, or staged through the host
+        self._nccl = cuda.Nccl.maybe(self.mpi) if _cupy_installed() else None
+        self._cuda_aware = cuda.cuda_aware_mpi()
+
+    def _route(self, x: Any) -> str:
+        """How this call's data travels; written into its ledger record."""
+        self._route_now = route = cuda.transport(x, self._nccl, self._cuda_aware)
+        if route == "cuda-aware":  # MPI reads the memory now: finish the work queued on it
+            import cupy  # noqa: PLC0415
+
+            cupy.cuda.get_current_stream().synchronize()
+        return route
+
+    def _route_without_nccl(self, x: Any) -> str:
+        """The route of a call NCCL has no form of (uneven reduce-scatter, all-to-all, point
+        to point): CUDA-aware MPI or staging."""
+        nccl, self._nccl = self._nccl, None
+        try:
+            return self._route(x)
+        finally:
+            self._nccl = nccl
+
+    def _host(self, x: Any) -> Any:
+        """What MPI is given for ``x``: itself (NumPy, or CuPy under CUDA-aware MPI), else a
+        host copy (staging, counted by the backend)."""
+        return x if type(x) is np.ndarray or self._route_now == "cuda-aware" else to_host(x)
 
     def world_ranks(self) -> list[int]:
         """The COMM_WORLD rank of each rank of this group, in group order."""
@@ -182,28 +210,40 @@ class MPIComm(Communicator):
             watchdog.leave(self)
 
     def _native_all_gather(self, out: Any, inp: Any, in_place: bool) -> None:
-        host = _host(out)
-        send = MPI.IN_PLACE if in_place else _spec(_host(inp))
+        if self._route(out) == "nccl":
+            self._nccl.all_gather(out, inp)
+            return
+        host = self._host(out)
+        send = MPI.IN_PLACE if in_place else _spec(self._host(inp))
         self._blocking(self.mpi.Allgather, send, _spec(host))
         _back(out, host)
 
     def _native_reduce_scatter(self, out: Any, inp: Any, op: str, in_place: bool) -> None:
-        host, mpi_op = _host(inp), _mpi_op(inp.dtype, op)
+        if self._route(inp) == "nccl":
+            self._nccl.reduce_scatter(out, inp, op)
+            return
+        host, mpi_op = self._host(inp), _mpi_op(inp.dtype, op)
         if in_place:
             self._blocking(self.mpi.Reduce_scatter_block, MPI.IN_PLACE, _spec(host), mpi_op)
             _result_to_own_chunk(self.rank, out, host)
         else:
-            result = _host(out)
+            result = self._host(out)
             self._blocking(self.mpi.Reduce_scatter_block, _spec(host), _spec(result), mpi_op)
             _back(out, result)
 
     def _native_all_reduce(self, buf: Any, op: str) -> None:
-        host = _host(buf)
+        if self._route(buf) == "nccl":
+            self._nccl.all_reduce(buf, op)
+            return
+        host = self._host(buf)
         self._blocking(self.mpi.Allreduce, MPI.IN_PLACE, _spec(host), _mpi_op(buf.dtype, op))
         _back(buf, host)
 
     def _native_reduce(self, buf: Any, root: int, op: str) -> None:
-        host = _host(buf)
+        if self._route(buf) == "nccl":
+            self._nccl.reduce(buf, root, op)
+            return
+        host = self._host(buf)
         send, recv = self._reduce_specs(host, root)
         self._blocking(self.mpi.Reduce, send, recv, _mpi_op(buf.dtype, op), root)
         _back(buf, host)
@@ -213,13 +253,17 @@ class MPIComm(Communicator):
         return (MPI.IN_PLACE, _spec(host)) if self.rank == root else (_spec(host), None)
 
     def _native_broadcast(self, buf: Any, root: int) -> None:
-        host = _host(buf)
+        if self._route(buf) == "nccl":
+            self._nccl.broadcast(buf, root)
+            return
+        host = self._host(buf)
         self._blocking(self.mpi.Bcast, _spec(host), root)
         _back(buf, host)
 
     def _native_all_to_all(self, out: Any, inp: Any) -> None:
-        host = _host(out)
-        self._blocking(self.mpi.Alltoall, _spec(_host(inp)), _spec(host))
+        self._route_without_nccl(out)
+        host = self._host(out)
+        self._blocking(self.mpi.Alltoall, _spec(self._host(inp)), _spec(host))
         _back(out, host)
 
     def _native_barrier(self) -> None:
@@ -235,39 +279,48 @@ class MPIComm(Communicator):
         return finish
 
     def _native_iall_gather(self, out: Any, inp: Any, in_place: bool) -> Callable[[], None]:
-        host = _host(out)
-        send = MPI.IN_PLACE if in_place else _spec(_host(inp))
+        if self._route(out) == "nccl":
+            return self._nccl.all_gather(out, inp, blocking=False)
+        host = self._host(out)
+        send = MPI.IN_PLACE if in_place else _spec(self._host(inp))
         request = self.mpi.Iallgather(send, _spec(host))
         return self._finisher(request, None if host is out else lambda: _back(out, host))
 
     def _native_ireduce_scatter(
         self, out: Any, inp: Any, op: str, in_place: bool
     ) -> Callable[[], None]:
-        host, mpi_op = _host(inp), _mpi_op(inp.dtype, op)
+        if self._route(inp) == "nccl":
+            return self._nccl.reduce_scatter(out, inp, op, blocking=False)
+        host, mpi_op = self._host(inp), _mpi_op(inp.dtype, op)
         if in_place:  # MPI leaves the result at the front of the buffer: moved at the wait
             request = self.mpi.Ireduce_scatter_block(MPI.IN_PLACE, _spec(host), mpi_op)
             return self._finisher(request, lambda: _result_to_own_chunk(self.rank, out, host))
-        result = _host(out)
+        result = self._host(out)
         request = self.mpi.Ireduce_scatter_block(_spec(host), _spec(result), mpi_op)
         return self._finisher(request, None if result is out else lambda: _back(out, result))
 
     def _native_ireduce_scatter_v(
         self, out: Any, inp: Any, counts: tuple[int, ...], op: str
     ) -> Callable[[], None]:
-        result = _host(out)
+        self._route_without_nccl(out)
+        result = self._host(out)
         request = self.mpi.Ireduce_scatter(
-            _spec(_host(inp)), _spec(result), list(counts), _mpi_op(inp.dtype, op)
+            _spec(self._host(inp)), _spec(result), list(counts), _mpi_op(inp.dtype, op)
         )
         return self._finisher(request, None if result is out else lambda: _back(out, result))
 
     def _native_ireduce(self, buf: Any, root: int, op: str) -> Callable[[], None]:
-        host = _host(buf)
+        if self._route(buf) == "nccl":
+            return self._nccl.reduce(buf, root, op, blocking=False)
+        host = self._host(buf)
         send, recv = self._reduce_specs(host, root)
         request = self.mpi.Ireduce(send, recv, _mpi_op(buf.dtype, op), root=root)
         return self._finisher(request, None if host is buf else lambda: _back(buf, host))
 
     def _native_iall_reduce(self, buf: Any, op: str) -> Callable[[], None]:
-        host = _host(buf)
+        if self._route(buf) == "nccl":
+            return self._nccl.all_reduce(buf, op, blocking=False)
+        host = self._host(buf)
         request = self.mpi.Iallreduce(MPI.IN_PLACE, _spec(host), _mpi_op(buf.dtype, op))
         return self._finisher(request, None if host is buf else lambda: _back(buf, host))
 
@@ -275,17 +328,20 @@ class MPIComm(Communicator):
     _RING_TAG = 7071
 
     def _sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
-        host = _host(recvbuf)
+        self._route_without_nccl(recvbuf)
+        host = self._host(recvbuf)
         tag = self._RING_TAG
-        send = _spec(_host(sendbuf))
+        send = _spec(self._host(sendbuf))
         self._blocking(self.mpi.Sendrecv, send, dest, tag, _spec(host), source, tag)
         _back(recvbuf, host)
 
     def _send(self, buf: Any, dest: int) -> None:
-        watchdog.wait(self, self.mpi.Isend(_spec(_host(buf)), dest, self._RING_TAG))
+        self._route_without_nccl(buf)
+        watchdog.wait(self, self.mpi.Isend(_spec(self._host(buf)), dest, self._RING_TAG))
 
     def _recv(self, buf: Any, source: int) -> None:
-        host = _host(buf)
+        self._route_without_nccl(buf)
+        host = self._host(buf)
         watchdog.wait(self, self.mpi.Irecv(_spec(host), source, self._RING_TAG))
         _back(buf, host)
 
