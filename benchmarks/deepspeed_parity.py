@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         "never multiplies the loss by the scale but divides the gradients by it (held by "
         "`tests/test_deepspeed_fp16_stage0.py`); zerosim scales the loss at every stage, the "
         "deliberate difference docs/config.md lists. fp16 at stage 0 is compared above from a "
-        "scale of 1 (s0_sgd_fp16_gas3); with accumulation at stages 0, 1 and 3; and from "
+        "scale of 1 (s0_sgd_fp16_gas3); with accumulation at stages 0, 1 and 3; with the scale "
+        "growing every 2 steps (s2_sgd_fp16_window2); and from "
         "DeepSpeed's default 2^16 (s2_sgd_fp16_default), where both sides skip the first two "
         "steps: 2^16 is not a float16, so the seed of backward is inf.",
     ]

@@ -524,6 +524,9 @@ class Engine:
                     self.loss_scale,
                 )
                 return False
+        # As in every fp16 optimizer of DeepSpeed 0.19.8, the scale is updated before the
+        # gradients are unscaled: on a step where it grows, they are divided by the new scale.
+        self.loss_scaler.update_scale(False)
         inv_scale = 1.0 / self.loss_scaler.loss_scale
         self._clip(inv_scale)
         self.strategy.unscale_grads(inv_scale)
@@ -533,7 +536,6 @@ class Engine:
         self.strategy.master_to_params()
         self.strategy.gather()
         self.strategy.zero_grad()
-        self.loss_scaler.update_scale(False)
         return True
 
     @property

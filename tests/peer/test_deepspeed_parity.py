@@ -21,7 +21,9 @@ Bounds, and why (measured worst cases at N = 2 and 3 in brackets):
   (the seed of backward, scale / 3, is rounded to fp16 on both sides, and each micro-step's fp16
   gradient is rounded before it is added to ``.grad``); from DeepSpeed's default 2¹⁶, which is
   not a float16, so the seed is inf and the first two steps (hysteresis 2) overflow and are
-  skipped on both sides; and stage 0, from a scale of 1: DeepSpeed's stage 0 never multiplies
+  skipped on both sides; with ``loss_scale_window`` 2, where the scale grows on steps 2 and 4
+  and DeepSpeed updates it before it unscales, so those steps divide by the grown scale; and
+  stage 0, from a scale of 1: DeepSpeed's stage 0 never multiplies
   the loss by the scale but divides the gradients by it (tests/test_deepspeed_fp16_stage0.py;
   zerosim scales, the deliberate difference docs/config.md lists), so only a scale of 1 compares
   the rest of its FP16_UnfusedOptimizer path.
@@ -108,6 +110,7 @@ def cases() -> list[dict]:
         _case("s1_sgd_fp16_gas3", 1, SGD, gradient_accumulation_steps=3, fp16=FP16_8, **UNTESTED),
         _case("s3_sgd_fp16_gas3", 3, SGD, gradient_accumulation_steps=3, fp16=FP16_8, **UNTESTED),
         _case("s2_sgd_fp16_default", 2, SGD, fp16={"enabled": True}, **UNTESTED),
+        _case("s2_sgd_fp16_window2", 2, SGD, fp16=dict(FP16_8, loss_scale_window=2), **UNTESTED),
     ]
 
 
