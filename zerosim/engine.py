@@ -24,7 +24,16 @@ from typing import Any
 import numpy as np
 
 from zerosim import optim
-from zerosim.backend import from_host, get_backend, item, nbytes, np_dtype, to_host, xp_of
+from zerosim.backend import (
+    from_host,
+    get_backend,
+    item,
+    nbytes,
+    np_dtype,
+    resolve_dtype,
+    to_host,
+    xp_of,
+)
 from zerosim.comm import Communicator, default_comm
 from zerosim.config import Config, ConfigError, load_config, reject_unbuilt
 from zerosim.config.optimizer import ZERO_SUPPORTED_OPTIMIZERS
@@ -454,11 +463,26 @@ class Engine:
         boundary = self.is_gradient_accumulation_boundary()
         with self._phase("backward"), self._fp16_quiet():
             self.strategy.before_backward(boundary)
-            scale = self.loss_scaler.loss_scale / self.gradient_accumulation_steps
-            self.module.backward(grad_scale=scale)
+            self.module.backward(grad_scale=self._loss_seed())
             self.strategy.after_backward(boundary)
         self._last_loss = None
         self._backwards_since_step += 1
+
+    def _loss_seed(self) -> float:
+        """d(loss)/d(loss) as DeepSpeed seeds backward: loss scale / gradient_accumulation_steps.
+
+        Under fp16 or bf16 torch's loss is a 16-bit tensor, and so is its gradient: DeepSpeed's
+        ``(loss / gas) * scale`` hands backward round(round(scale) / gas) in the model dtype. A
+        scale above float16's largest value, 65504 (DeepSpeed's default 2**16 included), is inf
+        there, so that step overflows and is skipped whatever the gradients.
+        """
+        seed = self.loss_scaler.loss_scale / self.gradient_accumulation_steps
+        if self.config.mixed_precision is None:
+            return seed
+        dtype = resolve_dtype(self.config.model_dtype)
+        with np.errstate(over="ignore"):
+            scale = np.float32(np.asarray(self.loss_scaler.loss_scale, dtype=dtype))
+            return float(np.asarray(scale / self.gradient_accumulation_steps, dtype=dtype))
 
     def step(self) -> None:
         """End a micro-step; at the boundary: clip, update the owned shard, gather, schedule."""
@@ -521,6 +545,9 @@ class Engine:
                     self.loss_scale,
                 )
                 return False
+        # As in every fp16 optimizer of DeepSpeed 0.19.8, the scale is updated before the
+        # gradients are unscaled: on a step where it grows, they are divided by the new scale.
+        self.loss_scaler.update_scale(False)
         inv_scale = 1.0 / self.loss_scaler.loss_scale
         self._clip(inv_scale)
         self.strategy.unscale_grads(inv_scale)
@@ -530,7 +557,6 @@ class Engine:
         self.strategy.master_to_params()
         self.strategy.gather()
         self.strategy.zero_grad()
-        self.loss_scaler.update_scale(False)
         return True
 
     @property

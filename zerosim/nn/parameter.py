@@ -65,7 +65,9 @@ def accumulate_grad(param: Parameter, grad: Any) -> None:
 
     Never rebinds an existing ``param.grad``: the engine may have pointed it at a
     view of a flat gradient buffer before backward, and must see the sum there.
-    A fresh gradient is stored in the parameter's dtype.
+    A fresh gradient is stored in the parameter's dtype. A 16-bit gradient slot receives
+    ``grad`` rounded to its dtype first, then the sum is rounded again, as torch adds one
+    backward's 16-bit gradient into ``.grad``: round(old + round(grad)).
     """
     if not param.requires_grad:
         return
@@ -78,6 +80,8 @@ def accumulate_grad(param: Parameter, grad: Any) -> None:
         param.grad = downcast(grad, param.dtype)
     elif isinstance(param.grad, np.ndarray):
         with np.errstate(over="ignore"):  # float16 overflow → inf, for the loss scaler
+            grad = downcast(grad, param.grad.dtype)
             np.add(param.grad, grad, out=param.grad, casting="unsafe")
     else:  # the sum in the wider dtype, rounded into the gradient (NumPy's unsafe casting)
+        grad = downcast(grad, param.grad.dtype)
         xp_of(param.grad).add(param.grad, grad, out=param.grad)
