@@ -267,7 +267,9 @@ def add_at(target: Any, indices: Any, values: Any) -> None:
     elif isinstance(xp, StandardNamespace):
         xp.add_at(target, indices, values)
     else:  # CuPy
-        xp.add.at(target, indices, values)
+        import cupyx  # noqa: PLC0415  (GPU-only)
+
+        cupyx.scatter_add(target, indices, values)
 
 
 @functools.cache
@@ -488,4 +490,7 @@ def get_backend(name: str | None = None) -> Backend:
         raise RuntimeError(
             f"{source} 'cupy' was requested but no CUDA GPU is visible; use 'numpy' on this machine"
         )
-    return Backend("cupy", cupy)
+    import array_api_compat  # noqa: PLC0415
+
+    # the namespace ``xp_of`` gives CuPy arrays: CuPy's names plus the standard's
+    return Backend("cupy", array_api_compat.array_namespace(cupy.empty(0)))
