@@ -95,6 +95,20 @@ def array_api_parity(comm):
     return worst
 
 
+def gpu_transport(comm):
+    """An all-reduce and an all-gather of CuPy arrays; returns the transport the ledger names."""
+    import cupy
+
+    buf = cupy.full(1000, float(comm.rank + 1))
+    comm.all_reduce(buf)
+    assert float(buf[0]) == comm.size * (comm.size + 1) / 2
+    out = cupy.empty(2 * comm.size)
+    comm.all_gather(out, cupy.full(2, float(comm.rank)))
+    assert cupy.asnumpy(out).tolist() == [float(r) for r in range(comm.size) for _ in (0, 1)]
+    (route,) = {r.transport for r in comm.ledger.records}
+    return route
+
+
 def engine_config_error(comm):
     """A bad config: every rank raises ConfigError before building anything; the job aborts."""
     from zerosim.engine import initialize
@@ -128,6 +142,7 @@ CHECKS = {
     "engine_model_differs": engine_model_differs,
     "engine_parity": engine_parity,
     "array_api_parity": array_api_parity,
+    "gpu_transport": gpu_transport,
     "engine_config_error": engine_config_error,
     "collectives": collectives,
     "raise_on_rank_1": raise_on_rank_1,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from zerosim.optim.functional import fused
+from zerosim.optim.functional import cupy_kernels, fused
 from zerosim.optim.functional.common import (
     add_square_,
     blocks,
@@ -97,8 +97,9 @@ def adam(
     bias_correction1 = 1.0 - beta1**step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
     states = [exp_avg, exp_avg_sq, max_exp_avg_sq]
-    if variant == "torch" and fused.applies(param, grad, *states):
-        kernels, r = fused.kernels(), fused.rounder(param)
+    on_gpu = variant == "torch" and cupy_kernels.applies(param, grad, *states)
+    if on_gpu or (variant == "torch" and fused.applies(param, grad, *states)):
+        r = fused.rounder(param)
         coefficients = fused.AdamCoefficients(
             weight_decay=r(0.0 if decoupled_weight_decay else weight_decay),
             maximize=bool(maximize),
@@ -112,6 +113,10 @@ def adam(
             eps=r(eps),
             neg_step_size=r(-lr / bias_correction1),
         )
+        if on_gpu:  # one ElementwiseKernel (cupy_kernels.py)
+            cupy_kernels.adam(param, grad, states, coefficients, amsgrad)
+            return
+        kernels = fused.kernels()
         kernel = kernels.adam_amsgrad if amsgrad else kernels.adam
         fused.run(kernel, param, grad, states, coefficients, scratch)
         return

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.optim.functional import fused
+from zerosim.optim.functional import cupy_kernels, fused
 from zerosim.optim.functional.common import (
     blocks,
     check_arrays,
@@ -52,8 +52,9 @@ def sgd(
         raise ValueError(f"momentum={momentum} needs a momentum_buffer array; got None")
     check_arrays(param, grad, momentum_buffer=momentum_buffer if momentum != 0 else None)
     buffers = [momentum_buffer if momentum != 0 else None]
-    if fused.applies(param, grad, *buffers):
-        kernels, r = fused.kernels(), fused.rounder(param)
+    on_gpu = cupy_kernels.applies(param, grad, *buffers)
+    if on_gpu or fused.applies(param, grad, *buffers):
+        r = fused.rounder(param)
         coefficients = fused.SGDCoefficients(
             weight_decay=r(weight_decay),
             maximize=bool(maximize),
@@ -64,6 +65,10 @@ def sgd(
             nesterov=bool(nesterov),
             first_step=bool(first_step),
         )
+        if on_gpu:
+            cupy_kernels.sgd(param, grad, buffers[0], coefficients)
+            return
+        kernels = fused.kernels()
         kernel = kernels.sgd_momentum if momentum != 0 else kernels.sgd
         fused.run(kernel, param, grad, buffers, coefficients, scratch)
         return
