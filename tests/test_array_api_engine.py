@@ -121,6 +121,24 @@ def test_odd_world_size_on_the_device():
         assert _max_diff(out["strict"]["params"], out["numpy"]["params"]) <= 1e-12
 
 
+@pytest.mark.parametrize(
+    "case, extra",
+    [
+        (Case(stage=3, model="mlp"), {"zero_optimization": {"zero_quantized_weights": True}}),
+        (Case(stage=3, model="mlp"), {"zero_optimization": {"zero_quantized_gradients": True}}),
+        (Case(stage=3, model="gpt"), {"zero_optimization": {"zero_hpz_partition_size": 2}}),
+        (Case(stage=2, model="gpt", collectives="ring"), {}),
+        (Case(stage=3, model="gpt", collectives="ring", accumulation=2), {}),
+    ],
+    ids=["qwZ", "qgZ", "hpZ", "ring-s2", "ring-s3"],
+)
+def test_zeropp_and_ring_collectives_on_the_device_at_four_ranks(case, extra):
+    """Four ranks: small parameters leave some ranks a chunk of padding only."""
+    for out in zs.LocalWorld(4).run(_both, case, extra):
+        assert _max_diff(out["strict"]["params"], out["numpy"]["params"]) <= 1e-12
+        assert out["strict"]["bytes"] == out["numpy"]["bytes"]
+
+
 def test_every_stage_on_the_device_under_mpirun_2():
     proc = run_mpi(2, ["tests/mpi_worker.py", "array_api_parity"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -36,7 +36,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any
 
-from zerosim.backend import array_module
+from zerosim.backend import array_module, flat, nbytes, np_dtype
 
 if TYPE_CHECKING:
     from zerosim.comm.base import Communicator
@@ -108,8 +108,8 @@ def _ring_reduce_scatter(
         incoming = scratch[: b1 - b0]
         comm._sendrecv(work[a0:a1], right, incoming, left)
         _reduce_into(work[b0:b1], incoming, op)
-        sent += (a1 - a0) * work.dtype.itemsize
-        recv += (b1 - b0) * work.dtype.itemsize
+        sent += (a1 - a0) * np_dtype(work.dtype).itemsize
+        recv += (b1 - b0) * np_dtype(work.dtype).itemsize
     return sent, recv
 
 
@@ -124,19 +124,19 @@ def _ring_all_gather(
         a0, a1 = bounds[(r - s) % n]
         b0, b1 = bounds[(r - s - 1) % n]
         comm._sendrecv(work[a0:a1], right, work[b0:b1], left)
-        sent += (a1 - a0) * work.dtype.itemsize
-        recv += (b1 - b0) * work.dtype.itemsize
+        sent += (a1 - a0) * np_dtype(work.dtype).itemsize
+        recv += (b1 - b0) * np_dtype(work.dtype).itemsize
     return sent, recv
 
 
 def all_gather(comm: Communicator, out: Any, inp: Any) -> tuple[int, int]:
     """Ring all-gather; returns (bytes sent, bytes received) by this rank."""
     bounds = chunk_bounds(out.size, comm.size)
-    flat = out.reshape(-1)
+    whole = flat(out)
     start, stop = bounds[comm.rank]
     if not comm._is_own_slice(out, inp):
-        flat[start:stop] = inp.reshape(-1)
-    return _ring_all_gather(comm, flat, bounds)
+        whole[start:stop] = flat(inp)
+    return _ring_all_gather(comm, whole, bounds)
 
 
 def reduce_scatter(
@@ -153,20 +153,20 @@ def reduce_scatter(
         edges = [0, *itertools.accumulate(counts)]
         bounds = list(zip(edges[:-1], edges[1:], strict=True))
     in_place = counts is None and comm._is_own_slice(inp, out)
-    work = inp.reshape(-1) if in_place else inp.reshape(-1).copy()
+    work = flat(inp) if in_place else array_module(inp).asarray(flat(inp), copy=True)
     moved = _ring_reduce_scatter(comm, work, bounds, op)
     if not in_place:
         start, stop = bounds[comm.rank]
-        out.reshape(-1)[...] = work[start:stop]
+        flat(out)[...] = work[start:stop]
     return moved
 
 
 def all_reduce(comm: Communicator, buf: Any, op: str) -> tuple[int, int]:
     """Ring all-reduce in place (reduce-scatter then all-gather); returns (sent, received)."""
     bounds = chunk_bounds(buf.size, comm.size)
-    flat = buf.reshape(-1)
-    sent1, recv1 = _ring_reduce_scatter(comm, flat, bounds, op)
-    sent2, recv2 = _ring_all_gather(comm, flat, bounds)
+    whole = flat(buf)
+    sent1, recv1 = _ring_reduce_scatter(comm, whole, bounds, op)
+    sent2, recv2 = _ring_all_gather(comm, whole, bounds)
     return sent1 + sent2, recv1 + recv2
 
 
@@ -174,14 +174,14 @@ def broadcast(comm: Communicator, buf: Any, root: int) -> tuple[int, int]:
     """Chain broadcast from ``root``; returns (bytes sent, bytes received)."""
     n = comm.size
     position = (comm.rank - root) % n
-    flat = buf.reshape(-1)
+    whole = flat(buf)
     sent = recv = 0
     if position > 0:
-        comm._recv(flat, (comm.rank - 1) % n)
-        recv = flat.nbytes
+        comm._recv(whole, (comm.rank - 1) % n)
+        recv = nbytes(whole)
     if position < n - 1:
-        comm._send(flat, (comm.rank + 1) % n)
-        sent = flat.nbytes
+        comm._send(whole, (comm.rank + 1) % n)
+        sent = nbytes(whole)
     return sent, recv
 
 
@@ -193,21 +193,21 @@ def reduce(comm: Communicator, buf: Any, root: int, op: str) -> tuple[int, int]:
     """
     n = comm.size
     position = (comm.rank - root) % n
-    flat = buf.reshape(-1)
+    whole = flat(buf)
     sent = recv = 0
-    partial = flat
+    partial = whole
     if position < n - 1:
-        incoming = array_module(flat).empty_like(flat)
+        incoming = array_module(whole).empty_like(whole)
         comm._recv(incoming, (comm.rank + 1) % n)
-        recv = flat.nbytes
+        recv = nbytes(whole)
         if position == 0:
-            _reduce_into(flat, incoming, op)
+            _reduce_into(whole, incoming, op)
         else:
-            _reduce_into(incoming, flat, op)
+            _reduce_into(incoming, whole, op)
             partial = incoming
     if position > 0:
         comm._send(partial, (comm.rank - 1) % n)
-        sent = flat.nbytes
+        sent = nbytes(whole)
     return sent, recv
 
 
@@ -215,11 +215,11 @@ def all_to_all(comm: Communicator, out: Any, inp: Any) -> tuple[int, int]:
     """Pairwise all-to-all (block j of ``inp`` to rank j); returns (bytes sent, bytes received)."""
     n, r = comm.size, comm.rank
     block = inp.size // n
-    src, dst = inp.reshape(-1), out.reshape(-1)
+    src, dst = flat(inp), flat(out)
     dst[r * block : (r + 1) * block] = src[r * block : (r + 1) * block]
     for s in range(1, n):
         to, source = (r + s) % n, (r - s) % n
         outgoing = src[to * block : (to + 1) * block]
         comm._sendrecv(outgoing, to, dst[source * block : (source + 1) * block], source)
-    moved = (n - 1) * block * inp.dtype.itemsize
+    moved = (n - 1) * block * np_dtype(inp.dtype).itemsize
     return moved, moved

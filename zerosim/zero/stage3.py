@@ -79,7 +79,8 @@ class ShardGroup:
             else:
                 full = self.xp.astype(flat(p.data), strategy.dtype)
                 lo, n = comm.rank * part.chunks[i], part.valid(i, comm.rank)
-                self.chunk(i)[:n] = full[lo : lo + n]
+                if n:  # a chunk of padding only (small parameter, many ranks) takes nothing
+                    self.chunk(i)[:n] = full[lo : lo + n]
             if strategy.is_persistent(p):
                 if full is None:  # persistent here, partitioned by zero.Init: gather it once
                     full = p.partition.gather()
@@ -252,7 +253,7 @@ class Stage3(Strategy):
             dest = g.grad_shard[start : start + width]
             handle = None
             if self.grad_reducer is not None:  # qgZ: blocking two-hop quantized all-to-all
-                out[...] = self.grad_reducer.reduce(buf)
+                out[...] = g.xp.astype(self.grad_reducer.reduce(buf), out.dtype)
             elif self.zero.overlap_comm:
                 handle = self.comm.ireduce_scatter(out, flat(buf))
             else:

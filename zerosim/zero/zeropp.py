@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import array_module
+from zerosim.backend import array_module, flat, nbytes
 
 WEIGHT_BITS = 8
 GRADIENT_BITS = 4
@@ -59,7 +59,7 @@ def pack_int4(q: Any) -> Any:
     xp = array_module(q)
     if q.shape[-1] % 2:
         q = xp.concatenate([q, xp.zeros((*q.shape[:-1], 1), dtype=q.dtype)], axis=-1)
-    nibbles = (q.astype(np.int16) & 0xF).astype(np.uint8)
+    nibbles = xp.astype(xp.astype(q, np.int16) & 0xF, np.uint8)
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
 
 
@@ -67,9 +67,9 @@ def unpack_int4(packed: Any, width: int) -> Any:
     """The int8 codes ``pack_int4`` packed: ``width`` per row (the last axis)."""
     xp = array_module(packed)
     out = xp.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=np.int8)
-    out[..., 0::2] = packed & 0xF
-    out[..., 1::2] = packed >> 4
-    out[out >= 8] -= 16
+    out[..., 0::2] = xp.astype(packed & 0xF, np.int8)
+    out[..., 1::2] = xp.astype(packed >> 4, np.int8)
+    out = xp.where(out >= 8, out - 16, out)  # the nibbles 8..15 are the codes −8..−1
     return out[..., :width]
 
 
@@ -79,8 +79,8 @@ def _blocks(x: Any, block_size: int) -> Any:
     rows, width = x.shape
     nblocks = math.ceil(width / block_size)
     padded = xp.zeros((rows, nblocks * block_size), dtype=np.float32)
-    padded[:, :width] = x
-    return padded.reshape(rows, nblocks, block_size)
+    padded[:, :width] = x if xp is np else xp.astype(x, np.float32)
+    return xp.reshape(padded, (rows, nblocks, block_size))
 
 
 def quantize(x: Any, bits: int, block_size: int) -> tuple[Any, Any]:
@@ -93,15 +93,17 @@ def quantize(x: Any, bits: int, block_size: int) -> tuple[Any, Any]:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int ≥ 1, got {block_size!r}")
     xp = array_module(x)
-    rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+    rows = xp.reshape(x, (-1, x.shape[-1]) if x.ndim else (1, 1))
     width = rows.shape[1]
-    blocks = _blocks(rows.astype(np.float32), block_size)
-    absmax = xp.abs(blocks).max(axis=2)
+    blocks = _blocks(xp.astype(rows, np.float32), block_size)
+    absmax = xp.max(xp.abs(blocks), axis=2)
     finite = xp.isfinite(absmax)
-    scales = xp.where(finite, absmax / np.float32(qm), np.float32(np.nan)).astype(SCALE_DTYPE)
-    divisor = xp.where(finite & (scales > 0), scales, np.float32(1))[:, :, None]
-    ratio = xp.where(finite[:, :, None], blocks / divisor, np.float32(0))
-    codes = xp.clip(xp.rint(ratio), -qm, qm).astype(np.int8).reshape(rows.shape[0], -1)
+    # Python floats keep float32 arithmetic (NEP 50) and are what the standard takes
+    scales = xp.astype(xp.where(finite, absmax / float(qm), float("nan")), SCALE_DTYPE)
+    divisor = xp.where(finite & (scales > 0), scales, 1.0)[:, :, None]
+    ratio = xp.where(finite[:, :, None], blocks / divisor, 0.0)
+    rounded = xp.rint(ratio) if xp is np else xp.round(ratio)  # both: halves to even
+    codes = xp.reshape(xp.astype(xp.clip(rounded, -qm, qm), np.int8), (rows.shape[0], -1))
     codes = codes[:, :width]
     return (pack_int4(codes) if bits == 4 else codes), scales
 
@@ -109,9 +111,10 @@ def quantize(x: Any, bits: int, block_size: int) -> tuple[Any, Any]:
 def dequantize(codes: Any, scales: Any, width: int, bits: int, block_size: int) -> Any:
     """float32 rows of ``width`` values from ``quantize``'s codes and scales."""
     q = unpack_int4(codes, width) if bits == 4 else codes[..., :width]
-    q = q.reshape(-1, width)
-    blocks = _blocks(q, block_size) * scales.reshape(q.shape[0], -1, 1)
-    return blocks.reshape(q.shape[0], -1)[:, :width]
+    xp = array_module(q)
+    q = xp.reshape(q, (-1, width))
+    blocks = _blocks(q, block_size) * xp.reshape(scales, (q.shape[0], -1, 1))
+    return xp.reshape(blocks, (q.shape[0], -1))[:, :width]
 
 
 class QuantizedGather:
@@ -125,15 +128,15 @@ class QuantizedGather:
         self.codes = xp.empty((comm.size, codes.shape[1]), dtype=codes.dtype)
         self.scales = xp.empty((comm.size, scales.shape[1]), dtype=SCALE_DTYPE)
         start = comm.iall_gather if overlap else comm.all_gather
-        self.handles = [start(self.codes, codes.reshape(-1)), start(self.scales, scales)]
-        self.nbytes = self.codes.nbytes + self.scales.nbytes
+        self.handles = [start(self.codes, flat(codes)), start(self.scales, scales)]
+        self.nbytes = nbytes(self.codes) + nbytes(self.scales)
 
     def wait(self) -> None:
         for h in self.handles:
             if h is not None:
                 h.wait()
         rows = dequantize(self.codes, self.scales, self.width, WEIGHT_BITS, self.block)
-        self.out[...] = rows.reshape(-1).astype(self.out.dtype)
+        self.out[...] = array_module(rows).astype(flat(rows), self.out.dtype)
 
 
 class SecondaryPartition:
@@ -168,7 +171,8 @@ class SecondaryPartition:
         lo = self.comm.rank * self.chunks[i]
         valid = max(0, min(self.chunks[i], self.numels[i] - lo))
         mine = self.chunk(i)
-        mine[:valid] = full[lo : lo + valid]
+        if valid:  # a chunk past the parameter's end is padding only
+            mine[:valid] = full[lo : lo + valid]
         mine[valid:] = 0
         self.fresh[i] = True
 
@@ -212,12 +216,17 @@ class HierarchicalReducer:
 
     def reduce(self, rows: Any) -> Any:
         """rows: (N, w), row q is what rank q owns; returns the float32 sum of this rank's row."""
-        width = rows.shape[1]
-        codes, scales = quantize(rows[self.order], self.bits, self.block)
+        xp, width = array_module(rows), rows.shape[1]
+        ordered = (
+            rows[self.order]
+            if xp is np
+            else xp.take(rows, xp.asarray(self.order, dtype=np.int64), axis=0)
+        )
+        codes, scales = quantize(ordered, self.bits, self.block)
         parts = self._hop(self.intra, codes, scales, width)
-        partial = parts.reshape(self.local, self.nodes, width).sum(axis=0)
+        partial = xp.sum(xp.reshape(parts, (self.local, self.nodes, width)), axis=0)
         codes, scales = quantize(partial, self.bits, self.block)
-        return self._hop(self.inter, codes, scales, width).sum(axis=0)
+        return xp.sum(self._hop(self.inter, codes, scales, width), axis=0)
 
     def _hop(self, comm: Any, codes: Any, scales: Any, width: int) -> Any:
         xp = array_module(codes)
