@@ -189,3 +189,30 @@ def test_cupy_backend_is_accepted_by_the_config_and_named_when_no_gpu():
         zs.initialize(model, cfg, comm=zs.LocalWorld(1).comms()[0])
     for n, p in model.named_parameters():  # refused before anything changed
         assert p.data.dtype == before[n].dtype and np.array_equal(p.data, before[n])
+
+
+def test_initialize_moves_each_weight_across_once_and_counts_it():
+    """engine.crossings(): the model's arrays cross once each at initialize (their bytes, in the
+    model dtype), a step adds its batch in and scalars out; numpy counts nothing."""
+    case = Case(stage=2, model="gpt")
+    cfg = engine_cases.config(case.with_(backend="array_api_strict"))
+
+    def run(comm):
+        model = engine_cases.build_model(case)
+        arrays = [p.data for p in model.parameters()] + [b for _, b in model.named_buffers()]
+        engine, *_ = zs.initialize(model, cfg, comm=comm)
+        at_start = engine.crossings()
+        x, y = data(case, comm.size)
+        engine.backward(engine(x[: case.micro], y[: case.micro]))
+        engine.step()
+        return at_start, engine.crossings(), arrays, (x[: case.micro], y[: case.micro])
+
+    for at_start, after, arrays, batch in zs.LocalWorld(2).run(run):
+        assert at_start["from_host_calls"] == len(arrays)
+        assert at_start["from_host_bytes"] == sum(a.nbytes for a in arrays)
+        assert at_start["to_host_bytes"] == 0
+        step = {k: after[k] - at_start[k] for k in after}
+        assert step["from_host_calls"] == 2
+        assert step["from_host_bytes"] == sum(a.nbytes for a in batch)
+        # scalars only: the loss, the norm, the embedding's id bounds, the target count
+        assert 0 < step["to_host_calls"] and step["to_host_bytes"] <= 16 * step["to_host_calls"]

@@ -25,6 +25,7 @@ import numpy as np
 
 from zerosim import optim
 from zerosim.backend import (
+    crossings,
     from_host,
     get_backend,
     item,
@@ -231,6 +232,7 @@ class Engine:
         reject_unbuilt(cfg)
         # before anything changes: cupy without a GPU, or a backend not installed, fails here
         self.backend = get_backend(cfg.zerosim.backend)
+        self._crossings_at_start = crossings().as_dict()
         if cfg.zero_optimization.stage != 3 and is_partitioned(model):
             raise ConfigError(
                 f"zero_optimization.stage = {cfg.zero_optimization.stage}: the model was built "
@@ -622,6 +624,12 @@ class Engine:
         report = self.strategy.memory_report()
         report["buffers"] = sum(nbytes(b) for _, b in self.module.named_buffers())
         return report
+
+    def crossings(self) -> dict[str, int]:
+        """Host <-> device crossings this rank made since ``initialize`` began (moving the model
+        included): calls and bytes each way (``backend.crossings()``; all zero on numpy)."""
+        now = crossings().as_dict()
+        return {k: v - self._crossings_at_start[k] for k, v in now.items()}
 
     def memory_totals(self) -> dict[str, int]:
         """Totals, kept apart from ``memory_report`` so that summing it counts nothing twice:

@@ -242,6 +242,15 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
     lines.append(f"{'formula':>5} " + " ".join(f"{v:>17,}" for v in want) + f"{'':>18}")
     verdict = all(list(held[r][:4]) == want for r in range(comm.size))
     lines.append("memory matches the formula on every rank" if verdict else "MEMORY MISMATCH")
+    moved = engine.crossings()
+    if engine.backend.name != "numpy":
+        lines += [
+            "",
+            f"host <-> device crossings of rank 0 since initialize (backend "
+            f"{engine.backend.name}): {moved['from_host_calls']:,} in "
+            f"({moved['from_host_bytes']:,} B: the model once, then each batch), "
+            f"{moved['to_host_calls']:,} out ({moved['to_host_bytes']:,} B)",
+        ]
     text = "\n".join(lines)
     bytes_ok = all(list(measured[r]) == formulas[r] for r in range(comm.size))
     extra = {}
@@ -251,6 +260,7 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
     return {
         **extra,
         "text": text,
+        "crossings": moved,
         "world_size": comm.size,
         "stage": strategy.stage,
         "padded_numel": strategy.padded_numel,
