@@ -540,6 +540,7 @@ class Engine:
             if flag[0] > 0:
                 self.strategy.zero_grad()
                 self.skipped_steps += 1
+                self._global_grad_norm = float("inf")  # as DeepSpeed reports a skipped step
                 self.loss_scaler.update_scale(True)  # may raise LossScaleError on every rank
                 log.info(
                     "step %d skipped: gradient overflow; loss scale now %g",
@@ -549,9 +550,11 @@ class Engine:
                 return False
         # As in every fp16 optimizer of DeepSpeed 0.19.8, the scale is updated before the
         # gradients are unscaled: on a step where it grows, they are divided by the new scale.
+        prev_scale = self.loss_scaler.loss_scale
         self.loss_scaler.update_scale(False)
         inv_scale = 1.0 / self.loss_scaler.loss_scale
         self._clip(inv_scale)
+        self._global_grad_norm = self._reported_norm(prev_scale)
         self.strategy.unscale_grads(inv_scale)
         if self.strategy.master_dtype is not None and self._clip_coef != 1.0:
             self.strategy.clip(self._clip_coef)
@@ -560,6 +563,22 @@ class Engine:
         self.strategy.gather()
         self.strategy.zero_grad()
         return True
+
+    def _reported_norm(self, prev_scale: float) -> float | None:
+        """The norm ``get_global_grad_norm()`` reports, as DeepSpeed 0.19.8's does: None at stage
+        0 in one precision (the client's torch optimizer keeps no norm; clipping still uses
+        it); at stages 1-2 the scaled norm over the scale *before* this step's update
+        (``stage_1_and_2.step``), so on a step where the scale grows it is that factor above
+        the norm used for clipping; elsewhere the norm itself."""
+        norm = self._global_grad_norm
+        if norm is None:
+            return None
+        stage = self.config.zero_optimization.stage
+        if stage == 0 and self.config.mixed_precision is None:
+            return None
+        if stage in (1, 2):
+            return norm * (self.loss_scaler.loss_scale / prev_scale)
+        return norm
 
     @property
     def loss_scale(self) -> float:
@@ -603,7 +622,8 @@ class Engine:
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """The gradient norm (before clipping) of the last optimizer step."""
+        """The gradient norm (before clipping) of the last optimizer step, as DeepSpeed reports
+        it: inf after a skipped step, None at stage 0 without fp16/bf16 (``_reported_norm``)."""
         return self._global_grad_norm
 
     def train(self, mode: bool = True) -> Engine:

@@ -68,7 +68,7 @@ def run_case(case: dict, out: Path) -> None:
     engine, *_ = deepspeed.initialize(model=twin, model_parameters=twin.parameters(), config=cfg)
     dtype = next(engine.module.parameters()).dtype
     init = comms_snapshot()
-    losses, steps = [], []
+    losses, steps, norms = [], [], []
     for step in range(case["steps"]):
         for micro in range(gas(case)):
             x, y = micro_batch(case, step, micro, rank)
@@ -79,6 +79,8 @@ def run_case(case: dict, out: Path) -> None:
             engine.step()
             losses.append(float(loss))
         steps.append(comms_snapshot())
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
     weights = {}
     for name, p in engine.module.named_parameters():
         full = safe_get_full_fp32_param(p)
@@ -86,6 +88,7 @@ def run_case(case: dict, out: Path) -> None:
         weights[name] = full.float().numpy().copy()
     result = {"losses": losses, "steps": steps, "init": init, "clip": engine.gradient_clipping()}
     result["skipped"] = int(getattr(engine, "skipped_steps", 0))
+    result["norms"] = norms
     (out / f"{case['name']}.rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         np.savez(out / f"{case['name']}.npz", **weights)

@@ -35,6 +35,7 @@ Bounds, and why (measured worst cases at N = 2 and 3 in brackets):
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -148,6 +149,24 @@ def test_losses_and_weights_equal_deepspeeds(runs, name):
     )
     for key, want in ds["weights"].items():
         np.testing.assert_allclose(zs["weights"][key], want, rtol=0, atol=atol, err_msg=key)
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in cases()])
+def test_reported_gradient_norms_equal_deepspeeds(runs, name):
+    """``engine.get_global_grad_norm()`` after each step: DeepSpeed's value (None at stage 0 in
+    one precision, inf on a skipped step, the norm over the previous loss scale at stages 1-2
+    when the scale grows), within the loss bounds (the norm of 16-bit gradients: bf16's)."""
+    n, results = runs
+    ds, zs = results[name]["ds"], results[name]["zs"]
+    rtol = 1e-2 if ("bf16" in name or "fp16" in name) else 1e-5
+    for r in range(n):
+        want, got = ds["ranks"][r]["norms"], zs["ranks"][r]["norms"]
+        assert len(want) == len(got)
+        for k, (w, g) in enumerate(zip(want, got, strict=True)):
+            if w is None or g is None or math.isinf(w):
+                assert g == w, (r, k, g, w)
+            else:
+                assert g == pytest.approx(w, rel=rtol), (r, k, g, w)
 
 
 def test_deepspeeds_default_loss_scale_overflows_on_the_first_two_steps(runs):

@@ -40,7 +40,7 @@ def run_case(case: dict, out: Path, comm) -> None:
         warnings.simplefilter("ignore")
         engine, *_ = zs.initialize(model_of(case), zerosim_config(case), comm=comm)
     comm.ledger.reset()
-    losses, steps, phases = [], [], []
+    losses, steps, phases, norms = [], [], [], []
     for step in range(case["steps"]):
         for micro in range(gas(case)):
             x, y = micro_batch(case, step, micro, comm.rank)
@@ -51,9 +51,12 @@ def run_case(case: dict, out: Path, comm) -> None:
         collectives, labels = ledger_snapshot(comm)
         steps.append(collectives)
         phases.append(labels)
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
     weights = engine.full_state_dict()
     result = {"losses": losses, "steps": steps, "skipped": int(engine.skipped_steps)}
     result["phases"] = phases
+    result["norms"] = norms
     (out / f"{case['name']}.rank{comm.rank}.json").write_text(json.dumps(result))
     if comm.rank == 0:
         np.savez(out / f"{case['name']}.npz", **weights)
