@@ -11,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "run_tests.sh: creating .venv (first run only)…" >&2
   python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import zerosim, torch, pytest, hypothesis, nbmake, deepspeed, numba" 2>/dev/null; then
+if ! .venv/bin/python -c "import zerosim, torch, pytest, hypothesis, nbmake, deepspeed, numba, array_api_strict, array_api_compat" 2>/dev/null; then
   .venv/bin/python -m pip install --quiet --upgrade pip
   .venv/bin/python -m pip install --quiet -e ".[test]"
 fi
