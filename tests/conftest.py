@@ -1,6 +1,59 @@
 """Shared pytest set-up: make the helper modules in tests/ importable."""
 
+import logging
+import os
+import socket
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+# --- DeepSpeed in this process (tests/test_deepspeed_config.py, test_deepspeed_fp16_stage0.py) ---
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def deepspeed_world():
+    """A one-process gloo group for deepspeed.initialize, fp16 allowed on the CPU (patched)."""
+    deepspeed = pytest.importorskip("deepspeed", reason="the DeepSpeed oracle tests need DeepSpeed")
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils import logger
+
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }
+    saved_env = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    started = not torch.distributed.is_initialized()
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    accelerator = get_accelerator()
+    had_patch = "is_fp16_supported" in vars(accelerator)
+    accelerator.is_fp16_supported = lambda: True  # the patch: DeepSpeed's CPU accelerator says no
+    try:
+        yield
+    finally:
+        if not had_patch:
+            del accelerator.is_fp16_supported
+        if started:
+            deepspeed.comm.destroy_process_group()
+        logger.setLevel(level)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

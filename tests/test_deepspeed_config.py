@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-import logging
-import os
 import re
-import socket
 import warnings
 from dataclasses import dataclass
 
@@ -771,49 +768,6 @@ DIFFERENCES: list[Difference] = [
 
 
 # --- the test ---------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def deepspeed_world():
-    """A one-process gloo group for deepspeed.initialize, fp16 allowed on the CPU (patched)."""
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.utils import logger
-
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-    }
-    saved_env = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    started = not torch.distributed.is_initialized()
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    accelerator = get_accelerator()
-    had_patch = "is_fp16_supported" in vars(accelerator)
-    accelerator.is_fp16_supported = lambda: True  # the patch: DeepSpeed's CPU accelerator says no
-    try:
-        yield
-    finally:
-        if not had_patch:
-            del accelerator.is_fp16_supported
-        if started:
-            deepspeed.comm.destroy_process_group()
-        logger.setLevel(level)
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 KNOWN_SECTIONS = {path.split(".")[0] for path in known_key_paths(Config)}

@@ -16,49 +16,11 @@ A one-process gloo group; DeepSpeed's CPU accelerator says it has no fp16, so th
 from __future__ import annotations
 
 import copy
-import logging
-import os
-import socket
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="the DeepSpeed oracle tests need torch (test extra)")
 deepspeed = pytest.importorskip("deepspeed", reason="the DeepSpeed oracle tests need DeepSpeed")
-
-
-@pytest.fixture(scope="module")
-def deepspeed_world():
-    """A one-process gloo group for deepspeed.initialize, fp16 allowed on the CPU (patched)."""
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.utils import logger
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
-    env["LOCAL_RANK"] = "0"
-    saved_env = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    started = not torch.distributed.is_initialized()
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    accelerator = get_accelerator()
-    had_patch = "is_fp16_supported" in vars(accelerator)
-    accelerator.is_fp16_supported = lambda: True  # the patch: DeepSpeed's CPU accelerator says no
-    try:
-        yield
-    finally:
-        if not had_patch:
-            del accelerator.is_fp16_supported
-        if started:
-            deepspeed.comm.destroy_process_group()
-        logger.setLevel(level)
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def test_deepspeed_stage0_fp16_unscales_a_loss_it_never_scaled(deepspeed_world):
