@@ -92,6 +92,9 @@ def array_api_parity(comm):
         want = engine_cases.train_on(comm, case)["params"]
         got = engine_cases.train_on(comm, case.with_(backend="array_api_strict"))["params"]
         worst = max(worst, max(float(np.max(np.abs(got[k] - want[k]))) for k in want))
+        # MPI reads host memory only: the device arrays were staged, the host scalars were not
+        routes = {r.transport for r in comm.ledger.records}
+        assert routes == {"staged", "host"}, routes
     return worst
 
 

@@ -1,0 +1,41 @@
+"""How a collective's data travels (zerosim/comm/cuda.py), decided per array and recorded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from zerosim.backend import from_host, get_backend
+from zerosim.comm import cuda
+
+
+class _CupyLike:
+    """Stands for a CuPy array in the decision (which looks only at the array's type)."""
+
+    __module__ = "cupy._core.core"
+
+    def __array_namespace__(self):  # a device array, as CuPy's are
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize(
+    "nccl, aware, want",
+    [(object(), False, "nccl"), (None, True, "cuda-aware"), (None, False, "staged")],
+)
+def test_cupy_arrays_take_nccl_then_cuda_aware_mpi_then_staging(nccl, aware, want):
+    assert cuda.transport(_CupyLike(), nccl, aware) == want
+
+
+def test_host_arrays_go_as_they_are_and_other_device_arrays_are_staged():
+    pytest.importorskip("array_api_strict")
+    assert cuda.transport(np.ones(3), object(), True) == "host"
+    strict = from_host(np.ones(3), xp=get_backend("array_api_strict").xp)
+    assert cuda.transport(strict, object(), True) == "staged"  # NCCL and MPI read CuPy only
+
+
+def test_cuda_aware_mpi_can_be_declared_where_the_library_does_not_say(monkeypatch):
+    monkeypatch.setattr(cuda.MPI, "Query_cuda_support", None, raising=False)
+    monkeypatch.delenv(cuda.CUDA_AWARE_ENV, raising=False)
+    assert cuda.cuda_aware_mpi() is False
+    monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
+    assert cuda.cuda_aware_mpi() is True
