@@ -1,13 +1,18 @@
 """Every benchmark in one run: ``python -m benchmarks [--quick] [--out docs/benchmarks.md]``.
 
-Runs the collectives, optimizer-step, model-step, training-step and scaling scripts one after the
-other (each compares zerosim with a baseline measured in the same run: raw mpi4py, NumPy's copy
-and matmul rates, PyTorch, the memory formulas), and writes their tables, with the machine, the
-versions and the date, to a Markdown file. Each script also writes its rows as JSON (``--json``,
-to a temporary folder); ``benchmarks/figures.py`` turns them into ``figures/bench_<module>.png``
-beside the Markdown file, embedded under each section. ``--quick`` uses small sizes (a couple of
-minutes) to check that everything runs. Then it writes docs/deepspeed_parity.md
-(``benchmarks/deepspeed_parity.py``: zerosim against DeepSpeed, case by case).
+Runs the collectives, optimizer-step, model-step, training-step, scaling, allocation, zero.Init
+and large-GPT scripts one after the other (each compares zerosim with a baseline measured in the
+same run: raw mpi4py, NumPy's copy and matmul rates, PyTorch, DeepSpeed, the memory formulas),
+and writes their tables, with the machine, the versions and the date, to a Markdown file. Each
+script also writes its rows as JSON (``--json``, to a temporary folder); ``benchmarks/figures.py``
+turns them into ``figures/bench_<module>.png`` beside the Markdown file, embedded under each
+section. ``--quick`` uses small sizes (a couple of minutes) to check that everything runs. Then
+it writes docs/deepspeed_parity.md (``benchmarks/deepspeed_parity.py``: zerosim against
+DeepSpeed, case by case).
+
+``--only MODULE …`` runs those benchmarks and replaces their sections of an existing Markdown
+file, keeping the others and their lines of the targets table as they were measured (each
+re-measured section states its own date and load).
 """
 
 from __future__ import annotations
@@ -61,12 +66,13 @@ SUITE = [
     (
         "Training step",
         "training_step",
-        [],
+        ["--repeats", "2"],
         ["--ranks", "2", "--steps", "4", "--model", "mlp", "--repeats", "1"],
-        "zerosim stages 0-3 against PyTorch DDP / ZeroRedundancyOptimizer / FSDP2 on gloo, same "
-        "model and batch, per-step time and peak RSS per rank, stage 3's exposed communication "
-        "with and without prefetch, and its model-state memory per rank against 1/N. Target: "
-        "ratio ≤ 1.",
+        "zerosim stages 0-3 against PyTorch DDP / ZeroRedundancyOptimizer / FSDP2 on gloo and "
+        "against DeepSpeed 0.19 stages 0-3 on CPU/gloo (launched by torchrun, its CPU FusedAdam), "
+        "same model, batch and config, per-step time and peak RSS per rank, stage 3's exposed "
+        "communication with and without prefetch, and its model-state memory per rank against "
+        "1/N. Target: ratio ≤ 1 against every peer.",
     ),
     (
         "Scaling",
@@ -97,6 +103,17 @@ SUITE = [
         "at stage 3. Per rank, the measured peak against 16Ψ/N plus buffers. Target: ratio "
         "near 1, every rank under its cap.",
     ),
+    (
+        "A GPT of 124M parameters at stage 3 on 8 ranks",
+        "large_gpt",
+        ["--steps", "2", "--warmup", "1"],
+        ["--ranks", "2", "--n-layer", "2", "--n-head", "4", "--n-embd", "128", "--vocab", "1024"]
+        + ["--seq", "32", "--steps", "1", "--warmup", "1"],
+        "GPT-2 small's shape (12 layers, 768 wide, vocabulary 50304, tied embedding), built "
+        "inside zero.Init and trained at stage 3 with fp32 Adam by 8 ranks on this machine's "
+        "cores: time per step, tokens per second, and per rank the model states and buffers "
+        "that memory_report() counts against 16Ψ/N, beside the measured peak RSS.",
+    ),
 ]
 
 
@@ -119,6 +136,23 @@ def machine() -> str:
     )
 
 
+def sections(lines: list[str]) -> dict[str, list[str]]:
+    """An existing benchmarks page split at its ``## `` headings: {title: the section's lines,
+    the heading and the blank line before it included}."""
+    found: dict[str, list[str]] = {}
+    title = None
+    for line in lines:
+        if line.startswith("## "):
+            title = line[3:]
+            found[title] = [""]
+        if title is not None:
+            found[title].append(line)
+    for part in found.values():
+        while part[-1] == "":
+            part.pop()
+    return found
+
+
 def run_one(module: str, argv: list[str]) -> tuple[str, float]:
     """Run a benchmark's ``main(argv)`` in this process, capturing what it prints."""
     import importlib
@@ -139,23 +173,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, to check it runs")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
-    parser.add_argument("--only", nargs="+", help="module names to run (default: all)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        help="module names to run, replacing their sections of --out (default: all, a new page)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     figures = out.parent / "figures"
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    parts = [  # the header (HEADER lines), then a section per benchmark; the targets go between
+    kept = out.read_text().splitlines() if args.only and out.is_file() else []  # --only: update
+    header = kept[:HEADER] or [  # HEADER lines; the targets table goes after them
         "# Benchmarks",
         "",
         f"Measured {now} on {machine()}; load average at start {load:.2f}. "
         "Every figure is compared with a baseline measured in the same run. Regenerate with "
         "`python -m benchmarks` (or `zerosim bench`).",
     ]
+    done = sections(kept)  # {title: section lines}: the kept ones, replaced as each runs
     rows: dict[str, list[dict]] = {}
     for title, module, full, quick, about in SUITE:
         if args.only and module not in args.only:
             continue
+        started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        when = f"; measured {started}, load average {os.getloadavg()[0]:.2f}" if kept else ""
         with tempfile.TemporaryDirectory(prefix="zerosim-bench-") as json_dir:
             json_path = Path(json_dir) / f"{module}.json"
             text, seconds = run_one(
@@ -165,23 +207,24 @@ def main(argv: list[str] | None = None) -> int:
             if json_path.is_file():
                 rows[module] = json.loads(json_path.read_text())
         print(f"{title}: {seconds:.0f} s", file=sys.stderr)
-        parts += [
+        done[title] = [
             "",
             f"## {title}",
             "",
             about,
             "",
             f"`python benchmarks/{module}.py {' '.join(quick if args.quick else full)}` "
-            f"({seconds:.0f} s):",
+            f"({seconds:.0f} s{when}):",
             "",
             "```",
             text.rstrip(),
             "```",
         ]
         if png is not None:
-            parts += ["", f"![{title}]({png.relative_to(out.parent).as_posix()})"]
-        head = ["", "## Targets", "", *targets.table(rows)]
-        out.write_text("\n".join(parts[:HEADER] + head + parts[HEADER:]) + "\n")  # each time
+            done[title] += ["", f"![{title}]({png.relative_to(out.parent).as_posix()})"]
+        head = ["", "## Targets", "", *targets.table(rows, kept)]
+        body = [line for name, *_ in SUITE for line in done.get(name, [])]
+        out.write_text("\n".join(header + head + body) + "\n")  # after each benchmark
     print(f"wrote {out} and its figures in {figures}", file=sys.stderr)
     if not args.only or "deepspeed_parity" in args.only:  # its own page: docs/deepspeed_parity.md
         ranks = ["2"] if args.quick else ["2", "3"]

@@ -10,11 +10,14 @@ One function per benchmark turns its rows into one figure:
   2(N−1)/N for all_reduce (the bytes each rank's link carries, nccl-tests' convention);
 * optimizer_step: effective GB/s of each optimizer and implementation, against numpy's copy;
 * model_step: GFLOP/s of the GPT step in zerosim and torch against numpy's matmul;
-* training_step: zerosim's step time over its torch counterpart's, per stage and N;
+* training_step: zerosim's step time over its torch counterpart's and over DeepSpeed's, per
+  stage and N;
 * scaling: model-state bytes per rank against N (log-log, with the 1/N line), and step time
   against Ψ with the least-squares line t = a·Ψ + c, one panel per stage;
 * allocations: the peak bytes allocated in one steady-state step over Ψ·b, per stage and dtype,
-  against the largest parameter's bytes (a layer's worth) and the whole model's.
+  against the largest parameter's bytes (a layer's worth) and the whole model's;
+* large_gpt: per rank, 16Ψ/N plus the buffers against the measured peak RSS growth and the
+  whole model's fp32 size.
 
 Figures are drawn on a matplotlib ``Figure`` with the Agg canvas (no pyplot, no display), as in
 ``zerosim.report.plots``.
@@ -142,27 +145,35 @@ def model_step(rows: Rows, path: str | Path) -> Path:
 
 
 def training_step(rows: Rows, path: str | Path) -> Path:
-    """zerosim / torch step-time ratio per stage, one bar per (N, model); 1 = as fast."""
-    rows = [r for r in rows if r.get("ratio") is not None]
+    """zerosim's step time over each peer's, per stage, one bar per (N, model); 1 = as fast.
+    Left: against the torch counterpart; right (when DeepSpeed ran): against DeepSpeed."""
+    peers = [("ratio", "its torch counterpart"), ("ratio_deepspeed", "DeepSpeed")]
+    peers = [(key, name) for key, name in peers if any(r.get(key) is not None for r in rows)]
     stages = sorted({r["stage"] for r in rows})
     groups = sorted({(r["n"], r["model"]) for r in rows})
-    fig, (ax,) = _figure(6.5, 3.8)
-    ratios = {
-        f"N={n} {model}": [
-            next(
-                (r["ratio"] for r in rows if (r["n"], r["model"], r["stage"]) == (n, model, s)),
-                np.nan,
-            )
-            for s in stages
-        ]
-        for n, model in groups
-    }
-    _grouped_bars(ax, ratios)
-    ax.axhline(1.0, color="black", linestyle=":")
-    ax.set_xticks(np.arange(len(stages)), [f"stage {s}" for s in stages])
-    ax.set_ylabel("zerosim ms / torch ms")
-    ax.set_title("training step: zerosim against its torch counterpart")
-    ax.legend(fontsize=8)
+    fig, axes = _figure(5.5 * max(1, len(peers)), 3.8, max(1, len(peers)))
+    for ax, (key, name) in zip(axes, peers, strict=False):
+        ratios = {
+            f"N={n} {model}": [
+                next(
+                    (
+                        r[key]
+                        for r in rows
+                        if (r["n"], r["model"], r["stage"]) == (n, model, s)
+                        and r.get(key) is not None
+                    ),
+                    np.nan,
+                )
+                for s in stages
+            ]
+            for n, model in groups
+        }
+        _grouped_bars(ax, ratios)
+        ax.axhline(1.0, color="black", linestyle=":")
+        ax.set_xticks(np.arange(len(stages)), [f"stage {s}" for s in stages])
+        ax.set_ylabel(f"zerosim ms / {name.split()[-1]} ms")
+        ax.set_title(f"training step: zerosim against {name}")
+        ax.legend(fontsize=8)
     return _save(fig, path)
 
 
@@ -258,6 +269,42 @@ def zero_init_cap(rows: Rows, path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def large_gpt(rows: Rows, path: str | Path) -> Path:
+    """Per rank of the large GPT's run: the model states (16Ψ/N), the buffers beside them and
+    the measured peak RSS growth, in MiB, against the whole model's fp32 size."""
+    (row,) = rows
+    fig, (ax,) = _figure(6.5, 3.8)
+    mib = 2.0**20
+    ranks = np.arange(len(row["rss_growth"]))
+    ax.bar(ranks - 0.2, row["formula"] / mib, 0.4, color=_colors(3)[0], label="16Ψ/N")
+    ax.bar(
+        ranks - 0.2,
+        np.array(row["buffers"]) / mib,
+        0.4,
+        bottom=row["formula"] / mib,
+        color=_colors(3)[1],
+        label="+ buffers (bucket pool, gathered)",
+    )
+    ax.bar(
+        ranks + 0.2,
+        np.array(row["rss_growth"]) / mib,
+        0.4,
+        color=_colors(3)[2],
+        label="measured peak RSS growth",
+    )
+    ax.axhline(row["full_model"] / mib, color="black", linestyle=":", label="whole model, fp32")
+    ax.set_xticks(ranks, [f"rank {r}" for r in ranks])
+    top = max(max(row["rss_growth"]), row["formula"] + max(row["buffers"]), row["full_model"])
+    ax.set_ylim(0, 1.45 * top / mib)  # room for the legend above the bars
+    ax.set_ylabel("MiB")
+    ax.set_title(
+        f"GPT of {row['params'] / 1e6:.0f}M at stage 3, N = {row['n']}: "
+        f"{row['step_s']:.1f} s/step, {row['tokens_per_s']:.0f} tokens/s"
+    )
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
+    return _save(fig, path)
+
+
 PLOTS: dict[str, Callable[[Rows, str | Path], Path]] = {
     "collectives": collectives,
     "optimizer_step": optimizer_step,
@@ -266,6 +313,7 @@ PLOTS: dict[str, Callable[[Rows, str | Path], Path]] = {
     "scaling": scaling,
     "allocations": allocations,
     "zero_init_cap": zero_init_cap,
+    "large_gpt": large_gpt,
 }
 
 

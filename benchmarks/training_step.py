@@ -1,16 +1,17 @@
-"""One training step of zerosim stages 0-3 against PyTorch's counterparts on the same model.
+"""One training step of zerosim stages 0-3 against PyTorch's counterparts and DeepSpeed.
 
     python benchmarks/training_step.py [--ranks 2 4] [--steps 20] [--model mlp|gpt|both]
-        [--stages 0 1 2 3] [--repeats 2] [--memory-ranks 1 2 4 8] [--check] [--profile [STAGE]]
-        [--quick] [--json PATH]
+        [--stages 0 1 2 3] [--repeats 2] [--peers torch deepspeed] [--memory-ranks 1 2 4 8]
+        [--check] [--profile [STAGE]] [--quick] [--json PATH]
 
 For each N in ``--ranks``, model and configuration the driver launches ``--repeats`` separate
-``mpirun -n N`` jobs of this file (``--worker``), zerosim's and torch's alternating so that a
-change in the machine's load hits both, and so that each peak RSS (``ru_maxrss``, a high-water
-mark) belongs to one configuration. Every job trains the same model (same seed, same weights:
-the torch module is loaded from zerosim's ``state_dict``) on the same global batches (rank r takes
-rows [r·B/N, (r+1)·B/N) of each) with Adam in float32 (lr 1e-3, no weight decay, so DeepSpeed's
-AdamW mode is plain Adam):
+jobs of this file (``--worker``) per side, zerosim's, torch's and DeepSpeed's in turn (each
+repeat starting one side later) so that a change in the machine's load hits all three, and so
+that each peak RSS (``ru_maxrss``, a high-water mark) belongs to one configuration. Every job
+trains the same model (same seed, same weights: the torch module is loaded from zerosim's
+``state_dict``) on the same global batches (rank r takes rows [r·B/N, (r+1)·B/N) of each) with
+Adam in float32 (lr 1e-3, no weight decay, so DeepSpeed's AdamW mode is plain Adam; no gradient
+clipping):
 
     zerosim stage 0  <->  torch DistributedDataParallel (gloo)
     zerosim stage 1  <->  DDP + torch.distributed.optim.ZeroRedundancyOptimizer (gloo)
@@ -19,14 +20,27 @@ AdamW mode is plain Adam):
                           between steps and all-gathered at each forward (SHARD_GRAD_OP-like).
     zerosim stage 3  <->  FSDP2 ``fully_shard(reshard_after_forward=True)`` (gloo): parameters
                           gathered per module before forward and again before backward.
+    zerosim stage s  <->  DeepSpeed 0.19 stage s (gloo), for every s: the same engine_config().
+
+DeepSpeed (``--peers``) runs on CPU: ``torchrun --nproc_per_node N`` launches the worker, which
+calls ``deepspeed.init_distributed(dist_backend="gloo")`` and ``deepspeed.initialize`` on the
+same torch module the torch peers train, with the very JSON config zerosim gets (zerosim's own
+``"zerosim"`` section left out; ``engine_config``). Its optimizer is what DeepSpeed picks for
+``"type": "Adam"`` by default: FusedAdam, whose CPU build is DeepSpeed's C++ kernel
+(``csrc/cpu/adam/fused_adam.cpp``: one vectorised pass over each tensor, OpenMP over elements,
+so one thread here). ``"torch_adam": true`` would swap in torch.optim.Adam, the kernel the torch
+peers already run, so FusedAdam is the stronger and the more DeepSpeed-like choice; zerosim's
+Adam is its fused one-pass kernel when numba is installed (docs/optim.md). DeepSpeed's comms
+logger, wall-clock breakdown and flops profiler stay off (their defaults).
 
 zerosim runs with its config defaults (ledger on, cross-rank argument check on, one bucket of
 ``reduce_bucket_size`` = 5e8 elements, ``overlap_comm`` off for stages 0-2) over ``MPIComm``;
-zerosim workers never import torch, torch workers never import mpi4py (rank and size come from
-the launcher's PMI_RANK / PMI_SIZE, the rendezvous from MASTER_ADDR / MASTER_PORT). Every rank
-runs with one thread (OMP/OpenBLAS/MKL = 1, ``torch.set_num_threads(1)``).
+zerosim workers never import torch, torch and DeepSpeed workers never import mpi4py (a torch
+rank's rank and size come from mpirun's PMI_RANK / PMI_SIZE, DeepSpeed's from torchrun, the
+rendezvous from MASTER_ADDR / MASTER_PORT). Every rank runs with one thread (OMP/OpenBLAS/MKL =
+1, ``torch.set_num_threads(1)``).
 
-Both sides' workers run with glibc's allocator told to keep freed memory (``RETAIN_FREED``:
+Every side's workers run with glibc's allocator told to keep freed memory (``RETAIN_FREED``:
 ``MALLOC_MMAP_THRESHOLD_`` 1 GiB, ``MALLOC_TRIM_THRESHOLD_`` 4 GiB). By default glibc maps every
 block over 32 MiB afresh and unmaps it when freed (or trims the heap), so a step that frees its
 activations and allocates them again at the next step pays a page fault per 4 KiB page: on the
@@ -36,21 +50,26 @@ the setting gives both sides the same reuse. ``--glibc-default`` runs without it
 
 Step time: each step starts after a barrier and ends when ``step()`` returns; a step's time is
 the slowest rank's; a job's figure is the median over ``--steps`` steps after ``--warmup``
-warm-up steps, and the table gives the median over the repeats. Peak RSS is the largest
-``ru_maxrss`` over ranks and repeats; in brackets, its growth over the RSS the process had once
-its libraries were imported (for torch this includes library code paged in at the first
-kernels, tens of MiB). The last column is rank 0's loss at the last step on each side;
-``--check`` also compares both sides' gradients at initialisation. ``--profile`` then runs
-zerosim once more under cProfile on rank 0 and prints the top 15 functions by own time (time
-in a blocking collective includes waiting for slower ranks).
+warm-up steps, and the table gives the median over the repeats (a second table lists every
+repeat's figure, so that the load's effect on each configuration is visible). Peak RSS is the
+largest ``ru_maxrss`` over ranks and repeats; in brackets, its growth over the RSS the process had
+once its libraries were imported (for torch this includes library code paged in at the first
+kernels, tens of MiB; for zerosim, numba and the fused optimizer kernel it compiles at the first
+step, about 100 MiB: 23 MiB with ``ZEROSIM_FUSED=0``; for DeepSpeed the baseline is taken after
+``import deepspeed``, so its hundreds of MiB of libraries are in the total, not the bracket).
+The last column is rank 0's loss at the last step on each side; ``--check`` also compares
+zerosim's and torch's gradients at initialisation; ``--no-check`` runs zerosim without its
+cross-rank argument check. ``--profile`` then runs zerosim once more under cProfile on rank 0 and
+prints the top 15 functions by own time (time in a blocking collective includes waiting for
+slower ranks).
 
 Stage 3 runs with ``STAGE3`` below: every parameter partitioned (persistence threshold 0, as
 FSDP shards every parameter), prefetch and non-blocking all-gathers on (``overlap_comm``, the
 stage-3 default), and ``stage3_max_reuse_distance`` 0 so that, like FSDP2 with
 ``reshard_after_forward=True``, every module's parameters are gathered again for its backward:
-both sides then send 3(N−1)/N·Ψ·b per rank per step (with DeepSpeed's default reuse distance a
-model this small keeps every parameter gathered from forward to backward, which is FSDP2's
-``reshard_after_forward=False``). When stage 3 is among ``--stages`` two more tables follow:
+zerosim and FSDP2 then send 3(N−1)/N·Ψ·b per rank per step (with DeepSpeed's default reuse
+distance a model this small keeps every parameter gathered from forward to backward, which is
+FSDP2's ``reshard_after_forward=False``). When stage 3 is among ``--stages`` two more tables follow:
 
 * **Exposed communication** (``exposed_table``): stage 3 with ``overlap_comm`` on and off (the
   jobs without it run in the same repeat loop as the table's zerosim and torch jobs), and the same
@@ -100,6 +119,21 @@ COUNTERPART = {
 STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 MODEL_STATES = ("params", "grads", "master_params", "persistent_params")  # + optimizer_state.*
 COMM_KEYS = ("ledger_ms", "in_flight_ms", "blocked_ms")  # stage 3's communication times
+
+
+def engine_config(model: str, n: int, stage: int, overlap: bool = True) -> dict:
+    """The DeepSpeed JSON config both engines get (zerosim adds its own section): float32 Adam,
+    the global batch in one micro-batch per rank, ZeRO ``stage`` (stage 3 as ``STAGE3``), and no
+    clipping (DeepSpeed 0.19's default ``gradient_clipping`` is 1.0; the torch peers do not
+    clip, so with it two sides would train another model than the third)."""
+    return {
+        "train_batch_size": GLOBAL_BATCH[model],
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH[model] // n,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage} if stage < 3 else {**STAGE3, "overlap_comm": overlap},
+        "steps_per_print": 10**9,
+    }
 
 
 def peak_rss_mib() -> float:
@@ -227,18 +261,9 @@ def zerosim_worker(a: argparse.Namespace) -> None:
     base = peak_rss_mib()
     model, _ = build_model(a.model)
     params = model.num_parameters()
-    config = {
-        "train_batch_size": GLOBAL_BATCH[a.model],
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH[a.model] // n,
-        "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0; the torch peers do not clip
-        "optimizer": {"type": "Adam", "params": {"lr": LR, "weight_decay": 0.0}},
-        "zero_optimization": {"stage": a.stage}
-        if a.stage < 3
-        else {**STAGE3, "overlap_comm": bool(a.overlap)},
-        "steps_per_print": 10**9,
-        "zerosim": {"dtype": "float32"},
-    }
-    comm = MPIComm()
+    config = engine_config(a.model, n, a.stage, bool(a.overlap))
+    config["zerosim"] = {"dtype": "float32"}
+    comm = MPIComm(validate=not a.no_check)
     engine, *_ = initialize(model, config, comm=comm)
 
     def step(x, y) -> float:
@@ -385,6 +410,33 @@ def gradient_gap(zs_model, torch_model, x: np.ndarray, y: np.ndarray) -> float:
     return gap / scale
 
 
+def torch_twin(a: argparse.Namespace, n: int):
+    """The torch module with zerosim's initial weights, Ψ, whether it is the GPT, every step's
+    global batch and (``--check``) the gradient gap at initialisation."""
+    import torch
+
+    zs_model, vocab = build_model(a.model)
+    TorchMLP, TorchGPT = torch_modules()  # noqa: N806
+    model = TorchMLP(MLP_SIZES) if vocab is None else TorchGPT(vocab, **GPT_SHAPE)
+    state = {k: torch.from_numpy(np.array(v)) for k, v in zs_model.state_dict().items()}
+    model.load_state_dict(state, strict=True)
+    batches = global_batches(a.model, a.warmup + a.steps)
+    check = gradient_gap(zs_model, model, *my_rows(batches[0], 0, n)) if a.check else None
+    return model, zs_model.num_parameters(), vocab is not None, batches, check
+
+
+def torch_report(a: argparse.Namespace, times, loss, base: float, **extra) -> None:
+    """Gather every rank's times, loss and RSS over torch.distributed; rank 0 prints the JSON."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (times, loss, peak_rss_mib(), base))
+    if dist.get_rank() == 0:
+        t, losses, rss, bases = zip(*every, strict=True)
+        print(json.dumps(summary(np.array(t), losses, rss, bases, a.warmup, **extra)), flush=True)
+    dist.barrier()
+
+
 def torch_worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -399,19 +451,11 @@ def torch_worker(a: argparse.Namespace) -> None:
     import zerosim.nn  # noqa: F401  (imported before the baseline, as in the zerosim worker)
 
     base = peak_rss_mib()
-    zs_model, vocab = build_model(a.model)
-    params = zs_model.num_parameters()
-    TorchMLP, TorchGPT = torch_modules()  # noqa: N806
-    model = TorchMLP(MLP_SIZES) if vocab is None else TorchGPT(vocab, **GPT_SHAPE)
-    state = {k: torch.from_numpy(np.array(v)) for k, v in zs_model.state_dict().items()}
-    model.load_state_dict(state, strict=True)
-    batches = global_batches(a.model, a.warmup + a.steps)
-    check = gradient_gap(zs_model, model, *my_rows(batches[0], 0, n)) if a.check else None
-    del zs_model, state
+    model, params, gpt, batches, check = torch_twin(a, n)
     if a.stage >= 2:  # stage 2: SHARD_GRAD_OP-like; stage 3: FULL_SHARD-like
         mesh = init_device_mesh("cpu", (n,))
         reshard = a.stage == 3
-        for layer in model.blocks if vocab is not None else model.layers:
+        for layer in model.blocks if gpt else model.layers:
             if any(True for _ in layer.parameters()):
                 fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -433,14 +477,43 @@ def torch_worker(a: argparse.Namespace) -> None:
         return loss.item()
 
     times, loss = timed(step, dist.barrier, batches, rank, n)
-    every = [None] * n
-    dist.all_gather_object(every, (times, loss, peak_rss_mib(), base))
-    if rank == 0:
-        t, losses, rss, bases = zip(*every, strict=True)
-        out = summary(np.array(t), losses, rss, bases, a.warmup, params=params, grad_gap=check)
-        print(json.dumps(out))
-        sys.stdout.flush()
-    dist.barrier()
+    torch_report(a, times, loss, base, params=params, grad_gap=check)
+    dist.destroy_process_group()
+
+
+def deepspeed_worker(a: argparse.Namespace) -> None:
+    """DeepSpeed's engine on the torch twin with ``engine_config`` (no zerosim section), launched
+    by torchrun; its Adam is DeepSpeed's default for ``"type": "Adam"``, the CPU FusedAdam."""
+    import logging
+
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    import zerosim.nn  # noqa: F401  (imported before the baseline, as in the zerosim worker)
+
+    base = peak_rss_mib()
+    model, params, _, batches, _ = torch_twin(a, n)
+    config = engine_config(a.model, n, a.stage, bool(a.overlap))
+    engine, optimizer, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the basic optimizer
+
+    def step(x, y) -> float:
+        loss = engine(torch.from_numpy(x), torch.from_numpy(y))
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    times, loss = timed(step, dist.barrier, batches, rank, n)
+    torch_report(a, times, loss, base, params=params, optimizer=type(inner).__name__)
+    engine.destroy()
     dist.destroy_process_group()
 
 
@@ -461,19 +534,29 @@ def launch(
     steps: int | None = None,
     warmup: int | None = None,
 ) -> dict:
-    """One ``mpirun -n n`` job; its JSON summary, or {"error": ...} and its profile lines.
+    """One job of ``n`` ranks (``mpirun -n n``; DeepSpeed's under ``torchrun --nproc_per_node
+    n``); its JSON summary, or {"error": ...} and its profile lines.
 
     ``overlap`` is stage 3's ``overlap_comm``; ``steps`` and ``warmup`` default to ``a``'s."""
     steps, warmup = a.steps if steps is None else steps, a.warmup if warmup is None else warmup
-    mpirun = Path(sys.executable).parent / "mpirun"
-    cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", str(n), sys.executable, __file__]
+    port = str(free_port())
+    if impl == "deepspeed":
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(n)]
+        cmd += ["--master_addr", "127.0.0.1", "--master_port", port, __file__]
+    else:
+        mpirun = Path(sys.executable).parent / "mpirun"
+        cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", str(n), sys.executable]
+        cmd += [__file__]
     cmd += ["--worker", impl, "--model", model, "--stage", str(stage)]
     cmd += ["--steps", str(steps), "--warmup", str(warmup), "--overlap", str(int(overlap))]
     cmd += ["--prof"] if a.prof else []
-    cmd += ["--check"] if a.check else []
+    cmd += ["--check"] if a.check and impl == "torch" else []
+    cmd += ["--no-check"] if a.no_check and impl == "zerosim" else []
     one = {f"{v}_NUM_THREADS": "1" for v in ("OMP", "OPENBLAS", "MKL")}
     one.update({} if a.glibc_default else RETAIN_FREED)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **one)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **one)
+    if impl == "deepspeed":  # no accelerator probing; DeepSpeed's deprecation warnings off
+        env.update(DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
     lines = run.stdout.splitlines()
     found = [json.loads(line) for line in lines if line.startswith("{")]
@@ -491,45 +574,76 @@ def combine(runs: list[dict]) -> dict:
     """Median step (and stage-3 communication) times over repeats; the largest peak RSS; notes."""
     good = [r for r in runs if "error" not in r]
     if not good:
-        return runs[0]
+        return runs[0] if runs else {}  # every run failed; or none was launched (--peers)
     worst = max(good, key=lambda r: max(r["rss_mib"]))
     notes = "; ".join(r.get("note") or r.get("error", "") for r in runs)
     times = {k: float(np.median([r[k] for r in good])) for k in ("ms", *COMM_KEYS) if k in good[0]}
-    return {**worst, **times, "note": notes.strip("; ")}
+    return {**worst, **times, "runs_ms": [r["ms"] for r in good], "note": notes.strip("; ")}
 
 
 def rss_cell(r: dict) -> str:
-    if "error" in r:
+    if "rss_mib" not in r:
         return "n/a"
     worst = int(np.argmax(r["rss_mib"]))
     return f"{r['rss_mib'][worst]:.0f} (+{r['rss_mib'][worst] - r['base_mib'][worst]:.1f})"
 
 
-def row(n: int, model: str, stage: int, zs: dict, th: dict) -> str:
-    nan = float("nan")
-    ratio = f"{zs['ms'] / th['ms']:.2f}" if "ms" in zs and "ms" in th else "n/a"
-    params = zs.get("params", th.get("params", 0))
+def ratio_cell(zs: dict, peer: dict) -> str:
+    return f"{zs['ms'] / peer['ms']:.2f}" if "ms" in zs and "ms" in peer else "n/a"
+
+
+def row(n: int, model: str, stage: int, zs: dict, th: dict, ds: dict) -> str:
+    """A main-table row; a peer that was not run (``--peers``) or failed shows n/a."""
+    params = zs.get("params", th.get("params", ds.get("params", 0)))
+    ms = [f"{r['ms']:.1f}" if "ms" in r else "n/a" for r in (zs, th, ds)]
+    loss = " / ".join(f"{r['loss']:.4f}" if "loss" in r else "n/a" for r in (zs, th, ds))
     return (
-        f"| {n} | {model} | {params:,} | {stage} | {zs.get('ms', nan):.1f} | "
-        f"{COUNTERPART[stage]} | {th.get('ms', nan):.1f} | {ratio} | {rss_cell(zs)} | "
-        f"{rss_cell(th)} | {zs.get('loss', nan):.4f} / {th.get('loss', nan):.4f} |"
+        f"| {n} | {model} | {params:,} | {stage} | {ms[0]} | {COUNTERPART[stage]} | {ms[1]} | "
+        f"{ms[2]} | {ratio_cell(zs, th)} | {ratio_cell(zs, ds)} | {rss_cell(zs)} | "
+        f"{rss_cell(th)} | {rss_cell(ds)} | {loss} |"
     )
 
 
-def record(n: int, model: str, stage: int, zs: dict, th: dict) -> dict:
-    """A main-table row for ``--json``: step times in ms (None when a side failed)."""
+def record(n: int, model: str, stage: int, zs: dict, th: dict, ds: dict) -> dict:
+    """A main-table row for ``--json``: step times in ms (None when a side failed or did not run);
+    ``ratio`` is zerosim / torch counterpart, ``ratio_deepspeed`` zerosim / DeepSpeed."""
+    ratio = {
+        key: zs["ms"] / peer["ms"] if "ms" in zs and "ms" in peer else None
+        for key, peer in (("ratio", th), ("ratio_deepspeed", ds))
+    }
     return {
         "n": n,
         "model": model,
         "stage": stage,
-        "params": zs.get("params", th.get("params")),
+        "params": zs.get("params", th.get("params", ds.get("params"))),
         "counterpart": COUNTERPART[stage],
+        "peers": [p for p, r in (("torch", th), ("deepspeed", ds)) if r],
         "zerosim_ms": zs.get("ms"),
         "torch_ms": th.get("ms"),
-        "ratio": zs["ms"] / th["ms"] if "ms" in zs and "ms" in th else None,
+        "deepspeed_ms": ds.get("ms"),
+        **ratio,
+        "runs_ms": {
+            k: r.get("runs_ms", []) for k, r in (("zerosim", zs), ("torch", th), ("deepspeed", ds))
+        },
         "zerosim_rss_mib": max(zs["rss_mib"]) if "rss_mib" in zs else None,
         "torch_rss_mib": max(th["rss_mib"]) if "rss_mib" in th else None,
+        "deepspeed_rss_mib": max(ds["rss_mib"]) if "rss_mib" in ds else None,
     }
+
+
+def repeats_table(records: list[dict]) -> list[str]:
+    """Each job's step time (ms, in launch order) beside the median the main table shows: how
+    far the machine's load moved one configuration between repeats."""
+    lines = [
+        "Step time of each repeat (ms, in launch order; the main table gives their median):",
+        "",
+        "| N | model | stage | zerosim | torch counterpart | DeepSpeed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        cells = [", ".join(f"{ms:.1f}" for ms in r["runs_ms"][k]) or "–" for k in r["runs_ms"]]
+        lines.append(f"| {r['n']} | {r['model']} | {r['stage']} | {' | '.join(cells)} |")
+    return lines
 
 
 # -- stage 3: exposed communication and model-state memory -----------------------------------------
@@ -653,6 +767,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     p.add_argument("--repeats", type=int, default=2, help="mpirun jobs per configuration")
     p.add_argument(
+        "--peers",
+        nargs="*",
+        choices=["torch", "deepspeed"],
+        default=["torch", "deepspeed"],
+        help="the peers zerosim is timed against (default both)",
+    )
+    p.add_argument(
         "--memory-ranks",
         type=int,
         nargs="+",
@@ -673,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
         help="then cProfile zerosim at this stage (default 0) on rank 0, N = first of --ranks",
     )
     p.add_argument("--timeout", type=float, default=600, help="seconds per mpirun job")
-    p.add_argument("--worker", choices=["zerosim", "torch"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["zerosim", "torch", "deepspeed"], help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--prof", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--overlap", type=int, default=1, choices=[0, 1], help=argparse.SUPPRESS)
@@ -681,6 +802,11 @@ def main(argv: list[str] | None = None) -> int:
         "--check",
         action="store_true",
         help="also compare torch's and zerosim's gradients at initialisation (adds to RSS)",
+    )
+    p.add_argument(
+        "--no-check",
+        action="store_true",
+        help="run zerosim without its cross-rank argument check (MPIComm(validate=False))",
     )
     p.add_argument(
         "--glibc-default",
@@ -691,7 +817,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.worker:
         a.model = a.model if a.model != "both" else "mlp"
-        (zerosim_worker if a.worker == "zerosim" else torch_worker)(a)
+        workers = {"zerosim": zerosim_worker, "torch": torch_worker, "deepspeed": deepspeed_worker}
+        workers[a.worker](a)
         return 0
     if a.quick:
         a.ranks, a.model, a.stages, a.memory_ranks = [2], "mlp", [3], [1, 2, 4]
@@ -704,27 +831,30 @@ def main(argv: list[str] | None = None) -> int:
     t0, load = time.perf_counter(), os.getloadavg()[0]
     lines = [
         "| N | model | params | stage | zerosim ms/step | torch counterpart | torch ms/step | "
-        "ratio zerosim/torch | zerosim peak RSS MiB (+training) | torch peak RSS MiB "
-        "(+training) | last loss zerosim / torch |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "DeepSpeed ms/step | ratio zerosim/torch | ratio zerosim/DeepSpeed | zerosim peak RSS "
+        "MiB (+training) | torch peak RSS MiB (+training) | DeepSpeed peak RSS MiB (+training) | "
+        "last loss zerosim / torch / DeepSpeed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     records: list[dict] = []  # --json: one per row of the main table
+    records_ds: list[dict] = []  # DeepSpeed's combined result of each row
     stage3: dict[tuple[int, str], dict] = {}
     for n in a.ranks:
         for model in models:
             for stage in a.stages:
-                zs_runs: list[dict] = []
-                th_runs: list[dict] = []
+                runs: dict[str, list[dict]] = {"zerosim": [], "torch": [], "deepspeed": []}
                 off_runs: list[dict] = []  # stage 3 without prefetch/overlap
-                for _ in range(a.repeats):  # interleaved, so that a change in load hits both
-                    zs_runs.append(launch(a, n, model, "zerosim", stage))
-                    th_runs.append(launch(a, n, model, "torch", stage))
+                sides = ["zerosim", *a.peers]
+                for i in range(a.repeats):  # interleaved, so that a change in load hits all,
+                    for impl in sides[i % len(sides) :] + sides[: i % len(sides)]:  # rotated
+                        runs[impl].append(launch(a, n, model, impl, stage))
                     if stage == 3:
                         off_runs.append(launch(a, n, model, "zerosim", 3, overlap=False))
-                zs, th = combine(zs_runs), combine(th_runs)
-                lines.append(row(n, model, stage, zs, th))
-                records.append(record(n, model, stage, zs, th))
+                zs, th, ds = (combine(runs[k]) for k in ("zerosim", "torch", "deepspeed"))
+                lines.append(row(n, model, stage, zs, th, ds))
+                records.append(record(n, model, stage, zs, th, ds))
+                records_ds.append(ds)
                 if stage == 3:
                     stage3[(n, model)] = {"on": zs, "off": combine(off_runs)}
                 if th.get("grad_gap") is not None:
@@ -732,10 +862,15 @@ def main(argv: list[str] | None = None) -> int:
                         f"- gradient check, N={n}, {model}, stage {stage}: max |g_zerosim − "
                         f"g_torch| / max |g_torch| = {th['grad_gap']:.2e}"
                     )
-                for r, who in ((zs, "zerosim"), (th, "torch")):
+                for r, who in ((zs, "zerosim"), (th, "torch"), (ds, "DeepSpeed")):
                     if r.get("note") or "error" in r:
                         what = r.get("note") or r["error"]
                         notes.append(f"- {who}, N={n}, {model}, stage {stage}: {what}")
+    if a.repeats > 1:
+        lines += ["", *repeats_table(records)]
+    used = sorted({r["optimizer"] for r in records_ds if "optimizer" in r})
+    if used:
+        notes.append(f"- DeepSpeed's optimizer (the class its engine built): {', '.join(used)}")
     print("\n".join(lines + ([""] + notes if notes else [])), flush=True)
     if 3 in a.stages:
         more, runs = exposed_table(a, models, stage3)

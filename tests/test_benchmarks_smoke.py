@@ -1,10 +1,11 @@
-"""Smoke test of ``benchmarks/training_step.py`` at small settings (four mpirun jobs).
+"""Smoke test of ``benchmarks/training_step.py`` at small settings (six jobs).
 
-The check that matters: the two timing columns time the same computation. The torch GPT the
+The check that matters: the three timing columns time the same computation. The torch GPT the
 benchmark writes, loaded with zerosim's weights, has zerosim's gradients at initialisation to
 float32 rounding (a GELU without the tanh approximation already gives 1.6e-5), and trained with
-DDP (stage 0's counterpart) or FSDP2 (stage 2's) on the same batches it ends 7 steps later at
-zerosim's loss, well below the loss at initialisation (ln V).
+DDP (stage 0's counterpart) or FSDP2 (stage 2's), or by DeepSpeed at the same stage with the same
+config, on the same batches it ends 7 steps later at zerosim's loss, well below the loss at
+initialisation (ln V).
 """
 
 from __future__ import annotations
@@ -27,18 +28,21 @@ def test_training_step_benchmark_compares_equal_gpt_runs_on_2_ranks():
     cmd = [sys.executable, "benchmarks/training_step.py", "--ranks", "2", "--model", "gpt"]
     cmd += ["--stages", "0", "2", "--steps", "6", "--warmup", "1", "--repeats", "1", "--check"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 2 | gpt |")]
     assert [r.split("|")[4].strip() for r in rows] == ["0", "2"], out.stdout
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        zs_ms, torch_ms = float(cells[4]), float(cells[6])
-        assert zs_ms > 0 and torch_ms > 0
-        assert float(cells[7]) == pytest.approx(zs_ms / torch_ms, abs=0.01)
-        zs_loss, torch_loss = (float(v) for v in cells[10].split("/"))
+        zs_ms, torch_ms, ds_ms = float(cells[4]), float(cells[6]), float(cells[7])
+        assert zs_ms > 0 and torch_ms > 0 and ds_ms > 0
+        assert float(cells[8]) == pytest.approx(zs_ms / torch_ms, abs=0.01)
+        assert float(cells[9]) == pytest.approx(zs_ms / ds_ms, abs=0.01)
+        zs_loss, torch_loss, ds_loss = (float(v) for v in cells[13].split("/"))
         assert zs_loss < math.log(CharDataset(block_size=64).vocab_size) - 0.5, row
         assert zs_loss == pytest.approx(torch_loss, rel=1e-4), row
+        assert zs_loss == pytest.approx(ds_loss, rel=1e-4), row
+    assert "DeepSpeed's optimizer (the class its engine built): FusedAdam" in out.stdout
     gaps = [float(line.rsplit("=", 1)[1]) for line in out.stdout.splitlines() if "g_torch" in line]
     assert len(gaps) == 2 and max(gaps) < 5e-6, out.stdout
 
@@ -58,24 +62,26 @@ def test_training_step_quick_reports_stage3_against_fsdp2_and_memory_falling_as_
     rows_path = tmp_path / "training_step.json"
     cmd = [sys.executable, "benchmarks/training_step.py", "--quick", "--json", str(rows_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     main, rest = out.stdout.split("Stage 3 exposed communication", 1)
     exposed, memory = rest.split("Stage 3 model-state memory", 1)
 
-    # stage 3 against FSDP2 with resharding: both sides train the same model to the same loss
+    # stage 3 against FSDP2 with resharding and DeepSpeed: all train the model to the same loss
     rows = [line for line in main.splitlines() if line.startswith("| 2 | mlp |")]
     assert len(rows) == 1, out.stdout
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
     assert cells[3] == "3" and cells[5] == "FSDP2 (reshard after fwd)"
-    assert float(cells[4]) > 0 and float(cells[6]) > 0
-    zs_loss, torch_loss = (float(v) for v in cells[10].split("/"))
+    assert float(cells[4]) > 0 and float(cells[6]) > 0 and float(cells[7]) > 0
+    zs_loss, torch_loss, ds_loss = (float(v) for v in cells[13].split("/"))
     assert zs_loss == pytest.approx(torch_loss, rel=1e-4), rows[0]
+    assert zs_loss == pytest.approx(ds_loss, rel=1e-4), rows[0]
     (record,) = json.loads(rows_path.read_text())  # --json: the same row, unrounded
     assert (record["n"], record["model"], record["stage"]) == (2, "mlp", 3)
-    assert record["params"] == psi
+    assert record["params"] == psi and record["peers"] == ["torch", "deepspeed"]
     assert record["zerosim_ms"] == pytest.approx(float(cells[4]), abs=0.051)
     assert record["ratio"] == pytest.approx(record["zerosim_ms"] / record["torch_ms"])
+    assert record["ratio_deepspeed"] == pytest.approx(record["zerosim_ms"] / record["deepspeed_ms"])
 
     # exposed communication: with and without prefetch; times inside the step; 3(N−1)/N·Ψ·b sent
     for prefetch in ("on", "off"):
@@ -237,11 +243,15 @@ def sample_rows() -> dict[str, list[dict]]:
             "stage": s,
             "params": 1000,
             "counterpart": "DDP",
+            "peers": ["torch", "deepspeed"],
             "zerosim_ms": 10.0 + s,
             "torch_ms": 11.0,
+            "deepspeed_ms": 20.0,
             "ratio": (10.0 + s) / 11.0,
+            "ratio_deepspeed": (10.0 + s) / 20.0,
             "zerosim_rss_mib": 100.0,
             "torch_rss_mib": 200.0,
+            "deepspeed_rss_mib": 300.0,
         }
         for n in (2, 4)
         for s in range(4)
@@ -287,7 +297,24 @@ def sample_rows() -> dict[str, list[dict]]:
         }
         for r in range(8)
     ]
+    large_gpt = [
+        {
+            "n": 8,
+            "params": 124_000_000,
+            "padded_numel": 124_000_000,
+            "tokens_per_step": 1024,
+            "step_times": [30.0, 20.0, 18.0, 17.0, 19.0],
+            "step_s": 18.0,
+            "tokens_per_s": 1024 / 18.0,
+            "formula": 16 * 124_000_000 // 8,
+            "model_states": 16 * 124_000_000 // 8,
+            "buffers": [500 * 2**20] * 8,
+            "rss_growth": [(1100 + r) * 2**20 for r in range(8)],
+            "full_model": 4 * 124_000_000,
+        }
+    ]
     return {
+        "large_gpt": large_gpt,
         "zero_init_cap": zero_init_cap,
         "allocations": allocations,
         "collectives": collectives,
@@ -332,3 +359,28 @@ def test_busbw_factor_is_the_ring_bytes_per_rank_over_the_message():
     assert busbw_factor("all_reduce", 4) == 2 * 3 / 4
     with pytest.raises(ValueError, match="broadcast"):
         busbw_factor("broadcast", 4)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_large_gpt_quick_counts_16_bytes_per_owned_element_and_tokens_per_second(tmp_path):
+    rows_path = tmp_path / "large_gpt.json"
+    from benchmarks.__main__ import SUITE
+
+    quick = next(q for _, module, _, q, _ in SUITE if module == "large_gpt")
+    cmd = [sys.executable, "-m", "benchmarks.large_gpt", *quick, "--json", str(rows_path)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = json.loads(rows_path.read_text())
+    n, shape = row["n"], row["shape"]
+    assert n == 2 and len(row["rss_growth"]) == n
+    c, v, t = shape["n_embd"], shape["vocab"], shape["seq"]
+    block = 12 * c * c + 13 * c  # attention 4c² + 4c, MLP 8c² + 5c, two LayerNorms 4c
+    assert row["params"] == shape["n_layer"] * block + v * c + t * c + 2 * c  # lm_head tied
+    # stage 3 pads each parameter to a multiple of N; every element owned costs 16 bytes
+    assert row["model_states"] == row["formula"] == 16 * row["padded_numel"] // n
+    assert row["tokens_per_step"] == n * shape["micro_batch"] * t
+    assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s"])
+    assert len(row["step_times"]) == 2 and row["step_s"] == row["step_times"][-1]
+    assert all(b > 0 for b in row["buffers"]) and all(g > 0 for g in row["rss_growth"])
+    assert "| 2 | " in out.stdout and "tokens/s" in out.stdout

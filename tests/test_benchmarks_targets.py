@@ -121,3 +121,17 @@ def test_table_lists_every_target_and_the_cause_of_each_miss_only():
     assert [line for line in lines if line.startswith("- **")] == [
         f"- **{t}.** {cause}" for t, _, _, cause in targets.TARGETS if t in missed
     ]
+
+
+def test_training_judges_every_peer_deepspeed_included():
+    rows = [r for r in sample_rows()["training_step"] if r["ratio"] <= 1]  # DeepSpeed ≤ 0.6
+    text, met = targets.training(rows)
+    assert met and "against DeepSpeed: 4 of 4 configurations at or under 1" in text
+    rows[0] = {**rows[0], "ratio_deepspeed": 1.2}
+    text, met = targets.training(rows)
+    assert not met and "against DeepSpeed: 3 of 4" in text
+    assert "worst: N=2 mlp stage 0 against DeepSpeed" in text
+    rows[0] = {**rows[0], "ratio_deepspeed": None}  # DeepSpeed failed on a row: not a pass
+    assert not targets.training(rows)[1]
+    torch_only = [{**r, "peers": ["torch"], "ratio_deepspeed": None} for r in rows]
+    assert targets.training(torch_only)[1]  # DeepSpeed not asked for (--peers torch)
