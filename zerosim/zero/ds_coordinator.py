@@ -126,8 +126,9 @@ class DeepSpeedCoordinator:
             p, step = self.queue.popleft()
             self.fetched_for[id(p)] = step
             taken.add(id(p))
-        budget = min(self.zero.stage3_max_live_parameters - self.live,
-                     self.zero.stage3_prefetch_bucket_size)
+        budget = min(
+            self.zero.stage3_max_live_parameters - self.live, self.zero.stage3_prefetch_bucket_size
+        )
         chosen: list[Parameter] = []
         numel = 0
         while self.queue and numel < budget:

@@ -133,7 +133,9 @@ class Stage3(Strategy):
             self.queues.append(BucketQueue(members, self._launcher(g)))
         self._setup_zeropp()
         z = self.zero
-        zeropp_on = z.zero_quantized_weights or z.zero_quantized_gradients or z.zero_hpz_partition_size > 1
+        zeropp_on = (
+            z.zero_quantized_weights or z.zero_quantized_gradients or z.zero_hpz_partition_size > 1
+        )
         # DeepSpeed's coalesced fetches and hook-order buckets (ds_coordinator.py); ZeRO++ and the
         # paper's schedule keep per-parameter gathers and static buckets (coordinator.py).
         self.deepspeed = self.schedule == "deepspeed" and not zeropp_on
@@ -246,7 +248,7 @@ class Stage3(Strategy):
         xp = xp_of(gather.buf)
         rows = xp.reshape(gather.buf, (self.comm.size, gather.send.size))
         column = 0
-        for p, chunk in zip(gather.params, gather.chunks):
+        for p, chunk in zip(gather.params, gather.chunks, strict=True):
             full = xp.reshape(rows[:, column : column + chunk], (-1,))  # a copy unless alone
             p.data = xp.reshape(full[: p.numel], p.shape)
             column += chunk
@@ -288,7 +290,7 @@ class Stage3(Strategy):
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
         buf = self.take_buffer((self.comm.size, width), self.wire_dtype(self.dtype))
         xp = xp_of(buf)
-        for p, (g, _, chunk, column) in zip(members, slots):
+        for p, (_, _, chunk, column) in zip(members, slots, strict=True):
             block = buf[:, column : column + chunk]
             grad = flat(p.grad)
             rows, rest = divmod(p.numel, chunk) if chunk else (0, 0)
@@ -303,7 +305,9 @@ class Stage3(Strategy):
             handle = self.comm.ireduce_scatter(out, flat(buf))
         else:
             self.comm.reduce_scatter(out, flat(buf))
-        dest = ShardSlices([(g.grad_shard, start, chunk, column) for g, start, chunk, column in slots])
+        dest = ShardSlices(
+            [(g.grad_shard, start, chunk, column) for g, start, chunk, column in slots]
+        )
         self.pending.add(handle, out, dest, (buf, out))
 
     def _pack(self, g: ShardGroup, b: int, i: int, p: Parameter) -> None:
@@ -465,8 +469,9 @@ class Stage3(Strategy):
 class CoalescedGather:
     """One coalesced all-gather in flight: its parameters, their chunk sizes, both buffers."""
 
-    def __init__(self, params: list[Parameter], chunks: list[int], send: Any, buf: Any,
-                 handle: Any) -> None:
+    def __init__(
+        self, params: list[Parameter], chunks: list[int], send: Any, buf: Any, handle: Any
+    ) -> None:
         self.params = params  # in the order their chunks sit in each rank's segment
         self.chunks = chunks  # each parameter's chunk, elements
         self.send = send  # this rank's chunks end to end (kept alive while in flight)
