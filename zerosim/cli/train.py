@@ -50,7 +50,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "stage3_param_persistence_threshold": 100,
         "stage3_max_reuse_distance": 0,
     },
-    "zerosim": {"dtype": "float32"},
+    "zerosim": {"dtype": "float32", "schedule": "paper"},
 }
 PHASES = ("forward", "backward", "step", "clip")
 
