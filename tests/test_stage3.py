@@ -9,11 +9,12 @@ from zerosim import optim
 from zerosim.engine import initialize
 from zerosim.nn import GPT, Linear, LossModel, MSELoss, ReLU
 
-VARIANTS = [
+VARIANTS = [  # DeepSpeed's schedule unless named: coalesced fetches, prefetch without overlap
     dict(model="mlp"),
     dict(model="gpt", accumulation=3, clip=0.5, optimizer="sgd"),
-    dict(model="gpt", overlap=False),  # no prefetch, no overlap
+    dict(model="gpt", overlap=False, schedule="paper"),  # no prefetch, no overlap: 3Ψ
     dict(model="gpt", prefetch=200, max_live=400, accumulation=3),
+    dict(model="gpt", prefetch=200, max_live=400, accumulation=3, schedule="paper"),
     dict(model="mlp", persistence=10**6, clip=0.05),  # everything persistent
     dict(model="gpt", persistence=40, optimizer="sgd"),
     dict(model="mlp", reuse=10**9, accumulation=3),
@@ -41,30 +42,45 @@ def test_stage3_sends_three_times_psi_per_step_split_by_phase():
     zs.LocalWorld(4).run(fn)  # check_case asserts forward (N-1)/N·Ψ, backward 2(N-1)/N·Ψ
 
 
-def test_peak_gathered_parameters_stay_under_the_live_cap_plus_one_module():
-    def fn(comm, max_live):
-        model = GPT(13, 5, 2, 2, 6, seed=3, dtype="float64")
-        cfg = {
-            "train_micro_batch_size_per_gpu": 2,
-            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-            "zero_allow_untested_optimizer": True,
-            "zero_optimization": {
-                "stage": 3,
-                "stage3_param_persistence_threshold": 0,
-                "stage3_max_live_parameters": max_live,
-                "stage3_max_reuse_distance": 10**9,
-                "stage3_prefetch_bucket_size": 10**6,
-            },
-            "zerosim": {"dtype": "float64"},
-        }
-        engine, *_ = initialize(model, cfg, comm=comm)
-        x = np.random.default_rng(0).integers(0, 13, (2, 5))
-        for _ in range(3):
-            engine.backward(engine(x, np.roll(x, -1, 1)))
-            engine.step()
-        largest = max(sum(p.numel for p in m._parameters.values()) for m in model.modules())
-        return engine.memory_report()["peak_gathered_params"], largest
+def _peak_gathered(comm, max_live, schedule="paper", reuse=10**9):
+    """(peak gathered bytes, largest module's numel) of 3 steps of a 2-layer GPT."""
+    model = GPT(13, 5, 2, 2, 6, seed=3, dtype="float64")
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_live_parameters": max_live,
+            "stage3_max_reuse_distance": reuse,
+            "stage3_prefetch_bucket_size": 10**6,
+        },
+        "zerosim": {"dtype": "float64", "schedule": schedule},
+    }
+    engine, *_ = initialize(model, cfg, comm=comm)
+    x = np.random.default_rng(0).integers(0, 13, (2, 5))
+    for _ in range(3):
+        engine.backward(engine(x, np.roll(x, -1, 1)))
+        engine.step()
+    largest = max(sum(p.numel for p in m._parameters.values()) for m in model.modules())
+    return engine.memory_report()["peak_gathered_params"], largest
 
+
+def test_deepspeeds_live_cap_bounds_prefetch_and_not_reuse():
+    """DeepSpeed's coordinator checks stage3_max_live_parameters only before a prefetch: with
+    a cap of 0 and no reuse it gathers one module at a time; with reuse it keeps the whole
+    model from forward to backward whatever the cap."""
+    total = sum(p.numel for p in GPT(13, 5, 2, 2, 6, seed=3).parameters())
+    peak, largest = zs.LocalWorld(2).run(_peak_gathered, 0, "deepspeed", 0)[0]
+    assert peak == largest * 8
+    peak, _ = zs.LocalWorld(2).run(_peak_gathered, 0, "deepspeed", 10**9)[0]
+    assert peak == total * 8
+
+
+def test_peak_gathered_parameters_stay_under_the_live_cap_plus_one_module():
+    """The paper's schedule: prefetch and reuse both stop at the cap."""
+    fn = _peak_gathered
     for cap in (0, 100, 300):
         peak, largest = zs.LocalWorld(2).run(fn, cap)[0]
         assert peak <= (cap + largest) * 8, (cap, peak, largest)

@@ -21,13 +21,21 @@ Not compared, and why:
 - zerosim's cross-rank argument checks (``zerosim.validate_collectives``) exchange outside the
   ledger; ``test_steps_hold_only_training_phases`` holds the ledger of a step to the phases of
   training.
-- DeepSpeed stage 3's first optimizer step: its parameter coordinator records the module trace,
-  gathering even persistent parameters around every module's forward and backward, and checks
-  the trace with broadcasts (``assert_lst_len_same_as_other_ranks``, ``get_lst_from_rank0``, in
-  the first two forwards). Stage 3 is compared from the second step on, DeepSpeed's
-  stage-3 broadcasts nowhere. (These cases keep DeepSpeed's persistence threshold, so every
-  parameter of the small models is persistent; with gathered parameters DeepSpeed coalesces each
-  module's all-gathers into one call, which zerosim's stage 3 does not do: docs/formulas.md.)
+- DeepSpeed stage 3's broadcasts: its parameter coordinator checks the module trace it records
+  in the first micro-step with broadcasts (``assert_ints_same_as_other_ranks``, in the first
+  two forwards); zerosim's ranks record the same trace and check nothing. Stage 3's broadcasts
+  are compared nowhere.
+- DeepSpeed stage 3's first optimizer step where parameters are persistent (the cases that keep
+  DeepSpeed's persistence threshold, under which every parameter of these small models is):
+  while it records the trace it gathers even persistent parameters around every module's
+  forward and backward; zerosim never gathers a persistent parameter, so those cases are
+  compared from the second step on.
+
+With gathered parameters (``stage3_param_persistence_threshold: 0``) every step is compared,
+the first included: zerosim's stage 3 follows DeepSpeed's coordinator
+(zerosim/zero/ds_coordinator.py): one coalesced all-gather per module fetch while it records,
+then one per fetch and one per prefetch along the trace (prefetch bucket, live cap and reuse
+distance as DeepSpeed applies them), and reduce-scatter buckets cut in DeepSpeed's hook order.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ ADAM = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam
 SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 BF16 = {"bf16": {"enabled": True}}
 FP16 = {"fp16": {"enabled": True, "initial_scale_power": 4}}  # no overflow in these steps
+GATHERED = {"stage3_param_persistence_threshold": 0}
 NAMES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
 TRAINING_PHASES = {"forward", "backward", "step", "clip", "overflow"}
 
@@ -135,6 +144,31 @@ def cases() -> list[dict]:
         _case("s3", 3),
         _case("s3_bf16_gas2", 3, optimizer=SGD, gradient_accumulation_steps=2, **BF16),
         _case("s3_fp16", 3, optimizer=SGD, **FP16),
+        # gathered parameters: every parameter partitioned, fetched by the coordinator
+        _case("s3_gathered", 3, GATHERED),
+        _case("s3_gathered_bucket300", 3, {**GATHERED, "reduce_bucket_size": 300}),
+        _case(
+            "s3_gpt_gathered_overlap_bucket300",
+            3,
+            {**GATHERED, "overlap_comm": True, "reduce_bucket_size": 300},
+            model=GPT,
+        ),
+        _case(
+            "s3_gpt_gathered_prefetch100_reuse200",
+            3,
+            {**GATHERED, "stage3_prefetch_bucket_size": 100, "stage3_max_reuse_distance": 200},
+            model=GPT,
+        ),
+        _case(
+            "s3_gpt_gathered_live300", 3, {**GATHERED, "stage3_max_live_parameters": 300}, model=GPT
+        ),
+        _case(
+            "s3_gpt_gathered_live0_reuse0_gas2",
+            3,
+            {**GATHERED, "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0},
+            model=GPT,
+            gradient_accumulation_steps=2,
+        ),
     ]
 
 
@@ -168,7 +202,9 @@ def test_each_steps_collectives_equal_deepspeeds(runs, name):
     n, results = runs
     case = next(c for c in cases() if c["name"] == name)
     stage = case["config"]["zero_optimization"]["stage"]
-    first = 1 if stage == 3 else 0  # DeepSpeed stage 3's first step records its trace
+    zero = case["config"]["zero_optimization"]
+    persistent = stage == 3 and zero.get("stage3_param_persistence_threshold") != 0
+    first = 1 if persistent else 0  # there DeepSpeed's first step gathers persistent parameters
     ds, zs = results[name]["ds"], results[name]["zs"]
     for r in range(n):
         want = [deepspeed_step(s, stage) for s in ds["ranks"][r]["steps"]]

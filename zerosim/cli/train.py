@@ -50,7 +50,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "stage3_param_persistence_threshold": 100,
         "stage3_max_reuse_distance": 0,
     },
-    "zerosim": {"dtype": "float32"},
+    "zerosim": {"dtype": "float32", "schedule": "paper"},
 }
 PHASES = ("forward", "backward", "step", "clip")
 
@@ -167,7 +167,15 @@ def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[i
                 overlap_comm=zero.overlap_comm,
             )  # fmt: skip
         else:
-            regather = strategy.stage != 3 or zero.stage3_max_reuse_distance == 0
+            # DeepSpeed's coordinator keeps what its prefetch took: when the live cap never stops
+            # the prefetch, every backward use is prefetched in forward (docs/formulas.md)
+            gathered = strategy.padded_numel - persistent
+            prefetched = getattr(strategy, "deepspeed", False) and (
+                zero.stage3_prefetch_bucket_size > 0 and zero.stage3_max_live_parameters >= gathered
+            )
+            regather = strategy.stage != 3 or (
+                zero.stage3_max_reuse_distance == 0 and not prefetched
+            )
             formula = step_bytes(
                 strategy.stage, n, strategy.padded_numel, b, k, persistent, regather
             )

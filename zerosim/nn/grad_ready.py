@@ -28,13 +28,20 @@ from zerosim.nn.parameter import Parameter
 class GradReadyTracker:
     """Calls ``on_ready(param)`` once per backward for each parameter whose gradient is final."""
 
-    def __init__(self, model: Module, on_ready: Callable[[Parameter], None]) -> None:
+    def __init__(
+        self,
+        model: Module,
+        on_ready: Callable[[Parameter], None],
+        order: Callable[[Module], tuple[str, ...]] | None = None,
+    ) -> None:
+        """``order(module)``: the names in the order to report them, instead of the module's
+        ``grad_ready_order`` (DeepSpeed's stage 3 finishes a Linear's weight first)."""
         self._on_ready = on_ready
         self._uses: dict[int, int] = {}
         self._handles = []
         for module in model.modules():
-            order = getattr(module, "grad_ready_order", ())
-            names = [n for n in order if n in module._parameters]
+            order_of = getattr(module, "grad_ready_order", ()) if order is None else order(module)
+            names = [n for n in order_of if n in module._parameters]
             names += [n for n in module._parameters if n not in names]
             own = [module._parameters[n] for n in names if module._parameters[n] is not None]
             if not own:

@@ -37,6 +37,7 @@ from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero import zeropp
 from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue
 from zerosim.zero.coordinator import ParamCoordinator
+from zerosim.zero.ds_coordinator import DeepSpeedCoordinator
 from zerosim.zero.init import ParamChunk
 from zerosim.zero.offload import read_param_chunk
 from zerosim.zero.partition import Range, per_param_partition
@@ -131,6 +132,15 @@ class Stage3(Strategy):
             members = [[id(g.named_params[i][1]) for i in b] for b in g.buckets]
             self.queues.append(BucketQueue(members, self._launcher(g)))
         self._setup_zeropp()
+        z = self.zero
+        zeropp_on = (
+            z.zero_quantized_weights or z.zero_quantized_gradients or z.zero_hpz_partition_size > 1
+        )
+        # DeepSpeed's coalesced fetches and hook-order buckets (ds_coordinator.py); ZeRO++ and the
+        # paper's schedule keep per-parameter gathers and static buckets (coordinator.py).
+        self.deepspeed = self.schedule == "deepspeed" and not zeropp_on
+        self.ds_bucket: list[Parameter] = []  # DeepSpeed's open gradient bucket, in ready order
+        self.ds_bucket_numel = 0
 
     def _setup_zeropp(self) -> None:
         """ZeRO++: the hpZ groups and secondary partitions, and qgZ's two-hop reducer."""
@@ -164,8 +174,12 @@ class Stage3(Strategy):
         return buckets
 
     def attach(self, model: Any) -> None:
-        self.coordinator = ParamCoordinator(self, model, self.zero)
-        self.tracker = GradReadyTracker(model, self._ready)
+        if self.deepspeed:
+            self.coordinator = DeepSpeedCoordinator(self, model, self.zero)
+            self.tracker = GradReadyTracker(model, self._ready_ds, order=deepspeed_grad_order)
+        else:
+            self.coordinator = ParamCoordinator(self, model, self.zero)
+            self.tracker = GradReadyTracker(model, self._ready)
 
     # -- gathering (called by the coordinator) ---------------------------------------------------
     def start_gather(self, p: Parameter) -> Any:
@@ -205,8 +219,39 @@ class Stage3(Strategy):
         p.data = g.xp.reshape(full[: p.numel], p.shape)
 
     def free(self, p: Parameter) -> None:
-        del self.gathered[id(p)]
+        self.gathered.pop(id(p), None)
         p.data = self.released  # no view of the gathered buffer survives, so it is freed
+
+    def start_coalesced_gather(self, params: list[Parameter]) -> CoalescedGather:
+        """Start ONE all-gather of several parameters (DeepSpeed's ``all_gather_coalesced``):
+        each rank sends its chunks of them end to end, S = Σ chunk_i elements, and receives
+        N·S, rank-major. One parameter alone is a call of its own chunk, as in DeepSpeed."""
+        chunks = []
+        for p in params:
+            gi, i = self.where[id(p)]
+            chunks.append(read_param_chunk(self, self.groups[gi], i))
+        xp = xp_of(chunks[0])
+        send = chunks[0] if len(chunks) == 1 else xp.concat(chunks)
+        buf = xp.empty(send.size * self.comm.size, dtype=self.dtype)
+        handle = None
+        if self.zero.overlap_comm:
+            handle = self.comm.iall_gather(buf, send)
+        else:
+            self.comm.all_gather(buf, send)
+        return CoalescedGather(params, [c.size for c in chunks], send, buf, handle)
+
+    def finish_coalesced_gather(self, gather: CoalescedGather) -> None:
+        """Wait for a coalesced gather and give each of its parameters its whole value."""
+        if gather.handle is not None:
+            gather.handle.wait()
+            gather.handle = None
+        xp = xp_of(gather.buf)
+        rows = xp.reshape(gather.buf, (self.comm.size, gather.send.size))
+        column = 0
+        for p, chunk in zip(gather.params, gather.chunks, strict=True):
+            full = xp.reshape(rows[:, column : column + chunk], (-1,))  # a copy unless alone
+            p.data = xp.reshape(full[: p.numel], p.shape)
+            column += chunk
 
     # -- gradients -------------------------------------------------------------------------------
     def _ready(self, p: Parameter) -> None:
@@ -215,6 +260,55 @@ class Stage3(Strategy):
         b = g.bucket_of[i]
         self._pack(g, b, i, p)
         self.queues[gi].ready(p)
+
+    def _ready_ds(self, p: Parameter) -> None:
+        """DeepSpeed's bucket rule (stage3.py, ``reduce_independent_p_g_buckets_and_remove_grads``):
+        in the order gradients become ready, reduce the open bucket first if this gradient
+        would take it past ``reduce_bucket_size`` elements (unpadded numel), then add it."""
+        if p.grad is None:
+            return
+        full = self.ds_bucket_numel + p.numel > self.zero.reduce_bucket_size
+        if full and self.ds_bucket_numel > 0:
+            self._reduce_ds_bucket()
+        self.ds_bucket.append(p)
+        self.ds_bucket_numel += p.numel
+
+    def _reduce_ds_bucket(self) -> None:
+        """One reduce-scatter of the open bucket: each parameter's gradient padded to
+        chunk_i·N and laid out rank-major (``reduce_scatter_coalesced``), Σ chunk_i·N elements."""
+        members, self.ds_bucket, self.ds_bucket_numel = self.ds_bucket, [], 0
+        if not members:
+            return
+        members.sort(key=lambda p: self.where[id(p)])  # DeepSpeed sorts a bucket by ds_id
+        slots = []  # (group, chunk offset in the shard, chunk, column in the bucket)
+        width = 0
+        for p in members:
+            gi, i = self.where[id(p)]
+            g = self.groups[gi]
+            slots.append((g, g.partition.offsets[i], g.partition.chunks[i], width))
+            width += g.partition.chunks[i]
+        self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
+        buf = self.take_buffer((self.comm.size, width), self.wire_dtype(self.dtype))
+        xp = xp_of(buf)
+        for p, (_, _, chunk, column) in zip(members, slots, strict=True):
+            block = buf[:, column : column + chunk]
+            grad = flat(p.grad)
+            rows, rest = divmod(p.numel, chunk) if chunk else (0, 0)
+            block[:rows, :] = xp.reshape(grad[: rows * chunk], (rows, chunk))
+            if rest:  # the last chunk is partly padding, which stays zero
+                block[rows, :rest] = grad[rows * chunk :]
+            p.grad = None
+        self.before_reduction(buf)
+        out = self.take_buffer(width, buf.dtype)
+        handle = None
+        if self.zero.overlap_comm:
+            handle = self.comm.ireduce_scatter(out, flat(buf))
+        else:
+            self.comm.reduce_scatter(out, flat(buf))
+        dest = ShardSlices(
+            [(g.grad_shard, start, chunk, column) for g, start, chunk, column in slots]
+        )
+        self.pending.add(handle, out, dest, (buf, out))
 
     def _pack(self, g: ShardGroup, b: int, i: int, p: Parameter) -> None:
         """Copy p's gradient into bucket b's buffer, rank-major, and drop it."""
@@ -268,13 +362,17 @@ class Stage3(Strategy):
 
     def before_backward(self, boundary: bool) -> None:
         self.in_backward = True
-        for q in self.queues:
-            q.start()
+        if not self.deepspeed:
+            for q in self.queues:
+                q.start()
 
     def after_backward(self, boundary: bool) -> None:
         self.tracker.reset()
-        for q in self.queues:
-            q.flush()
+        if self.deepspeed:
+            self._reduce_ds_bucket()  # DeepSpeed's backward epilogue reduces the last bucket
+        else:
+            for q in self.queues:
+                q.flush()
         self.pending.complete()
         self.coordinator.end_micro_step()
         self.in_backward = False
@@ -366,3 +464,37 @@ class Stage3(Strategy):
     def persistent_padded_numel(self) -> int:
         """Ψ_persist: padded elements of the persistent parameters."""
         return sum(b.size for g in self.groups for b in g.persistent_buffers.values())
+
+
+class CoalescedGather:
+    """One coalesced all-gather in flight: its parameters, their chunk sizes, both buffers."""
+
+    def __init__(
+        self, params: list[Parameter], chunks: list[int], send: Any, buf: Any, handle: Any
+    ) -> None:
+        self.params = params  # in the order their chunks sit in each rank's segment
+        self.chunks = chunks  # each parameter's chunk, elements
+        self.send = send  # this rank's chunks end to end (kept alive while in flight)
+        self.buf = buf  # N segments, one per rank
+        self.handle = handle  # the non-blocking all-gather, or None once complete
+
+
+class ShardSlices:
+    """The destination of one DeepSpeed bucket: ``+= out`` adds each parameter's reduced chunk
+    (``out[column : column + chunk]``) into its group's gradient shard."""
+
+    def __init__(self, slots: list[tuple[Any, int, int, int]]) -> None:
+        self.slots = slots  # (grad_shard, start, chunk, column)
+
+    def __iadd__(self, out: Any) -> ShardSlices:
+        for shard, start, chunk, column in self.slots:
+            shard[start : start + chunk] += out[column : column + chunk]
+        return self
+
+
+def deepspeed_grad_order(module: Any) -> tuple[str, ...]:
+    """The order DeepSpeed's stage 3 finishes a module's gradients: a Linear's weight before its
+    bias (its zero.Init swaps in ``LinearFunctionForZeroStage3``); other modules as in torch."""
+    if type(module).__name__ == "Linear":
+        return ("weight", "bias")
+    return tuple(getattr(module, "grad_ready_order", ()))
