@@ -131,11 +131,13 @@ def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[int]]:
+def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[int]] | None:
     """Per rank, the bytes of ``PHASES`` one optimizer step sends by ``zerosim.analysis``: the
     paper's schedule from Ψ_pad, DeepSpeed's (stages 0-2, DeepSpeed's layout) from the model's
     parameter sizes and ``order``, the order backward finishes their gradients; the norm
-    all-reduce of the schedule (``boundary_messages``)."""
+    all-reduce of the schedule (``boundary_messages``). None for DeepSpeed's stage 3 unless its
+    prefetch bucket holds every gathered parameter: otherwise which fetch gathers what follows
+    the module trace (docs/formulas.md), and the peer tests hold it to DeepSpeed's own log."""
     cfg, strategy, n = engine.config, engine.strategy, engine.comm.size
     zero = cfg.zero_optimization
     b = np.dtype(cfg.zerosim.dtype).itemsize
@@ -176,6 +178,9 @@ def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[i
             regather = strategy.stage != 3 or (
                 zero.stage3_max_reuse_distance == 0 and not prefetched
             )
+            whole = zero.stage3_prefetch_bucket_size >= gathered  # one prefetch takes it all
+            if getattr(strategy, "deepspeed", False) and strategy.stage == 3 and not whole:
+                return None
             formula = step_bytes(
                 strategy.stage, n, strategy.padded_numel, b, k, persistent, regather
             )
@@ -232,8 +237,11 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
     )
     lines.append(f"{'rank':>5} " + " ".join(f"{p:>12}" for p in PHASES) + "   vs formula")
     for r in range(comm.size):
-        want = formulas[r]
-        ok = "OK" if list(measured[r]) == want else f"MISMATCH (formula {want})"
+        want = None if formulas is None else formulas[r]
+        if want is None:
+            ok = "follows the module trace (no closed form)"
+        else:
+            ok = "OK" if list(measured[r]) == want else f"MISMATCH (formula {want})"
         lines.append(f"{r:>5} " + " ".join(f"{v:>12,}" for v in measured[r]) + f"   {ok}")
     states = len(engine.optimizer.state_keys(engine.optimizer.param_groups[0]))
     model = full_precision_model_states(
@@ -260,7 +268,9 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
             f"{moved['to_host_calls']:,} out ({moved['to_host_bytes']:,} B)",
         ]
     text = "\n".join(lines)
-    bytes_ok = all(list(measured[r]) == formulas[r] for r in range(comm.size))
+    bytes_ok = formulas is not None and all(
+        list(measured[r]) == formulas[r] for r in range(comm.size)
+    )
     extra = {}
     if result.get("ds_summary"):
         rows = comm.ledger.ds_summary()
@@ -277,7 +287,7 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
         "bytes": {
             "phases": list(PHASES),
             "measured": measured.tolist(),
-            "formula": formulas[0][:3],
+            "formula": None if formulas is None else formulas[0][:3],
             "formula_by_rank": formulas,
             "equal": bytes_ok,
         },
