@@ -110,7 +110,9 @@ def volume_data(
     Ψ all-reduced unpadded (in 5e8-element messages), the stage 1-2 all-gather of Ψ padded to a
     multiple of 2N, and ``ratio`` = its total / the paper's. The gradients are taken as parameters
     much smaller than a bucket, so its buckets hold exactly ``reduce_bucket_size`` elements (one
-    bucket when Ψ ≤ 5e8: exact for any model); stage 3 is the same in both schedules.
+    bucket when Ψ ≤ 5e8: exact for any model); stage 3 is given by the paper's formula in both
+    (DeepSpeed's coalesces each module's gathers into one call; with a prefetch bucket or live
+    cap smaller than the model its bytes follow the module trace: docs/formulas.md).
     """
     b = resolve_dtype(dtype).itemsize
     stages = {}
