@@ -147,6 +147,16 @@ def cases() -> list[dict]:
         # gathered parameters: every parameter partitioned, fetched by the coordinator
         _case("s3_gathered", 3, GATHERED),
         _case("s3_gathered_bucket300", 3, {**GATHERED, "reduce_bucket_size": 300}),
+        _case(  # all-reduces of the unpadded bucket (the 740-element weight alone: coalesced RS)
+            "s3_gathered_bucket300_no_reduce_scatter",
+            3,
+            {**GATHERED, "reduce_bucket_size": 300, "reduce_scatter": False},
+        ),
+        _case(
+            "s3_gathered_no_reduce_scatter_not_contiguous",
+            3,
+            {**GATHERED, "reduce_scatter": False, "contiguous_gradients": False},
+        ),
         _case(
             "s3_gpt_gathered_overlap_bucket300",
             3,

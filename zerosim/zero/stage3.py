@@ -279,6 +279,12 @@ class Stage3(Strategy):
         members, self.ds_bucket, self.ds_bucket_numel = self.ds_bucket, [], 0
         if not members:
             return
+        zero = self.zero
+        numel = sum(p.numel for p in members)
+        contiguous = zero.contiguous_gradients and numel <= zero.reduce_bucket_size
+        if not zero.reduce_scatter and contiguous:
+            self._all_reduce_ds_bucket(members, numel)
+            return
         members.sort(key=lambda p: self.where[id(p)])  # DeepSpeed sorts a bucket by ds_id
         slots = []  # (group, chunk offset in the shard, chunk, column in the bucket)
         width = 0
@@ -309,6 +315,33 @@ class Stage3(Strategy):
             [(g.grad_shard, start, chunk, column) for g, start, chunk, column in slots]
         )
         self.pending.add(handle, out, dest, (buf, out))
+
+    def _all_reduce_ds_bucket(self, members: list[Parameter], numel: int) -> None:
+        """``reduce_scatter: false`` with contiguous gradients (DeepSpeed's
+        ``__avg_scatter_contiguous_grads``): one all-reduce of the bucket's gradients end to end,
+        unpadded, in the order they were added; each rank then keeps its chunk of each,
+        elements [r·chunk_i, min((r + 1)·chunk_i, numel_i)) of parameter i."""
+        self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
+        buf = self.take_buffer(numel, self.wire_dtype(self.dtype))
+        slots, at = [], 0  # (grad_shard, chunk offset in the shard, valid elements, bucket at)
+        for p in members:
+            gi, i = self.where[id(p)]
+            g = self.groups[gi]
+            buf[at : at + p.numel] = flat(p.grad)
+            p.grad = None
+            chunk = g.partition.chunks[i]
+            lo = self.comm.rank * chunk
+            valid = max(0, min(chunk, p.numel - lo))
+            if valid:
+                slots.append((g.grad_shard, g.partition.offsets[i], valid, at + lo))
+            at += p.numel
+        self.before_reduction(buf)
+        handle = None
+        if self.zero.overlap_comm:
+            handle = self.comm.iall_reduce(buf)
+        else:
+            self.comm.all_reduce(buf)
+        self.pending.add(handle, buf, ShardSlices(slots), (buf,))
 
     def _pack(self, g: ShardGroup, b: int, i: int, p: Parameter) -> None:
         """Copy p's gradient into bucket b's buffer, rank-major, and drop it."""
