@@ -82,8 +82,12 @@ def run_case(case: dict, out: Path) -> None:
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
     weights = {}
+    # DeepSpeed 0.19.8's safe_get_full_fp32_param maps a parameter to another's fp32 slice when
+    # round_robin_gradients reorders the flat buffer (wpe reads back a LayerNorm weight, while
+    # training, and so the losses, are right): read the module's own fp32 parameters there
+    round_robin = cfg["zero_optimization"].get("round_robin_gradients", False)
     for name, p in engine.module.named_parameters():
-        full = safe_get_full_fp32_param(p)
+        full = None if round_robin else safe_get_full_fp32_param(p)
         full = p.detach() if full is None else full
         weights[name] = full.float().numpy().copy()
     result = {"losses": losses, "steps": steps, "init": init, "clip": engine.gradient_clipping()}

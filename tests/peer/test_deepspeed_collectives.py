@@ -102,6 +102,16 @@ def cases() -> list[dict]:
                     "overlap_comm": True,
                 },
             ),
+            _case(  # parameter i laid out in list i mod N: each owner's slices change
+                f"{s}_gpt_round_robin_reduce",
+                stage,
+                {
+                    "round_robin_gradients": True,
+                    "reduce_bucket_size": 300,
+                    "use_multi_rank_bucket_allreduce": False,
+                },
+                model=GPT,
+            ),
             _case(
                 f"{s}_bucket300_no_reduce_scatter",
                 stage,

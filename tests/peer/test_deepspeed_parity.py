@@ -100,6 +100,13 @@ def cases() -> list[dict]:
         _case("s1_sgd_bf16", 1, SGD, **UNTESTED, **bf16),
         _case("s2_adam_l2_warmup", 2, ADAM_L2, scheduler=WARMUP),
         _case("s2_adam_fused", 2, ADAM_FUSED),
+        _case(  # the round-robin layout moves which rank owns what (and so the weights' path)
+            "s1_gpt_adam_round_robin",
+            1,
+            ADAM,
+            model=GPT,
+            zero={"round_robin_gradients": True, "use_multi_rank_bucket_allreduce": False},
+        ),
         _case("s2_sgd_decay", 2, SGD, scheduler=DECAY, **UNTESTED),
         _case("s2_sgd_bf16_gas2", 2, SGD, gradient_accumulation_steps=2, **UNTESTED, **bf16),
         _case("s3_adam_gas2", 3, ADAM, gradient_accumulation_steps=2),

@@ -294,10 +294,8 @@ class ZeroConfig(Section):
     )
     round_robin_gradients: bool = _flag(
         False,
-        "round-robin gradient copy (stage 1/2 offload)",
-        inert="it orders gradient copies for offload; zerosim copies in one order (same results "
-        "and bytes)",
-        reproduces=(False,),
+        "stages 1-2 (DeepSpeed's schedule): lay parameters out round robin over the ranks "
+        "(parameter i in list i mod N, the lists end to end), as DeepSpeed does",
     )
     sub_group_size: int = _count(1_000_000_000, 1, "optimizer steps in tiles of this size")
     stage3_prefetch_bucket_size: int = _count(

@@ -111,12 +111,25 @@ def _slots(named_shapes: list[tuple[str, tuple[int, ...]]], order: list[int]) ->
     return slots
 
 
+def round_robin_order(count: int, world_size: int) -> list[int]:
+    """DeepSpeed's ``round_robin_gradients`` order of ``count`` parameters (stage_1_and_2.py,
+    ``_round_robin_reorder``): parameter i joins list i mod N; the lists are laid end to end, each
+    in definition order (N = 3: 0, 3, 6, …, 1, 4, 7, …, 2, 5, 8, …)."""
+    return [i for first in range(min(world_size, count)) for i in range(first, count, world_size)]
+
+
 def deepspeed_layout(
-    named_shapes: list[tuple[str, tuple[int, ...]]], world_size: int, alignment: int = 1
+    named_shapes: list[tuple[str, tuple[int, ...]]],
+    world_size: int,
+    alignment: int = 1,
+    round_robin: bool = False,
 ) -> Layout:
-    """Definition order, padded to a multiple of ``alignment``·N, one contiguous shard per rank
-    (``alignment`` = ``DEEPSPEED_ALIGNMENT`` for DeepSpeed's own padding)."""
-    slots = _slots(named_shapes, list(range(len(named_shapes))))
+    """Definition order (``round_robin``: DeepSpeed's ``round_robin_order``), padded to a
+    multiple of ``alignment``·N, one contiguous shard per rank (``alignment`` =
+    ``DEEPSPEED_ALIGNMENT`` for DeepSpeed's own padding)."""
+    count = len(named_shapes)
+    order = round_robin_order(count, world_size) if round_robin else list(range(count))
+    slots = _slots(named_shapes, order)
     total = slots[-1].range.stop if slots else 0
     padded = padded_size(total, alignment * world_size)
     return Layout(tuple(slots), padded, (Range(0, padded),), world_size, "deepspeed")

@@ -48,7 +48,7 @@ class Stage1(Strategy):
         shapes = [(n, p.shape) for n, p in named]
         if self.layout_kind == "megatron":
             return megatron_layout(shapes, self.comm.size, self.zero.reduce_bucket_size)
-        return deepspeed_layout(shapes, self.comm.size, self.alignment)
+        return deepspeed_layout(shapes, self.comm.size, self.alignment, self.round_robin)
 
     @property
     def deepspeed_reduction(self) -> bool:

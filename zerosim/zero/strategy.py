@@ -201,7 +201,17 @@ class Strategy(ABC):
         return FlatGroup(named, self.make_layout(named), self.dtype, self.comm.rank, hyper)
 
     def make_layout(self, named: list[tuple[str, Parameter]]) -> Layout:
-        return deepspeed_layout([(n, p.shape) for n, p in named], self.comm.size, self.alignment)
+        shapes = [(n, p.shape) for n, p in named]
+        return deepspeed_layout(shapes, self.comm.size, self.alignment, self.round_robin)
+
+    @property
+    def round_robin(self) -> bool:
+        """``round_robin_gradients`` (DeepSpeed's stages 1-2): parameters laid out round robin."""
+        return (
+            self.stage in (1, 2)
+            and self.schedule == "deepspeed"
+            and bool(self.zero.round_robin_gradients)
+        )
 
     @property
     def alignment(self) -> int:
