@@ -14,12 +14,13 @@ of ``--seq`` = 128 rows instead of 1024, Ψ = 123,787,776. The sequence and the 
 kept small so that a step takes seconds on 2 cores: 8 ranks · 1 · 128 = 1,024 tokens per step.
 
 Config (``config``): ZeRO stage 3 with every parameter partitioned (persistence threshold 0),
-each module's parameters gathered again for its backward (``stage3_max_reuse_distance`` 0: the
-paper's 3(N−1)/N·Ψ·b per rank per step), gradient buckets and prefetch of ``--bucket`` elements,
-and at most ``--max-live`` elements gathered at once (``stage3_max_live_parameters``; prefetch
-stops there). With DeepSpeed's defaults (buckets of 5e8, reuse distance and live cap 1e9) a
-model of this size keeps all of its parameters gathered from forward to backward and fills one
-model-sized bucket: every rank would hold the whole model again.
+each module's parameters gathered again for its backward (``stage3_max_reuse_distance`` 0 and
+the paper's collective schedule, ``"schedule": "paper"``: 3(N−1)/N·Ψ·b per rank per step),
+gradient buckets and prefetch of ``--bucket`` elements, and at most ``--max-live`` elements
+gathered at once (``stage3_max_live_parameters``; prefetch stops there). With DeepSpeed's
+defaults (buckets of 5e8, reuse distance and live cap 1e9) a model of this size keeps all of its
+parameters gathered from forward to backward and fills one model-sized bucket: every rank would
+hold the whole model again.
 
 Step time: each step starts after a barrier and ends when ``step()`` returns; a step's time is
 the slowest rank's; the figure is the median over ``--steps`` steps after ``--warmup`` (the first
@@ -81,7 +82,7 @@ def config(a: argparse.Namespace) -> dict:
             "stage3_param_persistence_threshold": 0,
         },
         "steps_per_print": 10**9,
-        "zerosim": {"dtype": "float32"},
+        "zerosim": {"dtype": "float32", "schedule": "paper"},  # the paper's 3(N−1)/N·Ψ·b
     }
 
 

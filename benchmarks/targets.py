@@ -228,8 +228,13 @@ TARGETS: list[tuple[str, str, Check, str]] = [
         "layer and hook (cProfile: --profile) is a fixed cost torch pays in C++; with glibc's "
         "default malloc thresholds every step also page-faults its activations back in "
         "(the benchmark keeps freed memory for both sides; --glibc-default shows the "
-        "difference). At N = 4 on 2 cores both sides are oversubscribed and step times vary "
-        "by ±20% between repeats.",
+        "difference). At N = 4 on 2 cores every side is oversubscribed, and on this shared "
+        "machine one configuration's repeats differ by up to 2× (the section's second table "
+        "lists every repeat): a ratio near 1 (1.02 against DeepSpeed at N = 2 gpt stage 0 and "
+        "N = 4 stage 1, where each side's repeats overlap the other's) does not separate the "
+        "two. zerosim stage 1 at N = 4 on the MLP was slower than DDP + "
+        "ZeroRedundancyOptimizer in both repeats of the 2026-11-24 run; its cause has not "
+        "been profiled yet.",
     ),
     (
         "model-state memory equal to the formula, to the byte",

@@ -69,7 +69,11 @@ stage-3 default), and ``stage3_max_reuse_distance`` 0 so that, like FSDP2 with
 ``reshard_after_forward=True``, every module's parameters are gathered again for its backward:
 zerosim and FSDP2 then send 3(N−1)/N·Ψ·b per rank per step (with DeepSpeed's default reuse
 distance a model this small keeps every parameter gathered from forward to backward, which is
-FSDP2's ``reshard_after_forward=False``). When stage 3 is among ``--stages`` two more tables follow:
+FSDP2's ``reshard_after_forward=False``). zerosim runs the ZeRO paper's collective schedule
+(``"schedule": "paper"``) so that its bytes are the paper's and FSDP2's; DeepSpeed fetches by its
+own trace and release rules, which zerosim's default ``"schedule": "deepspeed"`` reproduces and
+which can send fewer bytes (on the ``--quick`` MLP, 2/3 of the paper's forward and backward
+bytes). When stage 3 is among ``--stages`` two more tables follow:
 
 * **Exposed communication** (``exposed_table``): stage 3 with ``overlap_comm`` on and off (the
   jobs without it run in the same repeat loop as the table's zerosim and torch jobs), and the same
@@ -262,7 +266,7 @@ def zerosim_worker(a: argparse.Namespace) -> None:
     model, _ = build_model(a.model)
     params = model.num_parameters()
     config = engine_config(a.model, n, a.stage, bool(a.overlap))
-    config["zerosim"] = {"dtype": "float32"}
+    config["zerosim"] = {"dtype": "float32", "schedule": "paper"}  # stage 3: FSDP2's bytes
     comm = MPIComm(validate=not a.no_check)
     engine, *_ = initialize(model, config, comm=comm)
 
