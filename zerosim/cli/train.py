@@ -28,6 +28,7 @@ from zerosim.checkpoint import load_checkpoint, save_checkpoint
 from zerosim.comm import Communicator
 from zerosim.engine import initialize
 from zerosim.report import workloads
+from zerosim.zero.schedule import stage3_backward_gathers
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 4,
@@ -169,18 +170,13 @@ def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[i
                 overlap_comm=zero.overlap_comm,
             )  # fmt: skip
         else:
-            # DeepSpeed's coordinator keeps what its prefetch took: when the live cap never stops
-            # the prefetch, every backward use is prefetched in forward (docs/formulas.md)
-            gathered = strategy.padded_numel - persistent
-            prefetched = getattr(strategy, "deepspeed", False) and (
-                zero.stage3_prefetch_bucket_size > 0 and zero.stage3_max_live_parameters >= gathered
-            )
-            regather = strategy.stage != 3 or (
-                zero.stage3_max_reuse_distance == 0 and not prefetched
-            )
-            whole = zero.stage3_prefetch_bucket_size >= gathered  # one prefetch takes it all
-            if getattr(strategy, "deepspeed", False) and strategy.stage == 3 and not whole:
-                return None
+            regather = True
+            if strategy.stage == 3:
+                coordinator = "deepspeed" if getattr(strategy, "deepspeed", False) else "paper"
+                gathered = strategy.padded_numel - persistent
+                regather = stage3_backward_gathers(coordinator, zero, gathered)
+                if regather is None:  # DeepSpeed's module trace decides
+                    return None
             formula = step_bytes(
                 strategy.stage, n, strategy.padded_numel, b, k, persistent, regather
             )

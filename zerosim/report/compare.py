@@ -50,6 +50,7 @@ from zerosim.comm import Communicator
 from zerosim.engine import initialize
 from zerosim.report import workloads
 from zerosim.report.tables import element_bytes, model_states
+from zerosim.zero.schedule import stage3_backward_gathers
 
 PHASES = ("forward", "backward", "step", "clip")
 MEMORY = ("params", "grads", "master_params", "optimizer_states")
@@ -160,18 +161,6 @@ def persistent_numel(model: Any, world_size: int, threshold: int) -> int:
     return sum(-(-s // world_size) * world_size for s in sizes)
 
 
-def _backward_gather(zero: dict[str, Any], gathered_numel: int, steps: int) -> bool:
-    """Whether stage 3 gathers the non-persistent parameters again in the last step's backward.
-
-    Not when every parameter is reused (kept from forward to backward): its next use is fewer
-    than ``stage3_max_reuse_distance`` other elements away (at most Ψ_np), the live cap holds all
-    of them, and the module order was recorded in an earlier step.
-    """
-    reuse = zero.get("stage3_max_reuse_distance", 0)
-    live = zero.get("stage3_max_live_parameters", 10**9)
-    return not (reuse > gathered_numel and live >= gathered_numel and steps >= 2)
-
-
 def _formula_bytes(
     name: str, n: int, padded: int, dtype: str, k: int, persistent: int = 0, gather: bool = True
 ) -> dict[str, int]:
@@ -277,7 +266,11 @@ def _predicted(
     persistent = 0
     if strategy.stage == 3:
         persistent = persistent_numel(net, n, knobs["stage3_param_persistence_threshold"])
-    gather = _backward_gather(knobs, pad - persistent, steps)
+    # the last step's backward: are the non-persistent parameters gathered again? (None:
+    # DeepSpeed's module trace decides, and the formula is the paper's regathering one)
+    coordinator = "deepspeed" if getattr(strategy, "deepspeed", False) else "paper"
+    gather = stage3_backward_gathers(coordinator, knobs, pad - persistent, steps >= 2)
+    gather = True if gather is None else gather
     if schedule == "deepspeed" and strategy.stage < 3 and name != "megatron":
         numels = [p.numel for _, p in net.named_parameters()]
         formulas = [
