@@ -268,7 +268,7 @@ def test_stage3_persistent_parameters_are_gathered_after_the_step_and_held_whole
 
     n, threshold = 3, 300
     zero = {"stage3_param_persistence_threshold": threshold}
-    row = LocalWorld(n).run(run_stage, "3", "mlp", 2, zero=zero)[1]
+    row = LocalWorld(n).run(run_stage, "3", "mlp", 2, zero=zero, schedule="paper")[1]
     persist = sum(-(-s // n) * n for s in MLP_SIZES if s <= threshold)  # the two biases of 256, 10
     assert row["persistent_numel"] == persist == 258 + 258 + 12
     shard = stage3_shard(n)
@@ -374,9 +374,10 @@ def test_plot_option_writes_a_png(argv, tmp_path, capsys):
         ["memory", "--params", "1e9"],
         ["volume", "--params", "1e6", "--dp", "8"],
         ["timeline", "-n", "3", "--stage", "1"],
+        ["timeline", "-n", "2", "--stage", "3", "--schedule", "paper"],
         ["timeline", "-n", "2", "--stage", "3"],
     ],
-    ids=["memory", "volume", "timeline", "timeline-stage3"],
+    ids=["memory", "volume", "timeline", "timeline-stage3-paper", "timeline-stage3"],
 )
 def test_plot_command_writes_a_png_and_its_data_as_json(argv, tmp_path, capsys):
     out = tmp_path / "figure.png"
@@ -387,6 +388,11 @@ def test_plot_command_writes_a_png_and_its_data_as_json(argv, tmp_path, capsys):
         assert row["total"] == analysis.zero_paper_bytes(1e9, 1024, 3)
     elif argv[0] == "volume":
         assert data["stages"]["2"]["backward"] == 7 * 125_000 * 4
+    elif argv[-1] == "3":  # DeepSpeed's coordinator: the first fetch prefetches the whole MLP
+        calls = [(r["phase"], r["op"]) for r in data["records_by_rank"][1]]
+        assert calls.count(("forward", "all_gather")) == 1  # one coalesced call
+        assert calls.count(("backward", "all_gather")) == 0  # kept: the prefetch took it
+        assert calls.count(("backward", "reduce_scatter")) >= 1
     elif argv[-1] == "1":
         records = data["records_by_rank"]
         assert len(records) == 3

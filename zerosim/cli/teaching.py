@@ -232,10 +232,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
-def _timeline(comm: Any, stage: str, model: str, steps: int) -> dict[str, list[dict]]:
+def _timeline(
+    comm: Any, stage: str, model: str, steps: int, schedule: str
+) -> dict[str, list[dict]]:
     from zerosim.report import compare
 
-    out = compare.run_stage(comm, stage, model, steps, keep_records=True)
+    out = compare.run_stage(comm, stage, model, steps, keep_records=True, schedule=schedule)
     return {"records": out["records"], "events": out["events"]}
 
 
@@ -261,10 +263,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
         if world_size_from_env() > 1:
             raise SystemExit("zerosim plot timeline draws a LocalWorld run; do not use mpirun")
-        per_rank, _ = _run_on_world(args, _timeline, args.stage, args.model, args.steps)
+        per_rank, _ = _run_on_world(
+            args, _timeline, args.stage, args.model, args.steps, args.schedule
+        )
         records = [r["records"] for r in per_rank]
         data = {"records_by_rank": records}
-        title = f"stage {args.stage}, {len(per_rank)} ranks, step {args.steps - 1}"
+        title = (
+            f"stage {args.stage}, {len(per_rank)} ranks, step {args.steps - 1}, "
+            f"{args.schedule}'s schedule"
+        )
         if args.stage == "3":  # what is gathered when, and when each module releases it
             data["events_by_rank"] = [r["events"] for r in per_rank]
             plots.gather_release_timeline(records, data["events_by_rank"], args.out, title)
@@ -460,4 +467,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         else:
             _world_options(p, steps=2)
             p.add_argument("--stage", choices=list(STAGES), default="2", help="default 2")
+            p.add_argument(
+                "--schedule",
+                choices=["deepspeed", "paper"],
+                default="deepspeed",
+                help="zerosim.schedule: DeepSpeed 0.19.8's collectives (default) or the ZeRO "
+                "paper's (stage 3: one gather per parameter and use)",
+            )
         p.set_defaults(func=cmd_plot)
