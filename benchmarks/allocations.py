@@ -12,7 +12,8 @@ The baseline is the model itself: the table gives the peak in units of the model
 bytes Ψ·b (b = 4, float32 parameters) and of its largest parameter. The target: no model-sized
 buffer is allocated per step. What remains, by design, is working memory of one layer at a time
 (a linear layer's weight gradient as backpropagation makes it, stage 3's gathered parameters of
-the layers in use, bounded by ``stage3_max_live_parameters``) and, under fp16/bf16, the fp32
+the layers in use, bounded by the prefetch bucket and ``stage3_max_live_parameters`` with no
+reuse) and, under fp16/bf16, the fp32
 copy of the rank's gradient shard that the optimizer step reads (Ψ/N elements; DeepSpeed's ZeRO
 optimizer makes the same copy per step and frees it, which keeps the model-state memory equal to
 the ZeRO paper's formula). Gradient bucket
@@ -55,6 +56,9 @@ def worker(stage: int, dtype: str, steps: int) -> None:
             "stage3_param_persistence_threshold": 0,
             "stage3_prefetch_bucket_size": 20_000,  # bound what stage 3 gathers ahead …
             "stage3_max_live_parameters": 50_000,  # … and holds at once (DeepSpeed: 5e7, 1e9)
+            # release after use: DeepSpeed's coordinator keeps every parameter whose next use
+            # is within this many elements (default 1e9: the whole model, whatever the live cap)
+            "stage3_max_reuse_distance": 0,
         },
     }
     if dtype == "bf16":

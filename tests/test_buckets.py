@@ -95,7 +95,9 @@ def test_a_steady_state_step_allocates_no_model_sized_buffer_under_mpirun(tmp_pa
     psi_bytes = 4 * sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
     assert rows[0]["pool_bytes"] == 0 and rows[2]["pool_bytes"] > 0
     # tracemalloc also counts the step's small Python objects (array views, ledger records,
-    # hook closures: 30-40 KiB here), so the bounds leave room for them above the arrays.
-    for stage, bound in ((0, 0.3), (2, 0.3), (3, 0.6)):
+    # hook closures: 30-40 KiB here), so the bounds leave room for them above the arrays. Stage 3
+    # (DeepSpeed's coordinator): a coalesced gather's N rank segments and the parameters cut
+    # from them are alive together for a moment, two copies of a fetch (module + prefetch).
+    for stage, bound in ((0, 0.3), (2, 0.3), (3, 0.75)):
         assert rows[stage]["pool_new"] == 0
         assert 0 < rows[stage]["peak_max"] < bound * psi_bytes, (stage, rows[stage])
