@@ -279,6 +279,26 @@ def test_stage3_persistent_parameters_are_gathered_after_the_step_and_held_whole
     assert row["memory"]["measured"][0][-1] == persist * 4  # persistent_params, whole on every rank
 
 
+def test_stage3_deepspeeds_first_step_gathers_persistent_parameters_around_modules():
+    """DeepSpeed's coordinator starts persistent parameters partitioned: the step that records
+    the trace gathers every parameter in forward and again in backward; the next ones gather
+    only the others, once."""
+    from zerosim.report.compare import run_stage
+
+    n, zero = 3, {"stage3_param_persistence_threshold": 300}
+    shard = stage3_shard(n)
+    persist = 258 + 258 + 12
+    step = (n - 1) * persist // n * 4
+    first = LocalWorld(n).run(run_stage, "3", "mlp", 1, zero=zero, schedule="deepspeed")[1]
+    whole = (n - 1) * shard * 4
+    assert first["bytes"]["measured"][1] == [whole, 2 * whole, step, 16]
+    assert first["bytes"]["equal"] and first["memory"]["equal"]
+    second = LocalWorld(n).run(run_stage, "3", "mlp", 2, zero=zero, schedule="deepspeed")[1]
+    forward = (n - 1) * (shard - persist // n) * 4
+    assert second["bytes"]["measured"][1] == [forward, whole, step, 16]
+    assert second["bytes"]["equal"]
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_compare_with_mixed_precision_holds_the_zero_paper_bytes(precision, capsys):
     n = 2

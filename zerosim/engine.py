@@ -538,6 +538,7 @@ class Engine:
                 with self.comm.phase("overflow"):  # every rank agrees: one scalar, max
                     self.comm.all_reduce(flag, op="max")
             if flag[0] > 0:
+                self.strategy.step_skipped()
                 self.strategy.zero_grad()
                 self.skipped_steps += 1
                 self._global_grad_norm = float("inf")  # as DeepSpeed reports a skipped step

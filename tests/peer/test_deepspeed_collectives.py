@@ -25,17 +25,15 @@ Not compared, and why:
   in the first micro-step with broadcasts (``assert_ints_same_as_other_ranks``, in the first
   two forwards); zerosim's ranks record the same trace and check nothing. Stage 3's broadcasts
   are compared nowhere.
-- DeepSpeed stage 3's first optimizer step where parameters are persistent (the cases that keep
-  DeepSpeed's persistence threshold, under which every parameter of these small models is):
-  while it records the trace it gathers even persistent parameters around every module's
-  forward and backward; zerosim never gathers a persistent parameter, so those cases are
-  compared from the second step on.
-
-With gathered parameters (``stage3_param_persistence_threshold: 0``) every step is compared,
-the first included: zerosim's stage 3 follows DeepSpeed's coordinator
-(zerosim/zero/ds_coordinator.py): one coalesced all-gather per module fetch while it records,
-then one per fetch and one per prefetch along the trace (prefetch bucket, live cap and reuse
-distance as DeepSpeed applies them), and reduce-scatter buckets cut in DeepSpeed's hook order.
+Every optimizer step is compared, the first included. zerosim's stage 3 follows DeepSpeed's
+coordinator (zerosim/zero/ds_coordinator.py): one coalesced all-gather per module fetch while it
+records, then one per fetch and one per prefetch along the trace (prefetch bucket, live cap and
+reuse distance as DeepSpeed applies them), and reduce-scatter buckets cut in DeepSpeed's hook
+order. Persistent parameters (the cases that keep DeepSpeed's persistence threshold, under which
+every parameter of these small models is) start partitioned, as in DeepSpeed: in the first step
+they are gathered around every module's forward and backward while the trace is recorded (with
+accumulation, the next micro-step gathers again those whose module's post-backward hook ran),
+and from the step's end on they stay whole, refreshed by one all-gather each after every step.
 """
 
 from __future__ import annotations
@@ -222,15 +220,12 @@ def test_each_steps_collectives_equal_deepspeeds(runs, name):
     n, results = runs
     case = next(c for c in cases() if c["name"] == name)
     stage = case["config"]["zero_optimization"]["stage"]
-    zero = case["config"]["zero_optimization"]
-    persistent = stage == 3 and zero.get("stage3_param_persistence_threshold") != 0
-    first = 1 if persistent else 0  # there DeepSpeed's first step gathers persistent parameters
     ds, zs = results[name]["ds"], results[name]["zs"]
     for r in range(n):
         want = [deepspeed_step(s, stage) for s in ds["ranks"][r]["steps"]]
         got = [zerosim_step(s, n) for s in zs["ranks"][r]["steps"]]
         assert len(got) == len(want) == case["steps"]
-        for k in range(first, case["steps"]):
+        for k in range(case["steps"]):
             assert got[k] == want[k], f"rank {r}, step {k}"
 
 

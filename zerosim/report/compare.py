@@ -277,6 +277,12 @@ def _predicted(
             _deepspeed_formula_bytes(strategy.stage, n, r, model_dtype, k, numels, order, knobs)
             for r in range(n)
         ]
+    elif coordinator == "deepspeed" and steps < 2 and persistent and k == 1:
+        # the first step records the trace: DeepSpeed's coordinator gathers the persistent
+        # parameters around every module too, both ways, then all-gathers them after the step
+        formula = _formula_bytes(name, n, pad, model_dtype, k)
+        formula["step"] = _formula_bytes(name, n, pad, model_dtype, k, persistent)["step"]
+        formulas = [formula] * n
     else:
         formulas = [_formula_bytes(name, n, pad, model_dtype, k, persistent, gather)] * n
     checks = boundary_messages(

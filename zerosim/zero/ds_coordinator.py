@@ -19,6 +19,13 @@ parameters still counts as a step of the trace and still starts a prefetch).
 * **trace**: the first micro-step after a change records the module order (fetches on demand,
   everything released after use); the next ones follow it. A fetch that does not match the
   trace drops it: that micro-step goes on on demand, the next one records again.
+* **persistent parameters** (``stage3_param_persistence_threshold``, DeepSpeed's ``ds_persist``)
+  start released, as DeepSpeed partitions every parameter at start-up: a fetch or a prefetch
+  gathers them with the others, a recording micro-step releases them after use, but once the
+  trace is complete they are never released, nor among the backward leftovers. After each step
+  they are whole again (``persistent_gathered``: DeepSpeed's ``_post_step`` gathers them); a step
+  skipped on overflow leaves them released (``persistent_released``). zerosim's whole copy of a
+  persistent parameter stays its home throughout: a gather writes into it, a release keeps it.
 
 Per micro-step with the defaults (prefetch bucket 5e7 ≥ Ψ, nothing persistent) this is one
 all-gather of Ψ_pad, at the first module's fetch, and nothing in backward: (N−1)/N·Ψ_pad·b
@@ -31,6 +38,7 @@ import logging
 from collections import deque
 from typing import Any
 
+from zerosim.backend import np_dtype
 from zerosim.nn import Module, Parameter
 
 log = logging.getLogger(__name__)
@@ -46,7 +54,8 @@ class DeepSpeedCoordinator:
         self.zero = zero
         self.modules: dict[int, list[Parameter]] = {}  # module id -> its own parameters
         self.order: dict[int, int] = {}  # parameter id -> definition order (DeepSpeed's ds_id)
-        self.state: dict[int, str] = {}  # "released" | "inflight" | "available" | "persistent"
+        self.state: dict[int, str] = {}  # "released" | "inflight" | "available"
+        self.persistent: set[int] = set()  # ids of the persistent parameters (ds_persist)
         self.inflight: dict[int, Any] = {}  # parameter id -> its coalesced gather
         self.active: dict[int, set[int]] = {}  # parameter id -> modules running with it
         self.live = 0  # elements gathered or in flight (DeepSpeed's __n_available_params)
@@ -64,18 +73,41 @@ class DeepSpeedCoordinator:
             own = [p for p in module._parameters.values() if p is not None]
             self.modules[id(module)] = own
             for p in own:
-                self.state[id(p)] = "persistent" if strategy.is_persistent(p) else "released"
+                self.state[id(p)] = "released"  # persistent ones too: DeepSpeed partitions all
                 self.active[id(p)] = set()
+                if strategy.is_persistent(p):
+                    self.persistent.add(id(p))
             self.handles_hooks += [
-                module.register_forward_pre_hook(lambda m, args: self.fetch(m)),
+                module.register_forward_pre_hook(self._forward_pre),
                 module.register_forward_hook(lambda m, args, out: self.release(m)),
                 module.register_full_backward_pre_hook(lambda m, grad: self.fetch(m)),
-                module.register_full_backward_hook(lambda m, gi, go: self.release(m)),
+                module.register_full_backward_hook(lambda m, gi, go: self._backward_post(m)),
             ]
+        self.model = model
+        self.inputs: set[int] = set()  # ids of the model's own inputs in this forward
+        self.grad_input: dict[int, bool] = {}  # module id -> an input of it needs a gradient
+
+    # -- DeepSpeed's post-backward hook runs only for a module with an input that needs a gradient
+    def _forward_pre(self, module: Module, args: tuple) -> None:
+        """Note whether any input of ``module`` needs a gradient (DeepSpeed's post-backward
+        function is applied to the inputs that do; without one, the module's parameters wait for
+        the backward leftovers), then fetch. The model's own inputs and integer arrays do not;
+        any other floating-point array is taken to come from the parameters."""
+        if module is self.model:
+            self.inputs = {id(a) for a in _arrays(args)}
+        self.grad_input[id(module)] = any(
+            id(a) not in self.inputs and np_dtype(a.dtype).kind not in "biu" for a in _arrays(args)
+        )
+        self.fetch(module)
+
+    def _backward_post(self, module: Module) -> None:
+        if self.grad_input.get(id(module), True):
+            self.release(module)
 
     # -- the trace (DeepSpeed's reset_step, at the start of each forward) -------------------------
     def start_micro_step(self) -> None:
         self._drop_inflight()
+        self.live = 0  # DeepSpeed's reset_step zeroes __n_available_params
         if self.mode == "record":
             self.param_trace = [
                 (p, step) for step, m in enumerate(self.trace) for p in self._sorted(m)
@@ -88,12 +120,28 @@ class DeepSpeedCoordinator:
         self.step = 0
 
     def end_micro_step(self) -> None:
-        """After backward: release what is still gathered (DeepSpeed: backward leftovers)."""
+        """After backward: release what is still gathered (DeepSpeed: backward leftovers),
+        persistent parameters excepted (``release_backward_leftovers`` skips them)."""
         self._drop_inflight()
         for params in self.modules.values():
             for p in params:
                 self.active[id(p)].clear()
-                self._release(p)
+                if id(p) not in self.persistent:
+                    self._release(p)
+
+    def persistent_released(self) -> None:
+        """A step skipped on overflow: DeepSpeed's ``step`` has partitioned every parameter and
+        returns before gathering the persistent ones; their next fetch gathers them."""
+        for pid in self.persistent:
+            if self.state[pid] == "available":
+                self.state[pid] = "released"
+
+    def persistent_gathered(self) -> None:
+        """After the optimizer step (DeepSpeed's ``_post_step``): every persistent parameter is
+        whole again, gathered one by one outside the coordinator, and stays so."""
+        for pid in self.persistent:
+            if self.state[pid] == "released":
+                self.state[pid] = "available"
 
     def _sorted(self, module_id: int) -> list[Parameter]:
         return sorted(self.modules[module_id], key=lambda p: self.order[id(p)])
@@ -148,9 +196,11 @@ class DeepSpeedCoordinator:
                 self._release(p)
 
     def _kept(self, module_id: int) -> set[int]:
-        """Parameters of the module not to release now (DeepSpeed's __params_to_release)."""
+        """Parameters of the module not to release now (DeepSpeed's __params_to_release):
+        persistent ones, those a prefetch took a later use of, those reused soon."""
         own = self.modules[module_id]
         keep = {id(p) for p in own if self.fetched_for.get(id(p), NEVER) > self.step}
+        keep |= {id(p) for p in own if id(p) in self.persistent}
         traversed = 0
         for later in self.trace[self.step :]:
             if traversed >= self.zero.stage3_max_reuse_distance:
@@ -179,7 +229,7 @@ class DeepSpeedCoordinator:
                 self.inflight.pop(id(q), None)
                 self.state[id(q)] = "available"
 
-    def _release(self, p: Parameter) -> None:  # persistent parameters are never "available"
+    def _release(self, p: Parameter) -> None:
         if self.state[id(p)] == "available" and not self.active[id(p)]:
             self.strategy.free(p)
             self.state[id(p)] = "released"
@@ -195,3 +245,12 @@ class DeepSpeedCoordinator:
                     self.inflight.pop(id(q), None)
                     self.state[id(q)] = "available"
                     self._release(q)
+
+
+def _arrays(args: Any) -> list[Any]:
+    """The arrays in a hook's arguments, through tuples, lists and dicts."""
+    if isinstance(args, (tuple, list)):
+        return [a for x in args for a in _arrays(x)]
+    if isinstance(args, dict):
+        return [a for x in args.values() for a in _arrays(x)]
+    return [args] if hasattr(args, "dtype") and hasattr(args, "shape") else []

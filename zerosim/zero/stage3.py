@@ -14,9 +14,13 @@ forward all-gather (N−1)/N·Ψ_pad·b + backward all-gather (N−1)/N·Ψ_pad�
 (N−1)/N·Ψ_pad·b = 3(N−1)/N·Ψ_pad·b.
 
 Parameters with at most ``stage3_param_persistence_threshold`` elements stay whole on every rank
-(``persistent``, reported separately): they are never gathered around modules; their gradients are
-reduce-scattered like the others, and after the step their updated chunks are all-gathered back
-into the whole copies (phase ``step``): 2(N−1)/N·Ψ_persist·b per step.
+(``persistent``, reported separately): the paper's schedule never gathers them around modules;
+their gradients are reduce-scattered like the others, and after the step their updated chunks are
+all-gathered back into the whole copies (phase ``step``): 2(N−1)/N·Ψ_persist·b per step. Under
+DeepSpeed's schedule the whole copy is still their home, but the coordinator treats them as
+DeepSpeed does, which partitions them at start-up: gathered (into that copy) with their module's
+other parameters while the first micro-step records the trace and at any later fetch that finds
+them released, never released once a trace is complete, whole again after each step.
 
 ZeRO++ (``zerosim/zero/zeropp.py``, ``docs/zeropp.md``) changes three of these collectives:
 with ``zero_quantized_weights`` the forward all-gather carries int8 codes and scales; with
@@ -220,7 +224,14 @@ class Stage3(Strategy):
 
     def free(self, p: Parameter) -> None:
         self.gathered.pop(id(p), None)
+        if self._persistent_buffer(p) is not None:
+            return  # its whole copy stays: zerosim's home of a persistent parameter
         p.data = self.released  # no view of the gathered buffer survives, so it is freed
+
+    def _persistent_buffer(self, p: Parameter) -> Any:
+        """p's whole copy if p is persistent, else None."""
+        gi, _ = self.where[id(p)]
+        return self.groups[gi].persistent_buffers.get(id(p))
 
     def start_coalesced_gather(self, params: list[Parameter]) -> CoalescedGather:
         """Start ONE all-gather of several parameters (DeepSpeed's ``all_gather_coalesced``):
@@ -250,6 +261,10 @@ class Stage3(Strategy):
         column = 0
         for p, chunk in zip(gather.params, gather.chunks, strict=True):
             full = xp.reshape(rows[:, column : column + chunk], (-1,))  # a copy unless alone
+            home = self._persistent_buffer(p)
+            if home is not None:  # persistent: the gathered value lands in its whole copy
+                home[...] = full
+                full = home
             p.data = xp.reshape(full[: p.numel], p.shape)
             column += chunk
 
@@ -425,6 +440,12 @@ class Stage3(Strategy):
             for i, (_, p) in enumerate(g.named_params):
                 if id(p) in g.persistent_buffers:
                     self.comm.all_gather(g.persistent_buffers[id(p)], g.chunk(i))
+        if self.deepspeed:
+            self.coordinator.persistent_gathered()
+
+    def step_skipped(self) -> None:
+        if self.deepspeed:
+            self.coordinator.persistent_released()
 
     def zero_grad(self) -> None:
         for g in self.groups:

@@ -247,6 +247,9 @@ class Strategy(ABC):
     def gather(self) -> None:  # noqa: B027  (optional hook)
         """After the optimizer step: bring every rank's updated shard to every rank."""
 
+    def step_skipped(self) -> None:  # noqa: B027  (optional hook)
+        """Called instead of the step and ``gather`` when an overflow skips the step."""
+
     @abstractmethod
     def zero_grad(self) -> None:
         """Clear the gradients for the next accumulation window."""
