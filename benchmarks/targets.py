@@ -301,8 +301,9 @@ def table(rows: dict[str, Rows], kept: list[str] = ()) -> list[str]:
         if not met:
             causes.append(f"- **{target}.** {cause}")
     lines.append(
-        "| the engine on CuPy with NCCL, fused optimizer kernels (`benchmarks/gpu.py`) | not "
-        "built: no GPU was available to build and test it on | – |"
+        "| the engine on CuPy with NCCL, fused optimizer kernels (`tests/test_gpu.py`, its "
+        "throughput test) | built, not yet run: no GPU was available to run it on "
+        "(docs/install.md, \"What runs where\") | – |"
     )
     if causes:
         lines += ["", "Where a target was missed, the cause as measured:", "", *causes]
