@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from zerosim.backend import DTYPES, from_host, is_half, to_host
+from zerosim.backend import DTYPES, from_host, is_half, np_dtype, to_host
 from zerosim.comm import cuda, watchdog
 from zerosim.comm.base import SIGNATURE_FIELDS, Communicator
 from zerosim.comm.ledger import Ledger
@@ -70,8 +70,20 @@ def _half_op(dtype: np.dtype, op: str) -> MPI.Op:
     return _HALF_OPS[key]
 
 
+_OP_CACHE: dict[tuple[Any, str], MPI.Op] = {}
+
+
 def _mpi_op(dtype: np.dtype, op: str) -> MPI.Op:
-    return _half_op(dtype, op) if is_half(dtype) else _NATIVE_OPS[op]
+    """MPI's reduction for ``op`` on ``dtype`` (a user-defined one for 16-bit floats), cached:
+    every reducing collective asks."""
+    if not isinstance(dtype, np.dtype):  # another namespace's dtype (a staged device array)
+        dtype = np_dtype(dtype)
+    key = (dtype, op)
+    found = _OP_CACHE.get(key)
+    if found is None:
+        found = _half_op(dtype, op) if is_half(dtype) else _NATIVE_OPS[op]
+        _OP_CACHE[key] = found
+    return found
 
 
 # dtype → (the dtype its words travel as, or None to send it as it is; the MPI datatype)
@@ -175,6 +187,8 @@ class MPIComm(Communicator):
 
     def _route(self, x: Any) -> str:
         """How this call's data travels; written into its ledger record."""
+        if type(x) is np.ndarray:  # the common case, decided without a call
+            return "host"  # (_call set _route_now to "host" before the data moves)
         self._route_now = route = cuda.transport(x, self._nccl, self._cuda_aware)
         if route == "cuda-aware":  # MPI reads the memory now: finish the work queued on it
             import cupy  # noqa: PLC0415

@@ -74,10 +74,11 @@ def model_bytes(
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         moved = (n - 1) * (count // n) * itemsize
         return moved, moved
-    if op == "all_reduce":
-        sizes = [stop - start for start, stop in chunk_bounds(count, n)]
-        sent = 2 * count - sizes[rank] - sizes[(rank + 1) % n]
-        recv = 2 * count - sizes[(rank - 1) % n] - sizes[rank]
+    if op == "all_reduce":  # chunk i of chunk_bounds holds base + (i < extra) elements
+        base, extra = divmod(count, n)
+        mine, right, left = (base + (i < extra) for i in (rank, (rank + 1) % n, (rank - 1) % n))
+        sent = 2 * count - mine - right
+        recv = 2 * count - left - mine
         return sent * itemsize, recv * itemsize
     position = (rank - root) % n
     total = count * itemsize
