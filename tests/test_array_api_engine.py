@@ -219,3 +219,19 @@ def test_initialize_moves_each_weight_across_once_and_counts_it():
         assert step["from_host_bytes"] == sum(a.nbytes for a in batch)
         # scalars only: the loss, the norm, the embedding's id bounds, the target count
         assert 0 < step["to_host_calls"] and step["to_host_bytes"] <= 16 * step["to_host_calls"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradients_reduced_in_another_dtype_on_the_device(stage):
+    """communication_data_type fp32 under a float64 model: the gradients are rounded into
+    float32 wire buffers and back, which the standard's assignment does not do by itself."""
+    case, extra = Case(stage=stage, model="mlp"), {"communication_data_type": "fp32"}
+
+    def run(comm):
+        out = _both(comm, case, extra)
+        wire = {r.dtype for r in comm.ledger.records if r.phase == "backward"}
+        return out, wire
+
+    for out, wire in zs.LocalWorld(2).run(run):
+        assert "float32" in wire
+        assert _max_diff(out["strict"]["params"], out["numpy"]["params"]) <= 1e-12

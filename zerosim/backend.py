@@ -394,6 +394,20 @@ def from_host(x: Any, like: Any = None, *, xp: Any = None, dtype: Any = None) ->
     return xp.asarray(host)
 
 
+def assign(dst: Any, src: Any) -> None:
+    """``dst[...] = src``, rounding ``src`` to ``dst``'s dtype when they differ, as NumPy's and
+    CuPy's assignment does (the standard refuses mixed dtypes there): where gradients enter a
+    buffer of ``communication_data_type`` and come back."""
+    if isinstance(dst, np.ndarray):
+        dst[...] = src
+        return
+    xp = xp_of(dst)
+    if isinstance(xp, StandardNamespace):
+        xp.copyto(dst, src)
+    else:
+        dst[...] = src
+
+
 def flat(x: Any) -> Any:
     """``x`` as a 1-D array (a view when its layout allows), in its own namespace."""
     return np.reshape(x, -1) if isinstance(x, np.ndarray) else xp_of(x).reshape(x, (-1,))

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from zerosim.backend import flat
+from zerosim.backend import assign, flat
 from zerosim.zero.buckets import MAX_IN_FLIGHT
 
 
@@ -207,7 +207,7 @@ class IpgBuckets:
         bucket = s.take_buffer(self.numel, wire)
         at = 0
         for g in self.grads:
-            bucket[at : at + g.size] = g
+            assign(bucket[at : at + g.size], g)
             at += g.size
         self.entries, self.grads, self.numel = [], [], 0
         s.before_reduction(bucket)

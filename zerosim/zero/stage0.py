@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.backend import nbytes, np_dtype
+from zerosim.backend import assign, nbytes, np_dtype
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.buckets import (
     MAX_IN_FLIGHT,
@@ -84,7 +84,7 @@ class Stage0(Strategy):
             if wire != np_dtype(view.dtype):  # communication_data_type: reduce a cast copy
                 self.cast.complete(leave=MAX_IN_FLIGHT - 1)
                 buf = self.take_buffer(view.size, wire)
-                buf[...] = view
+                assign(buf, view)
                 view[...] = 0
                 self.before_reduction(buf)
                 handle = self.comm.iall_reduce(buf) if self.zero.overlap_comm else None

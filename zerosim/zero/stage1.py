@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.backend import nbytes, np_dtype
+from zerosim.backend import assign, nbytes, np_dtype
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.ipg import IpgBuckets
 from zerosim.zero.partition import (
@@ -108,7 +108,7 @@ class Stage1(Strategy):
 
     def _deliver(self, gi: int, flat_start: int, values: Any) -> None:
         """A reduced piece this rank owns: it replaces the local sum in the gradient buffer."""
-        self.groups[gi].flat_grad[flat_start : flat_start + values.size] = values
+        assign(self.groups[gi].flat_grad[flat_start : flat_start + values.size], values)
 
     def before_backward(self, boundary: bool) -> None:
         self.reducing = boundary
@@ -140,11 +140,11 @@ class Stage1(Strategy):
                     self.comm.reduce_scatter(mine, full)
                 else:  # communication_data_type: reduce a cast copy in place, keep our piece
                     buf = self.take_buffer(full.size, wire)
-                    buf[...] = full
+                    assign(buf, full)
                     self.before_reduction(buf)
                     piece = buf[own.start - unit.start : own.stop - unit.start]
                     self.comm.reduce_scatter(piece, buf)
-                    mine[...] = piece
+                    assign(mine, piece)
                     self.give_buffer(buf)
                 self.average(mine)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.backend import flat, nbytes
+from zerosim.backend import assign, flat, nbytes
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, bucket_members
 from zerosim.zero.ipg import IpgBuckets
@@ -83,7 +83,7 @@ class Stage2(Strategy):
         b = g.bucket_of[i]
         slot = g.slots[i].range
         start = slot.start - g.buckets[b].start
-        self._buffer(g, b)[start : start + slot.size] = flat(p.grad)
+        assign(self._buffer(g, b)[start : start + slot.size], flat(p.grad))
         p.grad = None
 
     def _ready(self, p: Parameter) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import flat, nbytes, to_host, xp_of
+from zerosim.backend import assign, flat, nbytes, to_host, xp_of
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero import zeropp
 from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue
@@ -315,9 +315,9 @@ class Stage3(Strategy):
             block = buf[:, column : column + chunk]
             grad = flat(p.grad)
             rows, rest = divmod(p.numel, chunk) if chunk else (0, 0)
-            block[:rows, :] = xp.reshape(grad[: rows * chunk], (rows, chunk))
+            assign(block[:rows, :], xp.reshape(grad[: rows * chunk], (rows, chunk)))
             if rest:  # the last chunk is partly padding, which stays zero
-                block[rows, :rest] = grad[rows * chunk :]
+                assign(block[rows, :rest], grad[rows * chunk :])
             p.grad = None
         self.before_reduction(buf)
         out = self.take_buffer(width, buf.dtype)
@@ -342,7 +342,7 @@ class Stage3(Strategy):
         for p in members:
             gi, i = self.where[id(p)]
             g = self.groups[gi]
-            buf[at : at + p.numel] = flat(p.grad)
+            assign(buf[at : at + p.numel], flat(p.grad))
             p.grad = None
             chunk = g.partition.chunks[i]
             lo = self.comm.rank * chunk
@@ -368,9 +368,9 @@ class Stage3(Strategy):
         block = self._bucket_buffer(g, b)[:, column : column + chunk]  # rank r's chunk in row r
         grad = flat(p.grad)
         rows, rest = divmod(p.numel, chunk) if chunk else (0, 0)
-        block[:rows, :] = g.xp.reshape(grad[: rows * chunk], (rows, chunk))
+        assign(block[:rows, :], g.xp.reshape(grad[: rows * chunk], (rows, chunk)))
         if rest:  # the last chunk is partly padding, which stays zero
-            block[rows, :rest] = grad[rows * chunk :]
+            assign(block[rows, :rest], grad[rows * chunk :])
         p.grad = None
 
     def _bucket_buffer(self, g: ShardGroup, b: int) -> Any:
