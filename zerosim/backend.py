@@ -302,11 +302,6 @@ def is_device_array(x: Any) -> bool:
     return not isinstance(x, np.ndarray | np.generic) and hasattr(x, "__array_namespace__")
 
 
-def any_device_array(*arrays: Any) -> bool:
-    """True if any of the arrays is a device (non-NumPy) array."""
-    return any(is_device_array(a) for a in arrays)
-
-
 # --- the one host <-> device crossing, counted ------------------------------------------------
 
 
