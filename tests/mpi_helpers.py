@@ -29,5 +29,8 @@ def run_mpi(n: int, args: list[str], timeout: float = 300) -> subprocess.Complet
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
+    # Unbuffered, print() hands its pieces to the pipe one write at a time and the ranks' lines
+    # interleave mid-line ("CASES 0" + "CASES 1 3" + " 3"); buffered, each flush is one write.
+    env.pop("PYTHONUNBUFFERED", None)
     cmd = [mpirun_path(), "-n", str(n), sys.executable, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -11,6 +11,8 @@ them, the Megatron layout, and ZeRO++ (qwZ, hpZ, qgZ and all three).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from mpi_helpers import run_mpi
@@ -188,8 +190,8 @@ for stage, extra in cases:
         rows[collectives] = t.run(comm, cfg)[0]
     assert [r[:9] for r in rows["native"]] == [r[:9] for r in rows["ring"]], stage
     assert all(r[9] == "wire" for r in rows["ring"] if r[4] and r[10] > 1), stage
-    print("WIRE", comm.rank, stage, len(rows["ring"]), flush=True)
-print("CASES", comm.rank, len(cases), flush=True)
+    print(f"WIRE {comm.rank} {stage} {len(rows['ring'])}", flush=True)  # one write per line
+print(f"CASES {comm.rank} {len(cases)}", flush=True)
 """
 
 
@@ -197,5 +199,9 @@ print("CASES", comm.rank, len(cases), flush=True)
 def test_wire_bytes_equal_model_bytes_under_mpirun():
     proc = run_mpi(4, ["-c", WORKER], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    cases = int(proc.stdout.split("CASES 0 ")[1].split()[0])
-    assert proc.stdout.count("WIRE") == 4 * cases
+    counts = dict(re.findall(r"^CASES (\d+) (\d+)$", proc.stdout, re.MULTILINE))
+    assert sorted(counts) == ["0", "1", "2", "3"], proc.stdout
+    cases = int(counts["0"])
+    assert len(set(counts.values())) == 1 and cases >= 2, counts
+    wire = re.findall(r"^WIRE (\d+) (\d+) (\d+)$", proc.stdout, re.MULTILINE)
+    assert len(wire) == 4 * cases, proc.stdout
