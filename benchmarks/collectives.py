@@ -14,8 +14,10 @@ Two timing modes, each sample the slowest rank's time:
 * **one at a time**: a barrier before each call and the call timed alone, so nothing of one call
   hides in the next (a fixed cost per call, or a cost that overlaps the next call's transfer).
 
-Samples are interleaved (raw, zerosim, check off, then the reverse order on the next repeat), so
-a change of load on a shared machine hits all three alike; each cell's ratio is the median over
+Samples are interleaved (raw, raw again, zerosim, check off, then the reverse order on the next
+repeat), so a change of load on a shared machine hits all four alike; "raw again" is the same raw
+call timed as a second variant, an A/A control: its ratio to raw shows what the timing can
+resolve on this machine at that moment; each cell's ratio is the median over
 repeats of the ratio of neighbouring samples, and its times the medians. The ring column is our
 explicit ring algorithm over point-to-point messages (back-to-back), for reference. Targets:
 ratio ≥ 0.97 from 4 MiB and ≥ 0.95 from 1 MiB, in both modes, check on.
@@ -38,7 +40,9 @@ import numpy as np
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
-VARIANTS = ("raw", "zerosim", "fast")  # raw mpi4py, zerosim's defaults, zerosim check off
+# raw mpi4py, raw again (the A/A control: what the timing resolves), zerosim's defaults,
+# zerosim with the check off
+VARIANTS = ("raw", "again", "zerosim", "fast")
 MODES = {"": "back-to-back", "_bar": "one at a time"}  # row-key suffix → timing mode
 MIB = 2**20
 
@@ -49,6 +53,11 @@ def _sizes(max_mib: float) -> list[int]:
         sizes.append(s)
         s *= 4
     return sizes
+
+
+def _cores() -> int:
+    """The cores this process may run on (all ranks of a job share them here)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _slowest(comm, seconds: float) -> float:
@@ -120,7 +129,7 @@ def measure(mpi, calls: dict, iters: int, repeats: int) -> dict:
         for variant in order:
             samples[variant + "_bar"].append(one_at_a_time(mpi, calls[variant], alone))
     row = {key: float(np.median(v)) for key, v in samples.items()}
-    for variant in ("zerosim", "fast"):
+    for variant in ("again", "zerosim", "fast"):
         for mode in MODES:
             pairs = np.array(samples["raw" + mode]) / np.array(samples[variant + mode])
             row[f"ratio_{variant}{mode}"] = float(np.median(pairs))
@@ -144,7 +153,12 @@ def worker(max_mib: float, repeats: int) -> None:
         ours = {name: _zerosim_calls(c, full, part) for name, c in comms.items()}
         ring = _zerosim_calls(ring_comm, full, part)
         for op in OPS:
-            calls = {"raw": raw[op], "zerosim": ours["zerosim"][op], "fast": ours["fast"][op]}
+            calls = {
+                "raw": raw[op],
+                "again": raw[op],
+                "zerosim": ours["zerosim"][op],
+                "fast": ours["fast"][op],
+            }
             for fn in calls.values():
                 fn()  # warm-up
             iters = _iters(mpi, raw[op])
@@ -154,7 +168,7 @@ def worker(max_mib: float, repeats: int) -> None:
             for c in (*comms.values(), ring_comm):
                 c.ledger.reset()
             if rank == 0:
-                row.update(n=n, op=op, bytes=count * 4, iters=iters)
+                row.update(n=n, op=op, bytes=count * 4, iters=iters, cores=_cores())
                 print(json.dumps(row), flush=True)
 
 
@@ -171,24 +185,38 @@ def _row(r: dict) -> str:
         f"{size / r['ring'] / 1e9 * factor:.3f}",
         f"{r['ratio_zerosim']:.3f}",
         f"{r['ratio_fast']:.3f}",
+        f"{r['ratio_again']:.3f}",
         f"{r['raw_bar'] * 1e6:.0f}",
         f"{r['ratio_zerosim_bar']:.3f}",
         f"{r['ratio_fast_bar']:.3f}",
+        f"{r['ratio_again_bar']:.3f}",
     ]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def summary(rows: list[dict]) -> list[str]:
-    """The lines under the table: each threshold per mode, and the fixed cost per call."""
+    """The lines under the table: each threshold per N and mode (check on, check off, and the
+    A/A control), and the fixed cost per call."""
     lines = []
-    for mode, label in MODES.items():
-        for floor, target in ((MIB, 0.95), (4 * MIB, 0.97)):
-            for key, what in (("zerosim", "check on"), ("fast", "check off")):
-                got = [r[f"ratio_{key}{mode}"] for r in rows if r["bytes"] >= floor]
-                if got:
+    for n in sorted({r["n"] for r in rows}):
+        cores = min(r.get("cores", n) for r in rows if r["n"] == n)
+        if n > cores:
+            lines.append(f"N={n} > {cores} cores (oversubscribed: reported, not judged):")
+        for mode, label in MODES.items():
+            for floor, target in ((MIB, 0.95), (4 * MIB, 0.97)):
+                parts = []
+                for key, what in (("zerosim", "check on"), ("fast", "check off"), ("again", "A/A")):
+                    got = [
+                        r[f"ratio_{key}{mode}"]
+                        for r in rows
+                        if r["n"] == n and r["bytes"] >= floor and f"ratio_{key}{mode}" in r
+                    ]
+                    if got:
+                        parts.append(f"{what} min {min(got):.3f}, median {np.median(got):.3f}")
+                if parts:
                     lines.append(
-                        f"{label}, from {floor // MIB} MiB, {what}: ratio min {min(got):.3f}, "
-                        f"median {float(np.median(got)):.3f} (target >= {target})"
+                        f"N={n}, {label}, from {floor // MIB} MiB (target >= {target}): "
+                        + "; ".join(parts)
                     )
     for n in sorted({r["n"] for r in rows}):
         mine = [r for r in rows if r["n"] == n]
@@ -247,10 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     print(
         "| N | op | S (MiB) | raw busbw GB/s | zerosim busbw GB/s | ring busbw GB/s | "
-        "ratio zerosim/raw | ratio, check off | one at a time: raw µs | ratio zerosim/raw | "
-        "ratio, check off |"
+        "ratio zerosim/raw | ratio, check off | A/A raw/raw | one at a time: raw µs | "
+        "ratio zerosim/raw | ratio, check off | A/A raw/raw |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(_row(r))
     print()

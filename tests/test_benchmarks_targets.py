@@ -38,6 +38,27 @@ def test_collectives_are_judged_in_both_timing_modes_from_one_and_four_mib():
     assert not met and "one at a time from 1 MiB: not measured" in text
 
 
+def test_collectives_of_an_oversubscribed_world_are_reported_not_judged():
+    def row(n, size, ratio, again, cores=2):
+        cell = {f"{v}{m}": 1.0 for v in ("raw", "zerosim", "fast") for m in ("", "_bar")}
+        for m in ("", "_bar"):
+            cell.update({f"ratio_zerosim{m}": ratio, f"ratio_fast{m}": ratio})
+            cell[f"ratio_again{m}"] = again
+        return {"n": n, "op": "all_gather", "bytes": size, "cores": cores, **cell}
+
+    rows = [row(2, 2**20, 0.96, 0.99), row(2, 2**22, 0.98, 1.01), row(4, 2**22, 0.80, 0.90)]
+    text, met = targets.collectives(rows)
+    assert met, text  # N = 4 on 2 cores: its 0.80 is listed, not held to 0.97
+    assert text.startswith("N = 2 (N = 4 > 2 cores: reported, not judged): ")
+    assert "back-to-back from 1 MiB: check on min 0.96, median 0.97" in text
+    assert "A/A 0.99 to 1.01" in text
+    rows[2]["cores"] = 4  # the same rows on a 4-core machine: judged, and short of 0.97
+    assert not targets.collectives(rows)[1]
+    rows[0]["ratio_zerosim"] = 0.94  # N = 2 stays judged
+    rows[2]["cores"] = 2
+    assert not targets.collectives(rows)[1]
+
+
 def test_adam_is_judged_against_the_copy_bandwidth_and_compared_with_torch():
     rows = sample_rows()["optimizer_step"]  # zerosim: 28.7 GB/s of 30, torch twice as long
     text, met = targets.adam(rows)
