@@ -98,7 +98,7 @@ class Ledger:
         self.records: list[Record] = []
         self.step = 0
         self._phases: list[str] = []
-        self.t0 = time.perf_counter()  # ``now()`` counts from here
+        self._t0 = time.perf_counter()
         self.node: int | None = None  # this rank's node (None: unknown, one node for all)
         self.node_version = 0  # bumped when ``node`` is set, so sub-groups learn it again
         self.flight = FlightRecorder()  # the last K calls, numbered; survives ``reset()``
@@ -119,7 +119,7 @@ class Ledger:
             self._phases.pop()
 
     def now(self) -> float:
-        return time.perf_counter() - self.t0
+        return time.perf_counter() - self._t0
 
     def append(self, record: Record) -> Record:
         self.records.append(record)

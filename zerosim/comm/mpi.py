@@ -225,10 +225,6 @@ class MPIComm(Communicator):
             watchdog.leave(self)
 
     def _native_all_gather(self, out: Any, inp: Any, in_place: bool) -> None:
-        if type(out) is np.ndarray:  # the common case: host buffers straight to MPI
-            send = MPI.IN_PLACE if in_place else _spec(inp)
-            self._blocking(self.mpi.Allgather, send, _spec(out))
-            return
         if self._route(out) == "nccl":
             self._nccl.all_gather(out, inp)
             return
@@ -238,10 +234,6 @@ class MPIComm(Communicator):
         _back(out, host)
 
     def _native_reduce_scatter(self, out: Any, inp: Any, op: str, in_place: bool) -> None:
-        if type(inp) is np.ndarray and not in_place:  # the common case: straight to MPI
-            mpi_op = _mpi_op(inp.dtype, op)
-            self._blocking(self.mpi.Reduce_scatter_block, _spec(inp), _spec(out), mpi_op)
-            return
         if self._route(inp) == "nccl":
             self._nccl.reduce_scatter(out, inp, op)
             return
@@ -255,9 +247,6 @@ class MPIComm(Communicator):
             _back(out, result)
 
     def _native_all_reduce(self, buf: Any, op: str) -> None:
-        if type(buf) is np.ndarray:  # the common case: straight to MPI
-            self._blocking(self.mpi.Allreduce, MPI.IN_PLACE, _spec(buf), _mpi_op(buf.dtype, op))
-            return
         if self._route(buf) == "nccl":
             self._nccl.all_reduce(buf, op)
             return
@@ -376,9 +365,8 @@ class MPIComm(Communicator):
 
     def _agreed(self, request: MPI.Request) -> bool:
         # Where a rank waits for the others to arrive at a collective: polled without holding a
-        # core (unless every signature is already here). Equal bytes mean equal signatures.
-        if not request.Test():
-            watchdog.poll(self, request)
+        # core. Equal bytes mean equal signatures.
+        watchdog.poll(self, request)
         return self._check.all_equal()
 
     def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:

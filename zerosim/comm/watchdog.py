@@ -167,11 +167,12 @@ def publish() -> None:
 
 def poll(comm: MPIComm, request: MPI.Request) -> None:
     """Complete ``request`` without holding a core: spin on Test() briefly, then sleep between
-    polls (50 µs doubling to 1 ms); watched like any wait."""
+    polls (50 µs doubling to 1 ms); watched like any wait (one that is already complete is no
+    wait, and is not noted)."""
+    if request.Test():
+        return
     enter(comm)
     try:
-        if request.Test():
-            return
         start = time.monotonic()
         while time.monotonic() < start + HOT_SPIN_S:  # the message may be just behind
             if request.Test():
