@@ -377,8 +377,15 @@ def test_large_gpt_quick_counts_16_bytes_per_owned_element_and_tokens_per_second
     c, v, t = shape["n_embd"], shape["vocab"], shape["seq"]
     block = 12 * c * c + 13 * c  # attention 4c² + 4c, MLP 8c² + 5c, two LayerNorms 4c
     assert row["params"] == shape["n_layer"] * block + v * c + t * c + 2 * c  # lm_head tied
+    # each parameter's size, from the GPT's shape: wte, wpe; per layer ln_1 (w, b), qkv (w, b),
+    # proj (w, b), ln_2 (w, b), fc (w, b), fc proj (w, b); ln_f (w, b)
+    layer = [c, c, 3 * c * c, 3 * c, c * c, c, c, c, 4 * c * c, 4 * c, 4 * c * c, c]
+    sizes = [v * c, t * c, *layer * shape["n_layer"], c, c]
+    assert sum(sizes) == row["params"]
     # stage 3 pads each parameter to a multiple of N; every element owned costs 16 bytes
-    assert row["model_states"] == row["formula"] == 16 * row["padded_numel"] // n
+    padded = sum(-(-size // n) * n for size in sizes)
+    assert row["padded_numel"] == padded
+    assert row["model_states"] == row["formula"] == 16 * padded // n
     assert row["tokens_per_step"] == n * shape["micro_batch"] * t
     assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s"])
     assert len(row["step_times"]) == 2 and row["step_s"] == row["step_times"][-1]
