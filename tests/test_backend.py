@@ -52,3 +52,27 @@ def test_cupy_backend_round_trips_arrays_through_the_device():
     np.testing.assert_array_equal(backend.to_host(x), np.arange(6, dtype=np.float32))
     with pytest.raises(TypeError, match="bfloat16"):
         b.asarray(np.zeros(2), dtype="bfloat16")
+
+
+def test_host_data_that_is_not_an_array_yet_belongs_to_numpy():
+    """A list or tuple is host data: NumPy's namespace, and it crosses to nothing."""
+    from zerosim.backend import crossings, move_like, xp_of
+
+    assert xp_of([1.0, 2.0]) is np and xp_of((3,)) is np
+    before = crossings().to_host_calls
+    moved = move_like([1.0, 2.0], np.zeros(2))
+    np.testing.assert_array_equal(moved, [1.0, 2.0])
+    assert crossings().to_host_calls == before
+
+
+def test_a_cupy_array_is_told_by_its_type_even_without_the_array_api_method():
+    """CuPy releases before 14 have no ``__array_namespace__``: still a device array."""
+    from zerosim.backend import is_cupy, is_device_array
+
+    class OldCupyArray:
+        pass
+
+    OldCupyArray.__module__ = "cupy._core.core"
+    assert is_cupy(OldCupyArray()) and is_device_array(OldCupyArray())
+    assert not is_cupy(np.ones(2)) and not is_device_array(np.ones(2))
+    assert not is_device_array([1.0])

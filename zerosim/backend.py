@@ -288,18 +288,35 @@ def xp_of(x: Any) -> Any:
     standard namespace of ``x`` on its device (``StandardNamespace``)."""
     if isinstance(x, np.ndarray | np.generic | float | int):
         return np
+    if is_cupy(x):
+        return _cupy_namespace()
+    if not hasattr(x, "__array_namespace__"):
+        return np  # host data that is not an array yet: a list, a tuple, a Python number
     import array_api_compat  # noqa: PLC0415  (only device backends need it)
 
-    cupy = _cupy_or_none()
-    if cupy is not None and isinstance(x, cupy.ndarray):
-        # CuPy's names (ufuncs with out=, add.at) plus the standard's (astype, concat …).
-        return array_api_compat.array_namespace(x)
     return _standard_namespace(array_api_compat.array_namespace(x), x.device)
+
+
+def is_cupy(x: Any) -> bool:
+    """True for a CuPy array, decided from its type's module (without importing CuPy, and
+    whether or not the CuPy release implements ``__array_namespace__``)."""
+    return type(x).__module__.startswith("cupy")
+
+
+@functools.cache
+def _cupy_namespace() -> Any:
+    """CuPy's names (ufuncs with out=, add.at) plus the standard's (astype, concat …), through
+    array-api-compat; imported once."""
+    import array_api_compat.cupy  # noqa: PLC0415  (only the cupy backend needs it)
+
+    return array_api_compat.cupy
 
 
 def is_device_array(x: Any) -> bool:
     """True for an array whose memory NumPy cannot read: CuPy's, or another namespace's."""
-    return not isinstance(x, np.ndarray | np.generic) and hasattr(x, "__array_namespace__")
+    if isinstance(x, np.ndarray | np.generic):
+        return False
+    return is_cupy(x) or hasattr(x, "__array_namespace__")
 
 
 # --- the one host <-> device crossing, counted ------------------------------------------------
@@ -347,8 +364,7 @@ def to_host(x: Any) -> np.ndarray:
     counts = crossings()
     counts.to_host_calls += 1
     counts.to_host_bytes += nbytes(x)
-    cupy = _cupy_or_none()
-    if cupy is not None and isinstance(x, cupy.ndarray):
+    if is_cupy(x):
         return x.get()
     xp = xp_of(x)
     host = (

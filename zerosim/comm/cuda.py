@@ -29,14 +29,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from zerosim.backend import is_device_array, np_dtype
+from zerosim.backend import is_cupy, is_device_array, np_dtype
 
 CUDA_AWARE_ENV = "ZEROSIM_CUDA_AWARE_MPI"
-
-
-def is_cupy(x: Any) -> bool:
-    """True for a CuPy array (checked without importing CuPy)."""
-    return type(x).__module__.startswith("cupy")
 
 
 def cuda_aware_mpi() -> bool:

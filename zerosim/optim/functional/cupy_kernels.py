@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from zerosim.backend import is_cupy
+
 _ADAM_IN = (
     "T g, T weight_decay, bool maximize, T decay, bool decoupled, T lerp_scale, "
     "bool lerp_upper, T beta2, T one_minus_beta2, T bias_correction2_sqrt, T eps, "
@@ -48,7 +50,9 @@ _SGD_GRAD = """
 def _kernels() -> dict[str, Any]:
     import cupy  # noqa: PLC0415  (GPU-only)
 
-    k = cupy.ElementwiseKernel
+    # no fused multiply-add contraction: each product is rounded before its sum, as NumPy and
+    # torch's CPU path round it, so the kernels agree with them to the bit
+    k = functools.partial(cupy.ElementwiseKernel, options=("--fmad=false",))
     return {
         "adam": k(_ADAM_IN, "T p, T m, T v", _ADAM_MOMENTS + _ADAM_PARAM.format(v="vv"), "zs_adam"),
         "adam_amsgrad": k(
@@ -79,7 +83,7 @@ def _kernels() -> dict[str, Any]:
 def applies(param: Any, grad: Any, *states: Any) -> bool:
     """True for CuPy arrays of one float32/float64 dtype, all contiguous (None states skipped)."""
     arrays = (param, grad, *(s for s in states if s is not None))
-    if not type(param).__module__.startswith("cupy"):
+    if not is_cupy(param):
         return False
     return all(
         type(a) is type(param)
