@@ -76,3 +76,16 @@ def test_a_cupy_array_is_told_by_its_type_even_without_the_array_api_method():
     assert is_cupy(OldCupyArray()) and is_device_array(OldCupyArray())
     assert not is_cupy(np.ones(2)) and not is_device_array(np.ones(2))
     assert not is_device_array([1.0])
+
+
+def test_local_rank_is_read_from_the_launcher(monkeypatch):
+    """The cupy backend puts each rank of a node on its own GPU: local rank mod device count."""
+    from zerosim.backend import LOCAL_RANK_VARS, local_rank
+
+    for name in LOCAL_RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert local_rank() == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert local_rank() == 3
+    monkeypatch.setenv("MPI_LOCALRANKID", "1")  # MPICH's Hydra, checked first
+    assert local_rank() == 1

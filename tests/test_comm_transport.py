@@ -39,3 +39,23 @@ def test_cuda_aware_mpi_can_be_declared_where_the_library_does_not_say(monkeypat
     assert cuda.cuda_aware_mpi() is False
     monkeypatch.setenv(cuda.CUDA_AWARE_ENV, "1")
     assert cuda.cuda_aware_mpi() is True
+
+
+def test_nccl_goes_first_even_where_mpi_is_cuda_aware():
+    assert cuda.transport(_CupyLike(), object(), True) == "nccl"
+
+
+def test_an_mpi_group_makes_no_nccl_communicator_until_a_cupy_collective(monkeypatch):
+    """A run that never communicates CuPy arrays never sets NCCL up (on a GPU host it would
+    claim a device per rank for nothing)."""
+    from zerosim.comm import MPIComm
+
+    made = []
+    monkeypatch.setattr(cuda.Nccl, "maybe", classmethod(lambda cls, mpi: made.append(mpi)))
+    comm = MPIComm()
+    buf = np.ones(4)
+    comm.all_reduce(buf)
+    comm.split(0).all_reduce(buf)
+    assert made == []
+    assert comm._route(_CupyLike(), nccl=False) == "staged"  # no NCCL form: none made either
+    assert made == []

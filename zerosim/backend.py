@@ -515,7 +515,20 @@ def get_backend(name: str | None = None) -> Backend:
         raise RuntimeError(
             f"{source} 'cupy' was requested but no CUDA GPU is visible; use 'numpy' on this machine"
         )
-    import array_api_compat  # noqa: PLC0415
+    # one GPU per rank of a node, as DeepSpeed picks by LOCAL_RANK (NCCL refuses two ranks on
+    # one device)
+    cupy.cuda.Device(local_rank() % cupy.cuda.runtime.getDeviceCount()).use()
+    return Backend("cupy", _cupy_namespace())
 
-    # the namespace ``xp_of`` gives CuPy arrays: CuPy's names plus the standard's
-    return Backend("cupy", array_api_compat.array_namespace(cupy.empty(0)))
+
+# what MPICH's Hydra, Open MPI, Slurm and torchrun call a process's rank within its node
+LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK")
+
+
+def local_rank() -> int:
+    """This process's rank within its node, from the launcher's environment (0 if none says)."""
+    for name in LOCAL_RANK_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0

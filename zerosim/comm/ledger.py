@@ -78,8 +78,9 @@ class Record:
     wall_time: float | None = None  # None until a non-blocking call is waited on
     intra_bytes: int = 0  # of bytes_sent, to ranks on this rank's node
     inter_bytes: int = 0  # of bytes_sent, to ranks on other nodes
-    # how the data travelled: "host" (NumPy buffers), "staged" (a device array copied through
-    # host memory), "cuda-aware" (device memory handed to MPI), "nccl" (comm/cuda.py)
+    # how the data travelled: "host" (NumPy buffers to MPI; every LocalWorld call, whose ranks
+    # share one process and copy arrays in their own namespace), "staged" (a device array copied
+    # through host memory), "cuda-aware" (device memory handed to MPI), "nccl" (comm/cuda.py)
     transport: str = "host"
 
     @property

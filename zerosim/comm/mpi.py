@@ -11,8 +11,9 @@ What goes on the wire:
 * float16 and bfloat16 have no MPI reduction. They travel as 16-bit words (``MPI.UINT16_T``, so
   the wire carries exactly 2 bytes per element, as the ledger says) and reduce with a user-defined
   ``MPI.Op`` that views the words as float16/bfloat16 and adds (or takes max/min) in that dtype.
-* CuPy arrays are staged through host memory (copied to NumPy, communicated, copied back). This is
-  correct everywhere but not fast; NCCL and CUDA-aware MPI are not used yet.
+* CuPy arrays go by NCCL where CuPy has it, else straight to a CUDA-aware MPI, else staged
+  through host memory (copied to NumPy, communicated, copied back: correct everywhere but not
+  fast); ``comm/cuda.py`` decides, and each ledger record names the route (``transport``).
 
 No rank waits forever: every wait is watched (``comm/watchdog.py``). Where ranks wait for each
 other to arrive (the cross-rank argument check, barriers, splits) the call is MPI's non-blocking
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from zerosim.backend import DTYPES, from_host, is_half, np_dtype, to_host
+from zerosim.backend import DTYPES, from_host, is_cupy, is_half, move_like, np_dtype, to_host
 from zerosim.comm import cuda, watchdog
 from zerosim.comm.base import SIGNATURE_FIELDS, Communicator
 from zerosim.comm.ledger import Ledger
@@ -108,8 +109,8 @@ def _result_to_own_chunk(rank: int, out: Any, host: np.ndarray) -> None:
     """An in-place reduce-scatter over ``host`` (the input, or its staged copy): MPI leaves the
     result at the front of the buffer; move it to this rank's own chunk ``out``."""
     result = host.reshape(-1)[: out.size].reshape(out.shape)
-    if type(out) is not np.ndarray:
-        out[...] = from_host(result, like=out)
+    if type(out) is not np.ndarray:  # a staged copy crosses back; CUDA-aware: already there
+        out[...] = move_like(result, out)
     elif rank:
         out[...] = result
 
@@ -120,6 +121,9 @@ def _cupy_installed() -> bool:
     from zerosim.backend import _cupy_or_none  # noqa: PLC0415
 
     return _cupy_or_none() is not None
+
+
+_NOT_YET = object()  # an MPIComm's NCCL communicator before its first CuPy collective
 
 
 class _ArgumentCheck:
@@ -182,29 +186,25 @@ class MPIComm(Communicator):
         watchdog.start(self)
         # the check's persistent all-gather: set up by every rank as it makes this communicator
         self._check = _ArgumentCheck(self.mpi, len(SIGNATURE_FIELDS)) if self.size > 1 else None
-        # how CuPy arrays travel (comm/cuda.py): NCCL, CUDA-aware MPI, or staged through the host
-        self._nccl = cuda.Nccl.maybe(self.mpi) if _cupy_installed() else None
+        # how CuPy arrays travel (comm/cuda.py): NCCL, CUDA-aware MPI, or staged through the host.
+        # The NCCL communicator is made at this group's first collective on CuPy arrays (every
+        # rank reaches it together), so a run that never communicates CuPy arrays makes none.
+        self._nccl: cuda.Nccl | None | object = _NOT_YET
         self._cuda_aware = cuda.cuda_aware_mpi()
 
-    def _route(self, x: Any) -> str:
-        """How this call's data travels; written into its ledger record."""
+    def _route(self, x: Any, nccl: bool = True) -> str:
+        """How this call's data travels; written into its ledger record. ``nccl=False``: a call
+        NCCL has no form of (uneven reduce-scatter, all-to-all, point to point)."""
         if type(x) is np.ndarray:  # the common case, decided without a call
             return "host"  # (_call set _route_now to "host" before the data moves)
-        self._route_now = route = cuda.transport(x, self._nccl, self._cuda_aware)
+        if nccl and self._nccl is _NOT_YET and is_cupy(x):
+            self._nccl = cuda.Nccl.maybe(self.mpi) if _cupy_installed() else None
+        self._route_now = route = cuda.transport(x, self._nccl if nccl else None, self._cuda_aware)
         if route == "cuda-aware":  # MPI reads the memory now: finish the work queued on it
             import cupy  # noqa: PLC0415
 
             cupy.cuda.get_current_stream().synchronize()
         return route
-
-    def _route_without_nccl(self, x: Any) -> str:
-        """The route of a call NCCL has no form of (uneven reduce-scatter, all-to-all, point
-        to point): CUDA-aware MPI or staging."""
-        nccl, self._nccl = self._nccl, None
-        try:
-            return self._route(x)
-        finally:
-            self._nccl = nccl
 
     def _host(self, x: Any) -> Any:
         """What MPI is given for ``x``: itself (NumPy, or CuPy under CUDA-aware MPI), else a
@@ -276,7 +276,7 @@ class MPIComm(Communicator):
         _back(buf, host)
 
     def _native_all_to_all(self, out: Any, inp: Any) -> None:
-        self._route_without_nccl(out)
+        self._route(out, nccl=False)
         host = self._host(out)
         self._blocking(self.mpi.Alltoall, _spec(self._host(inp)), _spec(host))
         _back(out, host)
@@ -317,7 +317,7 @@ class MPIComm(Communicator):
     def _native_ireduce_scatter_v(
         self, out: Any, inp: Any, counts: tuple[int, ...], op: str
     ) -> Callable[[], None]:
-        self._route_without_nccl(out)
+        self._route(out, nccl=False)
         result = self._host(out)
         request = self.mpi.Ireduce_scatter(
             _spec(self._host(inp)), _spec(result), list(counts), _mpi_op(inp.dtype, op)
@@ -343,7 +343,7 @@ class MPIComm(Communicator):
     _RING_TAG = 7071
 
     def _sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
-        self._route_without_nccl(recvbuf)
+        self._route(recvbuf, nccl=False)
         host = self._host(recvbuf)
         tag = self._RING_TAG
         send = _spec(self._host(sendbuf))
@@ -351,11 +351,11 @@ class MPIComm(Communicator):
         _back(recvbuf, host)
 
     def _send(self, buf: Any, dest: int) -> None:
-        self._route_without_nccl(buf)
+        self._route(buf, nccl=False)
         watchdog.wait(self, self.mpi.Isend(_spec(self._host(buf)), dest, self._RING_TAG))
 
     def _recv(self, buf: Any, source: int) -> None:
-        self._route_without_nccl(buf)
+        self._route(buf, nccl=False)
         host = self._host(buf)
         watchdog.wait(self, self.mpi.Irecv(_spec(host), source, self._RING_TAG))
         _back(buf, host)
