@@ -228,3 +228,24 @@ def test_engine_shard_update_takes_the_fused_kernels_and_matches_numpy(stage, ke
     with fused.use_fused(False):
         slow = zs.LocalWorld(2).run(train, case)[0]["params"]
     assert max_rel_error(fast, slow) <= 1e-12
+
+
+def test_the_switch_also_takes_cupy_arrays_off_the_elementwise_kernels():
+    """set_fused(False) / ZEROSIM_FUSED=0 choose the element-wise path on CuPy too, so that
+    path stays reachable (and testable against the kernels) on a GPU."""
+    from types import SimpleNamespace
+
+    from zerosim.optim.functional import cupy_kernels
+    from zerosim.optim.functional.fused import use_fused
+
+    class CupyLike:
+        dtype = np.dtype(np.float32)
+        flags = SimpleNamespace(c_contiguous=True)
+
+    CupyLike.__module__ = "cupy._core.core"
+    p, g = CupyLike(), CupyLike()
+    with use_fused(None):
+        assert cupy_kernels.applies(p, g)
+    with use_fused(False):
+        assert not cupy_kernels.applies(p, g)
+    assert not cupy_kernels.applies(np.ones(2, np.float32), np.ones(2, np.float32))

@@ -89,7 +89,7 @@ def _name_of(dtype: Any) -> str:
 
 def dtype_name(dtype: np.dtype | type) -> str:
     """The short name of a dtype: 'float32', 'bfloat16', 'int8', … (cached: on the hot path)."""
-    return _name_of(dtype if isinstance(dtype, np.dtype) else np_dtype(dtype))
+    return _name_of(dtype)
 
 
 def is_half(dtype: np.dtype | type) -> bool:
@@ -249,7 +249,9 @@ class StandardNamespace:
 
     def add_at(self, target: Any, indices: Any, values: Any) -> None:
         """``target[indices[k]] += values[k]`` for every k, repeated indices summed (NumPy's
-        ``np.add.at`` along the first axis), as a one-hot matrix product: (n, V)ᵀ @ (n, …)."""
+        ``np.add.at`` along the first axis), as a one-hot matrix product: (n, V)ᵀ @ (n, …).
+        The (n, V) one-hot matrix is a temporary the memory report does not count: for an
+        embedding, tokens × vocabulary elements (this path serves the Array API test backend)."""
         ns = self._ns
         idx = ns.reshape(indices, (-1,))
         rows = ns.reshape(values, (idx.shape[0], -1))

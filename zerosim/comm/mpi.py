@@ -53,25 +53,19 @@ _MPI_TYPES = {
     DTYPES["bfloat16"]: MPI.UINT16_T,
 }
 _NATIVE_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-_HALF_OPS: dict[tuple[np.dtype, str], MPI.Op] = {}
+_OPS: dict[tuple[np.dtype, str], MPI.Op] = {}  # (dtype, op) → MPI's reduction, made once
 
 
 def _half_op(dtype: np.dtype, op: str) -> MPI.Op:
     """A user-defined MPI.Op reducing 16-bit words as float16/bfloat16 values."""
-    key = (np.dtype(dtype), op)
-    if key not in _HALF_OPS:
-        ufunc = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
+    ufunc = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
 
-        def reduce_half(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-            a = np.frombuffer(inbuf, dtype=key[0])
-            b = np.frombuffer(inoutbuf, dtype=key[0])
-            ufunc(a, b, out=b)
+    def reduce_half(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        a = np.frombuffer(inbuf, dtype=dtype)
+        b = np.frombuffer(inoutbuf, dtype=dtype)
+        ufunc(a, b, out=b)
 
-        _HALF_OPS[key] = MPI.Op.Create(reduce_half, commute=True)
-    return _HALF_OPS[key]
-
-
-_OP_CACHE: dict[tuple[Any, str], MPI.Op] = {}
+    return MPI.Op.Create(reduce_half, commute=True)
 
 
 def _mpi_op(dtype: np.dtype, op: str) -> MPI.Op:
@@ -80,10 +74,9 @@ def _mpi_op(dtype: np.dtype, op: str) -> MPI.Op:
     if not isinstance(dtype, np.dtype):  # another namespace's dtype (a staged device array)
         dtype = np_dtype(dtype)
     key = (dtype, op)
-    found = _OP_CACHE.get(key)
+    found = _OPS.get(key)
     if found is None:
-        found = _half_op(dtype, op) if is_half(dtype) else _NATIVE_OPS[op]
-        _OP_CACHE[key] = found
+        found = _OPS[key] = _half_op(dtype, op) if is_half(dtype) else _NATIVE_OPS[op]
     return found
 
 

@@ -177,15 +177,15 @@ class DeepSpeedCoordinator:
         budget = min(
             self.zero.stage3_max_live_parameters - self.live, self.zero.stage3_prefetch_bucket_size
         )
-        chosen: list[Parameter] = []
+        chosen: dict[int, Parameter] = {}  # by id, in the order taken
         numel = 0
         while self.queue and numel < budget:
             p, step = self.queue.popleft()
             self.fetched_for[id(p)] = max(self.fetched_for.get(id(p), NEVER), step)
-            if self.state.get(id(p)) == "released" and all(q is not p for q in chosen):
-                chosen.append(p)
+            if self.state.get(id(p)) == "released" and id(p) not in chosen:
+                chosen[id(p)] = p
                 numel += p.numel
-        self._gather(sorted(chosen, key=lambda p: self.order[id(p)]))
+        self._gather(sorted(chosen.values(), key=lambda p: self.order[id(p)]))
 
     def release(self, module: Module) -> None:
         mid = id(module)
@@ -238,12 +238,10 @@ class DeepSpeedCoordinator:
     def _drop_inflight(self) -> None:
         """Complete every gather still in flight and release its parameters."""
         for pid in list(self.inflight):
-            if pid in self.inflight:
-                handle = self.inflight[pid]
-                self.strategy.finish_coalesced_gather(handle)
+            handle = self.inflight.get(pid)  # None: finished with an earlier one's gather
+            if handle is not None:
+                self._finish(handle.params[0])
                 for q in handle.params:
-                    self.inflight.pop(id(q), None)
-                    self.state[id(q)] = "available"
                     self._release(q)
 
 

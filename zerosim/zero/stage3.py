@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import assign, flat, nbytes, to_host, xp_of
-from zerosim.nn import GradReadyTracker, Parameter
+from zerosim.nn import GradReadyTracker, Linear, Parameter
 from zerosim.zero import zeropp
 from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue
 from zerosim.zero.coordinator import ParamCoordinator
@@ -549,6 +549,6 @@ class ShardSlices:
 def deepspeed_grad_order(module: Any) -> tuple[str, ...]:
     """The order DeepSpeed's stage 3 finishes a module's gradients: a Linear's weight before its
     bias (its zero.Init swaps in ``LinearFunctionForZeroStage3``); other modules as in torch."""
-    if type(module).__name__ == "Linear":
+    if isinstance(module, Linear):
         return ("weight", "bias")
     return tuple(getattr(module, "grad_ready_order", ()))

@@ -18,6 +18,7 @@ import functools
 from typing import Any
 
 from zerosim.backend import is_cupy
+from zerosim.optim.functional import fused
 
 _ADAM_IN = (
     "T g, T weight_decay, bool maximize, T decay, bool decoupled, T lerp_scale, "
@@ -81,9 +82,10 @@ def _kernels() -> dict[str, Any]:
 
 
 def applies(param: Any, grad: Any, *states: Any) -> bool:
-    """True for CuPy arrays of one float32/float64 dtype, all contiguous (None states skipped)."""
+    """True for CuPy arrays of one float32/float64 dtype, all contiguous (None states skipped),
+    unless the fused path is switched off (``fused.switched_off``)."""
     arrays = (param, grad, *(s for s in states if s is not None))
-    if not is_cupy(param):
+    if not is_cupy(param) or fused.switched_off():
         return False
     return all(
         type(a) is type(param)

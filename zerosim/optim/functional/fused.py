@@ -12,7 +12,8 @@ numba is optional (``pip install zerosim[fast]``). A rule takes the fused path w
 - numba can be imported and the path is not switched off: ``ZEROSIM_FUSED=0`` in the
   environment, or ``set_fused(False)`` (which wins over the environment);
 - ``param``, ``grad`` and every state array are NumPy arrays (not CuPy or array_api_strict)
-  and C-contiguous (a strided view takes the NumPy path).
+  and C-contiguous (a strided view takes the NumPy path). CuPy arrays take the
+  ElementwiseKernels of ``cupy_kernels.py`` under the same switch (numba not needed there).
 
 float32 and float64 parameters are updated in one kernel call over the whole arrays. A
 float16/bfloat16 parameter (or a gradient of another dtype) is walked in blocks as on the
@@ -73,14 +74,20 @@ def use_fused(enabled: bool | None) -> Iterator[None]:
         set_fused(before)
 
 
-def fused_enabled() -> bool:
-    """Whether the rules take the fused path now (numba importable and not switched off)."""
+def switched_off() -> bool:
+    """Whether the fused path is switched off (``set_fused(False)``, else ``ZEROSIM_FUSED=0``);
+    the CuPy kernels (``cupy_kernels.py``) follow the same switch."""
     if _setting is not None:
-        return _setting
+        return not _setting
     value = os.environ.get(ENV_VAR, "1")
     if value not in ("0", "1", ""):
         raise ValueError(f"{ENV_VAR}={value!r} is not supported; allowed: '0' (NumPy) or '1'")
-    return value != "0" and numba_available()
+    return value == "0"
+
+
+def fused_enabled() -> bool:
+    """Whether the rules take the fused path now (numba importable and not switched off)."""
+    return not switched_off() and numba_available()
 
 
 def applies(param: Any, grad: Any, *states: Any) -> bool:
