@@ -321,8 +321,9 @@ def table(rows: dict[str, Rows], kept: list[str] = ()) -> list[str]:
         if not met:
             causes.append(f"- **{target}.** {cause}")
     lines.append(
-        "| the engine on CuPy with NCCL, fused optimizer kernels (`tests/test_gpu.py`, its "
-        "throughput test) | built, not yet run: no GPU was available to run it on "
+        "| the engine on CuPy with NCCL, fused optimizer kernels (`tests/test_gpu.py`; "
+        "`benchmarks/gpu_adam.py`: Adam against the device's copy bandwidth) | built, not yet "
+        "run: no GPU was available to run it on "
         '(docs/install.md, "What runs where") | – |'
     )
     if causes:

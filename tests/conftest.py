@@ -42,13 +42,15 @@ def deepspeed_world():
     started = not torch.distributed.is_initialized()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     accelerator = get_accelerator()
-    had_patch = "is_fp16_supported" in vars(accelerator)
+    before = vars(accelerator).get("is_fp16_supported")  # an instance attribute set earlier
     accelerator.is_fp16_supported = lambda: True  # the patch: DeepSpeed's CPU accelerator says no
     try:
         yield
     finally:
-        if not had_patch:
+        if before is None:
             del accelerator.is_fp16_supported
+        else:
+            accelerator.is_fp16_supported = before
         if started:
             deepspeed.comm.destroy_process_group()
         logger.setLevel(level)

@@ -102,6 +102,9 @@ def gpu_transport(comm):
     """An all-reduce and an all-gather of CuPy arrays; returns the transport the ledger names."""
     import cupy
 
+    from zerosim.backend import local_rank
+
+    cupy.cuda.Device(local_rank() % cupy.cuda.runtime.getDeviceCount()).use()  # one GPU a rank
     buf = cupy.full(1000, float(comm.rank + 1))
     comm.all_reduce(buf)
     assert float(buf[0]) == comm.size * (comm.size + 1) / 2

@@ -16,7 +16,10 @@ import re
 import numpy as np
 import pytest
 
-pytest.importorskip("array_api_strict")
+pytest.importorskip(
+    "array_api_strict",
+    reason="array-api-strict (the stand-in device) is in the test extra",
+)
 
 import engine_cases  # noqa: E402
 from engine_cases import Case, data, train_on  # noqa: E402
@@ -141,6 +144,7 @@ def test_zeropp_and_ring_collectives_on_the_device_at_four_ranks(case, extra):
         assert out["strict"]["bytes"] == out["numpy"]["bytes"]
 
 
+@pytest.mark.mpi
 def test_every_stage_on_the_device_under_mpirun_2():
     proc = run_mpi(2, ["tests/mpi_worker.py", "array_api_parity"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

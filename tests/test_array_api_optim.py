@@ -14,7 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("array_api_strict")
+pytest.importorskip(
+    "array_api_strict",
+    reason="array-api-strict (the stand-in device) is in the test extra",
+)
 
 from zerosim import optim  # noqa: E402
 from zerosim.backend import from_host, get_backend, to_host  # noqa: E402

@@ -391,3 +391,18 @@ def test_large_gpt_quick_counts_16_bytes_per_owned_element_and_tokens_per_second
     assert len(row["step_times"]) == 2 and row["step_s"] == row["step_times"][-1]
     assert all(b > 0 for b in row["buffers"]) and all(g > 0 for g in row["rss_growth"])
     assert "| 2 | " in out.stdout and "tokens/s" in out.stdout
+
+
+def test_the_gpu_benchmark_says_there_is_no_gpu_and_exits_2():
+    from zerosim.backend import gpu_available
+
+    if gpu_available():
+        pytest.skip("a GPU is visible: benchmarks/gpu_adam.py measures it")
+    out = subprocess.run(
+        [sys.executable, "benchmarks/gpu_adam.py", "--numel", "1024"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "gpu_adam: no GPU" in out.stderr

@@ -27,7 +27,10 @@ def test_cupy_arrays_take_nccl_then_cuda_aware_mpi_then_staging(nccl, aware, wan
 
 
 def test_host_arrays_go_as_they_are_and_other_device_arrays_are_staged():
-    pytest.importorskip("array_api_strict")
+    pytest.importorskip(
+        "array_api_strict",
+        reason="array-api-strict (the stand-in device) is in the test extra",
+    )
     assert cuda.transport(np.ones(3), object(), True) == "host"
     strict = from_host(np.ones(3), xp=get_backend("array_api_strict").xp)
     assert cuda.transport(strict, object(), True) == "staged"  # NCCL and MPI read CuPy only

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from engine_cases import Case, check_case, max_rel_error
+from engine_cases import Case, check_case, max_rel_error, stays_gathered
 
 import zerosim as zs
 from zerosim import optim
@@ -37,9 +37,21 @@ def test_stage3_matches_single_process_run_in_float32(model, optimizer):
 
 def test_stage3_sends_three_times_psi_per_step_split_by_phase():
     def fn(comm):
-        return check_case(comm, Case(stage=3, steps=3, model="gpt"))
+        return check_case(comm, Case(stage=3, steps=3, model="gpt", schedule="paper"))
 
     zs.LocalWorld(4).run(fn)  # check_case asserts forward (N-1)/N·Ψ, backward 2(N-1)/N·Ψ
+
+
+def test_stage3_under_deepspeeds_schedule_sends_twice_psi_after_the_recording_step():
+    """With DeepSpeed's defaults (prefetch and live cap above the model) every parameter stays
+    gathered from forward to backward once the first micro-step has recorded the trace."""
+
+    def fn(comm):
+        case = Case(stage=3, steps=3, model="gpt", schedule="deepspeed")
+        assert stays_gathered(case)
+        return check_case(comm, case)
+
+    zs.LocalWorld(4).run(fn)  # check_case asserts forward (N-1)/N·Ψ, backward (N-1)/N·Ψ
 
 
 def _peak_gathered(comm, max_live, schedule="paper", reuse=10**9):
