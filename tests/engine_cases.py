@@ -281,10 +281,29 @@ def zs_analysis_memory(padded, n, stage, b, states):
     return {"params": m.params, "grads": m.grads, "optimizer_states": m.optimizer_states}
 
 
+def shapes_padded(case: Case, n: int) -> tuple[int | None, int]:
+    """(Ψ_pad, Ψ_persist) from the model's shapes, not the engine's buffers: stage 3 pads each
+    parameter to a multiple of N and keeps whole those of at most
+    ``stage3_param_persistence_threshold`` elements; the paper's flat layout pads the whole
+    model to N. Ψ_pad is None where the layout follows buckets (DeepSpeed's schedule at stages
+    0-2, Megatron's)."""
+    numels = [p.numel for _, p in build_model(case).named_parameters()]
+    if case.stage == 3:
+        padded = [-(-m // n) * n for m in numels]
+        persist = sum(pad for m, pad in zip(numels, padded, strict=True) if m <= case.persistence)
+        return sum(padded), persist
+    if case.schedule == "paper" and case.layout != "megatron":
+        return -(-sum(numels) // n) * n, 0
+    return None, 0
+
+
 def check_case(comm, case: Case) -> float:
     """Train under ``comm`` and assert parity, bytes and memory; return the relative error."""
     out = train(comm, case)
     n = comm.size
+    padded, persistent = shapes_padded(case, n)
+    assert out["persistent"] == persistent, (case, n, out["persistent"], persistent)
+    assert padded is None or out["padded"] == padded, (case, n, out["padded"], padded)
     err = max_rel_error(out["params"], reference(case, n))
     assert err <= tolerance(case), (case, n, err)
     per_phase = formula_bytes(case, n, comm.rank, out["persistent"], out["padded"])
