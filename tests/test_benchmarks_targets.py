@@ -156,3 +156,30 @@ def test_training_judges_every_peer_deepspeed_included():
     assert not targets.training(rows)[1]
     torch_only = [{**r, "peers": ["torch"], "ratio_deepspeed": None} for r in rows]
     assert targets.training(torch_only)[1]  # DeepSpeed not asked for (--peers torch)
+
+
+def test_zero_init_cap_needs_every_rank_failing_outside_and_fitting_inside():
+    def row(peak, allowance=100, full=200, failed=2):
+        return dict(
+            peak=peak, formula=60, buffers=20, allowance=allowance, full_model=full,
+            outside_failed=failed,
+        )  # fmt: skip
+
+    text, met = targets.zero_init_cap([row(80), row(90)])
+    assert met and "2/2 ranks failed" in text and "peak ≤ 1.12×" in text
+    assert not targets.zero_init_cap([row(80), row(101)])[1]  # a rank over its cap
+    assert not targets.zero_init_cap([row(80, failed=1), row(90, failed=1)])[1]
+    assert not targets.zero_init_cap([row(80, allowance=250), row(90, allowance=250)])[1]
+    assert not targets.zero_init_cap([row(80, allowance=110), row(101, allowance=110)])[1]  # 1.26
+
+
+def test_large_gpt_needs_100m_parameters_8_ranks_and_states_equal_to_the_formula():
+    row = dict(
+        params=124_000_000, n=8, step_s=10.0, tokens_per_s=80.0, model_states=2**28,
+        formula=2**28, rss_growth=[2**29] * 8, buffers=[2**27] * 8,
+    )  # fmt: skip
+    text, met = targets.large_gpt([row])
+    assert met and text.startswith("Ψ = 124.0M at N = 8") and "16Ψ_pad/N: True" in text
+    assert "≤ 1.33×" in text  # 512 MiB of growth against 256 + 128 MiB
+    for change in (dict(params=99_000_000), dict(n=4), dict(model_states=2**28 + 16)):
+        assert not targets.large_gpt([{**row, **change}])[1], change
