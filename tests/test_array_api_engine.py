@@ -155,7 +155,7 @@ def test_every_stage_on_the_device_under_mpirun_2():
         assert float(worst) <= 1e-12, results
 
 
-def test_the_engine_refuses_a_host_batch_mixed_into_device_compute():
+def test_the_device_namespace_refuses_host_data_mixed_into_its_compute():
     """The device namespace really refuses host data: the stand-in for a GPU is not NumPy."""
     xp = get_backend("array_api_strict").xp
     assert isinstance(xp, StandardNamespace)

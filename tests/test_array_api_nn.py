@@ -228,15 +228,19 @@ def test_model_training_passes_on_device1_equal_the_numpy_run(name: str) -> None
 
 
 def test_gpt_logits_and_their_backward_stay_on_device1() -> None:
-    model, x, _ = MODELS["gpt_dropout_tied"]()
-    logits0 = model(x)
+    model0, x, _ = MODELS["gpt_dropout_tied"]()
+    logits0 = model0(x)
     upstream = rng(5).standard_normal(logits0.shape)
-    assert model.backward(upstream) is None
+    assert model0.backward(upstream) is None
     model, _, _ = MODELS["gpt_dropout_tied"]()
     model.to(backend=STRICT)
     logits1 = model(to_device(x))
     model.backward(to_device(upstream))
     assert_matches(logits0, logits1, "logits")
+    grads0 = dict(model0.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad.device == DEVICE, name
+        assert_matches(grads0[name].grad, p.grad, f"{name}.grad")
 
 
 def test_gpt_in_float32_on_device1_matches_the_numpy_run_to_float32_rounding() -> None:

@@ -301,6 +301,9 @@ def test_weight_averaging_on_strict_equals_numpy(make: Any) -> None:
     fn([dev], [from_host(cur, xp=XP)], 3)
     assert _on_device(dev)
     np.testing.assert_array_equal(to_host(dev), host)
+    # the closed forms (torch's swa_utils): EMA a + (1 − 0.9)(c − a); SWA a + (c − a)/(3 + 1)
+    weight = 0.25 if make is optim.swa_utils.get_swa_multi_avg_fn else 1 - 0.9
+    np.testing.assert_allclose(host, avg0 + weight * (cur - avg0), rtol=1e-12, atol=1e-15)
 
 
 class _Model:

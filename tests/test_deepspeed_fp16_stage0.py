@@ -51,3 +51,39 @@ def test_deepspeed_stage0_fp16_unscales_a_loss_it_never_scaled(deepspeed_world):
     got = engine.optimizer.fp32_groups[0][0].detach()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     assert not torch.allclose(got, master - lr * twin.weight.grad.float(), rtol=0, atol=1e-4)
+
+
+def test_zerosim_stage0_fp16_scales_the_loss_and_unscales_the_gradients():
+    """zerosim's side of the difference, against torch in fp32: the update is lr times the
+    true gradient (the scale cancels), not the gradient divided by the scale."""
+    import numpy as np
+
+    import zerosim as zs
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(6, 3).half().float()  # fp16-representable weights, kept in fp32
+    x = torch.randn(4, 6).half().float()
+    y = torch.randn(4, 3).half().float()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    lr, scale = 0.5, 2.0**8
+    model = zs.nn.MLP([6, 3], loss="mse")
+    weight, bias = ref.weight.detach().numpy(), ref.bias.detach().numpy()
+    model.load_state_dict({"layers.0.weight": weight, "layers.0.bias": bias})
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": lr}},
+        "fp16": {"enabled": True, "initial_scale_power": 8},
+        "zero_optimization": {"stage": 0},
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = zs.initialize(model, config, comm=zs.LocalWorld(1).comms()[0])
+    assert engine.loss_scale == scale
+    engine.backward(engine(x.numpy().astype(np.float16), y.numpy().astype(np.float16)))
+    engine.step()
+    got = engine.full_state_dict()["layers.0.weight"].astype(np.float32)
+    true_step = weight - lr * ref.weight.grad.numpy()
+    # fp16 forward and backward: the update agrees with torch's fp32 one to fp16 rounding
+    np.testing.assert_allclose(got, true_step, rtol=0, atol=2e-3)
+    scaled_down = weight - lr * ref.weight.grad.numpy() / scale  # what DeepSpeed's stage 0 does
+    assert np.abs(got - scaled_down).max() > 10 * 2e-3
