@@ -67,7 +67,7 @@ class ShardGroup:
         self.grad_shard: Any = None  # the reduced gradient of this rank's chunks
         self.master: Any = None  # fp32 master of the chunks (mixed precision, offload)
         self.master_grads: Any = None  # (never used at stage 3; declared for the base class)
-        self.buckets: list[list[int]] = []  # reduction buckets: parameter indices, last first
+        self.buckets: list[list[int]] = []  # static buckets (paper schedule): indices, last first
         self.bucket_of: dict[int, int] = {}  # parameter index -> its bucket
         self.buffers: dict[int, Any] = {}  # bucket -> its (N, width) buffer while being filled
         self.secondary: SecondaryPartition | None = None  # hpZ's secondary chunks
@@ -127,15 +127,6 @@ class Stage3(Strategy):
         self.queues: list[BucketQueue] = []
         self.gathered: dict[int, Any] = {}
         self.released = self.groups[0].xp.empty(0, dtype=self.dtype)
-        for gi, g in enumerate(self.groups):
-            g.grad_shard = g.xp.zeros(g.partition.shard_numel, dtype=self.dtype)
-            for i, (_, p) in enumerate(g.named_params):
-                self.where[id(p)] = (gi, i)
-            g.buckets = self._buckets(g)
-            g.bucket_of = {i: k for k, members in enumerate(g.buckets) for i in members}
-            members = [[id(g.named_params[i][1]) for i in b] for b in g.buckets]
-            self.queues.append(BucketQueue(members, self._launcher(g)))
-        self._setup_zeropp()
         z = self.zero
         zeropp_on = (
             z.zero_quantized_weights or z.zero_quantized_gradients or z.zero_hpz_partition_size > 1
@@ -143,6 +134,16 @@ class Stage3(Strategy):
         # DeepSpeed's coalesced fetches and hook-order buckets (ds_coordinator.py); ZeRO++ and the
         # paper's schedule keep per-parameter gathers and static buckets (coordinator.py).
         self.deepspeed = self.schedule == "deepspeed" and not zeropp_on
+        for gi, g in enumerate(self.groups):
+            g.grad_shard = g.xp.zeros(g.partition.shard_numel, dtype=self.dtype)
+            for i, (_, p) in enumerate(g.named_params):
+                self.where[id(p)] = (gi, i)
+            if not self.deepspeed:  # static buckets, launched in order by a queue per group
+                g.buckets = self._buckets(g)
+                g.bucket_of = {i: k for k, members in enumerate(g.buckets) for i in members}
+                members = [[id(g.named_params[i][1]) for i in b] for b in g.buckets]
+                self.queues.append(BucketQueue(members, self._launcher(g)))
+        self._setup_zeropp()
         self.ds_bucket: list[Parameter] = []  # DeepSpeed's open gradient bucket, in ready order
         self.ds_bucket_numel = 0
 
