@@ -72,9 +72,11 @@ COLUMNS = (
 
 def message_size(record: Record) -> int:
     """The bytes DeepSpeed's logger names as the call's message size (its tensor argument)."""
-    if record.op == "all_gather":
-        return record.size_bytes // max(record.peers, 1)
-    return record.size_bytes
+    return _message_size(record.op, record.size_bytes, record.peers)
+
+
+def _message_size(op: str, size_bytes: int, peers: int) -> int:
+    return size_bytes // max(peers, 1) if op == "all_gather" else size_bytes
 
 
 def convert_size(size_bytes: int) -> str:
@@ -113,10 +115,21 @@ def trim_mean(values: list[float], trim: float = 0.1) -> float:
     return float(np.mean(sorted(values)[k : n - k]))
 
 
-def summary(records: Iterable[Record], world_size: int) -> dict[str, dict[int, dict[str, Any]]]:
+def summary(
+    records: Iterable[Record],
+    world_size: int,
+    folded: Iterable[tuple[str, int, int, Iterable[float]]] = (),
+) -> dict[str, dict[int, dict[str, Any]]]:
     """``{name: {message size: row}}`` in first-call order of the names and ascending sizes, with
-    the keys of ``deepspeed.comm.log_summary(return_dict=True)["summary"]``."""
+    the keys of ``deepspeed.comm.log_summary(return_dict=True)["summary"]``. ``folded``: calls a
+    bounded ledger keeps only as (op, size_bytes, peers, wall times in seconds), older than every
+    record."""
     calls: dict[str, dict[int, list[float]]] = {}
+    for op, size_bytes, peers, times in folded:
+        latencies = calls.setdefault(NAMES[op], {}).setdefault(
+            _message_size(op, size_bytes, peers), []
+        )
+        latencies.extend(t * 1e3 for t in times)
     for r in records:
         name = NAMES[r.op]
         latency = (r.wall_time or 0.0) * 1e3

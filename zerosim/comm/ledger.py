@@ -27,6 +27,15 @@ members' nodes from it.
 comms logger ``log_summary()`` shows them (its names, message sizes, ms and Gbit/s;
 ``comm/deepspeed_log.py``), to diff a zerosim run against a DeepSpeed log.
 
+**Bounded.** A run makes collectives for as long as it trains, so the ledger keeps the last
+``keep`` records (100,000 by default, about 20 MB) one by one and folds older ones into totals per
+(phase, op, group, dtype, group size, buffer size): ``summary()``, ``table()``, ``ds_summary()``
+and ``bytes_sent()`` / ``bytes_recv()`` without a step count every call of the run; ``records``,
+``select()`` and ``to_json()`` hold the kept ones, and asking ``select()`` or the byte counts for
+a step whose records were folded is an error naming the step. A folded call leaves its wall time
+(8 bytes, outside the garbage collector's reach) for DeepSpeed's trimmed-mean latencies, as
+DeepSpeed's comms logger keeps every latency. ``keep=None`` keeps every record.
+
 **Flight recorder.** ``ledger.flight`` numbers every call as it starts and keeps the last K of
 them, whatever ``reset()`` clears: what the watchdog prints when a collective stalls
 (``comm/flight.py``).
@@ -35,7 +44,9 @@ them, whatever ``reset()`` clears: what the watchdog prints when a collective st
 from __future__ import annotations
 
 import json
+import sys
 import time
+from array import array
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -92,11 +103,46 @@ class Record:
         return self.algbw * busbw_factor(self.op, self.peers)
 
 
-class Ledger:
-    """This rank's list of collective records, with the current phase and training step."""
+DEFAULT_KEEP = 100_000  # records kept one by one (about 200 bytes each)
+
+
+def check_keep(keep: int | None) -> int | None:
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be a positive int or None (keep every record), got {keep!r}")
+    return keep
+
+
+class _Folded:
+    """The totals of the folded calls of one (phase, op, group, dtype, peers, size_bytes)."""
+
+    __slots__ = ("calls", "elements", "bytes_sent", "bytes_recv", "intra", "inter", "times")
 
     def __init__(self) -> None:
+        self.calls = self.elements = self.bytes_sent = self.bytes_recv = 0
+        self.intra = self.inter = 0
+        self.times = array("d")  # every call's wall time, seconds
+
+    def add(self, r: Record) -> None:
+        self.calls += 1
+        self.elements += r.elements
+        self.bytes_sent += r.bytes_sent
+        self.bytes_recv += r.bytes_recv
+        self.intra += r.intra_bytes
+        self.inter += r.inter_bytes
+        self.times.append(r.wall_time or 0.0)
+
+
+class Ledger:
+    """This rank's list of collective records, with the current phase and training step; the
+    last ``keep`` records one by one, older ones folded into totals (module docstring)."""
+
+    def __init__(self, keep: int | None = DEFAULT_KEEP) -> None:
         self.records: list[Record] = []
+        self.keep = keep
+        # (phase, op, group, dtype, peers, size_bytes) → the folded calls' totals
+        self.folded: dict[tuple, _Folded] = {}
+        self.folded_calls = 0
+        self.folded_through_step: int | None = None  # the latest step a folded record had
         self.step = 0
         self._phases: list[str] = []
         self._t0 = time.perf_counter()
@@ -122,9 +168,40 @@ class Ledger:
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
+    @property
+    def keep(self) -> int | None:
+        """How many records are kept one by one (None: all of them)."""
+        return self._keep
+
+    @keep.setter
+    def keep(self, value: int | None) -> None:
+        self._keep = check_keep(value)
+        # fold in batches of ``keep`` (amortised: one list shift per ``keep`` calls)
+        self._fold_at = sys.maxsize if value is None else 2 * value
+
     def append(self, record: Record) -> Record:
         self.records.append(record)
+        if len(self.records) >= self._fold_at:
+            self._fold()
         return record
+
+    def _fold(self) -> None:
+        """Fold the oldest records into the totals, leaving ``keep``; a non-blocking call not
+        waited on yet (no wall time) stays, with every record after it."""
+        older = len(self.records) - self._keep
+        for i, r in enumerate(self.records[:older]):
+            if r.wall_time is None:
+                older = i
+                break
+            key = (r.phase, r.op, r.group, r.dtype, r.peers, r.size_bytes)
+            folded = self.folded.get(key)
+            if folded is None:
+                folded = self.folded[key] = _Folded()
+            folded.add(r)
+            if self.folded_through_step is None or r.step > self.folded_through_step:
+                self.folded_through_step = r.step
+        self.folded_calls += older
+        del self.records[:older]
 
     def set_node(self, node: int | None) -> None:
         """Record this rank's node (``comm.set_ranks_per_node`` calls it)."""
@@ -132,12 +209,35 @@ class Ledger:
         self.node_version += 1
 
     def reset(self) -> None:
-        """Forget every record (the phase stack, step and flight recorder are kept)."""
+        """Forget every record, kept or folded (the phase stack, step and flight recorder are
+        kept)."""
         self.records.clear()
+        self.folded.clear()
+        self.folded_calls = 0
+        self.folded_through_step = None
+
+    def _check_step_kept(self, step: int | None) -> None:
+        if step is not None and self.folded_through_step is not None:
+            if step <= self.folded_through_step:
+                raise ValueError(
+                    f"step={step}: records of steps up to {self.folded_through_step} were "
+                    f"folded into totals (the ledger keeps the last keep={self._keep} records "
+                    f"one by one); ask for a later step, or make the ledger with keep=None"
+                )
+
+    def _folded_rows(self, op: str | None, phase: str | None) -> list[_Folded]:
+        return [
+            f
+            for (f_phase, f_op, *_), f in self.folded.items()
+            if (op is None or f_op == op) and (phase is None or f_phase == phase)
+        ]
 
     def select(
         self, op: str | None = None, phase: str | None = None, step: int | None = None
     ) -> list[Record]:
+        """The kept records of one op, phase or step (``folded_calls`` older ones are in the
+        totals only)."""
+        self._check_step_kept(step)
         return [
             r
             for r in self.records
@@ -161,41 +261,53 @@ class Ledger:
         field = WHERE.get(where)
         if where is not None and field is None:
             raise ValueError(f"where must be None, 'intra' or 'inter', got {where!r}")
-        return sum(getattr(r, field or "bytes_sent") for r in self.select(op, phase, step))
+        kept = sum(getattr(r, field or "bytes_sent") for r in self.select(op, phase, step))
+        if step is not None:
+            return kept
+        folded = {"intra_bytes": "intra", "inter_bytes": "inter"}.get(field, "bytes_sent")
+        return kept + sum(getattr(f, folded) for f in self._folded_rows(op, phase))
 
     def bytes_recv(
         self, op: str | None = None, phase: str | None = None, step: int | None = None
     ) -> int:
         """Bytes this rank received, optionally only for one op, phase or step."""
-        return sum(r.bytes_recv for r in self.select(op, phase, step))
+        kept = sum(r.bytes_recv for r in self.select(op, phase, step))
+        if step is not None:
+            return kept
+        return kept + sum(f.bytes_recv for f in self._folded_rows(op, phase))
 
     def summary(self) -> list[dict]:
         """Rows aggregated by (phase, op, group, dtype): calls, bytes, time, bandwidths."""
-        groups: dict[tuple, list[Record]] = defaultdict(list)
-        for r in self.records:
-            groups[(r.phase, r.op, r.group, r.dtype)].append(r)
+        groups: dict[tuple, list[_Folded]] = defaultdict(list)
+        for (phase, op, group, dtype, peers, size), f in self.folded.items():
+            groups[(phase, op, group, dtype)].append((f, peers, size))
+        for r in self.records:  # a kept record counts as a fold of one call
+            one = _Folded()
+            one.add(r)
+            groups[(r.phase, r.op, r.group, r.dtype)].append((one, r.peers, r.size_bytes))
         out = []
-        for (phase, op, group, dtype), recs in groups.items():
-            t = sum(r.wall_time or 0.0 for r in recs)
-            size = sum(r.size_bytes for r in recs)
+        for (phase, op, group, dtype), parts in groups.items():
+            t = sum(sum(f.times) for f, _, _ in parts)
+            size = sum(f.calls * s for f, _, s in parts)
             algbw = size / t if t > 0 else 0.0
+            peers = parts[0][1]
             out.append(
                 {
                     "phase": phase,
                     "op": op,
                     "group": group,
                     "dtype": dtype,
-                    "calls": len(recs),
-                    "peers": recs[0].peers,
-                    "elements": sum(r.elements for r in recs),
+                    "calls": sum(f.calls for f, _, _ in parts),
+                    "peers": peers,
+                    "elements": sum(f.elements for f, _, _ in parts),
                     "size_bytes": size,
-                    "bytes_sent": sum(r.bytes_sent for r in recs),
-                    "bytes_recv": sum(r.bytes_recv for r in recs),
-                    "intra_bytes": sum(r.intra_bytes for r in recs),
-                    "inter_bytes": sum(r.inter_bytes for r in recs),
+                    "bytes_sent": sum(f.bytes_sent for f, _, _ in parts),
+                    "bytes_recv": sum(f.bytes_recv for f, _, _ in parts),
+                    "intra_bytes": sum(f.intra for f, _, _ in parts),
+                    "inter_bytes": sum(f.inter for f, _, _ in parts),
                     "time_s": t,
                     "algbw_GBps": algbw / 1e9,
-                    "busbw_GBps": algbw * busbw_factor(op, recs[0].peers) / 1e9,
+                    "busbw_GBps": algbw * busbw_factor(op, peers) / 1e9,
                 }
             )
         return out
@@ -227,13 +339,15 @@ class Ledger:
         sizes (an all-gather's input shard, a reduce-scatter's or all-reduce's full buffer) and
         arithmetic: ``comm/deepspeed_log.py``. ``world_size`` (DeepSpeed's n in the bandwidths)
         defaults to the largest group in the records, the world's."""
-        n = world_size or max((r.peers for r in self.records), default=1)
-        return deepspeed_log.summary(self.records, n)
+        peers = [r.peers for r in self.records] + [key[4] for key in self.folded]
+        n = world_size or max(peers, default=1)
+        folded = [(key[1], key[5], key[4], f.times) for key, f in self.folded.items()]
+        return deepspeed_log.summary(self.records, n, folded)
 
     def ds_table(self, world_size: int | None = None) -> str:
         """``ds_summary()`` as the text ``deepspeed.comm.log_summary()`` prints."""
         return deepspeed_log.table(self.ds_summary(world_size))
 
     def to_json(self) -> str:
-        """Every record as JSON (one object per record, with algbw and busbw in bytes/s)."""
+        """Every kept record as JSON (one object per record, with algbw and busbw in bytes/s)."""
         return json.dumps([{**asdict(r), "algbw": r.algbw, "busbw": r.busbw} for r in self.records])

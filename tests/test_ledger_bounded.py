@@ -1,0 +1,143 @@
+"""A bounded ledger: past ``keep`` records it folds the oldest into totals, and every total it
+reports (summary, table, DeepSpeed's table, bytes) equals what a ledger that keeps every record
+reports for the same calls."""
+
+import numpy as np
+import pytest
+
+import zerosim as zs
+from zerosim.comm.ledger import Ledger, Record
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+def records(count, seed=0, pending_at=None):
+    """``count`` varied records over several steps, phases, groups, dtypes and sizes."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        peers = int(rng.choice([2, 4]))
+        elements = int(rng.choice([8, 64, 1000])) * peers
+        itemsize = int(rng.choice([2, 4]))
+        sent, recv = (int(v) for v in rng.integers(0, 10_000, 2))
+        r = Record(
+            str(rng.choice(OPS)),
+            str(rng.choice(["forward", "backward", "step"])),
+            "world" if peers == 4 else "world/split0",
+            "bfloat16" if itemsize == 2 else "float32",
+            elements,
+            elements * itemsize,
+            sent,
+            recv,
+            peers,
+            i // 10,  # step: ten calls each
+            "model",
+            True,
+            float(i),
+            None if i == pending_at else float(rng.uniform(1e-5, 1e-3)),
+        )
+        r.intra_bytes = int(rng.integers(0, sent + 1))
+        r.inter_bytes = sent - r.intra_bytes
+        out.append(r)
+    return out
+
+
+def fill(keep, recs):
+    ledger = Ledger(keep=keep)
+    lengths = []
+    for r in recs:
+        ledger.append(r)
+        lengths.append(len(ledger.records))
+    return ledger, lengths
+
+
+def same_rows(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.keys() == w.keys()
+        for key, value in w.items():
+            expected = pytest.approx(value, rel=1e-12) if isinstance(value, float) else value
+            assert g[key] == expected, key
+
+
+def test_totals_of_a_bounded_ledger_equal_those_of_one_that_keeps_everything():
+    recs = records(1000)
+    every, _ = fill(None, recs)
+    bounded, lengths = fill(32, recs)
+    assert len(every.records) == 1000 and every.folded_calls == 0
+    assert max(lengths) < 64 and len(bounded.records) >= 32  # folded in batches of keep
+    assert bounded.folded_calls + len(bounded.records) == 1000
+    assert bounded.records == recs[-len(bounded.records) :]  # the latest, in order
+    same_rows(bounded.summary(), every.summary())
+    for name, sizes in every.ds_summary().items():
+        assert list(bounded.ds_summary()[name]) == list(sizes)
+        same_rows(list(bounded.ds_summary()[name].values()), list(sizes.values()))
+    for op in (None, *OPS):
+        for phase in (None, "forward", "step"):
+            for where in (None, "intra", "inter"):
+                assert bounded.bytes_sent(op, phase, where=where) == every.bytes_sent(
+                    op, phase, where=where
+                )
+            assert bounded.bytes_recv(op, phase) == every.bytes_recv(op, phase)
+    total = bounded.table().splitlines()[-1]
+    assert total == every.table().splitlines()[-1]
+    assert f"{sum(r.bytes_sent for r in recs):,}" in total
+
+
+def test_a_folded_step_is_an_error_and_a_kept_step_is_whole():
+    recs = records(1000)
+    every, _ = fill(None, recs)
+    bounded, _ = fill(32, recs)
+    last = recs[-1].step
+    assert bounded.select(step=last) == every.select(step=last) != []
+    assert bounded.bytes_sent(step=last) == every.bytes_sent(step=last)
+    old = bounded.folded_through_step
+    assert old is not None and old < last
+    with pytest.raises(ValueError, match=rf"step=0: records of steps up to {old} were folded"):
+        bounded.select(step=0)
+    with pytest.raises(ValueError, match="keep=32"):
+        bounded.bytes_recv(step=old)
+    bounded.reset()
+    assert bounded.summary() == [] and bounded.folded_calls == 0 and bounded.select(step=0) == []
+
+
+def test_a_call_not_waited_on_is_not_folded():
+    recs = records(200, pending_at=50)  # a non-blocking call whose wait() has not come
+    bounded, _ = fill(8, recs)
+    assert recs[50] in bounded.records and bounded.folded_calls == 50
+    recs[50].wall_time = 1e-4  # waited on: folded with the next batch
+    bounded.append(records(1, seed=1)[0])
+    for r in records(200, seed=2):
+        bounded.append(r)
+    assert recs[50] not in bounded.records and bounded.folded_calls > 50
+
+
+@pytest.mark.parametrize("keep", [0, -3, 1.5, True, "10"])
+def test_keep_must_be_a_positive_int_or_none(keep):
+    with pytest.raises(ValueError, match=rf"keep must be a positive int or None .*got {keep!r}"):
+        Ledger(keep=keep)
+    ledger = Ledger()
+    with pytest.raises(ValueError, match="keep must be"):
+        ledger.keep = keep
+    assert ledger.keep == 100_000
+
+
+def test_a_long_run_of_collectives_stays_bounded_and_counts_every_byte():
+    """3 ranks, 500 all-reduces of 12 float32 each, ledger keeping 16 records: every call is in
+    the totals, with the ring's bytes 2(N-1)/N · S per rank (S = 48 bytes)."""
+
+    def run(comm):
+        comm.ledger.keep = 16
+        longest, total = 0, 0.0
+        for i in range(500):
+            buf = np.full(12, comm.rank + i, dtype=np.float32)
+            comm.all_reduce(buf)
+            total += float(buf[0])
+            longest = max(longest, len(comm.ledger.records))
+        (row,) = comm.ledger.summary()
+        return longest, row["calls"], comm.ledger.bytes_sent(), total
+
+    for longest, calls, sent, total in zs.LocalWorld(3).run(run):
+        assert longest < 32 and calls == 500
+        assert sent == 500 * 2 * 2 * 48 // 3
+        assert total == sum(3 * i + 3 for i in range(500))  # rank + i summed over ranks 0-2
