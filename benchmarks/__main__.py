@@ -44,9 +44,10 @@ SUITE = [
         ["--max-mib", "64", "--repeats", "7"],
         ["--max-mib", "1", "--repeats", "3"],
         "zerosim's all_gather / reduce_scatter / all_reduce against raw mpi4py calls on the same "
-        "buffers (ratio = raw time / zerosim time), beside raw against raw (A/A). Targets: "
-        "≥ 0.95 from 1 MiB and ≥ 0.97 from 4 MiB in both timing modes, check on, judged where "
-        "the ranks do not outnumber the cores.",
+        "buffers (ratio = raw time / zerosim time), beside raw against raw (A/A) and the raw "
+        "call after a bare check in MPI alone (the ceiling of any call that checks every rank's "
+        "arguments first). Targets: ≥ 0.95 from 1 MiB and ≥ 0.97 from 4 MiB in both timing "
+        "modes, check on, judged where the ranks do not outnumber the cores.",
     ),
     (
         "Optimizer step",

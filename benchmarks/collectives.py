@@ -14,11 +14,15 @@ Two timing modes, each sample the slowest rank's time:
 * **one at a time**: a barrier before each call and the call timed alone, so nothing of one call
   hides in the next (a fixed cost per call, or a cost that overlaps the next call's transfer).
 
-Samples are interleaved (raw, raw again, zerosim, check off, then the reverse order on the next
-repeat), so a change of load on a shared machine hits all four alike; "raw again" is the same raw
-call timed as a second variant, an A/A control: its ratio to raw shows what the timing can
-resolve on this machine at that moment; each cell's ratio is the median over
-repeats of the ratio of neighbouring samples, and its times the medians. The ring column is our
+Samples are interleaved (raw, raw again, zerosim, check off, raw + bare check, then the reverse
+order on the next repeat), so a change of load on a shared machine hits all five alike; "raw
+again" is the same raw call timed as a second variant, an A/A control: its ratio to raw shows what
+the timing can resolve on this machine at that moment. "raw + bare check" is the raw call preceded
+by the cheapest form of a cross-rank check, in MPI alone: a persistent all-gather of the same
+signature size as zerosim's (``Allgather_init`` once, ``Start`` and ``Wait`` per call, no Python
+bookkeeping). Its ratio is the ceiling for any call that checks every rank's arguments before the
+data moves, however little it does besides. Each cell's ratio is the median over repeats of the
+ratio of neighbouring samples, and its times the medians. The ring column is our
 explicit ring algorithm over point-to-point messages (back-to-back), for reference. Targets:
 ratio ≥ 0.97 from 4 MiB and ≥ 0.95 from 1 MiB, in both modes, check on.
 
@@ -41,8 +45,9 @@ import numpy as np
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
 FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
 # raw mpi4py, raw again (the A/A control: what the timing resolves), zerosim's defaults,
-# zerosim with the check off
-VARIANTS = ("raw", "again", "zerosim", "fast")
+# zerosim with the check off, raw after a bare check in MPI (the ceiling of any checked call)
+VARIANTS = ("raw", "again", "zerosim", "fast", "checked")
+COMPARED = VARIANTS[1:]  # each has a paired ratio to raw
 MODES = {"": "back-to-back", "_bar": "one at a time"}  # row-key suffix → timing mode
 MIB = 2**20
 
@@ -110,6 +115,25 @@ def _raw_calls(mpi, full, part) -> dict:
     }
 
 
+def bare_check(mpi, fields: int):
+    """The cheapest cross-rank check MPI offers: every rank's ``fields`` int64 gathered by a
+    persistent all-gather (set up once; one ``Start`` and ``Wait`` per call), compared by nobody:
+    the synchronisation and message a checked call cannot avoid, with no Python around it."""
+    mine = np.zeros(fields, dtype=np.int64)
+    every = np.zeros(fields * mpi.Get_size(), dtype=np.int64)
+    try:
+        request = mpi.Allgather_init(mine, every)
+    except (AttributeError, NotImplementedError):  # an MPI before 4.0: a new request each call
+        return lambda: mpi.Iallgather(mine, every).Wait()
+
+    def check() -> None:
+        request.Start()
+        request.Wait()
+
+    check.request = request  # freed by the caller before MPI finalizes
+    return check
+
+
 def _zerosim_calls(comm, full, part) -> dict:
     return {
         "all_gather": lambda: comm.all_gather(full, part),
@@ -129,7 +153,7 @@ def measure(mpi, calls: dict, iters: int, repeats: int) -> dict:
         for variant in order:
             samples[variant + "_bar"].append(one_at_a_time(mpi, calls[variant], alone))
     row = {key: float(np.median(v)) for key, v in samples.items()}
-    for variant in ("again", "zerosim", "fast"):
+    for variant in (v for v in COMPARED if v in calls):
         for mode in MODES:
             pairs = np.array(samples["raw" + mode]) / np.array(samples[variant + mode])
             row[f"ratio_{variant}{mode}"] = float(np.median(pairs))
@@ -140,10 +164,12 @@ def worker(max_mib: float, repeats: int) -> None:
     from mpi4py import MPI
 
     from zerosim.comm import MPIComm
+    from zerosim.comm.base import SIGNATURE_FIELDS
 
     mpi = MPI.COMM_WORLD
     n, rank = mpi.Get_size(), mpi.Get_rank()
     comms = {"zerosim": MPIComm(), "fast": MPIComm(validate=False)}
+    check = bare_check(mpi, len(SIGNATURE_FIELDS))
     ring_comm = MPIComm(collectives="ring")
     for size in _sizes(max_mib):
         count = size // 4 // n * n
@@ -158,6 +184,7 @@ def worker(max_mib: float, repeats: int) -> None:
                 "again": raw[op],
                 "zerosim": ours["zerosim"][op],
                 "fast": ours["fast"][op],
+                "checked": lambda raw_call=raw[op]: (check(), raw_call()),
             }
             for fn in calls.values():
                 fn()  # warm-up
@@ -170,6 +197,12 @@ def worker(max_mib: float, repeats: int) -> None:
             if rank == 0:
                 row.update(n=n, op=op, bytes=count * 4, iters=iters, cores=_cores())
                 print(json.dumps(row), flush=True)
+    if hasattr(check, "request"):
+        check.request.Free()
+
+
+def _cell(r: dict, key: str) -> str:
+    return f"{r[key]:.3f}" if key in r else "-"
 
 
 def _row(r: dict) -> str:
@@ -186,10 +219,12 @@ def _row(r: dict) -> str:
         f"{r['ratio_zerosim']:.3f}",
         f"{r['ratio_fast']:.3f}",
         f"{r['ratio_again']:.3f}",
+        _cell(r, "ratio_checked"),
         f"{r['raw_bar'] * 1e6:.0f}",
         f"{r['ratio_zerosim_bar']:.3f}",
         f"{r['ratio_fast_bar']:.3f}",
         f"{r['ratio_again_bar']:.3f}",
+        _cell(r, "ratio_checked_bar"),
     ]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
@@ -205,7 +240,12 @@ def summary(rows: list[dict]) -> list[str]:
         for mode, label in MODES.items():
             for floor, target in ((MIB, 0.95), (4 * MIB, 0.97)):
                 parts = []
-                for key, what in (("zerosim", "check on"), ("fast", "check off"), ("again", "A/A")):
+                for key, what in (
+                    ("zerosim", "check on"),
+                    ("fast", "check off"),
+                    ("again", "A/A"),
+                    ("checked", "raw + bare check"),
+                ):
                     got = [
                         r[f"ratio_{key}{mode}"]
                         for r in rows
@@ -275,10 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     print(
         "| N | op | S (MiB) | raw busbw GB/s | zerosim busbw GB/s | ring busbw GB/s | "
-        "ratio zerosim/raw | ratio, check off | A/A raw/raw | one at a time: raw µs | "
-        "ratio zerosim/raw | ratio, check off | A/A raw/raw |"
+        "ratio zerosim/raw | ratio, check off | A/A raw/raw | raw + bare check | "
+        "one at a time: raw µs | ratio zerosim/raw | ratio, check off | A/A raw/raw | "
+        "raw + bare check |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|" + "---|" * 15)
     for r in rows:
         print(_row(r))
     print()

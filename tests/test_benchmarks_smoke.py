@@ -140,6 +140,14 @@ def test_python_m_benchmarks_quick_writes_every_table(tmp_path):
     for title in ("## Collectives", "## Optimizer step", "## Model step", "## Allocations"):
         assert title in text
     assert "ratio zerosim/raw" in text and "Measured " in text
+    cells = [  # every collective row timed the raw call after a bare check, in both modes
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("| ")
+        and any(f"| {op} |" in line for op in ("all_gather", "reduce_scatter"))
+    ]
+    assert cells and all(len(c) == 15 for c in cells)
+    assert all(0 < float(c[9]) < 2 and 0 < float(c[14]) < 2 for c in cells)
     for title, module in (
         ("Collectives", "collectives"),
         ("Optimizer step", "optimizer_step"),

@@ -49,6 +49,11 @@ def test_collectives_of_an_oversubscribed_world_are_reported_not_judged():
     rows = [row(2, 2**20, 0.96, 0.99), row(2, 2**22, 0.98, 1.01), row(4, 2**22, 0.80, 0.90)]
     text, met = targets.collectives(rows)
     assert met, text  # N = 4 on 2 cores: its 0.80 is listed, not held to 0.97
+    assert "raw + bare check" not in text  # rows that did not time the ceiling say nothing of it
+    rows[1]["ratio_checked"] = 0.95  # the raw call after a bare check in MPI: reported, not judged
+    text, met = targets.collectives(rows)
+    assert met and "back-to-back from 4 MiB: check on min 0.98" in text
+    assert "A/A 1.01 to 1.01; raw + bare check min 0.95" in text
     assert text.startswith("N = 2 (N = 4 > 2 cores: reported, not judged): ")
     assert "back-to-back from 1 MiB: check on min 0.96, median 0.97" in text
     assert "A/A 0.99 to 1.01" in text
