@@ -121,9 +121,9 @@ def summary(
     folded: Iterable[tuple[str, int, int, Iterable[float]]] = (),
 ) -> dict[str, dict[int, dict[str, Any]]]:
     """``{name: {message size: row}}`` in first-call order of the names and ascending sizes, with
-    the keys of ``deepspeed.comm.log_summary(return_dict=True)["summary"]``. ``folded``: calls a
-    bounded ledger keeps only as (op, size_bytes, peers, wall times in seconds), older than every
-    record."""
+    the keys of ``deepspeed.comm.log_summary(return_dict=True)["summary"]``. ``folded``: more
+    calls, as (op, size_bytes, peers, their wall times in seconds), before the records (how a
+    bounded ledger hands over every call it counted, folded or kept)."""
     calls: dict[str, dict[int, list[float]]] = {}
     for op, size_bytes, peers, times in folded:
         latencies = calls.setdefault(NAMES[op], {}).setdefault(

@@ -131,6 +131,15 @@ class _Folded:
         self.inter += r.inter_bytes
         self.times.append(r.wall_time or 0.0)
 
+    def merge(self, other: _Folded) -> None:
+        self.calls += other.calls
+        self.elements += other.elements
+        self.bytes_sent += other.bytes_sent
+        self.bytes_recv += other.bytes_recv
+        self.intra += other.intra
+        self.inter += other.inter
+        self.times.extend(other.times)
+
 
 class Ledger:
     """This rank's list of collective records, with the current phase and training step; the
@@ -225,6 +234,20 @@ class Ledger:
                     f"one by one); ask for a later step, or make the ledger with keep=None"
                 )
 
+    def _totals(self) -> dict[tuple, _Folded]:
+        """Folded and kept calls together, per fold key, in first-call order."""
+        totals: dict[tuple, _Folded] = {}
+        for key, f in self.folded.items():
+            t = totals[key] = _Folded()
+            t.merge(f)
+        for r in self.records:
+            key = (r.phase, r.op, r.group, r.dtype, r.peers, r.size_bytes)
+            t = totals.get(key)
+            if t is None:
+                t = totals[key] = _Folded()
+            t.add(r)
+        return totals
+
     def _folded_rows(self, op: str | None, phase: str | None) -> list[_Folded]:
         return [
             f
@@ -278,13 +301,9 @@ class Ledger:
 
     def summary(self) -> list[dict]:
         """Rows aggregated by (phase, op, group, dtype): calls, bytes, time, bandwidths."""
-        groups: dict[tuple, list[_Folded]] = defaultdict(list)
-        for (phase, op, group, dtype, peers, size), f in self.folded.items():
+        groups: dict[tuple, list[tuple[_Folded, int, int]]] = defaultdict(list)
+        for (phase, op, group, dtype, peers, size), f in self._totals().items():
             groups[(phase, op, group, dtype)].append((f, peers, size))
-        for r in self.records:  # a kept record counts as a fold of one call
-            one = _Folded()
-            one.add(r)
-            groups[(r.phase, r.op, r.group, r.dtype)].append((one, r.peers, r.size_bytes))
         out = []
         for (phase, op, group, dtype), parts in groups.items():
             t = sum(sum(f.times) for f, _, _ in parts)
@@ -339,10 +358,10 @@ class Ledger:
         sizes (an all-gather's input shard, a reduce-scatter's or all-reduce's full buffer) and
         arithmetic: ``comm/deepspeed_log.py``. ``world_size`` (DeepSpeed's n in the bandwidths)
         defaults to the largest group in the records, the world's."""
-        peers = [r.peers for r in self.records] + [key[4] for key in self.folded]
-        n = world_size or max(peers, default=1)
-        folded = [(key[1], key[5], key[4], f.times) for key, f in self.folded.items()]
-        return deepspeed_log.summary(self.records, n, folded)
+        totals = self._totals()
+        n = world_size or max((key[4] for key in totals), default=1)
+        calls = [(key[1], key[5], key[4], t.times) for key, t in totals.items()]
+        return deepspeed_log.summary((), n, calls)
 
     def ds_table(self, world_size: int | None = None) -> str:
         """``ds_summary()`` as the text ``deepspeed.comm.log_summary()`` prints."""
