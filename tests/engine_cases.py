@@ -225,11 +225,11 @@ def gradient_order(case: Case) -> list[int]:
     return order
 
 
-def formula_bytes(case: Case, n: int, rank: int, persistent: int, megatron_padded: int) -> dict:
+def formula_bytes(case: Case, n: int, rank: int, persistent: int, padded: int) -> dict:
     """{phase: bytes ``rank`` sends} in one optimizer step, from ``zerosim.analysis`` with Ψ and
-    its padding derived here from the model's shapes (not the engine's buffers): the paper's
-    schedule pads to N (stage 3: each parameter), DeepSpeed's follows its buckets and pads to 2N.
-    Megatron's layout (its own buckets, in either schedule) takes the engine's Ψ_pad."""
+    its padding derived from the model's shapes (``shapes_padded``, not the engine's buffers):
+    the paper's schedule pads to N (stage 3: each parameter), DeepSpeed's reduces in its buckets;
+    Megatron's layout (its own buckets, in either schedule) moves its padded buckets."""
     from zerosim.analysis import boundary_messages, clip_bytes, step_bytes
 
     numels = [p.numel for _, p in build_model(case).named_parameters()]
@@ -239,7 +239,7 @@ def formula_bytes(case: Case, n: int, rank: int, persistent: int, megatron_padde
         padded = sum(-(-m // n) * n for m in numels)
         out = step_bytes(3, n, padded, b, k, persistent, not stays_gathered(case))
     elif case.layout == "megatron":
-        out = step_bytes(1, n, megatron_padded, b, k)
+        out = step_bytes(1, n, padded, b, k)
     elif case.schedule == "paper":
         out = step_bytes(case.stage, n, -(-sum(numels) // n) * n, b, k)
     else:
@@ -281,20 +281,28 @@ def zs_analysis_memory(padded, n, stage, b, states):
     return {"params": m.params, "grads": m.grads, "optimizer_states": m.optimizer_states}
 
 
-def shapes_padded(case: Case, n: int) -> tuple[int | None, int]:
-    """(Ψ_pad, Ψ_persist) from the model's shapes, not the engine's buffers: stage 3 pads each
-    parameter to a multiple of N and keeps whole those of at most
-    ``stage3_param_persistence_threshold`` elements; the paper's flat layout pads the whole
-    model to N. Ψ_pad is None where the layout follows buckets (DeepSpeed's schedule at stages
-    0-2, Megatron's)."""
+def shapes_padded(case: Case, n: int) -> tuple[int, int]:
+    """(Ψ_pad, Ψ_persist) from the model's shapes and the config, not the engine's buffers:
+    stage 3 pads each parameter to a multiple of N and keeps whole those of at most
+    ``stage3_param_persistence_threshold`` elements; DeepSpeed 0.19.8's stages 1-2 pad the flat
+    buffer to a multiple of 2N (its ``nccl_start_alignment_factor`` of 2), the paper's schedule
+    and stage 0 to N; Megatron-LM's distributed optimizer lays the parameters last to first,
+    closes a bucket at the first parameter boundary at or past ``reduce_bucket_size`` elements
+    and pads each bucket to a multiple of lcm(N, 128)."""
     numels = [p.numel for _, p in build_model(case).named_parameters()]
     if case.stage == 3:
         padded = [-(-m // n) * n for m in numels]
         persist = sum(pad for m, pad in zip(numels, padded, strict=True) if m <= case.persistence)
         return sum(padded), persist
-    if case.schedule == "paper" and case.layout != "megatron":
-        return -(-sum(numels) // n) * n, 0
-    return None, 0
+    if case.layout == "megatron":
+        align, total, run = math.lcm(n, 128), 0, 0
+        for i, m in enumerate(reversed(numels)):
+            run += m
+            if run >= case.bucket or i == len(numels) - 1:
+                total, run = total + -(-run // align) * align, 0
+        return total, 0
+    multiple = 2 * n if case.schedule == "deepspeed" and case.stage in (1, 2) else n
+    return -(-sum(numels) // multiple) * multiple, 0
 
 
 def check_case(comm, case: Case) -> float:
@@ -303,10 +311,10 @@ def check_case(comm, case: Case) -> float:
     n = comm.size
     padded, persistent = shapes_padded(case, n)
     assert out["persistent"] == persistent, (case, n, out["persistent"], persistent)
-    assert padded is None or out["padded"] == padded, (case, n, out["padded"], padded)
+    assert out["padded"] == padded, (case, n, out["padded"], padded)
     err = max_rel_error(out["params"], reference(case, n))
     assert err <= tolerance(case), (case, n, err)
-    per_phase = formula_bytes(case, n, comm.rank, out["persistent"], out["padded"])
+    per_phase = formula_bytes(case, n, comm.rank, persistent, padded)
     want = sum(per_phase[p] for p in ("forward", "backward", "step"))
     # DeepSpeed's trace decides the gathers; with reduce_scatter off (prescale or predivide),
     # its bucket sizes decide which buckets are all-reduced: both are held to DeepSpeed's own
@@ -320,7 +328,7 @@ def check_case(comm, case: Case) -> float:
         # what DeepSpeed's coordinator gathers again lies between gathering nothing again in
         # backward and gathering everything again (after the recording micro-step)
         low, high = (
-            _stage3_total(case, n, out["persistent"], regather) for regather in (False, True)
+            _stage3_total(case, n, persistent, regather) for regather in (False, True)
         )
         for step, phases in enumerate(out["bytes"]):
             got = phases["forward"] + phases["backward"] + phases["step"]
@@ -329,7 +337,7 @@ def check_case(comm, case: Case) -> float:
         check_memory(case, n, out)
         return err
     if case.schedule == "paper" or case.stage == 3 or case.layout == "megatron":
-        assert want == expected_step_bytes(case, n, out["padded"], out["persistent"])
+        assert want == expected_step_bytes(case, n, padded, persistent)
     regather = not (case.stage == 3 and stays_gathered(case))
     for step, phases in enumerate(out["bytes"]):
         got = phases["forward"] + phases["backward"] + phases["step"]
@@ -349,9 +357,10 @@ def _recording_bytes(case: Case, n: int, out: dict) -> int:
     reuses: every partitioned parameter again for backward, and under DeepSpeed's schedule the
     persistent parameters both ways as well."""
     b = np.dtype(case.dtype).itemsize
-    once = (n - 1) * (out["padded"] - out["persistent"]) // n * b
+    padded, persistent = shapes_padded(case, n)
+    once = (n - 1) * (padded - persistent) // n * b
     if case.schedule == "deepspeed":
-        once += 2 * (n - 1) * out["persistent"] // n * b
+        once += 2 * (n - 1) * persistent // n * b
     return once
 
 
@@ -371,10 +380,10 @@ def check_memory(case: Case, n: int, out: dict) -> None:
     """The model-state bytes each rank holds, and the number of optimizer steps taken."""
     mem = out["memory"]
     states = 2 if case.optimizer == "adam" else 1
-    want_mem = expected_memory(case, n, out["padded"], states)
+    want_mem = expected_memory(case, n, shapes_padded(case, n)[0], states)
     got_states = sum(v for k, v in mem.items() if k.startswith("optimizer_state."))
     if case.stage == 3:  # persistent parameters are whole on every rank, reported apart
-        assert mem["persistent_params"] == out["persistent"] * np.dtype(case.dtype).itemsize
+        assert mem["persistent_params"] == shapes_padded(case, n)[1] * np.dtype(case.dtype).itemsize
     assert (mem["params"], mem["grads"], got_states) == (
         want_mem["params"],
         want_mem["grads"],
