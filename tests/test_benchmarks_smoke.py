@@ -414,3 +414,30 @@ def test_the_gpu_benchmark_says_there_is_no_gpu_and_exits_2():
         timeout=60,
     )
     assert out.returncode == 2 and "gpu_adam: no GPU" in out.stderr
+
+
+def test_collectives_bound_runs_and_its_one_frame_path_matches_zerosim():
+    """benchmarks/collectives_bound.py under mpirun -n 2: its one-frame measuring device reduces
+    and records exactly as MPIComm does (it exits 1 otherwise), and every variant has a ratio."""
+    import subprocess
+    import sys
+
+    from mpi_helpers import ROOT
+
+    cmd = [sys.executable, "benchmarks/collectives_bound.py", "--repeats", "2", "--mib", "0.0625"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "one frame reduces and records as zerosim does: yes" in proc.stdout
+    head, _, row = [line for line in proc.stdout.splitlines() if line.startswith("|")][:3]
+    names = [c.strip() for c in head.strip("|").split("|")][3:]
+    assert names == [
+        "raw",
+        "raw + bare check",
+        "zerosim",
+        "zerosim, check off",
+        "one frame",
+        "one frame, check off",
+    ]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:2] == ["2", "0.0625"] and float(cells[3]) == 1.0
+    assert all(0 < float(c) < 3 for c in cells[4:])
