@@ -236,12 +236,11 @@ def formula_bytes(case: Case, n: int, rank: int, persistent: int, padded: int) -
     b = np.dtype(case.dtype).itemsize
     k = case.accumulation
     if case.stage == 3:
-        padded = sum(-(-m // n) * n for m in numels)
         out = step_bytes(3, n, padded, b, k, persistent, not stays_gathered(case))
     elif case.layout == "megatron":
         out = step_bytes(1, n, padded, b, k)
     elif case.schedule == "paper":
-        out = step_bytes(case.stage, n, -(-sum(numels) // n) * n, b, k)
+        out = step_bytes(case.stage, n, padded, b, k)
     else:
         scaled = case.prescale or case.predivide != 1.0  # config(): reduce_scatter false
         out = step_bytes(
@@ -327,9 +326,7 @@ def check_case(comm, case: Case) -> float:
     if case.stage == 3 and stays_gathered(case) is None:
         # what DeepSpeed's coordinator gathers again lies between gathering nothing again in
         # backward and gathering everything again (after the recording micro-step)
-        low, high = (
-            _stage3_total(case, n, persistent, regather) for regather in (False, True)
-        )
+        low, high = (_stage3_total(case, n, persistent, regather) for regather in (False, True))
         for step, phases in enumerate(out["bytes"]):
             got = phases["forward"] + phases["backward"] + phases["step"]
             extra = _recording_bytes(case, n, out) if step == 0 else 0
@@ -380,10 +377,11 @@ def check_memory(case: Case, n: int, out: dict) -> None:
     """The model-state bytes each rank holds, and the number of optimizer steps taken."""
     mem = out["memory"]
     states = 2 if case.optimizer == "adam" else 1
-    want_mem = expected_memory(case, n, shapes_padded(case, n)[0], states)
+    padded, persistent = shapes_padded(case, n)
+    want_mem = expected_memory(case, n, padded, states)
     got_states = sum(v for k, v in mem.items() if k.startswith("optimizer_state."))
     if case.stage == 3:  # persistent parameters are whole on every rank, reported apart
-        assert mem["persistent_params"] == shapes_padded(case, n)[1] * np.dtype(case.dtype).itemsize
+        assert mem["persistent_params"] == persistent * np.dtype(case.dtype).itemsize
     assert (mem["params"], mem["grads"], got_states) == (
         want_mem["params"],
         want_mem["grads"],

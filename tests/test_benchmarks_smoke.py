@@ -144,7 +144,7 @@ def test_python_m_benchmarks_quick_writes_every_table(tmp_path):
         [c.strip() for c in line.strip("|").split("|")]
         for line in text.splitlines()
         if line.startswith("| ")
-        and any(f"| {op} |" in line for op in ("all_gather", "reduce_scatter"))
+        and any(f"| {op} |" in line for op in ("all_gather", "reduce_scatter", "all_reduce"))
     ]
     assert cells and all(len(c) == 15 for c in cells)
     assert all(0 < float(c[9]) < 2 and 0 < float(c[14]) < 2 for c in cells)

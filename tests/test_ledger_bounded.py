@@ -81,7 +81,20 @@ def test_totals_of_a_bounded_ledger_equal_those_of_one_that_keeps_everything():
             assert bounded.bytes_recv(op, phase) == every.bytes_recv(op, phase)
     total = bounded.table().splitlines()[-1]
     assert total == every.table().splitlines()[-1]
+    # and against the records themselves, summed here
     assert f"{sum(r.bytes_sent for r in recs):,}" in total
+    assert sum(row["calls"] for row in bounded.summary()) == 1000
+    for op in OPS:
+        mine = [r for r in recs if r.op == op]
+        assert bounded.bytes_recv(op) == sum(r.bytes_recv for r in mine)
+        assert bounded.bytes_sent(op, where="inter") == sum(r.inter_bytes for r in mine)
+        rows = [row for row in bounded.summary() if row["op"] == op]
+        assert sum(row["time_s"] for row in rows) == pytest.approx(
+            sum(r.wall_time for r in mine), rel=1e-12
+        )
+        name = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+        counts = bounded.ds_summary()[name.get(op, op)]
+        assert sum(row["count"] for row in counts.values()) == len(mine)
 
 
 def test_a_folded_step_is_an_error_and_a_kept_step_is_whole():
@@ -95,21 +108,45 @@ def test_a_folded_step_is_an_error_and_a_kept_step_is_whole():
     assert old is not None and old < last
     with pytest.raises(ValueError, match=rf"step=0: records of steps up to {old} were folded"):
         bounded.select(step=0)
-    with pytest.raises(ValueError, match="keep=32"):
+    with pytest.raises(ValueError, match="Ledger\\(keep=None\\)"):
         bounded.bytes_recv(step=old)
     bounded.reset()
     assert bounded.summary() == [] and bounded.folded_calls == 0 and bounded.select(step=0) == []
 
 
-def test_a_call_not_waited_on_is_not_folded():
+def test_a_step_folded_in_part_is_an_error_too():
+    recs = records(64)  # ten calls a step: the fold at 64 records takes calls 0-31
+    bounded, _ = fill(32, recs)
+    assert bounded.folded_calls == 32 and bounded.records[0] is recs[32]
+    assert bounded.folded_through_step == 3  # calls 30 and 31 folded, 32-39 kept
+    with pytest.raises(ValueError, match="step=3"):
+        bounded.select(step=3)
+    assert bounded.select(step=4) == recs[40:50]
+
+
+def test_a_call_not_waited_on_stays_a_record_and_the_rest_still_folds():
     recs = records(200, pending_at=50)  # a non-blocking call whose wait() has not come
-    bounded, _ = fill(8, recs)
-    assert recs[50] in bounded.records and bounded.folded_calls == 50
+    bounded, lengths = fill(8, recs)
+    assert max(lengths) <= 16  # folding goes on past it: the ledger stays bounded
+    assert recs[50] in bounded.records and bounded.records[0] is recs[50]
+    assert bounded.folded_calls == 199 - (len(bounded.records) - 1)
     recs[50].wall_time = 1e-4  # waited on: folded with the next batch
-    bounded.append(records(1, seed=1)[0])
-    for r in records(200, seed=2):
+    for r in records(16, seed=2):
         bounded.append(r)
-    assert recs[50] not in bounded.records and bounded.folded_calls > 50
+    assert recs[50] not in bounded.records and bounded.folded_calls + len(bounded.records) == 216
+    every, _ = fill(None, recs + records(16, seed=2))
+    same_rows(bounded.summary(), every.summary())
+
+
+def test_keep_can_change_during_a_run():
+    recs = records(300)
+    every, _ = fill(None, recs)
+    ledger, _ = fill(None, recs[:100])
+    ledger.keep = 10  # from keeping everything to ten: the next call folds the rest
+    for r in recs[100:]:
+        ledger.append(r)
+    assert 10 <= len(ledger.records) < 20 and ledger.records == recs[-len(ledger.records) :]
+    same_rows(ledger.summary(), every.summary())
 
 
 @pytest.mark.parametrize("keep", [0, -3, 1.5, True, "10"])
@@ -119,7 +156,8 @@ def test_keep_must_be_a_positive_int_or_none(keep):
     ledger = Ledger()
     with pytest.raises(ValueError, match="keep must be"):
         ledger.keep = keep
-    assert ledger.keep == 100_000
+    assert ledger.keep == 50_000
+    assert Ledger(keep=np.int64(7)).keep == 7 and type(Ledger(keep=np.int64(7)).keep) is int
 
 
 def test_a_long_run_of_collectives_stays_bounded_and_counts_every_byte():

@@ -27,14 +27,17 @@ members' nodes from it.
 comms logger ``log_summary()`` shows them (its names, message sizes, ms and Gbit/s;
 ``comm/deepspeed_log.py``), to diff a zerosim run against a DeepSpeed log.
 
-**Bounded.** A run makes collectives for as long as it trains, so the ledger keeps the last
-``keep`` records (100,000 by default, about 20 MB) one by one and folds older ones into totals per
-(phase, op, group, dtype, group size, buffer size): ``summary()``, ``table()``, ``ds_summary()``
-and ``bytes_sent()`` / ``bytes_recv()`` without a step count every call of the run; ``records``,
-``select()`` and ``to_json()`` hold the kept ones, and asking ``select()`` or the byte counts for
-a step whose records were folded is an error naming the step. A folded call leaves its wall time
-(8 bytes, outside the garbage collector's reach) for DeepSpeed's trimmed-mean latencies, as
-DeepSpeed's comms logger keeps every latency. ``keep=None`` keeps every record.
+**Bounded.** A run makes collectives for as long as it trains, so the ledger keeps its newest
+records one by one (``keep`` of them, 50,000 by default, and up to twice that between folds:
+about 400 bytes each, so 20-40 MB) and folds older ones into totals per (phase, op, group, dtype,
+group size, buffer size). ``summary()``, ``table()``, ``ds_summary()`` and ``bytes_sent()`` /
+``bytes_recv()`` without a step count every call of the run; ``records``, ``select()`` and
+``to_json()`` hold the kept ones, and asking ``select()`` or the byte counts for a step whose
+records were folded is an error naming the step. A folded call still leaves its wall time (8
+bytes, outside the garbage collector's reach) for DeepSpeed's trimmed-mean latencies, as
+DeepSpeed's comms logger keeps every latency: that part grows with the run, 25 times slower than
+records would. A non-blocking call not waited on yet stays a record until it is. ``keep=None``
+keeps every record.
 
 **Flight recorder.** ``ledger.flight`` numbers every call as it starts and keeps the last K of
 them, whatever ``reset()`` clears: what the watchdog prints when a collective stalls
@@ -44,6 +47,7 @@ them, whatever ``reset()`` clears: what the watchdog prints when a collective st
 from __future__ import annotations
 
 import json
+import operator
 import sys
 import time
 from array import array
@@ -103,23 +107,32 @@ class Record:
         return self.algbw * busbw_factor(self.op, self.peers)
 
 
-DEFAULT_KEEP = 100_000  # records kept one by one (about 200 bytes each)
+DEFAULT_KEEP = 50_000  # records kept one by one (about 400 bytes each), up to twice as many
 
 
 def check_keep(keep: int | None) -> int | None:
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+    if keep is None:
+        return None
+    try:
+        value = operator.index(keep)  # ints, NumPy's included; not bools, floats or strings
+    except TypeError:
+        value = None
+    if value is None or isinstance(keep, bool) or value < 1:
         raise ValueError(f"keep must be a positive int or None (keep every record), got {keep!r}")
-    return keep
+    return value
 
 
 class _Folded:
     """The totals of the folded calls of one (phase, op, group, dtype, peers, size_bytes)."""
 
-    __slots__ = ("calls", "elements", "bytes_sent", "bytes_recv", "intra", "inter", "times")
+    __slots__ = (
+        "calls", "elements", "bytes_sent", "bytes_recv", "intra", "inter", "time_s", "times"
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.calls = self.elements = self.bytes_sent = self.bytes_recv = 0
         self.intra = self.inter = 0
+        self.time_s = 0.0  # their wall times summed
         self.times = array("d")  # every call's wall time, seconds
 
     def add(self, r: Record) -> None:
@@ -129,16 +142,19 @@ class _Folded:
         self.bytes_recv += r.bytes_recv
         self.intra += r.intra_bytes
         self.inter += r.inter_bytes
+        self.time_s += r.wall_time or 0.0
         self.times.append(r.wall_time or 0.0)
 
-    def merge(self, other: _Folded) -> None:
+    def merge(self, other: _Folded, times: bool = True) -> None:
         self.calls += other.calls
         self.elements += other.elements
         self.bytes_sent += other.bytes_sent
         self.bytes_recv += other.bytes_recv
         self.intra += other.intra
         self.inter += other.inter
-        self.times.extend(other.times)
+        self.time_s += other.time_s
+        if times:
+            self.times.extend(other.times)
 
 
 class Ledger:
@@ -186,7 +202,7 @@ class Ledger:
     def keep(self, value: int | None) -> None:
         self._keep = check_keep(value)
         # fold in batches of ``keep`` (amortised: one list shift per ``keep`` calls)
-        self._fold_at = sys.maxsize if value is None else 2 * value
+        self._fold_at = sys.maxsize if self._keep is None else 2 * self._keep
 
     def append(self, record: Record) -> Record:
         self.records.append(record)
@@ -195,13 +211,15 @@ class Ledger:
         return record
 
     def _fold(self) -> None:
-        """Fold the oldest records into the totals, leaving ``keep``; a non-blocking call not
-        waited on yet (no wall time) stays, with every record after it."""
+        """Fold the oldest records into the totals, leaving the newest ``keep``; a non-blocking
+        call not waited on yet (no wall time) stays a record, ahead of them, until a later fold
+        finds it complete."""
         older = len(self.records) - self._keep
-        for i, r in enumerate(self.records[:older]):
+        waiting = []
+        for r in self.records[:older]:
             if r.wall_time is None:
-                older = i
-                break
+                waiting.append(r)
+                continue
             key = (r.phase, r.op, r.group, r.dtype, r.peers, r.size_bytes)
             folded = self.folded.get(key)
             if folded is None:
@@ -209,8 +227,8 @@ class Ledger:
             folded.add(r)
             if self.folded_through_step is None or r.step > self.folded_through_step:
                 self.folded_through_step = r.step
-        self.folded_calls += older
-        del self.records[:older]
+        self.folded_calls += older - len(waiting)
+        self.records[:older] = waiting
 
     def set_node(self, node: int | None) -> None:
         """Record this rank's node (``comm.set_ranks_per_node`` calls it)."""
@@ -230,16 +248,17 @@ class Ledger:
             if step <= self.folded_through_step:
                 raise ValueError(
                     f"step={step}: records of steps up to {self.folded_through_step} were "
-                    f"folded into totals (the ledger keeps the last keep={self._keep} records "
-                    f"one by one); ask for a later step, or make the ledger with keep=None"
+                    f"folded into totals (the ledger kept the newest records one by one); ask "
+                    f"for a later step, or keep every record (Ledger(keep=None), before the run)"
                 )
 
-    def _totals(self) -> dict[tuple, _Folded]:
-        """Folded and kept calls together, per fold key, in first-call order."""
+    def _totals(self, times: bool) -> dict[tuple, _Folded]:
+        """Folded and kept calls together, per fold key, in first-call order (with every call's
+        wall time when ``times``; else only their sum)."""
         totals: dict[tuple, _Folded] = {}
         for key, f in self.folded.items():
             t = totals[key] = _Folded()
-            t.merge(f)
+            t.merge(f, times)
         for r in self.records:
             key = (r.phase, r.op, r.group, r.dtype, r.peers, r.size_bytes)
             t = totals.get(key)
@@ -302,11 +321,11 @@ class Ledger:
     def summary(self) -> list[dict]:
         """Rows aggregated by (phase, op, group, dtype): calls, bytes, time, bandwidths."""
         groups: dict[tuple, list[tuple[_Folded, int, int]]] = defaultdict(list)
-        for (phase, op, group, dtype, peers, size), f in self._totals().items():
+        for (phase, op, group, dtype, peers, size), f in self._totals(times=False).items():
             groups[(phase, op, group, dtype)].append((f, peers, size))
         out = []
         for (phase, op, group, dtype), parts in groups.items():
-            t = sum(sum(f.times) for f, _, _ in parts)
+            t = sum(f.time_s for f, _, _ in parts)
             size = sum(f.calls * s for f, _, s in parts)
             algbw = size / t if t > 0 else 0.0
             peers = parts[0][1]
@@ -358,7 +377,7 @@ class Ledger:
         sizes (an all-gather's input shard, a reduce-scatter's or all-reduce's full buffer) and
         arithmetic: ``comm/deepspeed_log.py``. ``world_size`` (DeepSpeed's n in the bandwidths)
         defaults to the largest group in the records, the world's."""
-        totals = self._totals()
+        totals = self._totals(times=True)
         n = world_size or max((key[4] for key in totals), default=1)
         calls = [(key[1], key[5], key[4], t.times) for key, t in totals.items()]
         return deepspeed_log.summary((), n, calls)
