@@ -52,6 +52,18 @@ MODES = {"": "back-to-back", "_bar": "one at a time"}  # row-key suffix → timi
 MIB = 2**20
 
 
+def worker_rows(script: str, n: int, args: list[str]) -> list[dict]:
+    """Run ``mpirun -n n python script --worker ARGS`` (the mpirun beside this Python, else the
+    first on PATH; one thread per rank) and return the JSON rows its ranks printed."""
+    mpirun = Path(sys.executable).parent / "mpirun"
+    cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", str(n), sys.executable, script]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [*cmd, "--worker", *args], capture_output=True, text=True, env=env, check=True
+    )
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
 def _sizes(max_mib: float) -> list[int]:
     sizes, s = [], 4 * 1024
     while s <= max_mib * MIB:
@@ -290,29 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.max_mib, args.repeats)
         return 0
-    mpirun = Path(sys.executable).parent / "mpirun"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     rows = []
     for n in args.ranks:
-        out = subprocess.run(
-            [
-                str(mpirun if mpirun.exists() else "mpirun"),
-                "-n",
-                str(n),
-                sys.executable,
-                __file__,
-                "--worker",
-                "--max-mib",
-                str(args.max_mib),
-                "--repeats",
-                str(args.repeats),
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=True,
+        rows += worker_rows(
+            __file__, n, ["--max-mib", str(args.max_mib), "--repeats", str(args.repeats)]
         )
-        rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     print(

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.collectives import bare_check  # noqa: E402
+from benchmarks.collectives import bare_check, worker_rows  # noqa: E402
 
 MIB = 2**20
 
@@ -182,12 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.mib, args.repeats)
         return 0
-    mpirun = Path(sys.executable).parent / "mpirun"
-    cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", str(args.ranks), sys.executable]
-    cmd += [__file__, "--worker", "--repeats", str(args.repeats), "--mib", *map(str, args.mib)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = worker_rows(
+        __file__, args.ranks, ["--repeats", str(args.repeats), "--mib", *map(str, args.mib)]
+    )
     names = [k for k in rows[0] if k not in ("n", "mib", "raw_us", "same")]
     print("| N | S (MiB) | raw µs | " + " | ".join(names) + " |")
     print("|" + "---|" * (3 + len(names)))
