@@ -285,9 +285,11 @@ def test_stage3_deepspeeds_first_step_gathers_persistent_parameters_around_modul
     only the others, once."""
     from zerosim.report.compare import run_stage
 
-    n, zero = 3, {"stage3_param_persistence_threshold": 300}
+    n, threshold = 3, 300
+    zero = {"stage3_param_persistence_threshold": threshold}
     shard = stage3_shard(n)
-    persist = 258 + 258 + 12
+    # the persistent parameters (at most the threshold), each padded to a multiple of N
+    persist = sum(-(-size // n) * n for size in MLP_SIZES if size <= threshold)
     step = (n - 1) * persist // n * 4
     first = LocalWorld(n).run(run_stage, "3", "mlp", 1, zero=zero, schedule="deepspeed")[1]
     whole = (n - 1) * shard * 4
