@@ -843,9 +843,11 @@ def test_hpz_size_is_deepspeeds_min_with_the_world_size(size, world, effective):
     assert load(config, world).zero_optimization.zero_hpz_partition_size == effective
 
 
-def test_lr_range_test_is_rejected_as_not_supported():
-    error = error_for({**BATCH, "scheduler": {"type": "LRRangeTest", "params": {}}})
-    assert error.path == "scheduler.type" and "not supported" in str(error)
+def test_lr_range_test_is_accepted_as_deepspeeds_type():
+    params = {"lr_range_test_min_lr": 1e-4, "lr_range_test_staircase": True}
+    config = load({**BATCH, "scheduler": {"type": "LRRangeTest", "params": params}})
+    assert config.scheduler.type == "LRRangeTest" and not config.scheduler.is_torch
+    assert dict(config.scheduler.params) == params
 
 
 def test_scheduler_needing_python_objects_is_rejected():

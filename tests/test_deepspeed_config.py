@@ -339,6 +339,7 @@ DS_SCHEDULER_PARAMS = {
     "WarmupDecayLR": {"total_num_steps": 20, "warmup_num_steps": 5},
     "WarmupCosineLR": {"total_num_steps": 20, "warmup_num_steps": 5},
     "OneCycle": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 4},
+    "LRRangeTest": {"lr_range_test_step_size": 5, "lr_range_test_staircase": True},
 }
 
 
@@ -401,6 +402,20 @@ def scheduler_cases() -> list[Case]:
         "OneCycle stairs": {
             "type": "OneCycle",
             "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_stair_count": 2},
+        },
+        "LRRangeTest step 0": {"type": "LRRangeTest", "params": {"lr_range_test_step_size": 0}},
+        "LRRangeTest step 2.0": {
+            "type": "LRRangeTest",
+            "params": {"lr_range_test_step_size": 2.0},
+        },
+        "LRRangeTest min list 2": {
+            "type": "LRRangeTest",
+            "params": {"lr_range_test_min_lr": [1e-3, 1e-3]},
+        },
+        "LRRangeTest unknown": {"type": "LRRangeTest", "params": {"lr_range_test_rate": 1.0}},
+        "LRRangeTest staircase 'false'": {
+            "type": "LRRangeTest",
+            "params": {"lr_range_test_staircase": "false"},
         },
         "StepLR step 0": {"type": "StepLR", "params": {"step_size": 0}},
         "StepLR unknown": {"type": "StepLR", "params": {"step_size": 2, "foo": 1}},
@@ -711,11 +726,6 @@ DIFFERENCES: list[Difference] = [
         "for the type rather than drop the schedule silently",
     ),
     Difference(
-        r"scheduler/LRRangeTest",
-        True,
-        "LRRangeTest is a learning-rate search, not a training schedule; zerosim does not build it",
-    ),
-    Difference(
         r"s0-fp32/scheduler\.params\.|scheduler/StepLR step 0",
         True,
         "torch's StepLR checks nothing at construction: a step_size of 0, null or a string "
@@ -723,11 +733,12 @@ DIFFERENCES: list[Difference] = [
         "nobody wrote",
     ),
     Difference(
-        r"/scheduler\.params\.\w+=|scheduler/WarmupLR type cos",
+        r"/scheduler\.params\.\w+=|scheduler/WarmupLR type cos|scheduler/LRRangeTest staircase",
         True,
-        "DeepSpeed's schedulers check only warmup_num_steps and the cycle step sizes: a "
-        "negative learning rate or ratio is written into the optimizer, strings fail at the "
-        "first step, and an unknown warmup_type (even 'LINEAR') becomes 'log' with a warning",
+        "DeepSpeed's schedulers check only warmup_num_steps and the cycle and range-test step "
+        "sizes: a negative learning rate or ratio is written into the optimizer, strings fail "
+        "at the first step, an unknown warmup_type (even 'LINEAR') becomes 'log' with a "
+        "warning, and lr_range_test_staircase is tested for truth ('false' turns it on)",
     ),
     Difference(
         r"section/(offload s0|offload_param s2)|(s3|s1-offload)/zero_optimization\.stage=",

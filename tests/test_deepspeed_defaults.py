@@ -318,7 +318,9 @@ def test_lion_class_keeps_the_papers_defaults_deliberately():
     assert "zerosim.optim.Lion()" in DELIBERATE
 
 
-@pytest.mark.parametrize("name", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"])
+@pytest.mark.parametrize(
+    "name", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
+)
 def test_deepspeed_schedulers_have_deepspeeds_parameters_and_defaults(name):
     ours = getattr(zsched, name)
     theirs = getattr(lr_schedules, name)

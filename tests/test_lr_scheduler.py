@@ -4,8 +4,10 @@ against their formulas written out independently here."""
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -16,6 +18,9 @@ import zerosim.optim as ZO
 import zerosim.optim.lr_scheduler as Z
 
 N_STEPS = 300
+# torch warns when a scheduler steps before its optimizer; SequentialLR's first step of a
+# ChainedScheduler does so at construction. zerosim has no such warning (docs/schedulers.md).
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step:UserWarning")
 
 
 class GroupsOnly:
@@ -47,6 +52,27 @@ def make_pair(kind: str) -> tuple[GroupsOnly, torch.optim.Optimizer]:
 def group_values(opt) -> list[tuple]:
     """lr and the momentum-like entry of every group."""
     return [(g["lr"], g.get("momentum"), g.get("betas")) for g in opt.param_groups]
+
+
+class PowerScale:
+    """A CyclicLR ``scale_fn`` that is a callable object: its attributes are its state, which
+    torch's state_dict keeps (a plain function it does not)."""
+
+    def __init__(self, base: float) -> None:
+        self.base = base
+
+    def __call__(self, x: float) -> float:
+        return self.base**x
+
+
+class Halving:
+    """A MultiplicativeLR ``lr_lambda`` object: halves the lr every ``every`` epochs."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+
+    def __call__(self, epoch: int) -> float:
+        return 0.5 if epoch % self.every == 0 else 1.0
 
 
 # Each case builds the scheduler(s) from a module M (torch's or zerosim's) on an optimizer.
@@ -146,6 +172,68 @@ CASES = {
             M.CyclicLR(o, 0.01, 0.1, 17, mode="exp_range", gamma=0.995, cycle_momentum=False)
         ],
     ),
+    "cyclic_scale_fn_object_iterations": (
+        "adam",
+        lambda M, o: [
+            M.CyclicLR(o, 0.01, 0.3, 11, 23, scale_fn=PowerScale(0.997), scale_mode="iterations")
+        ],
+    ),  # fmt: skip
+    "cyclic_scale_fn_lambda_cycle": (
+        "sgd",
+        lambda M, o: [M.CyclicLR(o, [0.01, 0.02], 0.2, 9, scale_fn=lambda c: 1.0 / c)],
+    ),
+    "multiplicative": ("sgd", lambda M, o: [M.MultiplicativeLR(o, lambda t: 0.99)]),
+    "multiplicative_per_group": (
+        "adam",
+        lambda M, o: [M.MultiplicativeLR(o, [Halving(40), lambda t: 1.0 + 0.3 * math.sin(t)])],
+    ),
+    "chained_constant_exponential": (
+        "sgd",
+        lambda M, o: [
+            M.ChainedScheduler(
+                [M.ConstantLR(o, factor=0.1, total_iters=20), M.ExponentialLR(o, 0.99)]
+            )
+        ],
+    ),
+    "chained_three_with_optimizer": (
+        "adam",
+        lambda M, o: [
+            M.ChainedScheduler(
+                [
+                    M.ExponentialLR(o, 0.995),
+                    M.MultiplicativeLR(o, Halving(70)),
+                    M.CosineAnnealingLR(o, T_max=90, eta_min=1e-3),
+                ],
+                optimizer=o,
+            )
+        ],
+    ),  # fmt: skip
+    "chained_inside_sequential": (
+        "sgd",
+        lambda M, o: [
+            M.SequentialLR(
+                o,
+                [
+                    M.ChainedScheduler(
+                        [M.LinearLR(o, 0.1, total_iters=50), M.ConstantLR(o, 0.1, 50)]
+                    ),
+                    M.ConstantLR(o, factor=0.5, total_iters=100),
+                ],
+                milestones=[50],
+            )
+        ],
+    ),  # fmt: skip
+    "sequential_inside_chained": (
+        "sgd",
+        lambda M, o: [
+            M.ChainedScheduler(
+                [
+                    M.SequentialLR(o, [M.ConstantLR(o, 0.2, 30), M.StepLR(o, 40, 0.5)], [30]),
+                    M.MultiplicativeLR(o, lambda t: 0.998),
+                ]
+            )
+        ],
+    ),  # fmt: skip
 }
 
 
@@ -162,6 +250,16 @@ def test_lr_and_momentum_sequence_over_300_steps_equals_torch(case):
             t.step()
         assert group_values(ours) == group_values(theirs), f"step {step}"
         assert z_scheds[-1].get_last_lr() == t_scheds[-1].get_last_lr()
+
+
+TORCH_NAMES = [n for n in Z.__all__ if hasattr(T, n) and n != "LRScheduler"]
+
+
+@pytest.mark.parametrize("name", TORCH_NAMES)
+def test_torch_schedulers_have_torchs_parameters_and_defaults(name):
+    ours = inspect.signature(getattr(Z, name).__init__).parameters
+    theirs = inspect.signature(getattr(T, name).__init__).parameters
+    assert [(k, p.default) for k, p in ours.items()] == [(k, p.default) for k, p in theirs.items()]
 
 
 def test_lr_actually_changes_in_every_case():
@@ -246,7 +344,226 @@ def test_reduce_lr_on_plateau_equals_torch(config):
     assert reductions >= 2
 
 
-ROUND_TRIP_CASES = ["step", "cosine_restarts", "lambda", "sequential_three", "onecycle_cos_sgd"]
+def test_reduce_lr_on_plateau_reduces_a_param_group_added_later_like_torch():
+    """One min_lr for all groups covers the new group; torch and zerosim step side by side."""
+    ours, theirs = make_pair("sgd")
+    z, t = Z.ReduceLROnPlateau(ours, patience=2), T.ReduceLROnPlateau(theirs, patience=2)
+    for step, metric in enumerate(plateau_metrics("min")):
+        if step == 40:
+            ours.param_groups.append({"lr": 0.07, "momentum": 0.0})
+            theirs.add_param_group({"params": [torch.zeros(2)], "lr": 0.07, "momentum": 0.0})
+        z.step(metric)
+        t.step(float(metric))
+        assert group_values(ours) == group_values(theirs)
+        assert z.get_last_lr() == t.get_last_lr() and z.min_lrs == t.min_lrs
+    assert ours.param_groups[2]["lr"] < 0.07 and len(z.min_lrs) == 3
+
+
+def test_reduce_lr_on_plateau_with_a_min_lr_list_raises_runtime_error_for_a_new_group():
+    """As torch: RuntimeError when a reduction is due. Unlike torch nothing has changed, so the
+    same step, repeated once min_lrs has three values, gives torch's values."""
+    ours, theirs = make_pair("sgd")
+    config = dict(patience=0, min_lr=[1e-5, 1e-4])
+    z, t = Z.ReduceLROnPlateau(ours, **config), T.ReduceLROnPlateau(theirs, **config)
+    ours.param_groups.append({"lr": 0.05, "momentum": 0.0})
+    theirs.add_param_group({"params": [torch.zeros(2)], "lr": 0.05, "momentum": 0.0})
+    z.step(1.0)
+    t.step(1.0)
+    before = z.state_dict()
+    with pytest.raises(RuntimeError, match=r"The number of param groups in the optimizer \(3\)"):
+        z.step(1.3)
+    with pytest.raises(RuntimeError, match="The number of param groups in the"):
+        t.step(1.3)  # torch's message starts so too
+    assert z.state_dict() == before and group_values(ours)[2][0] == 0.05
+    z.min_lrs.append(1e-6)
+    fresh = T.ReduceLROnPlateau(make_pair("sgd")[1], **config)  # torch without the failed step
+    fresh.optimizer.add_param_group({"params": [torch.zeros(2)], "lr": 0.05, "momentum": 0.0})
+    fresh.min_lrs.append(1e-6)
+    fresh.step(1.0)
+    z.step(1.3)
+    fresh.step(1.3)
+    assert group_values(ours) == group_values(fresh.optimizer)
+    assert [g["lr"] for g in ours.param_groups] == pytest.approx([0.01, 0.003, 0.005])
+
+
+BAD_COMPOSITE = [
+    (lambda o: Z.ChainedScheduler([]), ValueError, "at least one scheduler.*none"),
+    (lambda o: Z.ChainedScheduler([Z.StepLR(o, 3), 7]), TypeError, r"schedulers\[1\].*int"),
+    (
+        lambda o: Z.ChainedScheduler([Z.StepLR(o, 3), Z.ReduceLROnPlateau(o)]),
+        ValueError,
+        r"schedulers\[1\].*ReduceLROnPlateau.*metric",
+    ),
+    (
+        lambda o: Z.ChainedScheduler([Z.StepLR(o, 3), Z.StepLR(make_pair("sgd")[0], 3)]),
+        ValueError,
+        r"schedulers\[1\].*another optimizer",
+    ),
+    (
+        lambda o: Z.ChainedScheduler([Z.StepLR(o, 3)], optimizer=make_pair("sgd")[0]),
+        ValueError,
+        r"schedulers\[0\].*another optimizer",
+    ),
+    (lambda o: Z.SequentialLR(o, [], []), ValueError, "at least one scheduler"),
+    (lambda o: Z.MultiplicativeLR(o, 0.95), TypeError, "lr_lambda should be a function.*0.95"),
+    (lambda o: Z.MultiplicativeLR(o, [0.95, 0.95]), TypeError, "lr_lambda should be a function"),
+    (lambda o: Z.MultiplicativeLR(o, [lambda t: 0.9]), ValueError, "lr_lambda.*2.*got 1"),
+]
+
+
+@pytest.mark.parametrize("build, error, message", BAD_COMPOSITE)
+def test_bad_chained_and_multiplicative_arguments_raise_as_torch_naming_them(build, error, message):
+    ours, _ = make_pair("sgd")
+    with pytest.raises(error, match=message):
+        build(ours)
+
+
+def test_chained_scheduler_re_points_its_children_with_its_optimizer():
+    """What the engine does with a scheduler built on the user's optimizer: every child then
+    writes the new optimizer's groups."""
+    first, second = make_pair("sgd")[0], make_pair("sgd")[0]
+    chained = Z.ChainedScheduler(
+        [Z.ExponentialLR(first, 0.5), Z.MultiplicativeLR(first, Halving(1))]
+    )
+    sequential = Z.SequentialLR(first, [chained, Z.StepLR(first, 2)], milestones=[3])
+    sequential.optimizer = second
+    assert all(s.optimizer is second for s in (chained, *chained._schedulers))
+    first_lrs = [g["lr"] for g in first.param_groups]
+    chained.step()
+    assert [g["lr"] for g in second.param_groups] == [0.1 * 0.25, 0.03 * 0.25]
+    assert [g["lr"] for g in first.param_groups] == first_lrs
+
+
+# ------------------------------------------- torch's own unit tests, their expected values kept
+# test/optim/test_lrscheduler.py (torch 2.13): an SGD with two groups, lr 0.05 and 0.5; each
+# epoch checks every group's lr against the target (atol 1e-5), then steps the schedulers.
+
+
+def torch_test_optimizer() -> GroupsOnly:
+    return GroupsOnly([{"lr": 0.05, "momentum": 0.0}, {"lr": 0.5, "momentum": 0.0}], {"lr": 0.05})
+
+
+def run_torch_test(opt, schedulers, targets, epochs):
+    for epoch in range(epochs):
+        for group, target in zip(opt.param_groups, targets, strict=False):  # as torch's test
+            assert group["lr"] == pytest.approx(target[epoch], abs=1e-5, rel=0), epoch
+        for sched in schedulers:
+            sched.step()
+
+
+def test_torch_multiplicative_lr():
+    opt = torch_test_optimizer()
+    opt.param_groups[0]["lr"], opt.param_groups[1]["lr"] = 0.05, 0.4
+    targets = [[0.05 * 0.9**x for x in range(10)], [0.4 * 0.8**x for x in range(10)]]
+    run_torch_test(opt, [Z.MultiplicativeLR(opt, [lambda x1: 0.9, lambda x2: 0.8])], targets, 10)
+
+
+_POLY = [(1.0 - x / 5) ** 0.9 for x in range(5)] + [0.0] * 5
+# name: (children on an optimizer o, targets, epochs), torch's test_chained_lr1..5.
+TORCH_CHAINED = {
+    "chained_lr1": (
+        lambda o: [Z.StepLR(o, gamma=0.1, step_size=3)],
+        [[0.05] * 3 + [0.005] * 3 + [0.0005] * 3 + [0.00005] * 3],
+        10,
+    ),
+    "chained_lr2": (
+        lambda o: [Z.LinearLR(o, start_factor=0.4, total_iters=3)],
+        [[0.02, 0.03, 0.04] + [0.05] * 9],
+        10,
+    ),
+    "chained_lr3": (
+        lambda o: [Z.LinearLR(o, start_factor=0.4, total_iters=3),
+                   Z.MultiStepLR(o, milestones=[4, 8, 10], gamma=0.1)],
+        [[0.02, 0.03, 0.04, 0.05] + [0.005] * 4 + [0.0005] * 3 + [0.00005] * 3],
+        10,
+    ),
+    "chained_lr4": (
+        lambda o: [Z.ExponentialLR(o, gamma=0.9), Z.ConstantLR(o, factor=0.2, total_iters=4),
+                   Z.StepLR(o, gamma=0.1, step_size=3)],
+        [[0.05 * 0.2 * 0.9**x for x in range(3)] + [0.05 * 0.2 * 0.9**3 * 0.1]
+         + [0.05 * 0.9**x * 0.1 for x in range(4, 6)]
+         + [0.05 * 0.9**x * 0.01 for x in range(6, 9)]],
+        9,
+    ),
+    "chained_lr5": (
+        lambda o: [Z.PolynomialLR(o, power=0.9, total_iters=5), Z.ConstantLR(o, factor=0.1)],
+        [[0.05 * 0.1 * x for x in _POLY], [0.5 * 0.1 * x for x in _POLY]],
+        10,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_CHAINED))
+def test_torch_chained_lr(name):
+    build, targets, epochs = TORCH_CHAINED[name]
+    opt = torch_test_optimizer()
+    children = build(opt)
+    chained = Z.ChainedScheduler(children)
+    assert chained.get_last_lr() == children[-1].get_last_lr()  # ..._get_last_lr_before_step
+    run_torch_test(opt, [chained], targets, epochs)
+    assert chained.get_last_lr() == children[-1].get_last_lr()
+
+
+def test_torch_sequentiallr5_with_a_chained_scheduler():
+    opt = torch_test_optimizer()
+    chained = Z.ChainedScheduler(
+        [
+            Z.LinearLR(opt, start_factor=0.1, total_iters=5),
+            Z.ConstantLR(opt, factor=0.1, total_iters=5),
+        ]
+    )
+    second = Z.ConstantLR(opt, factor=0.5, total_iters=5)
+    sequential = Z.SequentialLR(opt, schedulers=[chained, second], milestones=[5])
+    targets = [[0.0005, 0.0014, 0.0023, 0.0032, 0.0041] + [0.025] * 5]
+    run_torch_test(opt, [sequential], targets, 10)
+
+
+@pytest.mark.parametrize("min_lr", ["scalar", "list"])
+def test_torch_add_param_group_does_not_break_reduce_lr_on_plateau(min_lr):
+    opt = torch_test_optimizer()
+    for group in opt.param_groups:
+        group["lr"] = 0.5
+    targets = [[0.5] * 6 + [0.05] * (5 + 6) + [0.005] * 4]
+    metrics = [1] * 7 + [0.6] + [0.5] * 12
+    sched = Z.ReduceLROnPlateau(
+        opt, mode="min", threshold_mode="rel", threshold=0.1, patience=5, cooldown=5,
+        min_lr=0 if min_lr == "scalar" else [1e-5, 1e-4],
+    )  # fmt: skip
+    for epoch in range(20):
+        if epoch == 8:
+            opt.param_groups.append({"lr": 0.05, "momentum": 0.0})
+            if min_lr == "list":
+                sched.min_lrs.append(1e-6)
+        sched.step(metrics[epoch])
+        for group, target in zip(opt.param_groups, targets, strict=False):  # group 0 only
+            assert group["lr"] == pytest.approx(target[epoch], abs=1e-5, rel=0), epoch
+
+
+def test_torch_add_param_group_errors_reduce_lr_on_plateau():
+    opt = torch_test_optimizer()
+    sched = Z.ReduceLROnPlateau(
+        opt, mode="min", threshold_mode="rel", threshold=1e-5, patience=0, cooldown=0,
+        min_lr=[1e-5, 1e-4],
+    )  # fmt: skip
+    opt.param_groups.append({"lr": 0.05, "momentum": 0.0})
+    sched.step(1)
+    with pytest.raises(RuntimeError, match="The number of param groups in the"):
+        sched.step(1.3)
+
+
+ROUND_TRIP_CASES = [
+    "step",
+    "cosine_restarts",
+    "lambda",
+    "sequential_three",
+    "onecycle_cos_sgd",
+    "cyclic_scale_fn_object_iterations",
+    "cyclic_scale_fn_lambda_cycle",
+    "multiplicative_per_group",
+    "chained_three_with_optimizer",
+    "chained_inside_sequential",
+    "sequential_inside_chained",
+]
 
 
 @pytest.mark.parametrize("case", ROUND_TRIP_CASES)
@@ -273,7 +590,18 @@ def test_state_dict_round_trip_at_step_150_continues_like_the_uninterrupted_run(
         assert group_values(resumed_opt) == group_values(ours) == group_values(theirs)
 
 
-@pytest.mark.parametrize("case", ["step", "cosine_restarts", "onecycle_linear_adam"])
+INTERCHANGE_CASES = [
+    "step",
+    "cosine_restarts",
+    "onecycle_linear_adam",
+    "cyclic_scale_fn_object_iterations",
+    "multiplicative_per_group",
+    "chained_three_with_optimizer",
+    "chained_inside_sequential",
+]
+
+
+@pytest.mark.parametrize("case", INTERCHANGE_CASES)
 def test_torch_state_dict_loads_into_zerosim_scheduler_and_continues_like_torch(case):
     kind, build = CASES[case]
     _, theirs = make_pair(kind)
@@ -291,6 +619,92 @@ def test_torch_state_dict_loads_into_zerosim_scheduler_and_continues_like_torch(
         z.step()
         t.step()
         assert group_values(ours) == group_values(theirs)
+
+
+@pytest.mark.parametrize("case", INTERCHANGE_CASES[3:])
+def test_zerosim_state_dict_loads_into_torch_scheduler_and_continues_like_zerosim(case):
+    kind, build = CASES[case]
+    ours, _ = make_pair(kind)
+    z = build(Z, ours)[0]
+    for _ in range(120):
+        z.step()
+    _, theirs = make_pair(kind)
+    t = build(T, theirs)[0]
+    for torch_group, group in zip(theirs.param_groups, ours.param_groups, strict=True):
+        torch_group.update(group)
+    t.load_state_dict(z.state_dict())
+    for _ in range(N_STEPS - 120):
+        theirs.step()
+        z.step()
+        t.step()
+        assert group_values(ours) == group_values(theirs)
+
+
+# torch's test_lr_scheduler_state_dict_load: a state_dict survives pickling and loads into a
+# scheduler built afresh, whatever functions the scheduler holds.
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_state_dict_pickles_and_loads_into_a_fresh_scheduler(case):
+    kind, build = CASES[case]
+    ours, _ = make_pair(kind)
+    scheds = build(Z, ours)
+    for _ in range(7):
+        for sched in scheds:
+            sched.step()
+    state = scheds[-1].state_dict()
+    loaded = pickle.loads(pickle.dumps(state))
+    assert loaded == state
+    fresh = build(Z, make_pair(kind)[0])[-1]
+    fresh.load_state_dict(loaded)
+    assert fresh.state_dict() == state
+
+
+@pytest.mark.parametrize(
+    "scale_fn, saved", [(lambda x: 0.9**x, None), (PowerScale(0.9), {"base": 0.9})]
+)
+def test_cyclic_lr_saves_a_scale_fn_as_torch_does(scale_fn, saved):
+    """A function: None (it is not picklable in general); an object: a copy of its __dict__."""
+    ours, theirs = make_pair("sgd")
+    z = Z.CyclicLR(ours, 0.01, 0.1, 5, scale_fn=scale_fn)
+    t = T.CyclicLR(theirs, 0.01, 0.1, 5, scale_fn=scale_fn)
+    state = z.state_dict()
+    assert state["_scale_fn_custom"] == t.state_dict()["_scale_fn_custom"] == saved
+    assert state["_scale_fn_custom"] is not getattr(scale_fn, "__dict__", None)  # a copy
+    assert pickle.loads(pickle.dumps(state)) == state
+
+
+def test_scale_fn_and_lr_lambda_objects_get_their_attributes_back_as_in_torch():
+    """The objects' state moves on mid-run; load_state_dict writes it into the fresh objects."""
+    for module_a, module_b in ((T, Z), (Z, T)):
+        opt_a, opt_b = make_pair("adam")[1], make_pair("adam")[1]
+        cyclic_a = module_a.CyclicLR(opt_a, 0.01, 0.3, 11, scale_fn=PowerScale(0.99))
+        mult_a = module_a.MultiplicativeLR(make_pair("sgd")[1], Halving(7))
+        for _ in range(50):
+            cyclic_a.step()
+            mult_a.step()
+        cyclic_a._scale_fn_custom.base = 0.95
+        mult_a.lr_lambdas[0].every = 3
+        cyclic_b = module_b.CyclicLR(opt_b, 0.01, 0.3, 11, scale_fn=PowerScale(0.5))
+        mult_b = module_b.MultiplicativeLR(make_pair("sgd")[1], Halving(100))
+        for group_b, group_a in zip(opt_b.param_groups, opt_a.param_groups, strict=True):
+            group_b.update({k: v for k, v in group_a.items() if k != "params"})
+        cyclic_b.load_state_dict(cyclic_a.state_dict())
+        mult_b.load_state_dict(mult_a.state_dict())
+        assert cyclic_b._scale_fn_custom.base == 0.95
+        assert [f.every for f in mult_b.lr_lambdas] == [3, 3]
+        for _ in range(100):
+            cyclic_a.step()
+            cyclic_b.step()
+            assert group_values(opt_a) == group_values(opt_b)
+
+
+def test_cyclic_lr_without_scale_fn_refuses_a_saved_scale_fn_object():
+    ours, _ = make_pair("sgd")
+    state = Z.CyclicLR(ours, 0.01, 0.1, scale_fn=PowerScale(0.9)).state_dict()
+    plain = Z.CyclicLR(make_pair("sgd")[0], 0.01, 0.1, mode="triangular2")
+    before = plain.state_dict()
+    with pytest.raises(ValueError, match="scale_fn object.*built without scale_fn"):
+        plain.load_state_dict(state)
+    assert plain.state_dict() == before
 
 
 def test_scheduler_state_dict_is_a_snapshot_not_a_live_view():
@@ -484,6 +898,26 @@ def test_deepspeed_one_cycle_follows_its_formula_with_decay_and_betas():
             assert group["lr"] == pytest.approx(0.01 / 1.5)
 
 
+@pytest.mark.parametrize("staircase", [False, True])
+def test_lr_range_test_follows_its_formula(staircase):
+    opt, _ = make_pair("adam")
+    lo, size, rate = [1e-4, 3e-4], 25, 0.5
+    sched = Z.LRRangeTest(opt, lo, size, rate, staircase)
+    assert [g["lr"] for g in opt.param_groups] == lo  # construction writes the floor
+    for k, lrs in enumerate(run_ds(sched, opt)):
+        interval = (k + 1) // size if staircase else (k + 1) / size
+        assert lrs == pytest.approx([x * (1 + rate * interval) for x in lo], rel=1e-12)
+    # Hand checks with one floor, 0.01: k = 24 ends the first interval (x 1.5), k = 99 the
+    # fourth (x 3); the staircase holds x 1 up to k = 23 and x 2.5 over k = 74..98.
+    opt, _ = make_pair("sgd")
+    got = run_ds(Z.LRRangeTest(opt, 0.01, size, rate, staircase), opt, 100)
+    assert got[24][0] == pytest.approx(0.015) and got[99][1] == pytest.approx(0.03)
+    if staircase:
+        assert got[23][0] == 0.01 and got[74][0] == pytest.approx(0.025) == got[98][0]
+    else:
+        assert got[23][0] == pytest.approx(0.01 * (1 + 0.5 * 24 / 25))
+
+
 def test_deepspeed_one_cycle_without_betas_leaves_momentum_alone_and_holds_min_lr():
     opt, _ = make_pair("sgd")
     sched = Z.OneCycle(opt, 0.001, 0.01, cycle_first_step_size=20)  # no decay: defaults
@@ -501,8 +935,9 @@ def test_deepspeed_one_cycle_without_betas_leaves_momentum_alone_and_holds_min_l
         lambda o: Z.WarmupDecayLR(o, 200, 0.0, 0.01, 40),
         lambda o: Z.WarmupCosineLR(o, 200, 0.05, 40),
         lambda o: Z.OneCycle(o, 0.001, 0.01, 0.2, 30, 60, decay_step_size=5),
+        lambda o: Z.LRRangeTest(o, [1e-3, 2e-3], 7, 0.3, True),
     ],
-    ids=["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"],
+    ids=["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"],
 )
 def test_deepspeed_scheduler_state_dict_round_trip(build):
     opt, _ = make_pair("adam")
@@ -534,6 +969,12 @@ BAD_DS = [
     (lambda o: Z.OneCycle(o, 0.1, 1.0, cycle_first_step_size=0), "cycle_first_step_size.*0"),
     (lambda o: Z.OneCycle(o, -0.1, 1.0), "cycle_min_lr.*-0.1"),
     (lambda o: Z.WarmupLR(o, warmup_max_lr=[0.1]), "warmup_max_lr.*2.*got 1"),
+    (lambda o: Z.LRRangeTest(o, lr_range_test_step_size=0), "lr_range_test_step_size.*>= 1.*0"),
+    (lambda o: Z.LRRangeTest(o, lr_range_test_step_size=2.5), "lr_range_test_step_size.*2.5"),
+    (lambda o: Z.LRRangeTest(o, lr_range_test_min_lr=[0.1]), "lr_range_test_min_lr.*2.*got 1"),
+    (lambda o: Z.LRRangeTest(o, lr_range_test_min_lr=-0.1), "lr_range_test_min_lr.*-0.1"),
+    (lambda o: Z.LRRangeTest(o, lr_range_test_step_rate=-1.0), "lr_range_test_step_rate.*-1.0"),
+    (lambda o: Z.LRRangeTest(o, lr_range_test_staircase="false"), "staircase.*true or false"),
 ]
 
 
@@ -569,6 +1010,20 @@ def test_build_scheduler_accepts_torch_type_names():
         z.step()
         t.step()
     assert group_values(ours) == group_values(theirs)
+
+
+def test_build_scheduler_builds_lr_range_test_and_the_python_only_types():
+    built_opt, direct_opt = make_pair("adam")[0], make_pair("adam")[0]
+    params = {"lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 9}
+    built = Z.build_scheduler("LRRangeTest", built_opt, params)
+    direct = Z.LRRangeTest(direct_opt, 1e-4, 9)
+    assert run_ds(built, built_opt, 40) == run_ds(direct, direct_opt, 40)
+    opt, _ = make_pair("sgd")
+    children = [Z.MultiplicativeLR(opt, lambda t: 0.9), Z.StepLR(opt, 2)]
+    chained = Z.build_scheduler("ChainedScheduler", opt, {"schedulers": children})
+    assert isinstance(chained, Z.ChainedScheduler) and chained.optimizer is opt
+    with pytest.raises(ValueError, match=r"ChainedScheduler needs params \['schedulers'\]"):
+        Z.build_scheduler("ChainedScheduler", opt, {})
 
 
 @pytest.mark.parametrize(
@@ -612,6 +1067,20 @@ def _deepspeed_grid() -> list[tuple[str, str, dict]]:
             ("WarmupCosineLR", "sgd", {**params, "cos_min_ratio": cmr, "warmup_type": "linear"})
         )
     grid.append(("WarmupCosineLR", "adam", {"total_num_steps": 700, "warmup_num_steps": 40}))
+    # DeepSpeed's TestLrRange grid (min_lr, step_rate, step_size, staircase), then wider.
+    for min_lr, rate, size, staircase in [
+        (1e-4, 1e-5, 1, True), (1e-5, 1e-5, 1, False), (1e-4, 1e-3, 10, True),
+        (1e-3, 1e-3, 10, False), (1e-2, 1e-2, 19, True), (1e-2, 1e-2, 19, False),
+        ([1e-3, 5e-4], 1.0, 2000, False), ([1e-3, 5e-4], 0.7, 333, True), (1e-3, 0.0, 7, False),
+    ]:  # fmt: skip
+        params = {
+            "lr_range_test_min_lr": min_lr,
+            "lr_range_test_step_rate": rate,
+            "lr_range_test_step_size": size,
+            "lr_range_test_staircase": staircase,
+        }
+        grid.append(("LRRangeTest", "adam" if staircase else "sgd", params))
+    grid.append(("LRRangeTest", "sgd", {}))  # DeepSpeed's defaults
     cycles = ((400, None), (300, 700), (250, 0), (1, 1))
     stairs = ((0, None), (4, None), (3, 7), (5, 0))
     decays = ((0, 0.0, 0.0), (50, 0.5, 0.0), (20, 0.1, 0.02))

@@ -48,7 +48,7 @@ OPTIMIZER_TYPES = DEEPSPEED_OPTIMIZERS + TORCH_OPTIMIZERS
 ZERO_SUPPORTED_OPTIMIZERS = DEEPSPEED_OPTIMIZERS
 # Defaults of DeepSpeed's Lion (FusedLion / DeepSpeedCPULion), which a config section builds.
 DEEPSPEED_LION_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999)}
-DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
+DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 TORCH_SCHEDULERS = (
     "StepLR",
     "MultiStepLR",
@@ -270,13 +270,6 @@ def _scheduler_type() -> Parser:
     supported = choice(*DEEPSPEED_SCHEDULERS, *TORCH_SCHEDULERS, any_case=False)
 
     def convert(value: Any, path: str) -> str:
-        if value == "LRRangeTest":
-            raise ConfigError(
-                path,
-                value,
-                "a training schedule; LRRangeTest is not supported by zerosim (it is a "
-                f"learning-rate search, not a schedule): {supported.allowed}",
-            )
         if value in PYTHON_ONLY_SCHEDULERS:
             raise ConfigError(
                 path,

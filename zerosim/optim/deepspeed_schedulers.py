@@ -8,8 +8,10 @@ starts at -1, each ``step()`` adds one, and iteration k's value is written to th
 each against DeepSpeed's own class over thousands of steps on a grid of parameters.
 
 Deviations from DeepSpeed, all in the direction of failing fast: an unknown ``warmup_type``
-raises ValueError (DeepSpeed logs a warning and uses 'log'), and negative learning rates,
-ratios, momenta or step counts raise ValueError (DeepSpeed writes them into the optimizer).
+raises ValueError (DeepSpeed logs a warning and uses 'log'), negative learning rates, ratios,
+rates, momenta or step counts raise ValueError (DeepSpeed writes them into the optimizer), and
+LRRangeTest's ``lr_range_test_staircase`` must be true/false or 0/1 (DeepSpeed tests any
+value for truth, so the string 'false' turns it on).
 """
 
 from __future__ import annotations
@@ -101,6 +103,52 @@ class _BatchScheduler(ABC):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_batch_iteration = state_dict["last_batch_iteration"]
+
+
+class LRRangeTest(_BatchScheduler):
+    """The learning-rate range test (Smith, arXiv:1803.09820): lr grows from a floor without
+    bound; the lr at which the loss starts to diverge bounds a good cyclic schedule.
+
+    With S = lr_range_test_step_size, r = lr_range_test_step_rate, k = last_batch_iteration:
+        lr_k = min_lr * (1 + r * i_k),
+        i_k = (k + 1) / S  (continuous)  or  floor((k + 1) / S)  (lr_range_test_staircase).
+    The floor may be one value or one per param group. Construction (k = -1) writes it.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        super().__init__(optimizer, last_batch_iteration)
+        self.min_lr = per_group("lr_range_test_min_lr", optimizer, lr_range_test_min_lr)
+        _check_non_negative(
+            lr_range_test_min_lr=lr_range_test_min_lr,
+            lr_range_test_step_rate=lr_range_test_step_rate,
+        )
+        _check_steps(1, lr_range_test_step_size=lr_range_test_step_size)
+        staircase = lr_range_test_staircase
+        if not isinstance(staircase, int) or staircase not in (0, 1):
+            raise ValueError(f"lr_range_test_staircase must be true or false; got {staircase!r}")
+        self.step_size = lr_range_test_step_size
+        self.step_rate = lr_range_test_step_rate
+        self.staircase = bool(staircase)
+        if last_batch_iteration == -1:
+            self._write(list(self.min_lr))
+
+    def _interval(self) -> float:
+        batches = self.last_batch_iteration + 1
+        if self.staircase:
+            return math.floor(float(batches) / self.step_size)
+        return float(batches) / self.step_size
+
+    def get_lr(self) -> list[float]:
+        increase = 1 + self.step_rate * self._interval()
+        return [lo * increase for lo in self.min_lr]
 
 
 class WarmupLR(_BatchScheduler):

@@ -15,7 +15,13 @@ are bit-for-bit torch's):
   (a recursive form), so two schedulers on one optimizer compose multiplicatively.
   Where a closed form exists it is written next to the recursive one.
 
-DeepSpeed's schedulers (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) live in
+* ``state_dict()`` holds every attribute but the optimizer. A user function in it (LambdaLR's
+  and MultiplicativeLR's ``lr_lambda``, CyclicLR's ``scale_fn``) is saved as torch saves it:
+  a plain function (``def`` or ``lambda``) as None, a callable object as a copy of its
+  ``__dict__``, which ``load_state_dict`` writes back into the object the scheduler was built
+  with. So a state_dict pickles, and goes into a checkpoint, whatever the function.
+
+DeepSpeed's schedulers (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR) live in
 ``deepspeed_schedulers.py`` and are re-exported here; ``build_scheduler`` maps a DeepSpeed JSON
 ``"scheduler"`` section (DeepSpeed's or torch's type names) to an instance.
 """
@@ -25,12 +31,14 @@ from __future__ import annotations
 import copy
 import inspect
 import math
+import types
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from zerosim.optim.deepspeed_schedulers import (
+    LRRangeTest,
     OneCycle,
     WarmupCosineLR,
     WarmupDecayLR,
@@ -45,14 +53,17 @@ __all__ = [
     "ExponentialLR",
     "CosineAnnealingLR",
     "LambdaLR",
+    "MultiplicativeLR",
     "LinearLR",
     "ConstantLR",
     "PolynomialLR",
     "CosineAnnealingWarmRestarts",
     "CyclicLR",
     "SequentialLR",
+    "ChainedScheduler",
     "OneCycleLR",
     "ReduceLROnPlateau",
+    "LRRangeTest",
     "WarmupLR",
     "WarmupDecayLR",
     "WarmupCosineLR",
@@ -129,7 +140,7 @@ class LRScheduler:
 
     def state_dict(self) -> dict[str, Any]:
         """Every attribute except the optimizer (copied, so later steps do not alter it)."""
-        return {k: copy.deepcopy(v) for k, v in self.__dict__.items() if k != "optimizer"}
+        return _attributes(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore attributes saved by ``state_dict`` (the group lrs are the optimizer's job)."""
@@ -140,8 +151,27 @@ def _current_lrs(optimizer: Any) -> list[float]:
     return [g["lr"] for g in optimizer.param_groups]
 
 
-class LambdaLR(LRScheduler):
-    """lr_t = base_lr * lr_lambda(t), one lambda for all groups or one per group (not chainable)."""
+def _attributes(scheduler: Any, leave_out: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A copy of the scheduler's attributes but the optimizer and ``leave_out``."""
+    skip = ("optimizer", *leave_out)
+    return {k: copy.deepcopy(v) for k, v in scheduler.__dict__.items() if k not in skip}
+
+
+def _saved_callable(fn: Callable[..., float]) -> dict[str, Any] | None:
+    """What torch keeps of a user function in a state_dict: nothing (None) for a plain
+    function or lambda, which cannot be pickled reliably; a copy of ``__dict__`` for a callable
+    object, whose attributes are its state."""
+    return None if isinstance(fn, types.FunctionType) else copy.deepcopy(fn.__dict__)
+
+
+def _restore_callable(fn: Callable[..., float], saved: dict[str, Any] | None) -> None:
+    """Write a ``_saved_callable`` record back into the function the scheduler was built with."""
+    if saved is not None:
+        fn.__dict__.update(copy.deepcopy(saved))
+
+
+class _LambdaScheduler(LRScheduler):
+    """Shared by LambdaLR and MultiplicativeLR: one function of the epoch per param group."""
 
     def __init__(
         self,
@@ -153,21 +183,15 @@ class LambdaLR(LRScheduler):
         self.lr_lambdas = per_group("lr_lambda", optimizer, lr_lambda)
         for fn in self.lr_lambdas:
             if not callable(fn):
-                raise TypeError(f"lr_lambda must be callable; got {type(fn).__name__}")
+                raise TypeError(
+                    f"lr_lambda should be a function (any callable); got {type(fn).__name__} {fn!r}"
+                )
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self) -> list[float]:
-        return [
-            base * fn(self.last_epoch)
-            for fn, base in zip(self.lr_lambdas, self.base_lrs, strict=True)
-        ]
-
     def state_dict(self) -> dict[str, Any]:
-        """Plain functions are not saved (None); callable objects save their ``__dict__``."""
-        state = {k: copy.deepcopy(v) for k, v in self.__dict__.items() if k != "optimizer"}
-        state["lr_lambdas"] = [
-            None if inspect.isfunction(fn) else copy.deepcopy(fn.__dict__) for fn in self.lr_lambdas
-        ]
+        """Attributes, with each lambda saved as ``_saved_callable`` says."""
+        state = _attributes(self, leave_out=("lr_lambdas",))
+        state["lr_lambdas"] = [_saved_callable(fn) for fn in self.lr_lambdas]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -175,8 +199,30 @@ class LambdaLR(LRScheduler):
         saved = state.pop("lr_lambdas")
         self.__dict__.update(state)
         for fn, attrs in zip(self.lr_lambdas, saved, strict=True):
-            if attrs is not None:
-                fn.__dict__.update(attrs)
+            _restore_callable(fn, attrs)
+
+
+class LambdaLR(_LambdaScheduler):
+    """lr_t = base_lr * lr_lambda(t), one lambda for all groups or one per group (not chainable)."""
+
+    def get_lr(self) -> list[float]:
+        return [
+            base * fn(self.last_epoch)
+            for fn, base in zip(self.lr_lambdas, self.base_lrs, strict=True)
+        ]
+
+
+class MultiplicativeLR(_LambdaScheduler):
+    """lr_t = lr_{t-1} * lr_lambda(t) for t > 0 (chainable); lr_0 is the group's lr.
+
+    Closed form: lr_t = base_lr * prod_{s=1..t} lr_lambda(s).
+    """
+
+    def get_lr(self) -> list[float]:
+        lrs = _current_lrs(self.optimizer)
+        if self._is_initial:
+            return lrs
+        return [lr * fn(self.last_epoch) for fn, lr in zip(self.lr_lambdas, lrs, strict=True)]
 
 
 class StepLR(LRScheduler):
@@ -446,9 +492,11 @@ class CyclicLR(LRScheduler):
     With S = step_size_up + step_size_down, r = step_size_up / S, cycle = floor(1 + t/S),
     x = 1 + t/S - cycle: scale = x / r if x <= r else (x - 1) / (r - 1), and
         lr_t = base_lr + (max_lr - base_lr) * scale * f,
-    f = 1 ('triangular'), 1 / 2**(cycle - 1) ('triangular2'), gamma**t ('exp_range'), or
-    ``scale_fn`` of the cycle or of t (``scale_mode``). With cycle_momentum, momentum (or beta1)
-    moves the other way between max_momentum and base_momentum. Not chainable.
+    f = scale_fn(x): 1 ('triangular'), 1 / 2**(x - 1) ('triangular2'), gamma**x ('exp_range'),
+    or the user's ``scale_fn``, with x the cycle or t (``scale_mode``; the built-in modes fix
+    it: 'cycle', 'cycle', 'iterations'). With cycle_momentum, momentum (or beta1) moves the
+    other way between max_momentum and base_momentum. Not chainable. A user ``scale_fn`` goes
+    into ``state_dict()`` as torch puts it there (see the module docstring).
     """
 
     def __init__(
@@ -476,7 +524,8 @@ class CyclicLR(LRScheduler):
         down = up if step_size_down is None else float(step_size_down)
         self.total_size = up + down
         self.step_ratio = up / self.total_size
-        self.mode, self.gamma, self.scale_fn = mode, gamma, scale_fn
+        self.mode, self.gamma = mode, gamma
+        self._scale_fn_custom = scale_fn  # torch's attribute name, so state_dicts interchange
         self.scale_mode = (
             scale_mode
             if scale_fn is not None
@@ -511,10 +560,10 @@ class CyclicLR(LRScheduler):
         else:
             group["momentum"] = value
 
-    def _factor(self, cycle: int) -> float:
-        x = cycle if self.scale_mode == "cycle" else self.last_epoch
-        if self.scale_fn is not None:
-            return self.scale_fn(x)
+    def scale_fn(self, x: float) -> float:
+        """The height of the triangle at x (a cycle number or an iteration, per scale_mode)."""
+        if self._scale_fn_custom is not None:
+            return self._scale_fn_custom(x)
         if self.mode == "triangular":
             return 1.0
         if self.mode == "triangular2":
@@ -525,7 +574,7 @@ class CyclicLR(LRScheduler):
         cycle = math.floor(1 + self.last_epoch / self.total_size)
         x = 1.0 + self.last_epoch / self.total_size - cycle
         scale = x / self.step_ratio if x <= self.step_ratio else (x - 1) / (self.step_ratio - 1)
-        factor = self._factor(cycle)
+        factor = self.scale_fn(cycle if self.scale_mode == "cycle" else self.last_epoch)
         lrs = [
             b + (hi - b) * scale * factor for b, hi in zip(self.base_lrs, self.max_lrs, strict=True)
         ]
@@ -536,8 +585,87 @@ class CyclicLR(LRScheduler):
                 self._set_momentum(group, momentum)
         return lrs
 
+    def state_dict(self) -> dict[str, Any]:
+        """Attributes, with a user ``scale_fn`` saved as ``_saved_callable`` says."""
+        state = _attributes(self, leave_out=("_scale_fn_custom",))
+        fn = self._scale_fn_custom
+        state["_scale_fn_custom"] = None if fn is None else _saved_callable(fn)
+        return state
 
-class SequentialLR(LRScheduler):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = copy.deepcopy(state_dict)
+        saved = state.pop("_scale_fn_custom", None)
+        state.pop("scale_fn", None)  # the key of earlier zerosim versions: the function itself
+        if saved is not None and self._scale_fn_custom is None:
+            raise ValueError(
+                "state_dict holds the attributes of a scale_fn object, but this CyclicLR was "
+                "built without scale_fn; build it with the same kind of scale_fn object"
+            )
+        self.__dict__.update(state)
+        if self._scale_fn_custom is not None:
+            _restore_callable(self._scale_fn_custom, saved)
+
+
+class _SchedulerOfSchedulers(LRScheduler):
+    """Shared by SequentialLR and ChainedScheduler: children on one optimizer.
+
+    ``state_dict()`` nests the children's; setting ``optimizer`` re-points every child (the
+    engine does so when it is given a scheduler built on the user's optimizer).
+    """
+
+    _schedulers: list[Any]
+
+    @property
+    def optimizer(self) -> Any:
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: Any) -> None:
+        self._optimizer = optimizer
+        for child in self._schedulers:
+            child.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        state = _attributes(self, leave_out=("_optimizer", "_schedulers"))
+        state["_schedulers"] = [s.state_dict() for s in self._schedulers]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = copy.deepcopy(state_dict)
+        children = state.pop("_schedulers")
+        if len(children) != len(self._schedulers):
+            raise ValueError(
+                f"state_dict holds {len(children)} schedulers; this "
+                f"{type(self).__name__} has {len(self._schedulers)}"
+            )
+        self.__dict__.update(state)
+        for sched, child_state in zip(self._schedulers, children, strict=True):
+            sched.load_state_dict(child_state)
+
+
+def _check_children(kind: str, optimizer: Any, schedulers: Sequence[Any]) -> None:
+    """torch's rules: at least one; each has an optimizer, the same one; no ReduceLROnPlateau."""
+    if len(schedulers) < 1:
+        raise ValueError(f"{kind} needs at least one scheduler in schedulers; got none")
+    for i, sched in enumerate(schedulers):
+        if not hasattr(sched, "optimizer"):
+            raise TypeError(
+                f"schedulers[{i}] of {kind} must be a scheduler with an 'optimizer' attribute; "
+                f"got {type(sched).__name__}"
+            )
+        if isinstance(sched, ReduceLROnPlateau):
+            raise ValueError(
+                f"schedulers[{i}] of {kind} is ReduceLROnPlateau, which cannot be stepped "
+                "without a metric; step it on its own"
+            )
+        if sched.optimizer is not optimizer:
+            raise ValueError(
+                f"schedulers[{i}] of {kind} ({type(sched).__name__}) drives another optimizer; "
+                "all must drive the same one"
+            )
+
+
+class SequentialLR(_SchedulerOfSchedulers):
     """Run ``schedulers[i]`` between ``milestones[i-1]`` and ``milestones[i]`` (torch semantics).
 
     At construction the groups go back to ``initial_lr``, every child's initial step is
@@ -554,24 +682,14 @@ class SequentialLR(LRScheduler):
         last_epoch: int = -1,
     ) -> None:
         _check_optimizer(optimizer)
-        if len(schedulers) < 1:
-            raise ValueError("schedulers must hold at least one scheduler; got an empty list")
-        for i, sched in enumerate(schedulers):
-            if isinstance(sched, ReduceLROnPlateau):
-                raise ValueError(
-                    f"schedulers[{i}] is ReduceLROnPlateau, which SequentialLR cannot step"
-                )
-            if getattr(sched, "optimizer", None) is not optimizer:
-                raise ValueError(
-                    f"schedulers[{i}] ({type(sched).__name__}) drives another optimizer"
-                )
+        _check_children("SequentialLR", optimizer, schedulers)
         if len(milestones) != len(schedulers) - 1:
             raise ValueError(
                 f"milestones must have len(schedulers) - 1 = {len(schedulers) - 1} entries; "
                 f"got {len(milestones)}"
             )
-        self.optimizer = optimizer
         self._schedulers = list(schedulers)
+        self.optimizer = optimizer
         self._milestones = list(milestones)
         self.last_epoch = last_epoch + 1
         for group in optimizer.param_groups:
@@ -592,21 +710,29 @@ class SequentialLR(LRScheduler):
             sched.step()
         self._last_lr = sched.get_last_lr()
 
-    def state_dict(self) -> dict[str, Any]:
-        state = {
-            k: copy.deepcopy(v)
-            for k, v in self.__dict__.items()
-            if k not in ("optimizer", "_schedulers")
-        }
-        state["_schedulers"] = [s.state_dict() for s in self._schedulers]
-        return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = copy.deepcopy(state_dict)
-        children = state.pop("_schedulers")
-        self.__dict__.update(state)
-        for sched, child_state in zip(self._schedulers, children, strict=True):
-            sched.load_state_dict(child_state)
+class ChainedScheduler(_SchedulerOfSchedulers):
+    """Step several chainable schedulers as one: ``step()`` steps each, in the order given.
+
+    Chainable schedulers compute lr_t from the group's current lr, so their factors multiply;
+    ConstantLR(factor=0.1, total_iters=20) chained with ExponentialLR(gamma=0.9) gives
+    lr_t = base_lr * 0.1 * 0.9**t for t < 20, then base_lr * 0.9**t. Nothing is undone at
+    construction (the children have taken their initial steps). ``optimizer`` defaults to
+    the children's; ``get_last_lr()`` is the groups' lrs after the last child stepped.
+    """
+
+    def __init__(self, schedulers: Sequence[LRScheduler], optimizer: Any = None) -> None:
+        if len(schedulers) >= 1 and optimizer is None:
+            optimizer = getattr(schedulers[0], "optimizer", None)
+        _check_children("ChainedScheduler", optimizer, schedulers)
+        self._schedulers = list(schedulers)
+        self.optimizer = optimizer
+        self._last_lr = _current_lrs(optimizer)
+
+    def step(self) -> None:  # type: ignore[override]
+        for sched in self._schedulers:
+            sched.step()
+        self._last_lr = _current_lrs(self.optimizer)
 
 
 def _undo_initial_step(sched: Any) -> None:
@@ -756,6 +882,11 @@ class ReduceLROnPlateau(LRScheduler):
     Otherwise it is a bad epoch. During ``cooldown`` epochs after a reduction bad epochs are
     not counted. When bad epochs exceed ``patience``: lr_new = max(lr * factor, min_lr), kept
     only if lr - lr_new > eps. No initial step is taken at construction.
+
+    A param group added to the optimizer later is reduced too: with one ``min_lr`` for all
+    groups it gets that floor; with a list, a reduction raises RuntimeError (as torch does)
+    until ``min_lrs`` is given one value per group. Unlike torch, that error leaves the
+    scheduler as it was, so the same ``step(metric)`` can be repeated once ``min_lrs`` is set.
     """
 
     def __init__(
@@ -796,17 +927,24 @@ class ReduceLROnPlateau(LRScheduler):
     def step(self, metrics: float) -> None:  # type: ignore[override]
         """Record one metric value and reduce the lrs if it has plateaued."""
         current = float(metrics)
+        better = self._is_better(current)
+        bad_epochs = 0 if better else self.num_bad_epochs + 1
+        cooldown_counter = self.cooldown_counter
+        if cooldown_counter > 0:  # bad epochs in a cooldown do not count
+            cooldown_counter -= 1
+            bad_epochs = 0
+        reduce = bad_epochs > self.patience
+        floors = self._floors() if reduce else []  # may raise: nothing has changed yet
         self.last_epoch += 1
-        if self._is_better(current):
+        if better:
             self.best = current
-            self.num_bad_epochs = 0
-        else:
-            self.num_bad_epochs += 1
-        if self.cooldown_counter > 0:
-            self.cooldown_counter -= 1
-            self.num_bad_epochs = 0
-        if self.num_bad_epochs > self.patience:
-            self._reduce_lr()
+        self.num_bad_epochs, self.cooldown_counter = bad_epochs, cooldown_counter
+        if reduce:
+            for group, floor in zip(self.optimizer.param_groups, floors, strict=True):
+                old = float(group["lr"])
+                new = max(old * self.factor, floor)
+                if old - new > self.eps:
+                    group["lr"] = new
             self.cooldown_counter = self.cooldown
             self.num_bad_epochs = 0
         self._last_lr = _current_lrs(self.optimizer)
@@ -817,28 +955,29 @@ class ReduceLROnPlateau(LRScheduler):
             return current < (best * (1.0 - th) if self.threshold_mode == "rel" else best - th)
         return current > (best * (th + 1.0) if self.threshold_mode == "rel" else best + th)
 
-    def _reduce_lr(self) -> None:
-        groups = self.optimizer.param_groups
-        if len(self.min_lrs) != len(groups):
-            if self.default_min_lr is None:
-                raise ValueError(
-                    f"the optimizer now has {len(groups)} param_groups but min_lr gave "
-                    f"{len(self.min_lrs)} values; set min_lrs to one value per group"
-                )
-            self.min_lrs = [self.default_min_lr] * len(groups)
-        for group, floor in zip(groups, self.min_lrs, strict=True):
-            old = float(group["lr"])
-            new = max(old * self.factor, floor)
-            if old - new > self.eps:
-                group["lr"] = new
+    def _floors(self) -> list[float]:
+        """``min_lrs``, one per param group; a single min_lr covers groups added since."""
+        n_groups = len(self.optimizer.param_groups)
+        if len(self.min_lrs) == n_groups:
+            return self.min_lrs
+        if self.default_min_lr is None:
+            raise RuntimeError(
+                f"The number of param groups in the optimizer ({n_groups}) differs from the "
+                f"number of min_lrs ({len(self.min_lrs)}) ReduceLROnPlateau was built with, "
+                "usually because a param group was added to the optimizer; set the "
+                f"scheduler's min_lrs to a list of {n_groups} values"
+            )
+        self.min_lrs = [self.default_min_lr] * n_groups
+        return self.min_lrs
 
 
 def build_scheduler(name: str, optimizer: Any, params: dict[str, Any] | None = None) -> Any:
     """Build a scheduler from a DeepSpeed config ``"scheduler": {"type": name, "params": params}``.
 
-    ``name`` is one of DeepSpeed's types (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)
-    or a torch.optim.lr_scheduler class name implemented here. Unknown types, unknown params
-    and missing required params raise ValueError naming them and listing what is allowed.
+    ``name`` is one of DeepSpeed's types (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR,
+    WarmupCosineLR) or a torch.optim.lr_scheduler class name implemented here. Unknown types,
+    unknown params and missing required params raise ValueError naming them and listing what
+    is allowed.
     """
     registry = {cls.__name__: cls for cls in _BUILDABLE}
     if name not in registry:
@@ -857,11 +996,12 @@ def build_scheduler(name: str, optimizer: Any, params: dict[str, Any] | None = N
     ]
     if missing:
         raise ValueError(f"scheduler {name} needs params {missing}; allowed: {allowed}")
-    return cls(optimizer, **params)
+    return cls(optimizer=optimizer, **params)
 
 
 _BUILDABLE = (
-    StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LambdaLR, LinearLR, ConstantLR,
-    PolynomialLR, CosineAnnealingWarmRestarts, CyclicLR, SequentialLR, OneCycleLR,
-    ReduceLROnPlateau, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle,
+    StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LambdaLR, MultiplicativeLR, LinearLR,
+    ConstantLR, PolynomialLR, CosineAnnealingWarmRestarts, CyclicLR, SequentialLR,
+    ChainedScheduler, OneCycleLR, ReduceLROnPlateau, LRRangeTest, WarmupLR, WarmupDecayLR,
+    WarmupCosineLR, OneCycle,
 )  # fmt: skip
