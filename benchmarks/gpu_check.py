@@ -37,7 +37,6 @@ command that fails (or never ends) in place of that part's, for those tests.
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
 import json
 import os
@@ -49,11 +48,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import gpu_report  # noqa: E402  (after the path set-up above)
+
 MACHINE = "benchmarks/gpu_machine.py"
 LIMITS = {"setup": 90, "environment": 60, "mpi": 60, "tests": 180, "benchmark": 180, "mpirun": 180}
 PARTS = tuple(LIMITS)
@@ -99,6 +101,7 @@ class Check:
         self.env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
         )
+        self.env["PYTHONUNBUFFERED"] = "1"  # a part ended at its limit leaves its whole log
         # Open MPI refuses to start as root without these (MPICH ignores them)
         self.env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         self.env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
@@ -224,7 +227,7 @@ class Check:
         files = GPU_TESTS if part.name == "tests" else GPU_TESTS[:1]  # test_backend's: no mpi
         argv += [f"--junitxml={report}", *files]
         code = self.run(part, argv)
-        part.tests = junit_cases(report)
+        part.tests = gpu_report.junit_cases(report) or gpu_report.verbose_cases(self.log(part))
         if code is None:
             return self.timed_out(part)
         outcomes = [outcome for _, outcome, _, _ in part.tests]
@@ -274,9 +277,7 @@ class Check:
 
     # -- the report -------------------------------------------------------------------------------
     def write_report(self) -> None:
-        from benchmarks.gpu_report import report  # noqa: PLC0415
-
-        text = report(self.parts, self.facts, self.started, self.a.cpu_dry, self.log)
+        text = gpu_report.report(self.parts, self.facts, self.started, self.a.cpu_dry, self.log)
         (self.out / "report.md").write_text(text)
 
     def main(self) -> int:
@@ -302,35 +303,6 @@ def end_group(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             continue
     proc.wait()
-
-
-def junit_cases(path: Path) -> list[tuple[str, str, float, str]]:
-    """(test, outcome, seconds, message) for each test case of a pytest JUnit XML report."""
-    if not path.exists():
-        return []
-    cases = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                outcome = "failed" if child.tag != "skipped" else "skipped"
-                message = child.get("message") or ""
-                if message in ("", "collection skipped") and child.text:  # the reason is there
-                    message = skip_reason(child.text.strip())
-                message = (message.splitlines() or [""])[0][:300]
-        module = case.get("classname", "").rsplit(".", 1)[-1]
-        name = f"{module}::{case.get('name')}" if module else case.get("name", "")
-        cases.append((name, outcome, float(case.get("time") or 0), message))
-    return cases
-
-
-def skip_reason(text: str) -> str:
-    """A module-level skip's reason from JUnit's text ``('tests/x.py', 25, 'Skipped: why')``."""
-    try:
-        path, line, why = ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError):
-        return text
-    return f"{Path(path).name}:{line}: {why.removeprefix('Skipped: ')}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -360,5 +332,4 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     raise SystemExit(Check(parse_args(sys.argv[1:])).main())

@@ -1,11 +1,16 @@
-"""The GPU check's report (benchmarks/gpu_check.py): report.md from the parts' outcomes, the
-machine's facts (benchmarks/gpu_machine.py environment) and the logs."""
+"""The GPU check's report (benchmarks/gpu_check.py): each test's outcome read from pytest's
+JUnit XML (or its ``-v`` lines), and report.md from the parts' outcomes, the machine's facts
+(benchmarks/gpu_machine.py environment) and the logs."""
 
 from __future__ import annotations
 
+import ast
 import datetime
 import json
+import re
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # what each test of tests/test_gpu.py (and the cupy test of tests/test_backend.py) shows, for
@@ -36,6 +41,47 @@ SHOWS = {
     ),
 }
 BENCH_LINES = ("|", "Adam on", "GPT training", "last losses")
+
+
+# -- what pytest says ----------------------------------------------------------------------------
+def junit_cases(path: Path) -> list[tuple[str, str, float, str]]:
+    """(test, outcome, seconds, message) for each test case of a pytest JUnit XML report."""
+    if not path.exists():
+        return []
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = "failed" if child.tag != "skipped" else "skipped"
+                message = child.get("message") or ""
+                if message in ("", "collection skipped") and child.text:  # the reason is there
+                    message = skip_reason(child.text.strip())
+                message = (message.splitlines() or [""])[0][:300]
+        module = case.get("classname", "").rsplit(".", 1)[-1]
+        name = f"{module}::{case.get('name')}" if module else case.get("name", "")
+        cases.append((name, outcome, float(case.get("time") or 0), message))
+    return cases
+
+
+def verbose_cases(log: str) -> list[tuple[str, str, float, str]]:
+    """(test, outcome, 0, "") from ``pytest -v``'s lines, where pytest was ended before it
+    wrote its JUnit report (a part past its limit): the tests that finished."""
+    found = re.findall(r"^tests/(\S+)\.py::(\S+) (PASSED|FAILED|SKIPPED|ERROR)", log, re.M)
+    words = {"PASSED": "passed", "SKIPPED": "skipped"}
+    return [(f"{m}::{t}", words.get(word, "failed"), 0.0, "") for m, t, word in found]
+
+
+def skip_reason(text: str) -> str:
+    """A module-level skip's reason from JUnit's text ``('tests/x.py', 25, 'Skipped: why')``."""
+    try:
+        path, line, why = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError):
+        return text
+    return f"{Path(path).name}:{line}: {why.removeprefix('Skipped: ')}"
+
+
+# -- report.md ---------------------------------------------------------------------------------
 
 
 def report(

@@ -206,3 +206,27 @@ def test_every_test_the_report_describes_exists():
     backend = re.findall(r"^def (test_\w+)", (ROOT / "tests/test_backend.py").read_text(), re.M)
     assert set(gpu_report.SHOWS) <= gpu | set(backend), set(gpu_report.SHOWS) - gpu - set(backend)
     assert gpu <= set(gpu_report.SHOWS), gpu - set(gpu_report.SHOWS)
+
+
+def test_test_outcomes_are_read_from_pytest_junit_report_or_its_verbose_lines(tmp_path):
+    """What a real pytest run writes: its JUnit XML, and (for a part ended at its limit, before
+    the XML is written) its ``-v`` lines."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_demo.py").write_text(
+        "import pytest\n\n"
+        "def test_passes():\n    assert True\n\n"
+        "def test_fails():\n    assert 1 == 2, 'one is not two'\n\n"
+        "@pytest.mark.skip(reason='not here')\ndef test_skips():\n    pass\n"
+    )
+    xml = tmp_path / "demo.xml"
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    ran = subprocess.run(
+        [*cmd, "tests/test_demo.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    want = {"test_passes": "passed", "test_fails": "failed", "test_skips": "skipped"}
+    from_xml = gpu_report.junit_cases(xml)
+    assert {name.split("::")[1]: outcome for name, outcome, _, _ in from_xml} == want
+    assert [m for n, _, _, m in from_xml if n.endswith("test_skips")] == ["not here"]
+    assert any("one is not two" in m for n, _, _, m in from_xml if n.endswith("test_fails"))
+    from_log = gpu_report.verbose_cases(ran.stdout)
+    assert {name.split("::")[1]: outcome for name, outcome, _, _ in from_log} == want
