@@ -123,7 +123,7 @@ def mode(facts: dict, cpu_dry: bool) -> str:
     if cpu_dry:
         return 'CPU mode (--cpu-dry: every part ran with CUDA_VISIBLE_DEVICES="")'
     if facts.get("gpu"):
-        return f"GPU: {facts['devices']} × {facts['names'][0]}"
+        return f"GPU: {facts['devices']} × {facts.get('names', ['?'])[0]}"
     if facts:
         return f"CPU mode: no GPU ({facts.get('no gpu')})"
     return "GPU or not unknown: the environment part did not report"

@@ -230,3 +230,30 @@ def test_test_outcomes_are_read_from_pytest_junit_report_or_its_verbose_lines(tm
     assert any("one is not two" in m for n, _, _, m in from_xml if n.endswith("test_fails"))
     from_log = gpu_report.verbose_cases(ran.stdout)
     assert {name.split("::")[1]: outcome for name, outcome, _, _ in from_log} == want
+
+
+def test_where_pip_is_missing_a_wheel_is_unpacked_as_pip_would_lay_it_out(tmp_path):
+    """The fallback of the setup part: packages into the site folder, a wheel's data (mpich's
+    bin/ and lib/) into the prefix, executables executable; then found for PYTHONPATH, PATH,
+    LD_LIBRARY_PATH and MPI4PY_LIBMPI."""
+    from benchmarks.gpu_machine import environment_for, unpack
+
+    wheel = tmp_path / "mpich-9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as whl:
+        whl.writestr("mpich-9.9.dist-info/METADATA", "Metadata-Version: 2.1\nName: mpich\n")
+        whl.writestr("mpich-9.9.data/data/bin/mpirun", "#!/bin/sh\necho ran\n")
+        whl.writestr("mpich-9.9.data/data/lib/libmpi.so.12", "not really a library")
+    probe = tmp_path / "wheels"
+    probe.mkdir()
+    prefix = tmp_path / "prefix"
+    for each in (wheel, fake_wheel(probe, "zs_probe")):
+        unpack(each, prefix, prefix / "site-packages")
+    assert (prefix / "site-packages" / "zs_probe_module.py").read_text() == "ANSWER = 42\n"
+    ran = subprocess.run([str(prefix / "bin" / "mpirun")], capture_output=True, text=True)
+    assert ran.stdout == "ran\n"
+    assert environment_for(prefix) == {
+        "PYTHONPATH": str(prefix / "site-packages"),
+        "PATH": str(prefix / "bin"),
+        "LD_LIBRARY_PATH": str(prefix / "lib"),
+        "MPI4PY_LIBMPI": str(prefix / "lib" / "libmpi.so.12"),
+    }
