@@ -17,13 +17,14 @@ STREAM's Copy does (read one array, write another: 2 passes), and its time besid
 script). zerosim's engine trains it on one rank at stage 0 in float32 with Adam (the backend
 ``cupy``, or ``numpy`` with ``--device cpu``), and torch trains the same module structure
 (benchmarks/training_step.py's ``torch_modules``), loaded with zerosim's initial weights, with
-``Adam(fused=True)`` on the same device, on the same batches of ``--micro-batch`` sequences of
-random tokens. Neither uses TF32 (CuPy's and torch's default for float32 matrix products). The
-figure is the median step time after ``--warmup`` steps (the first ones compile CuPy's kernels),
-with tokens per second, the model FLOP rate at 6Ψ per token (forward 2Ψ, backward 4Ψ; attention's
-T² terms left out) and the ratio to torch's time. Both losses at the last step are printed: from
-the same weights on the same data they agree to float32 rounding, which shows that both timed the
-same computation (``--check`` exits 1 where they differ by more than 1e-3 relative).
+``Adam(fused=True)`` on the same device, on the same batches of 8 sequences of 256 random tokens
+(uniform over the vocabulary, seeded by the step). Neither uses TF32 (CuPy's and torch's default
+for float32 matrix products). The figure is the median step time after ``--warmup`` steps (the
+first ones compile CuPy's kernels), with tokens per second, the model FLOP rate at 6Ψ per token
+(forward 2Ψ, backward 4Ψ; attention's T² terms left out) and the ratio to torch's time. Both
+losses at the last step are printed: from the same weights on the same data they agree to float32
+rounding, which shows that both timed the same computation (``--check`` exits 1 where they
+differ by more than 1e-3 relative).
 
 ``--device cpu`` runs the same measurements on the host (NumPy arrays, torch on the CPU): a check
 of this script's code where no GPU is (tests/test_gpu_check.py); its figures are not a GPU's.
