@@ -111,6 +111,8 @@ class Check:
         self.env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         if a.cpu_dry:
             self.env["CUDA_VISIBLE_DEVICES"] = ""
+        if not os.access(Path.home(), os.W_OK):  # CuPy caches the kernels it compiles there
+            self.env.setdefault("CUPY_CACHE_DIR", str(self.scratch / "cupy"))
 
     # -- running a part -------------------------------------------------------------------------
     def limit_for(self, name: str) -> float:
