@@ -13,31 +13,40 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# what each test of tests/test_gpu.py (and the cupy test of tests/test_backend.py) shows, for
-# the rows of docs/install.md's "What runs where"
+# what each test of tests/test_gpu.py (and the cupy test of tests/test_backend.py) runs, as the
+# route and what columns of docs/install.md's "What runs where" ("mpirun": the route found here)
+LOCAL = "LocalWorld: in place on the GPU"
+MPIRUN = "`mpirun -n 2`: {route}"
 SHOWS = {
     "test_every_stage_on_the_gpu_matches_the_numpy_run": (
-        "stages 0-3, both layouts, accumulation, clipping in float64, LocalWorld N = 2: the "
-        "NumPy run's weights (≤ 1e-12)"
+        LOCAL,
+        "stages 0-3, both layouts, accumulation, clipping in float64: the NumPy run's weights "
+        "(≤ 1e-12)",
     ),
     "test_every_stage_in_float32_on_the_gpu_is_as_close_to_float64_as_numpys_float32": (
-        "stages 0-3 (Adam) and stage 2 (SGD) in float32, LocalWorld N = 2: within 2× NumPy "
-        "float32's distance from the NumPy float64 run"
+        LOCAL,
+        "stages 0-3 (Adam) and stage 2 (SGD) in float32: within 2× NumPy float32's distance "
+        "from the NumPy float64 run",
     ),
     "test_the_adam_elementwise_kernel_matches_the_numpy_path": (
-        "the fused Adam/AdamW ElementwiseKernel (AMSGrad too) against the NumPy path"
+        "—",
+        "the fused Adam/AdamW ElementwiseKernel (AMSGrad too) against the NumPy path",
     ),
     "test_the_sgd_elementwise_kernel_matches_the_numpy_path": (
-        "the fused SGD ElementwiseKernel (momentum, Nesterov) against the NumPy path, to the bit"
+        "—",
+        "the fused SGD ElementwiseKernel (momentum, Nesterov) against the NumPy path, to the bit",
     ),
     "test_collectives_on_gpu_arrays_say_how_they_travelled_under_mpirun": (
-        "all-reduce and all-gather of CuPy arrays under mpirun -n 2, the expected route"
+        MPIRUN,
+        "all-reduce and all-gather of CuPy arrays take the route expected here",
     ),
     "test_every_stage_on_the_gpu_under_mpirun_2": (
-        "stages 0-3 under mpirun -n 2 in float64 (≤ 1e-12) and float32, the expected route"
+        MPIRUN,
+        "stages 0-3 in float64 (≤ 1e-12 from the NumPy run) and float32, the expected route",
     ),
     "test_cupy_backend_round_trips_arrays_through_the_device": (
-        "the backend: host arrays to the GPU and back, counted; bfloat16 refused"
+        "—",
+        "the backend: host arrays to the GPU and back, counted; bfloat16 refused",
     ),
 }
 BENCH_LINES = ("|", "Adam on", "GPT training", "last losses")
@@ -184,7 +193,8 @@ def benchmark(part: Any, log: Callable) -> list[str]:
 
 
 def docs_rows(parts: dict, facts: dict, when: str, cpu_dry: bool) -> list[str]:
-    """One row per test function of the GPU tests: what it shows and how it came out here."""
+    """One row of docs/install.md's table per test function of the GPU tests, and one for the
+    benchmark: what it runs and how it came out here."""
     outcomes: dict[str, list[str]] = {}
     for part in (parts["tests"], parts["mpirun"]):
         for name, outcome, _, _ in part.tests:
@@ -194,15 +204,19 @@ def docs_rows(parts: dict, facts: dict, when: str, cpu_dry: bool) -> list[str]:
         return []
     where = f"{when}, {mode(facts, cpu_dry)}"
     lines = ["", '## Rows for docs/install.md ("What runs where")', ""]
-    lines += ["| cupy: what | result | run |", "|---|---|---|"]
+    lines += [
+        "| backend | route of collectives | what | run by | last run |",
+        "|---|---|---|---|---|",
+    ]
     for function, got in outcomes.items():
         result = ", ".join(f"{got.count(o)} {o}" for o in sorted(set(got)))
-        shows = SHOWS.get(function, function)
-        if "route" in shows and facts.get("route"):
-            shows += f" ({facts['route']})"
-        lines.append(f"| {shows} | {result} | {where} |")
-    if parts["benchmark"].status == "passed":
-        lines.append(f"| benchmarks/gpu_adam.py (tables above) | passed | {where} |")
+        route, what = SHOWS.get(function, ("?", function))
+        route = route.format(route=facts.get("route", "?"))
+        lines.append(f"| cupy | {route} | {what} | `{function}` | {result}: {where} |")
+    bench = parts["benchmark"]
+    if bench.status in ("passed", "failed", "timed out"):
+        what = "the tables above"
+        lines.append(f"| cupy | — | {what} | `benchmarks/gpu_adam.py` | {bench.status}: {where} |")
     return lines
 
 

@@ -194,9 +194,14 @@ def test_the_report_of_a_gpu_run_names_routes_bf16_and_the_rows_for_the_docs():
     assert "CuPy arrays go **staged**" in text
     assert "NCCL through CuPy: 22803; taken here: no." in text
     assert "- `matmul`: error: TypeError: no bf16 matmul" in text
-    rows = [line for line in text.splitlines() if line.startswith("| stages 0-3")]
-    assert rows[0].startswith("| stages 0-3, both layouts") and "| 1 failed, 1 passed |" in rows[0]
-    assert "(staged) | 1 passed | 2026-11-26 12:00 UTC, GPU: 1 × NVIDIA H100" in rows[1]
+    rows = [line for line in text.splitlines() if line.startswith("| cupy | ")]
+    assert rows[0].startswith("| cupy | LocalWorld: in place on the GPU | stages 0-3, both")
+    assert rows[0].endswith(
+        "| 1 failed, 1 passed: 2026-11-26 12:00 UTC, GPU: 1 × NVIDIA H100 80GB HBM3 |"
+    )
+    assert rows[1].startswith("| cupy | `mpirun -n 2`: staged | stages 0-3 in float64")
+    assert rows[1].endswith("| 1 passed: 2026-11-26 12:00 UTC, GPU: 1 × NVIDIA H100 80GB HBM3 |")
+    assert "| `benchmarks/gpu_adam.py` | passed: 2026-11-26" in rows[2]
 
 
 def test_every_test_the_report_describes_exists():
