@@ -200,7 +200,7 @@ def docs_rows(parts: dict, facts: dict, when: str, cpu_dry: bool) -> list[str]:
         for name, outcome, _, _ in part.tests:
             function = name.split("::")[-1].split("[")[0]
             outcomes.setdefault(function, []).append(outcome)
-    if not outcomes:
+    if not outcomes or cpu_dry or not facts.get("gpu"):  # rows for the GPU runs only
         return []
     where = f"{when}, {mode(facts, cpu_dry)}"
     lines = ["", '## Rows for docs/install.md ("What runs where")', ""]
