@@ -328,10 +328,11 @@ def table(rows: dict[str, Rows], kept: list[str] = ()) -> list[str]:
         if not met:
             causes.append(f"- **{target}.** {cause}")
     lines.append(
-        "| the engine on CuPy with NCCL, fused optimizer kernels (`tests/test_gpu.py`; "
-        "`benchmarks/gpu_adam.py`: Adam against the device's copy bandwidth) | built, not yet "
-        "run: no GPU was available to run it on "
-        '(docs/install.md, "What runs where") | – |'
+        "| the engine on CuPy (`tests/test_gpu.py`: every stage in-process and under "
+        "`mpirun -n 2`), fused optimizer kernels (`benchmarks/gpu_adam.py`: Adam against the "
+        "device's copy bandwidth and torch's fused Adam; a 97.8M-parameter GPT step against "
+        "torch's) | built, not yet run on a GPU: `benchmarks/gpu_check.sh` runs it all in one "
+        'command (docs/install.md, "What runs where") | – |'
     )
     if causes:
         lines += ["", "Where a target was missed, the cause as measured:", "", *causes]

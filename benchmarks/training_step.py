@@ -386,7 +386,7 @@ def torch_modules():
             self.ln_f, self.lm_head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False)
 
         def forward(self, idx, targets):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
             for block in self.blocks:
                 x = block(x)
             logits = self.lm_head(self.ln_f(x))

@@ -74,20 +74,23 @@ def engine_parity(comm):
     return worst
 
 
+# every stage, both layouts, accumulation, clipping, SGD and Adam: the device backends' cases
+DEVICE_VARIANTS = [
+    dict(stage=0, model="gpt", accumulation=2, clip=0.5),
+    dict(stage=1, model="mlp", optimizer="sgd"),
+    dict(stage=1, model="gpt", layout="megatron", clip=1.0),
+    dict(stage=2, model="gpt", accumulation=2, clip=0.05),
+    dict(stage=3, model="gpt", accumulation=2, clip=0.5),
+    dict(stage=3, model="mlp", persistence=40, overlap=False),
+]
+
+
 def array_api_parity(comm):
     """Every stage on array_api_strict's non-host device against the NumPy run (same process)."""
     import engine_cases
 
     worst = 0.0
-    variants = [
-        dict(stage=0, model="gpt", accumulation=2, clip=0.5),
-        dict(stage=1, model="mlp", optimizer="sgd"),
-        dict(stage=1, model="gpt", layout="megatron", clip=1.0),
-        dict(stage=2, model="gpt", accumulation=2, clip=0.05),
-        dict(stage=3, model="gpt", accumulation=2, clip=0.5),
-        dict(stage=3, model="mlp", persistence=40, overlap=False),
-    ]
-    for variant in variants:
+    for variant in DEVICE_VARIANTS:
         case = engine_cases.Case(steps=3, **variant)
         want = engine_cases.train_on(comm, case)["params"]
         got = engine_cases.train_on(comm, case.with_(backend="array_api_strict"))["params"]
@@ -96,6 +99,31 @@ def array_api_parity(comm):
         routes = {r.transport for r in comm.ledger.records}
         assert routes == {"staged", "host"}, routes
     return worst
+
+
+def device_parity(comm, backend, dtype):
+    """Every stage on a device backend (``cupy``; ``array_api_strict`` runs the same code on the
+    host) in ``dtype`` against the NumPy float64 run. Returns, per case, the device run's largest
+    difference from that run and the NumPy run's in ``dtype`` (float32 rounding: what the device
+    is judged against; 0 for float64), as ``device/host`` pairs, then the routes the device runs'
+    collectives took (comm/cuda.py)."""
+    import engine_cases
+
+    pairs, routes = [], set()
+    for variant in DEVICE_VARIANTS:
+        case = engine_cases.Case(steps=3, **variant)
+        reference = engine_cases.train_on(comm, case)["params"]
+        host = engine_cases.train_on(comm, case.with_(dtype=dtype))["params"]
+        device = engine_cases.train_on(comm, case.with_(dtype=dtype, backend=backend))["params"]
+        routes |= {r.transport for r in comm.ledger.records}  # the device run's calls
+        pairs.append(
+            f"{_largest_difference(device, reference)}/{_largest_difference(host, reference)}"
+        )
+    return f"{','.join(pairs)} {','.join(sorted(routes))}"
+
+
+def _largest_difference(got, want):
+    return max(float(np.max(np.abs(got[k].astype(np.float64) - want[k]))) for k in want)
 
 
 def gpu_transport(comm):
@@ -148,6 +176,7 @@ CHECKS = {
     "engine_model_differs": engine_model_differs,
     "engine_parity": engine_parity,
     "array_api_parity": array_api_parity,
+    "device_parity": device_parity,
     "gpu_transport": gpu_transport,
     "engine_config_error": engine_config_error,
     "collectives": collectives,

@@ -62,3 +62,49 @@ def test_an_mpi_group_makes_no_nccl_communicator_until_a_cupy_collective(monkeyp
     assert made == []
     assert comm._route(_CupyLike(), nccl=False) == "staged"  # no NCCL form: none made either
     assert made == []
+
+
+class _Group:
+    """Stands for an mpi4py communicator in ``Nccl.maybe``: its ranks' GPUs, seen from rank 0."""
+
+    def __init__(self, devices):
+        self.devices = devices
+
+    def Get_size(self):  # noqa: N802  (mpi4py's names)
+        return len(self.devices)
+
+    def Get_rank(self):  # noqa: N802
+        return 0
+
+    def allgather(self, mine):
+        return list(self.devices)
+
+
+@pytest.mark.parametrize(
+    "devices, made",
+    [
+        (["node/0000:19:00.0", "node/0000:3B:00.0"], True),  # a GPU each: NCCL
+        (["a/0000:19:00.0", "b/0000:19:00.0"], True),  # the same bus id on two nodes
+        (["node/0000:19:00.0", "node/0000:19:00.0"], False),  # two ranks on one GPU
+        (["node/0000:19:00.0", None], False),  # a rank without NCCL or a GPU
+        (["node/0000:19:00.0"], False),  # one rank: nothing to talk to
+    ],
+)
+def test_nccl_is_set_up_only_where_every_rank_has_a_gpu_of_its_own(
+    monkeypatch, caplog, devices, made
+):
+    monkeypatch.setattr(cuda.Nccl, "__init__", lambda self, mpi: None)
+    got = cuda.Nccl.maybe(_Group(devices))
+    assert isinstance(got, cuda.Nccl) is made
+    shared = len(set(devices)) < len(devices)
+    assert ("ranks share a GPU" in caplog.text) is shared, caplog.text
+    if shared:  # the log names the device the ranks share
+        assert "rank 1: node/0000:19:00.0" in caplog.text
+
+
+def test_a_process_without_cupy_offers_no_nccl_device():
+    from zerosim.backend import gpu_available
+
+    if gpu_available():
+        pytest.skip("a GPU is visible: tests/test_gpu.py checks the route under mpirun")
+    assert cuda.nccl_device() is None

@@ -8,7 +8,9 @@ collective and records the answer in the call's ledger record (``Record.transpor
   ``MPIComm`` group, its unique id made on rank 0 and broadcast over MPI once (at set-up, not
   on a hot path); collectives run on a dedicated CUDA stream, and a non-blocking call's
   ``wait()`` synchronizes that stream. NCCL has no reduce-scatter with uneven counts nor an
-  all-to-all: those calls use the next transport.
+  all-to-all: those calls use the next transport. NCCL needs a GPU of its own for each rank
+  (it refuses two ranks on one device: "Duplicate GPU detected"); a group with more ranks than
+  GPUs on a node uses the next transport for all its calls, and rank 0 logs why.
 - ``"cuda-aware"``: CuPy arrays handed to MPI directly, when the MPI library says it reads
   device memory (``MPI.Query_cuda_support()`` where mpi4py has it, or
   ``ZEROSIM_CUDA_AWARE_MPI=1`` for libraries that do not report it).
@@ -22,6 +24,7 @@ the CuPy transports run where CuPy sees a GPU (tests/test_gpu.py).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +35,8 @@ from mpi4py import MPI
 from zerosim.backend import is_cupy, is_device_array, np_dtype
 
 CUDA_AWARE_ENV = "ZEROSIM_CUDA_AWARE_MPI"
+
+log = logging.getLogger(__name__)
 
 
 def cuda_aware_mpi() -> bool:
@@ -55,6 +60,23 @@ def transport(x: Any, nccl: Any, cuda_aware: bool) -> str:
         if cuda_aware:
             return "cuda-aware"
     return "staged"
+
+
+def nccl_device() -> str | None:
+    """This process's GPU as ``host/PCI bus id`` when CuPy has NCCL and sees a GPU, else None
+    (no CuPy, a CuPy built without NCCL, or no device)."""
+    try:
+        import cupy  # noqa: PLC0415  (GPU-only)
+        from cupy.cuda import nccl  # noqa: PLC0415
+
+        import zerosim.backend as backend  # noqa: PLC0415
+
+        if not (backend.gpu_available() and nccl.available):
+            return None
+        bus_id = cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.runtime.getDevice())
+    except Exception:  # noqa: BLE001  (CUDA raises its own error types)
+        return None
+    return f"{MPI.Get_processor_name()}/{bus_id}"
 
 
 class Nccl:
@@ -85,17 +107,22 @@ class Nccl:
 
     @classmethod
     def maybe(cls, mpi: MPI.Comm) -> Nccl | None:
-        """An NCCL communicator when CuPy has NCCL and sees a GPU; else None (on every rank
-        alike: the decision is all-reduced so that no rank waits in a set-up the others skip)."""
-        try:
-            from cupy.cuda import nccl  # noqa: PLC0415, F401
-
-            import zerosim.backend as backend  # noqa: PLC0415
-
-            usable = int(backend.gpu_available() and nccl.available)
-        except Exception:  # noqa: BLE001  (no CuPy, or a CuPy built without NCCL)
-            usable = 0
-        if mpi.Get_size() == 1 or not mpi.allreduce(usable, op=MPI.MIN):
+        """An NCCL communicator when every rank has NCCL and a GPU of its own; else None (on
+        every rank alike: each rank's device is all-gathered, once, so that no rank waits in a
+        set-up the others skip). Ranks that share a GPU (more ranks than GPUs on a node) get
+        None, since NCCL refuses them, and rank 0 logs it."""
+        if mpi.Get_size() == 1:
+            return None
+        devices = mpi.allgather(nccl_device())  # at set-up: one short string per rank
+        if None in devices:
+            return None
+        if len(set(devices)) < len(devices):
+            if mpi.Get_rank() == 0:
+                log.warning(
+                    "NCCL not used: ranks share a GPU (%s) and NCCL needs one GPU per rank; "
+                    "CuPy arrays go by the next transport (CUDA-aware MPI, else staged)",
+                    ", ".join(f"rank {r}: {d}" for r, d in enumerate(devices)),
+                )
             return None
         return cls(mpi)
 
