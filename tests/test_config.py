@@ -837,6 +837,53 @@ def test_prescale_at_stage_2_is_accepted_without_reduce_scatter_as_in_deepspeed(
         assert load_config(config, 2).prescale_gradients
 
 
+@pytest.mark.parametrize("written, read", [(None, "mean"), ("mean", "mean"), ("SUM", "sum")])
+def test_gradient_allreduce_op_is_read_in_any_case_as_in_deepspeed(written, read):
+    config = BATCH if written is None else {**BATCH, "gradient_allreduce_op": written}
+    assert load(config, 4).gradient_allreduce_op == read
+
+
+@pytest.mark.parametrize("value", [None, "avg", 1, True, ["sum"]])
+def test_gradient_allreduce_op_names_what_is_allowed(value):
+    error = error_for({**BATCH, "gradient_allreduce_op": value})
+    assert error.path == "gradient_allreduce_op" and error.value == value
+    assert "'mean'" in str(error) and "'sum'" in str(error)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_gradient_allreduce_sum_is_accepted_at_stages_0_to_2(stage):
+    config = {**BATCH, "gradient_allreduce_op": "sum", "zero_optimization": {"stage": stage}}
+    assert load(config, 2).gradient_allreduce_op == "sum"
+
+
+def test_gradient_allreduce_sum_is_refused_at_stage_3_as_in_deepspeed():
+    config = {**BATCH, "gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}}
+    error = error_for(config, 2)
+    assert (error.path, error.value) == ("gradient_allreduce_op", "sum")
+    assert "stage 3" in error.allowed and "'mean'" in error.allowed
+
+
+@pytest.mark.parametrize(
+    "fragment, key",
+    [
+        ({"prescale_gradients": True}, "prescale_gradients"),
+        ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+    ],
+)
+def test_gradient_scaling_keys_are_warned_about_with_sum_and_allowed_with_reduce_scatter(
+    fragment, key
+):
+    """DeepSpeed's ZeRO-2 refuses them with reduce_scatter only while it averages; summing, it
+    never reads them."""
+    config = {**BATCH, **fragment, "gradient_allreduce_op": "sum"}
+    config["zero_optimization"] = {"stage": 2}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(config, 2)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and messages[0].startswith(f"{key}=") and "'sum'" in messages[0]
+
+
 @pytest.mark.parametrize("size, world, effective", [(0, 4, 1), (2, 4, 2), (8, 4, 4), (4, 4, 4)])
 def test_hpz_size_is_deepspeeds_min_with_the_world_size(size, world, effective):
     config = {**BATCH, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": size}}

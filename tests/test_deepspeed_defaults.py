@@ -85,6 +85,7 @@ TOP_LEVEL = {
     "wall_clock_breakdown": constants.WALL_CLOCK_BREAKDOWN_DEFAULT,
     "prescale_gradients": constants.PRESCALE_GRADIENTS_DEFAULT,
     "gradient_predivide_factor": constants.GRADIENT_PREDIVIDE_FACTOR_DEFAULT,
+    "gradient_allreduce_op": constants.GRADIENT_ALLREDUCE_OP_DEFAULT,
     "communication_data_type": constants.COMMUNICATION_DATA_TYPE_DEFAULT,
     "zero_allow_untested_optimizer": constants.ZERO_ALLOW_UNTESTED_OPTIMIZER_DEFAULT,
     "optimizer": constants.OPTIMIZER_TYPE_DEFAULT,

@@ -280,6 +280,7 @@ class Engine:
             comm_dtype=None if cfg.communication_data_type is None else cfg.communication_dtype,
             prescale=cfg.prescale_gradients,
             predivide=cfg.gradient_predivide_factor,
+            gradient_average=cfg.gradient_allreduce_op == "mean",
             schedule=cfg.zerosim.schedule,
         )
         self.loss_scaler = build_loss_scaler(cfg.loss_scaler())

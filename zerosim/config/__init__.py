@@ -81,6 +81,8 @@ __all__ = [
 ]
 
 COMMUNICATION_DTYPES = PRECISION_DTYPES  # communication_data_type's values
+# gradient_allreduce_op's values (DeepSpeed's GRADIENT_ALLREDUCE_OP_SUPPORTED, read in any case)
+GRADIENT_ALLREDUCE_OPS = ("mean", "sum")
 # Top-level sections DeepSpeed 0.19.8 removed (runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS):
 # it raises DeepSpeedConfigError when one is present, so zerosim does too.
 REMOVED_TOP_LEVEL_KEYS = (
@@ -143,6 +145,12 @@ class Config:
         number(0, above=True),
         "multiply by 1/this before the sum, by this/N after",
         null=_NULL_FAILS_AT_STEP,
+    )
+    gradient_allreduce_op: str = knob(
+        "mean",
+        choice(*GRADIENT_ALLREDUCE_OPS),
+        "how gradients combine over ranks: 'mean' (the sum / N) or 'sum' (stages 0-2)",
+        null="DeepSpeed accepts only 'mean' or 'sum' and fails on null",
     )
     communication_data_type: str | None = knob(
         None, optional(choice(*COMMUNICATION_DTYPES)), "dtype of gradient collectives"
@@ -340,7 +348,14 @@ def _check_deepspeed_engine_rules(cfg: Config) -> None:
             f"true while gradient_clipping is {cfg.gradient_clipping} (clipping needs the norm; "
             "DeepSpeed refuses false unless gradient_clipping is 0)",
         )
-    if zero.stage >= 2 and zero.reduce_scatter:
+    if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
+        raise ConfigError(
+            "gradient_allreduce_op",
+            "sum",
+            "'mean' at ZeRO stage 3 (DeepSpeed 0.19.8 refuses 'sum' with stage 3); 'sum' at "
+            "stages 0-2",
+        )
+    if zero.stage >= 2 and zero.reduce_scatter and cfg.gradient_allreduce_op == "mean":
         for key, value, fine in (
             ("prescale_gradients", cfg.prescale_gradients, False),
             ("gradient_predivide_factor", cfg.gradient_predivide_factor, 1.0),
@@ -451,6 +466,24 @@ def _check_inert(cfg: Config, raw: dict) -> None:
         warnings.warn(f"{key}={json.dumps(value)} is ignored: {why}", UserWarning, stacklevel=3)
 
 
+def _check_sum_scaling(cfg: Config) -> None:
+    """With ``gradient_allreduce_op: "sum"`` DeepSpeed's stages 0-2 sum the gradients without
+    any scaling, so ``prescale_gradients`` and ``gradient_predivide_factor`` do nothing: say so."""
+    if cfg.gradient_allreduce_op != "sum":
+        return
+    for key, value, default in (
+        ("prescale_gradients", cfg.prescale_gradients, False),
+        ("gradient_predivide_factor", cfg.gradient_predivide_factor, 1.0),
+    ):
+        if value != default:
+            warnings.warn(
+                f"{key}={json.dumps(value)} is ignored: with gradient_allreduce_op 'sum' the "
+                "gradients are summed over ranks without any scaling, as DeepSpeed 0.19.8 does",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
 def reject_unbuilt(cfg: Config) -> None:
     """Raise ConfigError for a value that parses but that the engine does not implement."""
     for key, value, applies, why in _unbuilt(cfg):
@@ -499,6 +532,7 @@ def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> C
     cfg = Config(world_size=world_size, **values)
     _check_consistency(cfg)
     _check_inert(cfg, raw)
+    _check_sum_scaling(cfg)
     zero = cfg.zero_optimization
     hpz = min(zero.zero_hpz_partition_size, world_size)  # DeepSpeed's effective size
     if hpz != zero.zero_hpz_partition_size:
