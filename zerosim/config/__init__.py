@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from zerosim.backend import PRECISION_DTYPES
+from zerosim.config.features import DeepSpeedFeatures, check_features
 from zerosim.config.optimizer import (
     ZERO_SUPPORTED_OPTIMIZERS,
     OptimizerConfig,
@@ -47,6 +48,7 @@ from zerosim.config.sections import (
 from zerosim.config.values import (
     ConfigError,
     Parser,
+    any_value,
     as_mapping,
     choice,
     find_unknown_keys,
@@ -61,6 +63,7 @@ from zerosim.config.values import (
     optional,
     read_knobs,
     section,
+    to_plain,
 )
 
 __all__ = [
@@ -119,9 +122,11 @@ _BATCH = optional(integer(1))
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(DeepSpeedFeatures):
     """The whole config. Fields are DeepSpeed's top-level keys; ``world_size`` is the one
-    ``load_config`` checked the batch triple against. Build it with ``load_config``."""
+    ``load_config`` checked the batch triple against. Build it with ``load_config``. The keys
+    of DeepSpeed's features zerosim does not build come from ``DeepSpeedFeatures``
+    (features.py)."""
 
     world_size: int
     train_batch_size: int = knob(None, _BATCH, "global batch; inferred when absent")
@@ -158,6 +163,12 @@ class Config:
     zero_allow_untested_optimizer: bool = knob(
         False, flag(), "allow optimizers DeepSpeed has not tested with ZeRO (stage >= 1)"
     )
+    zero_force_ds_cpu_optimizer: bool = knob(
+        True,
+        flag(),
+        "with offload_optimizer, refuse an optimizer object passed to initialize() (DeepSpeed "
+        "asks for its CPU Adam); false allows it",
+    )
     optimizer: OptimizerConfig | None = knob(
         None, section(OptimizerConfig), "None: pass optimizer= to initialize()", null=_NULL_FAILS
     )
@@ -169,6 +180,14 @@ class Config:
     )
     zero_optimization: ZeroConfig = knob(
         ZeroConfig(), _zero_section(), "ZeRO stage and knobs", null=_NULL_FAILS
+    )
+    allgather_size: int = knob(
+        500_000_000,
+        integer(0),
+        "legacy: allgather_bucket_size of 'zero_optimization: true'",
+        inert="no effect, as zero_optimization.allgather_bucket_size (DeepSpeed 0.19.8 "
+        "all-gathers each group in one call whatever it says)",
+        reproduces=any_value,
     )
     fp16: FP16Config = knob(
         FP16Config(), section(FP16Config), "float16 mixed precision", null=_NULL_FAILS
@@ -274,6 +293,7 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("bf16.enabled", True, "false when fp16.enabled is true (one 16-bit mode)")
     _check_deepspeed_engine_rules(cfg)
+    check_features(cfg)
     if sim.layout == "megatron" and zero.stage != 1:
         raise ConfigError(
             "zero_optimization.stage",
@@ -461,9 +481,11 @@ def _check_inert(cfg: Config, raw: dict) -> None:
     """One UserWarning for each DeepSpeed key written with a value zerosim does not act on;
     a ConfigError for one that would change the numbers (``refuse``)."""
     for key, value, why, refuse in inert_keys_given(Config, raw, cfg, ""):
+        value = to_plain(value)
+        text = json.dumps(value)
         if refuse:
-            raise ConfigError(key, value, f"{json.dumps(value)} is not built: {why}")
-        warnings.warn(f"{key}={json.dumps(value)} is ignored: {why}", UserWarning, stacklevel=3)
+            raise ConfigError(key, value, f"{text} is not built: {why}")
+        warnings.warn(f"{key}={text} is ignored: {why}", UserWarning, stacklevel=3)
 
 
 def _check_sum_scaling(cfg: Config) -> None:
