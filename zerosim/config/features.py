@@ -135,10 +135,10 @@ def _pstr(default: str | None, doc: str) -> Any:
     return _later(default, _string(), doc, null=NOT_NULL)
 
 
-def _switch(why: str, refuse: bool = False, default: bool = False) -> Any:
+def _switch(why: str, refuse: bool = False) -> Any:
     """The ``enabled`` key of a dict.get section: warned about (or refused) when on."""
     return knob(
-        default, flag(), "turns the feature on", inert=why, reproduces=(False,), refuse=refuse
+        False, flag(), "turns the feature on", inert=why, reproduces=(False,), refuse=refuse
     )
 
 
@@ -150,13 +150,16 @@ def _tuning(default: Any, parser: Parser, doc: str, why: str) -> Any:
 # --- switches of whole sections ----------------------------------------------------------------
 
 
-def _truthy(mapping: Any, *path: str) -> bool:
-    """``mapping[path[0]][path[1]]...`` is truthy (missing parts are false)."""
+def _get(mapping: Any, *path: str) -> Any:
+    """``mapping[path[0]][path[1]]...``, or None where a part is missing."""
     for key in path:
-        if not isinstance(mapping, Mapping):
-            return False
-        mapping = mapping.get(key)
-    return bool(mapping)
+        mapping = mapping.get(key) if isinstance(mapping, Mapping) else None
+    return mapping
+
+
+def _truthy(mapping: Any, *path: str) -> bool:
+    """The value at ``path`` is truthy, as DeepSpeed tests its switches."""
+    return bool(_get(mapping, *path))
 
 
 def _any_enabled(value: Any) -> bool:
@@ -167,15 +170,16 @@ def _any_enabled(value: Any) -> bool:
 
 
 def _tensor_parallel_on(value: Any) -> bool:
-    sizes = [value.get("autotp_size", 0)]
+    """``autotp_size``, or ``tp_size`` in ``tp`` (its alias ``tensor_parallel``), above 1."""
+    sizes = [_get(value, "autotp_size")]
     sizes += [_get(value, name, "tp_size") for name in ("tp", "tensor_parallel")]
-    return any(isinstance(s, int | float) and s > 1 for s in sizes if s is not None)
-
-
-def _get(mapping: Any, *path: str) -> Any:
-    for key in path:
-        mapping = mapping.get(key) if isinstance(mapping, Mapping) else None
-    return mapping
+    for size in sizes:
+        try:
+            if size is not None and float(size) > 1:  # pydantic reads "2" and 2.0 as 2
+                return True
+        except (TypeError, ValueError):
+            return True  # not a size DeepSpeed would take: not one zerosim may ignore
+    return False
 
 
 # --- sections read key by key -------------------------------------------------------------------
@@ -189,9 +193,11 @@ class TensorBoardConfig(Section):
 
     CLOSED: ClassVar[bool] = True
     enabled: bool = _pflag(
-        False, "write TensorBoard events", inert=_MONITOR.format("TensorBoard events"),
+        False,
+        "write TensorBoard events",
+        inert=_MONITOR.format("TensorBoard events"),
         reproduces=(False,),
-    )  # fmt: skip
+    )
     output_path: str = _pstr("", "folder of the event files (read once enabled)")
     job_name: str = _pstr("DeepSpeedJobName", "run name (read once enabled)")
 
