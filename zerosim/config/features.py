@@ -640,7 +640,7 @@ class DeepSpeedFeatures:
         lambda value: value is not False,
         "zerosim writes its own checkpoint files",
         refuse=False,
-        any_value=True,
+        objects_only=False,
         null="DeepSpeed takes null as on; write true (zerosim then warns) or false",
     )
 

@@ -327,17 +327,17 @@ def whole_section(
     why: str,
     *,
     refuse: bool,
-    any_value: bool = False,
+    objects_only: bool = True,
     null: str | None = "DeepSpeed reads keys of it and fails on null",
 ) -> Any:
-    """A DeepSpeed section zerosim reads as a whole: a JSON object (or, with ``any_value``, any
-    JSON value) kept read-only; ``on(value)`` says whether DeepSpeed would act on it, and then
-    the section is refused or warned about. Absent: not given; null as ``null`` says (see
+    """A DeepSpeed section zerosim reads as a whole: a JSON object, kept read-only (any JSON
+    value without ``objects_only``); ``on(value)`` says whether DeepSpeed would act on it, and
+    then the section is refused or warned about. Absent: not given; null as ``null`` says (see
     ``knob``)."""
-    allowed = "any JSON value" if any_value else "a JSON object"
+    allowed = "a JSON object" if objects_only else "any JSON value"
 
     def convert(value: Any, path: str) -> Any:
-        if any_value and not isinstance(value, Mapping):
+        if not objects_only and not isinstance(value, Mapping):
             return value
         return MappingProxyType(dict(as_mapping(value, path)))
 
