@@ -68,8 +68,9 @@ def optimizer_section(case: Case) -> dict:
     return {"type": "SGD", "params": {"lr": 5e-2, "momentum": 0.9}}
 
 
-def reference(case: Case, n: int) -> dict[str, np.ndarray]:
-    """The single-process run on the same global batches."""
+def reference(case: Case, n: int, grad_factor: float = 1.0) -> dict[str, np.ndarray]:
+    """The single-process run on the same global batches; ``grad_factor`` multiplies each
+    step's gradient before clipping (N for ``gradient_allreduce_op: "sum"``)."""
     model = build_model(case)
     params = list(model.parameters())
     if case.optimizer == "adam":  # DeepSpeed's Adam section defaults to AdamW mode
@@ -83,6 +84,8 @@ def reference(case: Case, n: int) -> dict[str, np.ndarray]:
             at = (s * case.accumulation + j) * width
             model(x[at : at + width], y[at : at + width])
             model.backward(grad_scale=1.0 / case.accumulation)
+        for p in params:
+            p.grad *= grad_factor
         if case.clip > 0:
             norm = math.sqrt(sum(float(np.vdot(p.grad, p.grad)) for p in params))
             coef = case.clip / (norm + 1e-6)

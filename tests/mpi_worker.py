@@ -172,7 +172,24 @@ def engine_model_differs(comm):
     )
 
 
+def engine_sum(comm):
+    """gradient_allreduce_op "sum" at stages 0-2: the single-process run with N times the
+    gradient (tests/test_gradient_allreduce_op.py)."""
+    import engine_cases
+
+    worst = 0.0
+    for variant in (dict(stage=0), dict(stage=1, accumulation=2), dict(stage=2, clip=0.05)):
+        case = engine_cases.Case(optimizer="sgd", steps=6, **variant)
+        out = engine_cases.train_on(comm, case, {"gradient_allreduce_op": "sum"})
+        want = engine_cases.reference(case, comm.size, grad_factor=comm.size)
+        err = engine_cases.max_rel_error(out["params"], want)
+        assert err <= engine_cases.tolerance(case), (case, err)
+        worst = max(worst, err)
+    return worst
+
+
 CHECKS = {
+    "engine_sum": engine_sum,
     "engine_model_differs": engine_model_differs,
     "engine_parity": engine_parity,
     "array_api_parity": array_api_parity,

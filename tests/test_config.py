@@ -837,6 +837,189 @@ def test_prescale_at_stage_2_is_accepted_without_reduce_scatter_as_in_deepspeed(
         assert load_config(config, 2).prescale_gradients
 
 
+@pytest.mark.parametrize("written, read", [(None, "mean"), ("mean", "mean"), ("SUM", "sum")])
+def test_gradient_allreduce_op_is_read_in_any_case_as_in_deepspeed(written, read):
+    config = BATCH if written is None else {**BATCH, "gradient_allreduce_op": written}
+    assert load(config, 4).gradient_allreduce_op == read
+
+
+@pytest.mark.parametrize("value", [None, "avg", 1, True, ["sum"]])
+def test_gradient_allreduce_op_names_what_is_allowed(value):
+    error = error_for({**BATCH, "gradient_allreduce_op": value})
+    assert error.path == "gradient_allreduce_op" and error.value == value
+    assert "'mean'" in str(error) and "'sum'" in str(error)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_gradient_allreduce_sum_is_accepted_at_stages_0_to_2(stage):
+    config = {**BATCH, "gradient_allreduce_op": "sum", "zero_optimization": {"stage": stage}}
+    assert load(config, 2).gradient_allreduce_op == "sum"
+
+
+def test_gradient_allreduce_sum_is_refused_at_stage_3_as_in_deepspeed():
+    config = {**BATCH, "gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}}
+    error = error_for(config, 2)
+    assert (error.path, error.value) == ("gradient_allreduce_op", "sum")
+    assert "stage 3" in error.allowed and "'mean'" in error.allowed
+
+
+@pytest.mark.parametrize(
+    "fragment, key",
+    [
+        ({"prescale_gradients": True}, "prescale_gradients"),
+        ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+    ],
+)
+def test_gradient_scaling_keys_are_warned_about_with_sum_and_allowed_with_reduce_scatter(
+    fragment, key
+):
+    """DeepSpeed's ZeRO-2 refuses them with reduce_scatter only while it averages; summing, it
+    never reads them."""
+    config = {**BATCH, **fragment, "gradient_allreduce_op": "sum"}
+    config["zero_optimization"] = {"stage": 2}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(config, 2)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and messages[0].startswith(f"{key}=") and "'sum'" in messages[0]
+
+
+# --- DeepSpeed's features zerosim does not build (zerosim/config/features.py) -------------------
+
+REFUSED_FEATURES = [
+    ("managed_gradient_accumulation", False, "managed_gradient_accumulation"),
+    ("sequence_parallel_size", 2, "sequence_parallel_size"),
+    ("torch_autocast.enabled", True, "torch_autocast.enabled"),
+    ("autotuning", {"enabled": True}, "autotuning"),
+    ("expert_parallel", {"enabled": True, "autoep_size": 2}, "expert_parallel"),
+    ("data_efficiency", {"data_routing": {"random_ltd": {"enabled": True}}}, "data_efficiency"),
+    ("tensor_parallel", {"autotp_size": 2}, "tensor_parallel"),
+    ("tensor_parallel", {"tp": {"tp_size": 2}}, "tensor_parallel"),
+    ("weight_quantization", {"quantized_initialization": {"num_bits": 8}}, "weight_quantization"),
+    ("data_types.grad_accum_dtype", "fp32", "data_types.grad_accum_dtype"),  # bf16 model
+    ("data_types.param_dtype", "fp16", "data_types.param_dtype"),  # bf16 model
+]
+
+
+@pytest.mark.parametrize("path, value, at", REFUSED_FEATURES)
+def test_a_deepspeed_feature_that_changes_what_is_trained_is_refused(path, value, at):
+    config = merged({**BATCH, "bf16": {"enabled": True}}, nest(path, value))
+    error = error_for(config)
+    assert error.path == at and str(error).startswith(f"{at}: got ")
+    assert "not built" in str(error) or "model dtype" in str(error)
+
+
+def test_data_types_naming_the_model_dtype_are_accepted():
+    fragment = {"data_types": {"grad_accum_dtype": "bf16", "param_dtype": "torch.bfloat16"}}
+    assert load({**BATCH, "bf16": {"enabled": True}, **fragment}).data_types.param_dtype
+    assert error_for({**BATCH, **fragment}).path == "data_types.grad_accum_dtype"  # fp32 model
+
+
+def test_sum_is_refused_with_deepcompile_as_in_deepspeed():
+    config = {**BATCH, "gradient_allreduce_op": "sum", "compile": {"deepcompile": True}}
+    error = error_for(config)
+    assert error.path == "gradient_allreduce_op" and "DeepCompile" in error.allowed
+
+
+WARNED_FEATURES = [
+    ("tensorboard.enabled", True, "TensorBoard"),
+    ("wandb.enabled", "yes", "W&B"),  # pydantic's lax boolean, as DeepSpeed reads it
+    ("comms_logger.enabled", True, "ledger"),
+    ("flops_profiler.enabled", True, "FLOPs"),
+    ("compile.deepcompile", True, "engine.compile()"),
+    ("hybrid_engine.enabled", True, "generate()"),
+    ("timers.throughput.enabled", True, "throughput"),
+    ("dump_state", True, "engine state"),
+    ("memory_breakdown", True, "memory_report"),
+    ("disable_python_gc", True, "garbage collector"),
+    ("dataloader_drop_last", False, "global batch"),
+    ("log_level", "info", "'zerosim' logger"),
+    ("vocabulary_size", 50257, "Tensor Core"),
+    ("aio.block_size", 4096, "memory maps"),
+    ("activation_checkpointing.partition_activations", True, "zerosim.nn.checkpoint"),
+    ("data_types.buffer_dtype", "fp32", "buffers"),
+    ("optimizer.legacy_fusion", True, "unscales"),
+    ("checkpoint.checkpoint_serialization", False, "NumPy"),
+    ("checkpoint.writer", {"type": "PYTHON"}, "writes its checkpoint files itself"),
+    ("pipeline", {"stages": 2}, "PipelineEngine"),
+    ("datastates_ckpt", {"host_cache_size": 4}, "its own checkpoint files"),
+]
+
+
+@pytest.mark.parametrize("path, value, why", WARNED_FEATURES)
+def test_a_deepspeed_feature_that_only_observes_or_tunes_is_warned_about(path, value, why):
+    config = merged(
+        {**BATCH, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, nest(path, value)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(config, 1)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(f"{path}=") and why in messages[0], messages
+
+
+@pytest.mark.parametrize(
+    "fragment",
+    [
+        {"disable_allgather": True},  # DeepSpeed reads it and never uses it
+        {"seq_parallel_communication_data_type": "BF16"},  # no sequence parallelism
+        {"use_data_before_expert_parallelism": True},  # no expert parallelism
+        {"tensorboard": {"enabled": False, "job_name": "run"}},  # read once enabled
+        {"compile": {"free_activation": True}},  # read by DeepCompile only
+        {"expert_parallel": {"enabled": False, "top_k": 2}},
+        {"expert_parallel": None},  # DeepSpeed's defaults
+        {"datastates_ckpt": False},
+        {"timers": {"throughput": {"enabled": False}}},
+        {"data_types": {"keep_in_fp32_modules": "auto"}},
+        {"allgather_size": 1000},
+    ],
+)
+def test_deepspeed_keys_without_effect_in_any_run_zerosim_makes_are_read_silently(fragment):
+    assert load({**BATCH, **fragment}) is not None
+
+
+@pytest.mark.parametrize(
+    "fragment, path",
+    [
+        ({"tensorboard": {"enabeld": True}}, "tensorboard.enabeld"),  # DeepSpeed forbids it
+        ({"comms_logger": {"enabled": "x"}}, "comms_logger.enabled"),
+        ({"tensorboard": None}, "tensorboard"),
+        ({"torch_autocast": {"dtype": "fp64"}}, "torch_autocast.dtype"),
+        ({"data_types": {"keep_in_fp32_modules": "none"}}, "data_types.keep_in_fp32_modules"),
+        ({"compile": {"passes": ["z2"]}}, "compile.passes[0]"),
+        ({"pipeline": []}, "pipeline"),
+        ({"datastates_ckpt": None}, "datastates_ckpt"),
+        ({"log_level": "loud"}, "log_level"),
+    ],
+)
+def test_deepspeed_feature_sections_are_checked_as_deepspeed_checks_them(fragment, path):
+    assert error_for({**BATCH, **fragment}).path == path
+
+
+def test_zero_force_ds_cpu_optimizer_decides_on_an_optimizer_object_with_offload():
+    """DeepSpeed refuses a client optimizer with ZeRO-Offload unless the key is false."""
+    import zerosim as zs
+
+    def build(force):
+        model = zs.nn.MLP([4, 3], seed=0)
+        config = {
+            **BATCH,
+            "zero_force_ds_cpu_optimizer": force,
+            "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+        }
+        optimizer = zs.optim.Adam(model.parameters(), lr=0.1)
+        return zs.initialize(model, config, comm=zs.LocalWorld(1).comms()[0], optimizer=optimizer)
+
+    with pytest.raises(ConfigError) as info:
+        build(True)
+    assert info.value.path == "zero_force_ds_cpu_optimizer" and "offload_optimizer" in str(
+        info.value
+    )
+    engine, *_ = build(False)
+    assert engine.strategy.offload.active
+
+
 @pytest.mark.parametrize("size, world, effective", [(0, 4, 1), (2, 4, 2), (8, 4, 4), (4, 4, 4)])
 def test_hpz_size_is_deepspeeds_min_with_the_world_size(size, world, effective):
     config = {**BATCH, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": size}}

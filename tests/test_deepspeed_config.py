@@ -2,7 +2,8 @@
 
 A generated corpus of configs (valid ones; each key of them set to null, "auto", a wrong type,
 an out-of-range value, another capitalisation; unknown keys; removed and legacy keys;
-conflicting batch sizes; missing sections; optimizer and scheduler rules) goes through
+conflicting batch sizes; missing sections; optimizer and scheduler rules; and, from DeepSpeed's
+own code, every key DeepSpeed reads at its default and every switch flipped) goes through
 
 - DeepSpeed 0.19.8: ``DeepSpeedConfig`` for the config's world size, then
   ``deepspeed.initialize`` of a ``torch.nn.Linear(4, 4)`` on a one-process gloo group (the
@@ -13,8 +14,13 @@ conflicting batch sizes; missing sections; optimizer and scheduler rules) goes t
 Both must accept or both reject, and every zerosim rejection must be a ConfigError naming the
 key, the value and what is allowed. The cases where they differ are listed in ``DIFFERENCES``,
 each with its reason: zerosim is stricter only where DeepSpeed fails later (at the first step)
-or silently does something other than the config says, and looser only where DeepSpeed fails
-for want of an accelerator on this machine. Every row must still be needed.
+or silently does something other than the config says, or builds a feature zerosim does not,
+and looser only where DeepSpeed fails for want of what this machine lacks (an accelerator, a
+package, its launcher's environment). Every row must still be needed.
+
+The keys DeepSpeed reads come from its code (tests/deepspeed_keys.py walks its config readers
+and pydantic models), not from zerosim's list: the tests at the end hold zerosim to declare every
+one of them, with DeepSpeed's default, and to declare no key DeepSpeed does not read.
 
 Set-up notes: the test sets MASTER_ADDR / MASTER_PORT (a free port) / RANK / WORLD_SIZE /
 LOCAL_RANK itself; Adam configs use ``"torch_adam": true`` so that DeepSpeed never JIT-builds
@@ -25,17 +31,20 @@ FusedAdam; DeepSpeed's CPU accelerator says it has no fp16, so the test patches
 from __future__ import annotations
 
 import copy
+import functools
+import gc
 import itertools
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import Field, dataclass
 
 import pytest
+from deepspeed_keys import NO_DEFAULT, deepspeed_keys, dotted
 
 import zerosim
 from zerosim.comm import LocalWorld
-from zerosim.config import Config, ConfigError, load_config
-from zerosim.config.values import known_key_paths
+from zerosim.config import REMOVED_TOP_LEVEL_KEYS, Config, ConfigError, load_config
+from zerosim.config.values import any_value, knob_fields, known_key_paths
 
 pytestmark = pytest.mark.slow
 deepspeed = pytest.importorskip(
@@ -48,11 +57,14 @@ torch = pytest.importorskip("torch")
 
 @dataclass(frozen=True)
 class Case:
-    """One config of the corpus: ``name`` is '<base or topic>/<what was done to it>'."""
+    """One config of the corpus: ``name`` is '<base or topic>/<what was done to it>'.
+    ``initialize`` False: DeepSpeed's side runs its config parser only (``dskey/...=default``
+    cases: a key at its default changes nothing its engine would check)."""
 
     name: str
     config: dict
     world_size: int = 1
+    initialize: bool = True
 
 
 ADAM = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
@@ -563,8 +575,46 @@ def builds_a_deepspeed_op(config: dict) -> bool:
     return name in ("adagrad", "lion") and cpu_step
 
 
+# --- the keys DeepSpeed reads, from its code ------------------------------------------------
+
+DSKEY_BASE = {"train_batch_size": 2, "optimizer": ADAM}
+
+
+@functools.cache
+def ds_keys() -> dict:
+    """{key path: Key} of every key DeepSpeed 0.19.8's config readers and models read
+    (tests/deepspeed_keys.py walks its code)."""
+    return deepspeed_keys()
+
+
+def flippable(path: tuple[str, ...]) -> bool:
+    """A boolean key whose other value is worth a case: a switch (``enabled``), or a key that
+    is not read only once a sibling ``enabled`` switch is on."""
+    keys = ds_keys()
+    parent = keys.get(path[:-1]) if len(path) > 1 else None
+    return path[-1] == "enabled" or parent is None or "enabled" not in parent.children
+
+
+def deepspeed_key_cases() -> list[Case]:
+    """Every key DeepSpeed reads, at the default its code writes (DeepSpeed's parser only: at
+    its default a key changes nothing), and every boolean switch flipped (both engines)."""
+    cases = []
+    for path, key in sorted(ds_keys().items()):
+        if key.children or key.default is NO_DEFAULT:
+            continue
+        name = dotted(path)
+        config = with_value(DSKEY_BASE, name, copy.deepcopy(key.default))
+        cases.append(Case(f"dskey/{name}=default", config, initialize=False))
+        if isinstance(key.default, bool) and flippable(path):
+            cases.append(
+                Case(f"dskey/{name}=flipped", with_value(DSKEY_BASE, name, not key.default))
+            )
+    return cases
+
+
 def corpus() -> list[Case]:
     cases = mutations() + batch_cases() + optimizer_cases() + scheduler_cases() + section_cases()
+    cases += deepspeed_key_cases()
     names = [case.name for case in cases]
     assert len(names) == len(set(names)), "case names must be unique"
     return [case for case in cases if not builds_a_deepspeed_op(case.config)]
@@ -602,10 +652,13 @@ def deepspeed_accepts(case: Case) -> tuple[bool, str]:
         one = rescaled(
             case.config, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps
         )
-        model = torch.nn.Linear(4, 4)
-        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=one)
+        if case.initialize:
+            model = torch.nn.Linear(4, 4)
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=one)
     except Exception as err:  # ValidationError, AssertionError, TypeError, ValueError, ...
         return False, f"{type(err).__name__}: {err}"[:300]
+    finally:
+        gc.enable()  # disable_python_gc: true turns Python's collector off for good
     return True, ""
 
 
@@ -747,10 +800,47 @@ DIFFERENCES: list[Difference] = [
         "a word; zerosim refuses a key it would not act on",
     ),
     Difference(
-        r"section/(qw s1|qg s2|hpz s2)",
+        r"section/(qw s1|qg s2|hpz s2)"
+        r"|dskey/zero_optimization\.zero_quantized_(weights|gradients)=",
         True,
         "DeepSpeed ignores the ZeRO++ keys below stage 3 without a word (ZeRO++ is built on "
         "ZeRO-3)",
+    ),
+    Difference(
+        r"dskey/(managed_gradient_accumulation|torch_autocast\.enabled|autotuning\.enabled|"
+        r"expert_parallel\.enabled|data_efficiency\.[\w.]*enabled|"
+        r"zero_optimization\.zero_quantized_nontrainable_weights)=flipped",
+        True,
+        "a feature zerosim does not build that changes what is trained (client-managed "
+        "accumulation, per-op autocast, the autotuner, which ends the job after profiling, expert "
+        "parallelism, other samples or tokens, quantized frozen weights): DeepSpeed builds it, "
+        "zerosim refuses rather than train something else",
+    ),
+    Difference(
+        r"dskey/zero_optimization\.zenflow\.",
+        True,
+        "DeepSpeed takes a ZenFlow section at any stage (and uses it at stages 1-2); zerosim does "
+        "not build ZenFlow and refuses the section",
+    ),
+    Difference(
+        r"dskey/((tensorboard|wandb|comet)\.enabled|datastates_ckpt)=flipped",
+        False,
+        "DeepSpeed imports the monitor's or the checkpoint engine's package (tensorboard, wandb, "
+        "comet_ml, datastates), which this machine lacks; with it DeepSpeed accepts, and zerosim "
+        "accepts with a warning",
+    ),
+    Difference(
+        r"dskey/aio\.use_gds=flipped",
+        False,
+        "GPUDirect Storage needs a CUDA accelerator ('GDS currently only supported for CUDA "
+        "accelerator'); with one DeepSpeed accepts, and zerosim accepts with a warning",
+    ),
+    Difference(
+        r"dskey/checkpoint\.writer\.\w+=flipped",
+        False,
+        "DeepSpeed's checkpoint writer reads the CROSS_SIZE variable its launcher sets, which a "
+        "one-process test does not; under the launcher DeepSpeed accepts, and zerosim accepts "
+        "with a warning",
     ),
     Difference(
         r"sub_group_size=zero|section/sub group 0",
@@ -792,18 +882,24 @@ def names_a_key(err: ConfigError, config: dict) -> bool:
     return err.path.split(".")[0] in KNOWN_SECTIONS | set(config)
 
 
-def test_corpus_is_accepted_and_rejected_as_deepspeed_does(deepspeed_world):
+def test_corpus_is_accepted_and_rejected_as_deepspeed_does(deepspeed_world, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where DeepSpeed's monitors write, when a case turns one on
     cases = corpus()
     assert len(cases) >= 500
     disagreements = []
     unnamed = []
+    unknown = []  # a key DeepSpeed reads that zerosim calls unknown
     used = set()
     agreed = {True: 0, False: 0}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for case in cases:
             ds, why = deepspeed_accepts(case)
+            del caught[:]
             ours, err = zerosim_accepts(case)
+            said = [str(w.message) for w in caught if "unknown config key" in str(w.message)]
+            if case.name.startswith("dskey/") and said:
+                unknown.append(f"{case.name}: {said}")
             if err is not None and not names_a_key(err, case.config):
                 unnamed.append(f"{case.name}: {err}")
             if ds == ours:
@@ -818,6 +914,157 @@ def test_corpus_is_accepted_and_rejected_as_deepspeed_does(deepspeed_world):
             )
             disagreements.append(f"{case.name}: {side}: {why or err}")
     assert not disagreements, f"{len(disagreements)} of {len(cases)}:\n" + "\n".join(disagreements)
+    assert not unknown, "\n".join(unknown)
     assert not unnamed, "\n".join(unnamed)
     assert {d.pattern for d in DIFFERENCES} == used, "rows no case needs any more"
     assert min(agreed.values()) >= 300, agreed  # both verdicts well represented
+
+
+# --- every key DeepSpeed reads is one zerosim declares ------------------------------------------
+
+
+def zerosim_declared(cls: type = Config, prefix: tuple[str, ...] = ()) -> dict:
+    """{key path: knob Field, or None for a legacy or removed key} of every key zerosim reads,
+    each section under each of its names."""
+    declared: dict[tuple[str, ...], Field | None] = {}
+    for key in (*getattr(cls, "LEGACY_KEYS", ()), *getattr(cls, "REMOVED_KEYS", ())):
+        declared[(*prefix, key)] = None
+    if cls is Config:
+        declared.update({(key,): None for key in REMOVED_TOP_LEVEL_KEYS})
+    for f in knob_fields(cls):
+        for name in (f.name, *f.metadata["aliases"]):
+            declared[(*prefix, name)] = f
+            nested = f.metadata["parser"].section
+            if nested is not None:
+                declared.update(zerosim_declared(nested, (*prefix, name)))
+    return declared
+
+
+# Keys DeepSpeed reads that zerosim does not declare, each with the reason. Empty: a key added
+# here must say why zerosim may ignore it.
+NOT_DECLARED: dict[str, str] = {}
+
+
+def answers_as_a_whole(path: tuple[str, ...], f: Field) -> bool:
+    """Whether zerosim's key at ``path``, whose value DeepSpeed reads key by key, answers the
+    whole value: a ``whole_section`` (its ``reproduces`` looks into the value), or a key that
+    refuses any value (``zero_optimization.zenflow``)."""
+    rule = f.metadata["reproduces"]
+    if callable(rule) and rule is not any_value:
+        return True
+    try:
+        load_config(with_value(DSKEY_BASE, dotted(path), {}), 1)
+    except ConfigError as err:
+        return err.path == dotted(path)
+    return False
+
+
+def test_every_key_deepspeed_reads_is_declared_by_zerosim():
+    """No key DeepSpeed 0.19.8 reads is unknown to zerosim: each is declared (acted on, warned
+    about or refused, docs/config.md), under a section zerosim answers as a whole, or listed in
+    NOT_DECLARED with its reason. A key DeepSpeed adds fails here until zerosim declares it."""
+    declared = zerosim_declared()
+    missing, whole = [], {}
+    for path in sorted(ds_keys()):
+        if path in declared or dotted(path) in NOT_DECLARED:
+            continue
+        above = [path[:d] for d in range(len(path) - 1, 0, -1) if path[:d] in declared]
+        f = declared[above[0]] if above else None
+        if f is not None and f.metadata["parser"].section is None:
+            whole[above[0]] = f
+            continue
+        missing.append(dotted(path))
+    assert not missing, f"DeepSpeed reads keys zerosim does not declare: {missing}"
+    vague = [dotted(p) for p, f in whole.items() if not answers_as_a_whole(p, f)]
+    assert not vague, f"zerosim takes these sections whole without answering them: {vague}"
+    stale = [key for key in NOT_DECLARED if tuple(key.split(".")) not in ds_keys()]
+    assert not stale, f"NOT_DECLARED rows DeepSpeed no longer reads: {stale}"
+
+
+def test_every_deepspeed_key_zerosim_declares_is_one_deepspeed_reads():
+    """The other way round (the zerosim section aside): no key zerosim declares under
+    DeepSpeed's name is one DeepSpeed does not read, or reads inside a value it takes whole
+    (``optimizer.params``, ``scheduler.params``)."""
+    keys = ds_keys()
+    leaves = {path for path, key in keys.items() if not key.children}
+    invented = [
+        dotted(path)
+        for path in zerosim_declared()
+        if path[0] != "zerosim"
+        and path not in keys
+        and not any(path[:d] in leaves for d in range(1, len(path)))
+    ]
+    assert not invented, invented
+
+
+def test_the_walk_of_deepspeeds_code_finds_keys_of_every_kind():
+    """Keys read by each kind of reader: get_scalar_param, dict.get, [] and `in`, pydantic
+    fields and aliases, nested models, a key name passed as an argument, a local import, a
+    loop over a constant dict. If the walk broke, the tests above would pass on nothing."""
+    keys = {dotted(path) for path in ds_keys()}
+    assert len(keys) >= 300
+    for expected in (
+        "gradient_allreduce_op",  # get_scalar_param
+        "seq_parallel_communication_data_type",  # the key passed as an argument
+        "checkpoint.load_universal",  # dict.get on a section
+        "sequence_parallel_size",  # `in config` in DeepSpeedConfig.__init__
+        "vocabulary_size",  # self._param_dict.get in _do_warning_check
+        "zero_optimization.stage3_prefetch_bucket_size",  # a pydantic alias
+        "zero_optimization.offload_optimizer.device",  # a nested model
+        "bfloat16.enabled",  # a model built from the legacy name
+        "tensorboard.enabled",  # a model built from a dict comprehension
+        "expert_parallel.top_k",  # a reader imported inside a function
+        "autotuning.model_info.num_params",  # a loop over a constant dict
+        "data_efficiency.data_sampling.curriculum_learning.enabled",
+        "timers.throughput.synchronized",
+        "nebula",  # removed, and refused
+    ):
+        assert expected in keys, expected
+
+
+def _zerosim_default(path: tuple[str, ...], declared: dict) -> object:
+    node: object = load_config(DSKEY_BASE, 1)
+    for depth in range(1, len(path) + 1):
+        node = getattr(node, declared[path[:depth]].name)
+    return node
+
+
+def _same(ours: object, theirs: object) -> bool:
+    if isinstance(ours, tuple):
+        ours = list(ours)
+    if hasattr(ours, "items"):
+        ours = dict(ours)
+    return ours == theirs and isinstance(ours, bool) == isinstance(theirs, bool)
+
+
+# DeepSpeed's default where zerosim knowingly reads another (tests/test_deepspeed_defaults.py
+# and docs/config.md give the reasons).
+OTHER_DEFAULT = {
+    "zero_optimization.overlap_comm": "DeepSpeed's None is resolved to stage == 3 by its validator",
+    "zero_optimization.leaf_module": "a section: its keys are compared one by one",
+    "bf16": "DeepSpeed's None is an absent section, as zerosim's disabled one",
+}
+
+
+def test_every_declared_key_has_the_default_deepspeeds_code_writes():
+    """For each key DeepSpeed reads with a default written in its code (a reader's default
+    argument, a pydantic field's default) and zerosim declares, zerosim's default is it."""
+    declared = zerosim_declared()
+    differ = []
+    for path, key in ds_keys().items():
+        f = declared.get(path)
+        if key.default is NO_DEFAULT or f is None or f.metadata["parser"].section is not None:
+            continue
+        if dotted(path) in OTHER_DEFAULT or path[0] in BATCH_KEYS:
+            continue
+        rule = f.metadata["reproduces"]
+        if f.default is None and callable(rule) and rule(key.default):
+            continue  # a whole section zerosim keeps as None when absent: DeepSpeed's default
+            # does nothing, as its absence does
+        ours = _zerosim_default(path, declared)
+        if not _same(ours, key.default):
+            differ.append(f"{dotted(path)}: zerosim {ours!r}, DeepSpeed {key.default!r}")
+    assert not differ, "\n".join(differ)
+
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

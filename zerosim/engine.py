@@ -134,6 +134,15 @@ def _optimizer_spec(cfg: Config, client: Any, model: Module) -> tuple[type, list
                 f"{cfg.zero_optimization.stage}, or any optimizer with "
                 '"zero_allow_untested_optimizer": true (DeepSpeed\'s rule)',
             )
+        offload = cfg.zero_optimization.offload_optimizer.device
+        if offload != "none" and cfg.zero_force_ds_cpu_optimizer:
+            raise ConfigError(
+                "zero_force_ds_cpu_optimizer",
+                True,
+                f"false to step an optimizer object passed to initialize() with offload_optimizer "
+                f"'{offload}' (DeepSpeed's rule: ZeRO-Offload takes its own CPU Adam or Lion, from "
+                "an 'optimizer' section, unless this is false)",
+            )
         names = {id(p): n for n, p in named}
         groups = []
         for group in client.param_groups:
@@ -280,6 +289,7 @@ class Engine:
             comm_dtype=None if cfg.communication_data_type is None else cfg.communication_dtype,
             prescale=cfg.prescale_gradients,
             predivide=cfg.gradient_predivide_factor,
+            gradient_average=cfg.gradient_allreduce_op == "mean",
             schedule=cfg.zerosim.schedule,
         )
         self.loss_scaler = build_loss_scaler(cfg.loss_scaler())

@@ -122,6 +122,24 @@ def cases() -> list[dict]:
         _case("s3_sgd_fp16_gas3", 3, SGD, gradient_accumulation_steps=3, fp16=FP16_8, **UNTESTED),
         _case("s2_sgd_fp16_default", 2, SGD, fp16={"enabled": True}, **UNTESTED),
         _case("s2_sgd_fp16_window2", 2, SGD, fp16=dict(FP16_8, loss_scale_window=2), **UNTESTED),
+        # gradient_allreduce_op "sum": summed, unscaled gradients (the predivide factor unread)
+        _case("s0_sgd_sum", 0, SGD, gradient_allreduce_op="sum"),
+        _case(
+            "s1_sgd_sum_gas2",
+            1,
+            SGD,
+            gradient_allreduce_op="sum",
+            gradient_accumulation_steps=2,
+            **UNTESTED,
+        ),
+        _case(
+            "s2_sgd_sum_predivide",
+            2,
+            SGD,
+            gradient_allreduce_op="sum",
+            gradient_predivide_factor=2.0,
+            **UNTESTED,
+        ),
     ]
 
 

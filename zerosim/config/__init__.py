@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from zerosim.backend import PRECISION_DTYPES
+from zerosim.config.features import DeepSpeedFeatures, check_features
 from zerosim.config.optimizer import (
     ZERO_SUPPORTED_OPTIMIZERS,
     OptimizerConfig,
@@ -47,6 +48,7 @@ from zerosim.config.sections import (
 from zerosim.config.values import (
     ConfigError,
     Parser,
+    any_value,
     as_mapping,
     choice,
     find_unknown_keys,
@@ -61,6 +63,7 @@ from zerosim.config.values import (
     optional,
     read_knobs,
     section,
+    to_plain,
 )
 
 __all__ = [
@@ -81,6 +84,8 @@ __all__ = [
 ]
 
 COMMUNICATION_DTYPES = PRECISION_DTYPES  # communication_data_type's values
+# gradient_allreduce_op's values (DeepSpeed's GRADIENT_ALLREDUCE_OP_SUPPORTED, read in any case)
+GRADIENT_ALLREDUCE_OPS = ("mean", "sum")
 # Top-level sections DeepSpeed 0.19.8 removed (runtime/config.py _REMOVED_TOP_LEVEL_CONFIG_KEYS):
 # it raises DeepSpeedConfigError when one is present, so zerosim does too.
 REMOVED_TOP_LEVEL_KEYS = (
@@ -117,9 +122,11 @@ _BATCH = optional(integer(1))
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(DeepSpeedFeatures):
     """The whole config. Fields are DeepSpeed's top-level keys; ``world_size`` is the one
-    ``load_config`` checked the batch triple against. Build it with ``load_config``."""
+    ``load_config`` checked the batch triple against. Build it with ``load_config``. The keys
+    of DeepSpeed's features zerosim does not build come from ``DeepSpeedFeatures``
+    (features.py)."""
 
     world_size: int
     train_batch_size: int = knob(None, _BATCH, "global batch; inferred when absent")
@@ -144,11 +151,23 @@ class Config:
         "multiply by 1/this before the sum, by this/N after",
         null=_NULL_FAILS_AT_STEP,
     )
+    gradient_allreduce_op: str = knob(
+        "mean",
+        choice(*GRADIENT_ALLREDUCE_OPS),
+        "how gradients combine over ranks: 'mean' (the sum / N) or 'sum' (stages 0-2)",
+        null="DeepSpeed accepts only 'mean' or 'sum' and fails on null",
+    )
     communication_data_type: str | None = knob(
         None, optional(choice(*COMMUNICATION_DTYPES)), "dtype of gradient collectives"
     )
     zero_allow_untested_optimizer: bool = knob(
         False, flag(), "allow optimizers DeepSpeed has not tested with ZeRO (stage >= 1)"
+    )
+    zero_force_ds_cpu_optimizer: bool = knob(
+        True,
+        flag(),
+        "with offload_optimizer, refuse an optimizer object passed to initialize() (DeepSpeed "
+        "asks for its CPU Adam); false allows it",
     )
     optimizer: OptimizerConfig | None = knob(
         None, section(OptimizerConfig), "None: pass optimizer= to initialize()", null=_NULL_FAILS
@@ -161,6 +180,14 @@ class Config:
     )
     zero_optimization: ZeroConfig = knob(
         ZeroConfig(), _zero_section(), "ZeRO stage and knobs", null=_NULL_FAILS
+    )
+    allgather_size: int = knob(
+        500_000_000,
+        integer(0),
+        "legacy: allgather_bucket_size of 'zero_optimization: true'",
+        inert="no effect, as zero_optimization.allgather_bucket_size (DeepSpeed 0.19.8 "
+        "all-gathers each group in one call whatever it says)",
+        reproduces=any_value,
     )
     fp16: FP16Config = knob(
         FP16Config(), section(FP16Config), "float16 mixed precision", null=_NULL_FAILS
@@ -266,6 +293,7 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("bf16.enabled", True, "false when fp16.enabled is true (one 16-bit mode)")
     _check_deepspeed_engine_rules(cfg)
+    check_features(cfg)
     if sim.layout == "megatron" and zero.stage != 1:
         raise ConfigError(
             "zero_optimization.stage",
@@ -340,7 +368,14 @@ def _check_deepspeed_engine_rules(cfg: Config) -> None:
             f"true while gradient_clipping is {cfg.gradient_clipping} (clipping needs the norm; "
             "DeepSpeed refuses false unless gradient_clipping is 0)",
         )
-    if zero.stage >= 2 and zero.reduce_scatter:
+    if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
+        raise ConfigError(
+            "gradient_allreduce_op",
+            "sum",
+            "'mean' at ZeRO stage 3 (DeepSpeed 0.19.8 refuses 'sum' with stage 3); 'sum' at "
+            "stages 0-2",
+        )
+    if zero.stage >= 2 and zero.reduce_scatter and cfg.gradient_allreduce_op == "mean":
         for key, value, fine in (
             ("prescale_gradients", cfg.prescale_gradients, False),
             ("gradient_predivide_factor", cfg.gradient_predivide_factor, 1.0),
@@ -446,9 +481,29 @@ def _check_inert(cfg: Config, raw: dict) -> None:
     """One UserWarning for each DeepSpeed key written with a value zerosim does not act on;
     a ConfigError for one that would change the numbers (``refuse``)."""
     for key, value, why, refuse in inert_keys_given(Config, raw, cfg, ""):
+        value = to_plain(value)
+        text = json.dumps(value)
         if refuse:
-            raise ConfigError(key, value, f"{json.dumps(value)} is not built: {why}")
-        warnings.warn(f"{key}={json.dumps(value)} is ignored: {why}", UserWarning, stacklevel=3)
+            raise ConfigError(key, value, f"{text} is not built: {why}")
+        warnings.warn(f"{key}={text} is ignored: {why}", UserWarning, stacklevel=3)
+
+
+def _check_sum_scaling(cfg: Config) -> None:
+    """With ``gradient_allreduce_op: "sum"`` DeepSpeed's stages 0-2 sum the gradients without
+    any scaling, so ``prescale_gradients`` and ``gradient_predivide_factor`` do nothing: say so."""
+    if cfg.gradient_allreduce_op != "sum":
+        return
+    for key, value, default in (
+        ("prescale_gradients", cfg.prescale_gradients, False),
+        ("gradient_predivide_factor", cfg.gradient_predivide_factor, 1.0),
+    ):
+        if value != default:
+            warnings.warn(
+                f"{key}={json.dumps(value)} is ignored: with gradient_allreduce_op 'sum' the "
+                "gradients are summed over ranks without any scaling, as DeepSpeed 0.19.8 does",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def reject_unbuilt(cfg: Config) -> None:
@@ -499,6 +554,7 @@ def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> C
     cfg = Config(world_size=world_size, **values)
     _check_consistency(cfg)
     _check_inert(cfg, raw)
+    _check_sum_scaling(cfg)
     zero = cfg.zero_optimization
     hpz = min(zero.zero_hpz_partition_size, world_size)  # DeepSpeed's effective size
     if hpz != zero.zero_hpz_partition_size:

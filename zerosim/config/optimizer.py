@@ -211,6 +211,13 @@ class OptimizerConfig(Section):
 
     type: str = knob(None, _optimizer_type(), "required when the section is given")
     params: Mapping[str, Any] = knob(None, _json_object(), "hyperparameters, checked per type")
+    legacy_fusion: bool = knob(
+        False,
+        flag(),
+        "fp16 at stage 0 with FusedAdam: unscale inside the Adam kernel",
+        inert="zerosim unscales the fp16 gradients before any optimizer step",
+        reproduces=(False,),
+    )
 
     @classmethod
     def finish(cls, values: dict[str, Any], raw: Mapping[str, Any], path: str) -> dict[str, Any]:

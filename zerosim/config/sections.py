@@ -39,6 +39,7 @@ from zerosim.config.values import (
     optional,
     section,
     text,
+    whole_section,
 )
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -717,6 +718,20 @@ class CheckpointConfig(Section):
         section(ParallelWriteConfig),
         "pipeline-parallel writing",
         null=_NEEDS_MAPPING,
+    )
+    checkpoint_serialization: bool = knob(
+        True,
+        flag(),
+        "torch.save's zip format",
+        inert="zerosim writes its own files (NumPy arrays and JSON), not torch.save's",
+        reproduces=(True,),
+    )
+    writer: Any = whole_section(
+        "DeepSpeed's checkpoint writer (type FAST, PYTHON or MOCK; I/O buffer sizes)",
+        lambda value: True,
+        "zerosim writes its checkpoint files itself, one file per rank and array group",
+        refuse=False,
+        null=None,
     )
 
 

@@ -28,6 +28,7 @@ import numbers
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
+from types import MappingProxyType
 from typing import Any
 
 _REPR_LIMIT = 120
@@ -295,7 +296,7 @@ def knob(
     aliases: tuple[str, ...] = (),
     null: str | None = None,
     inert: str | None = None,
-    reproduces: tuple[Any, ...] = (),
+    reproduces: tuple[Any, ...] | Callable[[Any], bool] = (),
     refuse: bool = False,
 ) -> Any:
     """Declare a config key: dataclass field named as the JSON key, its default and parser.
@@ -304,8 +305,9 @@ def knob(
     JSON null means "not given" (the default applies); otherwise it says why DeepSpeed cannot
     take null there, and null is an error. ``inert`` marks a DeepSpeed key that zerosim reads
     but does not act on, saying why; writing it with a value outside ``reproduces`` (the values
-    whose DeepSpeed behaviour zerosim has anyway) is warned about at load, or rejected with
-    ``refuse`` (DeepSpeed would compute something zerosim does not build).
+    whose DeepSpeed behaviour zerosim has anyway, or a predicate saying so of a value) is warned
+    about at load, or rejected with ``refuse`` (DeepSpeed would compute something zerosim does
+    not build).
     """
     metadata = {
         "parser": parser,
@@ -317,6 +319,37 @@ def knob(
         "refuse": refuse,
     }
     return field(default=default, metadata=metadata)
+
+
+def whole_section(
+    doc: str,
+    on: Callable[[Any], bool],
+    why: str,
+    *,
+    refuse: bool,
+    objects_only: bool = True,
+    null: str | None = "DeepSpeed reads keys of it and fails on null",
+) -> Any:
+    """A DeepSpeed section zerosim reads as a whole: a JSON object, kept read-only (any JSON
+    value without ``objects_only``); ``on(value)`` says whether DeepSpeed would act on it, and
+    then the section is refused or warned about. Absent: not given; null as ``null`` says (see
+    ``knob``)."""
+    allowed = "a JSON object" if objects_only else "any JSON value"
+
+    def convert(value: Any, path: str) -> Any:
+        if not objects_only and not isinstance(value, Mapping):
+            return value
+        return MappingProxyType(dict(as_mapping(value, path)))
+
+    return knob(
+        None,
+        Parser(allowed, convert),
+        doc,
+        inert=why,
+        reproduces=lambda value: not on(value),
+        refuse=refuse,
+        null=null,
+    )
 
 
 def knob_fields(cls: type) -> list[Field]:
@@ -395,10 +428,17 @@ def inert_keys_given(cls: type, raw: Any, obj: Any, path: str) -> list[tuple[str
             nested = f.metadata["parser"].section
             if nested is not None:
                 found += inert_keys_given(nested, raw[name], value, join(path, name))
-            elif f.metadata["inert"] is not None and value not in f.metadata["reproduces"]:
+            elif f.metadata["inert"] is not None and not reproduced(f, value):
                 inert = (join(path, name), value, f.metadata["inert"], f.metadata["refuse"])
                 found.append(inert)
     return found
+
+
+def reproduced(f: Field, value: Any) -> bool:
+    """Whether zerosim has DeepSpeed's behaviour for inert knob ``f`` at ``value``: its
+    ``reproduces`` is a tuple of such values, or a predicate of the value."""
+    rule = f.metadata["reproduces"]
+    return rule(value) if callable(rule) else value in rule
 
 
 def known_key_paths(cls: type, path: str = "") -> list[str]:
@@ -425,15 +465,25 @@ def to_plain(value: Any) -> Any:
 
 
 def knobs_to_dict(obj: Any) -> dict[str, Any]:
-    """The JSON keys of a section with their values; None (= not set) is left out, and so is an
-    inert key at its default (writing it back would only add a warning)."""
+    """The JSON keys of a section with their values; None (= not set) is left out, and so are
+    an inert key at its default and a nested section left empty (writing them back would say
+    nothing or only add a warning)."""
     result = {}
     for f in knob_fields(type(obj)):
         value = getattr(obj, f.name)
         if value is None or (f.metadata["inert"] is not None and value == f.default):
             continue
-        result[f.name] = to_plain(value)
+        plain = to_plain(value)
+        if f.metadata["parser"].section is not None and plain == {}:
+            continue
+        result[f.name] = plain
     return result
+
+
+def any_value(value: Any) -> bool:
+    """``reproduces`` of an inert key whose every value has DeepSpeed's behaviour here (a key
+    DeepSpeed reads only once a feature zerosim warns about or refuses is on)."""
+    return True
 
 
 class Section:

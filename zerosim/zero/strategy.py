@@ -148,6 +148,7 @@ class Strategy(ABC):
         comm_dtype: Any = None,
         prescale: bool = False,
         predivide: float = 1.0,
+        gradient_average: bool = True,
         schedule: str = "deepspeed",
     ) -> None:
         if schedule not in SCHEDULES:
@@ -155,6 +156,8 @@ class Strategy(ABC):
         self.schedule = schedule  # whose collectives: DeepSpeed's or the paper's (schedule.py)
         self.comm = comm
         self.prescale, self.predivide = bool(prescale), float(predivide)
+        # gradient_allreduce_op: True for 'mean' (the sum over ranks / N), False for 'sum'
+        self.gradient_average = bool(gradient_average)
         # communication_data_type: gradients are cast to it for their reduction (None: reduced
         # in their buffer's own dtype, the model dtype or fp32 for Megatron's bf16 buffers)
         self.comm_dtype = None if comm_dtype is None else np.dtype(comm_dtype)
@@ -366,7 +369,11 @@ class Strategy(ABC):
     def before_reduction(self, grads: Any) -> None:
         """Scale gradients about to be summed over ranks, as DeepSpeed does: with
         ``prescale_gradients`` divide by N; with ``gradient_predivide_factor`` f multiply by 1/f
-        (then ``average`` multiplies by f/N); by default leave them (``average`` divides by N)."""
+        (then ``average`` multiplies by f/N); by default leave them (``average`` divides by N).
+        With ``gradient_allreduce_op: "sum"`` neither scales: DeepSpeed's stages 0-2 then sum
+        unscaled, prescale and predivide factor unread."""
+        if not self.gradient_average:
+            return
         if self.prescale:
             grads /= self.comm.size
         elif self.predivide != 1.0:
@@ -374,7 +381,7 @@ class Strategy(ABC):
 
     def average(self, grads: Any) -> None:
         """Turn the sum over ranks into the mean (what ``before_reduction`` left to do)."""
-        if self.prescale:
+        if self.prescale or not self.gradient_average:
             return
         if self.predivide == 1.0:
             grads /= self.comm.size
