@@ -539,94 +539,110 @@ class Engine:
                 self._printed_clock = dict(self.wall_clock)
 
     def _update(self) -> bool:
-        """The boundary's work; False when an overflow skipped the step (fp16)."""
+        """The boundary's work; False when the step was skipped: an inf/nan gradient that the
+        overflow flag saw, or a gradient norm that is not finite where the schedule skips on it
+        (``self.checks``, the table of zerosim/zero/schedule.py)."""
         checks = self.checks
-        if checks.overflow != "none":  # fp16 (and bf16 where DeepSpeed checks): skip on inf/nan
-            local = checks.overflow == "local"  # every rank holds the reduced gradients
-            flag = np.array([self.strategy.overflow(whole=local)], dtype=checks.flag_dtype)
-            if not local:
-                with self.comm.phase("overflow"):  # every rank agrees: one scalar, max
-                    self.comm.all_reduce(flag, op="max")
-            if flag[0] > 0:
-                self.strategy.step_skipped()
-                self.strategy.zero_grad()
-                self.skipped_steps += 1
-                self._global_grad_norm = float("inf")  # as DeepSpeed reports a skipped step
-                self.loss_scaler.update_scale(True)  # may raise LossScaleError on every rank
-                log.info(
-                    "step %d skipped: gradient overflow; loss scale now %g",
-                    self.global_steps,
-                    self.loss_scale,
-                )
-                return False
-        # As in every fp16 optimizer of DeepSpeed 0.19.8, the scale is updated before the
-        # gradients are unscaled: on a step where it grows, they are divided by the new scale.
+        if checks.overflow != "none" and self._overflow_seen():
+            return self._skip("gradient overflow")
+        # As in DeepSpeed 0.19.8, the norm is taken of the gradients as they stand (scaled by the
+        # current loss scale) and judged before the scale is updated; and, as in every fp16
+        # optimizer of it, the scale is updated before the gradients are unscaled: on a step
+        # where it grows, they are divided by the new scale.
         prev_scale = self.loss_scaler.loss_scale
+        norm = self._grad_norm(1.0 / prev_scale)  # of the gradients over prev_scale
+        if norm is not None and not math.isfinite(norm):
+            if checks.bad_norm == "skip":
+                return self._skip("the gradient norm is not finite")
+            if checks.bad_norm == "inf":  # DeepSpeed's ZeRO optimizers mask a nan norm to inf
+                norm = math.inf
         self.loss_scaler.update_scale(False)
-        inv_scale = 1.0 / self.loss_scaler.loss_scale
-        self._clip(inv_scale)
-        self._global_grad_norm = self._reported_norm(prev_scale)
-        self.strategy.unscale_grads(inv_scale)
-        if self.strategy.master_dtype is not None and self._clip_coef != 1.0:
-            self.strategy.clip(self._clip_coef)
+        scale = self.loss_scaler.loss_scale
+        unscaled = None if norm is None else norm * (prev_scale / scale)  # over the new scale
+        self._global_grad_norm = self._reported_norm(norm, unscaled)
+        coef = self._clip_coef(unscaled)
+        if self.strategy.master_dtype is None and coef != 1.0:  # one precision: clip in place
+            self.strategy.clip(coef)
+        self.strategy.unscale_grads(1.0 / scale)
+        if self.strategy.master_dtype is not None and coef != 1.0:  # the fp32 gradients made
+            self.strategy.clip(coef)
         self.optimizer.step()
         self.strategy.master_to_params()
         self.strategy.gather()
         self.strategy.zero_grad()
         return True
 
-    def _reported_norm(self, prev_scale: float) -> float | None:
+    def _overflow_seen(self) -> bool:
+        """Whether any rank's gradients hold inf/nan: this rank's own check, and, unless every
+        rank holds the same reduced gradients, one max all-reduce of the flag (phase
+        ``overflow``)."""
+        local = self.checks.overflow == "local"
+        flag = np.array([self.strategy.overflow(whole=local)], dtype=self.checks.flag_dtype)
+        if not local:
+            with self.comm.phase("overflow"):  # every rank agrees: one scalar, max
+                self.comm.all_reduce(flag, op="max")
+        return bool(flag[0] > 0)
+
+    def _skip(self, reason: str) -> bool:
+        """Skip this step as DeepSpeed does: nothing is updated, the gradients are dropped,
+        ``skipped_steps`` grows, the reported norm is inf (None where no norm is computed) and
+        the loss scaler is told of an overflow (it may raise LossScaleError, on every rank)."""
+        self.strategy.step_skipped()
+        self.strategy.zero_grad()
+        self.skipped_steps += 1
+        self._global_grad_norm = None if self.checks.norm == "none" else math.inf
+        self.loss_scaler.update_scale(True)
+        log.info(
+            "step %d skipped: %s; loss scale now %g", self.global_steps, reason, self.loss_scale
+        )
+        return False
+
+    def _reported_norm(self, norm: float | None, unscaled: float | None) -> float | None:
         """The norm ``get_global_grad_norm()`` reports, as DeepSpeed 0.19.8's does: None at stage
         0 in one precision (the client's torch optimizer keeps no norm; clipping still uses
         it); at stages 1-2 the scaled norm over the scale *before* this step's update
-        (``stage_1_and_2.step``), so on a step where the scale grows it is that factor above
-        the norm used for clipping; elsewhere the norm itself."""
-        norm = self._global_grad_norm
-        if norm is None:
-            return None
+        (``stage_1_and_2.step``: ``norm``), so on a step where the scale grows it is that factor
+        above the norm used for clipping; elsewhere over the scale after it (``unscaled``)."""
         stage = self.config.zero_optimization.stage
         if stage == 0 and self.config.mixed_precision is None:
             return None
-        if stage in (1, 2):
-            return norm * (self.loss_scaler.loss_scale / prev_scale)
-        return norm
+        return norm if stage in (1, 2) else unscaled
 
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 without fp16)."""
         return self.loss_scaler.loss_scale
 
-    def _clip(self, inv_scale: float = 1.0) -> float | None:
-        """Global gradient norm as the schedule says (``self.checks``); clip.
+    def _grad_norm(self, inv_scale: float = 1.0) -> float | None:
+        """The global norm of the gradients times ``inv_scale``, as the schedule says
+        (``self.checks``); None without one.
 
         "sum_sq": each rank's partial Σg² over what it owns, summed by one all-reduce; "mean":
         DeepSpeed's stage 0 all-reduces ‖g‖/N of the full local gradients; "local": the full
-        local gradients, no collective; "none": no norm, no clipping. The norm is of the
-        unscaled gradients. In one-precision training the coefficient is applied here; under
-        mixed precision to the fp32 gradients ``unscale_grads`` makes.
+        local gradients, no collective; "none": no norm (and so no clipping).
         """
-        self._clip_coef = 1.0
         checks = self.checks
-        if checks.norm == "none":  # compute_grad_norm false (and so no clipping)
-            self._global_grad_norm = None
+        if checks.norm == "none":  # compute_grad_norm false
             return None
         sum_sq = self.strategy.grad_norm_sq(inv_scale, whole=checks.norm != "sum_sq")
         if checks.norm == "local":
-            norm = math.sqrt(sum_sq)
-        else:  # one scalar, phase "clip": kept apart from the model-sized volume
-            mean = checks.norm == "mean"
-            value = math.sqrt(sum_sq) / self.comm.size if mean else sum_sq
-            message = np.array([value], dtype=checks.norm_dtype)
-            with self.comm.phase("clip"):
-                self.comm.all_reduce(message)
-            norm = float(message[0]) if mean else math.sqrt(float(message[0]))
-        self._global_grad_norm = norm
+            return math.sqrt(sum_sq)
+        mean = checks.norm == "mean"  # one scalar, phase "clip": kept apart from the volume
+        value = math.sqrt(sum_sq) / self.comm.size if mean else sum_sq
+        message = np.array([value], dtype=checks.norm_dtype)
+        with self.comm.phase("clip"):
+            self.comm.all_reduce(message)
+        return float(message[0]) if mean else math.sqrt(float(message[0]))
+
+    def _clip_coef(self, norm: float | None) -> float:
+        """The factor ``gradient_clipping`` applies to the unscaled gradients whose norm is
+        ``norm``: max_norm / (norm + 1e-6) where that is below 1, else 1; 0 for an inf norm,
+        and nan for a nan one (DeepSpeed's stage 0: ``torch.min(1, coefficient)``)."""
         max_norm = self.config.gradient_clipping
-        if max_norm > 0 and max_norm / (norm + 1e-6) < 1:
-            self._clip_coef = max_norm / (norm + 1e-6)
-            if self.strategy.master_dtype is None:
-                self.strategy.clip(self._clip_coef)
-        return norm
+        if norm is None or max_norm <= 0:
+            return 1.0
+        coef = max_norm / (norm + 1e-6)
+        return coef if coef < 1 or math.isnan(coef) else 1.0
 
     # -- queries ----------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:

@@ -3,7 +3,9 @@
 A case is plain JSON: a DeepSpeed config, a model (zerosim's MLP or GPT, built with a seed; its
 torch twin loads the same weights by name) and a number of optimizer steps. Every micro-batch is
 drawn from ``numpy.random.default_rng([data_seed, step, micro, rank])``, so each rank of each
-side sees the same numbers without any communication.
+side sees the same numbers without any communication. An MLP case may list ``inject``:
+``{"step": s, "rank": r, "value": "nan" | "inf"}`` puts that value into one input of rank r's
+first micro-batch of step s, on both sides.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def micro_batch(case: dict[str, Any], step: int, micro: int, rank: int) -> tuple
     spec = case["model"]
     if spec["kind"] == "mlp":
         x = rng.normal(size=(MICRO, spec["sizes"][0])).astype(np.float32)
+        for bad in case.get("inject", []):
+            if (bad["step"], bad["rank"], 0) == (step, rank, micro):
+                x[1, 3] = float(bad["value"])
         return x, rng.integers(0, spec["sizes"][-1], MICRO)
     shape = (MICRO, spec["block"])
     return rng.integers(0, spec["vocab"], shape), rng.integers(0, spec["vocab"], shape)

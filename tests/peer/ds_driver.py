@@ -3,7 +3,8 @@
 Runs every case of PLAN (JSON, see cases.py) with DeepSpeed on gloo, one engine after another in
 one launch: the torch twin of the case's zerosim model (same initial weights, loaded by name),
 the case's config with the comms logger on, the case's data. Writes ``OUT/<case>.rank<r>.json``
-(each micro-step's loss, each optimizer step's collectives from the comms logger) and, on rank 0,
+(each micro-step's loss; after each optimizer step its collectives from the comms logger, the
+reported gradient norm, the loss scale and the skipped steps so far) and, on rank 0,
 ``OUT/<case>.npz`` (the fp32 weights after the last step: ``safe_get_full_fp32_param`` under
 ZeRO, the module's parameters at stage 0).
 
@@ -68,7 +69,7 @@ def run_case(case: dict, out: Path) -> None:
     engine, *_ = deepspeed.initialize(model=twin, model_parameters=twin.parameters(), config=cfg)
     dtype = next(engine.module.parameters()).dtype
     init = comms_snapshot()
-    losses, steps, norms = [], [], []
+    losses, steps, norms, scales, skips = [], [], [], [], []
     for step in range(case["steps"]):
         for micro in range(gas(case)):
             x, y = micro_batch(case, step, micro, rank)
@@ -81,6 +82,10 @@ def run_case(case: dict, out: Path) -> None:
         steps.append(comms_snapshot())
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
+        # ZeRO's optimizers and the fp16/bf16 wrappers hold the scale; the client's torch
+        # optimizer (stage 0 in fp32) has none: 1
+        scales.append(float(getattr(engine.optimizer, "loss_scale", 1.0)))
+        skips.append(int(engine.skipped_steps))
     weights = {}
     # DeepSpeed 0.19.8's safe_get_full_fp32_param maps a parameter to another's fp32 slice when
     # round_robin_gradients reorders the flat buffer (wpe reads back a LayerNorm weight, while
@@ -92,7 +97,7 @@ def run_case(case: dict, out: Path) -> None:
         weights[name] = full.float().numpy().copy()
     result = {"losses": losses, "steps": steps, "init": init, "clip": engine.gradient_clipping()}
     result["skipped"] = int(getattr(engine, "skipped_steps", 0))
-    result["norms"] = norms
+    result["norms"], result["scales"], result["skips"] = norms, scales, skips
     (out / f"{case['name']}.rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         np.savez(out / f"{case['name']}.npz", **weights)

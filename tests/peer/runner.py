@@ -16,6 +16,7 @@ from pathlib import Path
 from mpi_helpers import ROOT, run_mpi
 
 HERE = Path(__file__).resolve().parent
+NAMES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
 
 
 def free_port() -> int:
@@ -68,3 +69,22 @@ def run_both(n: int, cases: list[dict], work: Path) -> dict[str, dict]:
                 weights = {k: f[k] for k in f.files}
             results[name][side] = {"ranks": ranks, "weights": weights}
     return results
+
+
+def deepspeed_step(step: dict, stage: int) -> dict[str, dict[int, int]]:
+    """{op: {message bytes: calls}} of DeepSpeed's comms logger, stage 3's broadcasts left out."""
+    out: dict[str, dict[int, int]] = {}
+    for op, sizes in step.items():
+        if op == "broadcast" and stage == 3:
+            continue
+        out[NAMES.get(op, op)] = {int(size): calls for size, calls in sizes.items()}
+    return out
+
+
+def zerosim_step(step: dict, n: int) -> dict[str, dict[int, int]]:
+    """The same from zerosim's ledger (buffer bytes S), in DeepSpeed's size convention."""
+    out: dict[str, dict[int, int]] = {}
+    for op, sizes in step.items():
+        per = n if op == "all_gather" else 1
+        out[op] = {int(size) // per: calls for size, calls in sizes.items()}
+    return out

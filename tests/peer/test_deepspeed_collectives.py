@@ -44,7 +44,7 @@ import pytest
 
 deepspeed = pytest.importorskip("deepspeed", reason="the peer tests need DeepSpeed (test extra)")
 
-from runner import run_both  # noqa: E402
+from runner import deepspeed_step, run_both, zerosim_step  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -55,7 +55,6 @@ SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 BF16 = {"bf16": {"enabled": True}}
 FP16 = {"fp16": {"enabled": True, "initial_scale_power": 4}}  # no overflow in these steps
 GATHERED = {"stage3_param_persistence_threshold": 0}
-NAMES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
 TRAINING_PHASES = {"forward", "backward", "step", "clip", "overflow"}
 
 
@@ -194,25 +193,6 @@ def cases() -> list[dict]:
 def runs(request, tmp_path_factory):
     n = request.param
     return n, run_both(n, copy.deepcopy(cases()), tmp_path_factory.mktemp(f"collectives{n}"))
-
-
-def deepspeed_step(step: dict, stage: int) -> dict[str, dict[int, int]]:
-    """{op: {message bytes: calls}} of DeepSpeed's comms logger, stage 3's broadcasts left out."""
-    out: dict[str, dict[int, int]] = {}
-    for op, sizes in step.items():
-        if op == "broadcast" and stage == 3:
-            continue
-        out[NAMES.get(op, op)] = {int(size): calls for size, calls in sizes.items()}
-    return out
-
-
-def zerosim_step(step: dict, n: int) -> dict[str, dict[int, int]]:
-    """The same from zerosim's ledger (buffer bytes S), in DeepSpeed's size convention."""
-    out: dict[str, dict[int, int]] = {}
-    for op, sizes in step.items():
-        per = n if op == "all_gather" else 1
-        out[op] = {int(size) // per: calls for size, calls in sizes.items()}
-    return out
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in cases()])

@@ -30,6 +30,12 @@ Bounds, and why (measured worst cases at N = 2 and 3 in brackets):
   the loss by the scale but divides the gradients by it (tests/test_deepspeed_fp16_stage0.py;
   zerosim scales, the deliberate difference docs/config.md lists), so only a scale of 1 compares
   the rest of its FP16_UnfusedOptimizer path.
+- a nan and an inf injected (``nonfinite_cases``: a nan into rank 0's micro-batch of step 1, an
+  inf into rank 1's of step 3) at every stage in fp32, bf16 with and without
+  ``bf16.check_grad_overflow``, and fp16: where DeepSpeed skips, the weights are held to the
+  bounds above and must be finite; where it does not (stage 0 in fp32; stages 1-2 in bf16
+  without the check), both sides' weights are nan in the same places. After every step the
+  skipped steps, the loss scale and the collectives are DeepSpeed's, exactly.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ import pytest
 
 deepspeed = pytest.importorskip("deepspeed", reason="the peer tests need DeepSpeed (test extra)")
 
-from runner import run_both  # noqa: E402
+from nonfinite_worker import deepspeed_skips  # noqa: E402
+from runner import deepspeed_step, run_both, zerosim_step  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -87,12 +94,47 @@ FP16_8 = {"enabled": True, "initial_scale_power": 8}
 FP16_SCALE_1 = {"enabled": True, "initial_scale_power": 0}
 
 
+# A nan into rank 0's micro-batch of step 1, an inf into rank 1's of step 3 (N = 2 and 3 both)
+INJECT = [{"step": 1, "rank": 0, "value": "nan"}, {"step": 3, "rank": 1, "value": "inf"}]
+PRECISION_SECTIONS = {
+    "fp32": {},
+    "bf16": {"bf16": {"enabled": True}},
+    "bf16_unchecked": {"bf16": {"enabled": True, "check_grad_overflow": False}},
+}
+
+
+def nonfinite_cases(stages) -> list[dict]:
+    """Every precision DeepSpeed runs on CPU (fp16 with its check patched, ds_driver.py) at each
+    of ``stages``, with ``INJECT``'s nan and inf: DeepSpeed's default clipping (1.0), Adam in
+    fp32 and SGD in 16 bits (see the bounds above), accumulation 2 at stage 2 in fp32."""
+    out = []
+    for stage in stages:
+        for precision, section in PRECISION_SECTIONS.items():
+            fp32 = precision == "fp32"
+            more = {"gradient_accumulation_steps": 2} if fp32 and stage == 2 else {}
+            opt, extra = (ADAM, {}) if fp32 else (SGD, UNTESTED if stage else {})
+            out.append(
+                _case(f"s{stage}_nonfinite_{precision}", stage, opt, **section, **more, **extra)
+            )
+        # stage 0 from a scale of 1 (FP16_SCALE_1); stages 1-3 from 2**8 with hysteresis 2, so
+        # the nan is absorbed and the inf halves the scale
+        fp16 = FP16_SCALE_1 if stage == 0 else FP16_8
+        untested = UNTESTED if stage else {}
+        out.append(_case(f"s{stage}_nonfinite_fp16", stage, SGD, fp16=fp16, **untested))
+    for case in out:
+        case["inject"] = INJECT
+    return out
+
+
 def cases() -> list[dict]:
     """Every stage, fp32 and bf16, accumulation 1 and 2, clipping by default and explicit, Adam
     under both of DeepSpeed's rules (adam_w_mode, torch_adam), AdamW, SGD with momentum (with
-    zero_allow_untested_optimizer under ZeRO), with and without DeepSpeed's schedulers."""
+    zero_allow_untested_optimizer under ZeRO), with and without DeepSpeed's schedulers; and a
+    nan and an inf at every stage and precision (``nonfinite_cases``: stages 0-2 first and stage
+    3 last, as test_deepspeed_collectives.py says why, since their collectives are compared)."""
     bf16 = {"bf16": {"enabled": True}}
     return [
+        *nonfinite_cases((0, 1, 2)),
         _case("s0_adam", 0, ADAM),
         _case("s0_sgd_bf16", 0, SGD, **bf16),
         _case("s1_adamw_clip_gas2", 1, ADAMW, gradient_clipping=0.3, gradient_accumulation_steps=2),
@@ -140,6 +182,7 @@ def cases() -> list[dict]:
             gradient_predivide_factor=2.0,
             **UNTESTED,
         ),
+        *nonfinite_cases((3,)),
     ]
 
 
@@ -192,6 +235,26 @@ def test_reported_gradient_norms_equal_deepspeeds(runs, name):
                 assert g == w, (r, k, g, w)
             else:
                 assert g == pytest.approx(w, rel=rtol), (r, k, g, w)
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in cases() if "inject" in c])
+def test_nan_and_inf_steps_are_skipped_as_deepspeed_skips_them(runs, name):
+    """After each step, on every rank: zerosim's skipped steps, loss scale and collectives are
+    DeepSpeed's (a step skipped on the overflow flag sends no norm; one skipped on its norm has
+    sent it). DeepSpeed skips both poisoned steps exactly where tests/nonfinite_worker.py's
+    reading of its source says, and its weights are finite exactly then."""
+    n, results = runs
+    case = next(c for c in cases() if c["name"] == name)
+    stage = case["config"]["zero_optimization"]["stage"]
+    skips = deepspeed_skips(stage, name.split("_nonfinite_")[1])
+    ds, zs = results[name]["ds"], results[name]["zs"]
+    assert ds["ranks"][0]["skips"] == ([0, 1, 1, 2, 2] if skips else [0] * 5)
+    assert all(np.isfinite(w).all() for w in ds["weights"].values()) == skips
+    for r in range(n):
+        want, got = ds["ranks"][r], zs["ranks"][r]
+        assert (got["skips"], got["scales"]) == (want["skips"], want["scales"]), f"rank {r}"
+        for k, (w, g) in enumerate(zip(want["steps"], got["steps"], strict=True)):
+            assert zerosim_step(g, n) == deepspeed_step(w, stage), f"rank {r}, step {k}"
 
 
 def test_deepspeeds_default_loss_scale_overflows_on_the_first_two_steps(runs):

@@ -1,9 +1,10 @@
 """zerosim's side of the peer tests: ``mpirun -n N python zs_driver.py PLAN OUT``.
 
 The same cases, configs and data as ds_driver.py, on zerosim's engine. Writes
-``OUT/<case>.rank<r>.json`` (each micro-step's loss; each optimizer step's collectives from the
-ledger, by op and message size as DeepSpeed's comms logger counts them, and the ledger phases
-they carry) and, on rank 0,
+``OUT/<case>.rank<r>.json`` (each micro-step's loss; after each optimizer step its collectives
+from the ledger, by op and message size as DeepSpeed's comms logger counts them, and the ledger
+phases they carry, the reported gradient norm, the loss scale and the skipped steps so far) and,
+on rank 0,
 ``OUT/<case>.npz`` (the fp32 weights after the last step, ``engine.full_state_dict()``).
 """
 
@@ -40,7 +41,7 @@ def run_case(case: dict, out: Path, comm) -> None:
         warnings.simplefilter("ignore")
         engine, *_ = zs.initialize(model_of(case), zerosim_config(case), comm=comm)
     comm.ledger.reset()
-    losses, steps, phases, norms = [], [], [], []
+    losses, steps, phases, norms, scales, skips = [], [], [], [], [], []
     for step in range(case["steps"]):
         for micro in range(gas(case)):
             x, y = micro_batch(case, step, micro, comm.rank)
@@ -53,10 +54,12 @@ def run_case(case: dict, out: Path, comm) -> None:
         phases.append(labels)
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
+        scales.append(float(engine.loss_scale))
+        skips.append(int(engine.skipped_steps))
     weights = engine.full_state_dict()
     result = {"losses": losses, "steps": steps, "skipped": int(engine.skipped_steps)}
     result["phases"] = phases
-    result["norms"] = norms
+    result["norms"], result["scales"], result["skips"] = norms, scales, skips
     (out / f"{case['name']}.rank{comm.rank}.json").write_text(json.dumps(result))
     if comm.rank == 0:
         np.savez(out / f"{case['name']}.npz", **weights)

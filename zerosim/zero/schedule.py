@@ -11,19 +11,36 @@
 - ``"paper"``: the ZeRO paper's schedule: flat buffers padded to a multiple of N, gradients
   reduce-scattered (stages 1-2), 2(N−1)/N · Ψ_pad per step at stages 0-2.
 
-At the boundary a step may also all-reduce one overflow flag (fp16: skip the step when any rank
-saw inf/nan) and the gradient norm. ``boundary_checks`` says which, in which dtype:
+At the boundary a step may also all-reduce one overflow flag and the gradient norm. The step is
+skipped (weights, optimizer state, step count and LR schedule untouched; ``skipped_steps`` + 1;
+the loss scaler told of an overflow) when the flag says some rank saw inf/nan, or when the norm
+is not finite and the last column says so. ``boundary_checks`` says which, in which dtype:
 
-    schedule   stage  overflow flag                         norm
-    paper      any    fp16: float64 max                     float64 sum of Σg² partials
-    deepspeed  0      fp16, bf16: checked locally (every    fp32 without fp16/bf16 and with
-                      rank holds every reduced gradient)    gradient_clipping > 0: sum of ‖g‖/N
-                                                            (runtime/utils.clip_grad_norm_);
-                                                            else computed locally, not sent
-    deepspeed  1, 2   uint8 max under fp16, and under bf16  fp32 sum of Σg² partials; none with
-                      with bf16.check_grad_overflow         zero_optimization.compute_grad_norm
-                                                            false
-    deepspeed  3      uint8 max under fp16                  float64 sum of Σg² partials
+    schedule   stage  overflow flag               norm                            inf/nan norm
+    paper      any    fp16: float64 max           float64 sum of Σg² partials     skip
+    deepspeed  0      fp16, bf16: checked         fp32 without fp16/bf16 and      fp16, bf16:
+                      locally (every rank holds   with gradient_clipping > 0:     skip; fp32:
+                      every reduced gradient)     sum of ‖g‖/N (runtime/utils.    step ("as_is")
+                                                  clip_grad_norm_); else
+                                                  computed locally, not sent
+    deepspeed  1, 2   uint8 max under fp16, and   fp32 sum of Σg² partials; none  skip; bf16
+                      under bf16 with bf16.       with zero_optimization.         without the
+                      check_grad_overflow         compute_grad_norm false         check: step
+                                                                                  ("inf")
+    deepspeed  3      uint8 max under fp16        float64 sum of Σg² partials     skip
+
+DeepSpeed 0.19.8's sources for the last column: stage 0 in one precision steps the client's
+torch optimizer after ``clip_grad_norm_`` (``engine._take_model_step``), whose coefficient
+``torch.min(1, max_norm / (norm + 1e-6))`` is nan for a nan norm and 0 for an inf one; in fp16
+and bf16 its ``FP16_UnfusedOptimizer`` skips on a local inf/nan or an invalid norm.
+``stage_1_and_2.step`` masks an inf/nan norm to inf (``get_grad_norm_direct``,
+``combine_grad_norm_groups``) and skips on it unless the model is bf16 without
+``check_grad_overflow`` (then the step runs and the inf norm clips every finite gradient to 0).
+``stage3.step`` skips on it at every precision (``check_grad_overflow`` is not read there). A
+step skipped on the flag sends no norm; without a norm (``compute_grad_norm`` false) only the
+flag can skip. The paper's schedule skips whenever the norm is not finite: a float64 Σg² of
+16- or 32-bit gradients is finite exactly when every gradient is, so no non-finite gradient
+reaches the weights, and no collective is added for it.
 
 DeepSpeed's fp32 messages are float64 in zerosim's float64 reference mode (``zerosim.dtype``),
 which DeepSpeed does not have.
@@ -41,19 +58,23 @@ SCHEDULES = ("deepspeed", "paper")
 
 @dataclass(frozen=True)
 class BoundaryChecks:
-    """The overflow and norm collectives of one optimizer step.
+    """The overflow and norm collectives of one optimizer step, and what a bad norm does.
 
     ``overflow``: "all_reduce" (a one-element max of ``flag_dtype``), "local" (this rank's own
-    gradients decide: they are the reduced ones everywhere) or "none" (never skipped).
+    gradients decide: they are the reduced ones everywhere) or "none" (no flag).
     ``norm``: "sum_sq" (all-reduce of this rank's Σg² over what it owns), "mean" (all-reduce of
     the locally computed ‖g‖ / N), "local" (‖g‖ of this rank's gradients, no collective) or
     "none" (no norm). ``norm_dtype``: the dtype of the norm message.
+    ``bad_norm``, when the norm is inf or nan: "skip" (skip the step), "inf" (step with the norm
+    taken as inf, as DeepSpeed's ZeRO optimizers mask it) or "as_is" (step with the norm as it
+    is: a nan norm makes the clip coefficient nan).
     """
 
     overflow: str
     flag_dtype: np.dtype
     norm: str
     norm_dtype: np.dtype
+    bad_norm: str = "skip"
 
 
 def boundary_checks(
@@ -81,13 +102,16 @@ def boundary_checks(
     u8 = np.dtype(np.uint8)
     f32 = f64 if reference_precision else np.dtype(np.float32)
     if stage == 0:
-        mean = clip > 0 and not (fp16 or bf16)
-        flag = "local" if fp16 or bf16 else "none"
-        return BoundaryChecks(flag, u8, "mean" if mean else "local", f32)
+        mixed = fp16 or bf16
+        norm = "local" if mixed or clip <= 0 else "mean"
+        return BoundaryChecks(
+            "local" if mixed else "none", u8, norm, f32, bad_norm="skip" if mixed else "as_is"
+        )
     if stage in (1, 2):
         flag = fp16 or (bf16 and bf16_overflow)
         norm = "sum_sq" if compute_grad_norm else "none"
-        return BoundaryChecks("all_reduce" if flag else "none", u8, norm, f32)
+        bad_norm = "inf" if bf16 and not bf16_overflow else "skip"
+        return BoundaryChecks("all_reduce" if flag else "none", u8, norm, f32, bad_norm)
     return BoundaryChecks("all_reduce" if fp16 else "none", u8, "sum_sq", f64)
 
 
