@@ -91,3 +91,20 @@ def gpt_shape(spec: str) -> GPTShape:
         f"--model {spec!r} is not a model; allowed: {sorted(PRESETS)}, 'gpt', 'mlp' or "
         "gpt:LAYERS,HIDDEN,VOCAB,SEQ[,HEADS]"
     )
+
+
+def narayanan_flops(
+    batch: int, seq: int, layers: int, hidden: int, vocab: int, recompute: bool = False
+) -> float:
+    """Model FLOPs of one step of ``batch`` sequences (Narayanan et al. SC21, §5.1, eq. 3):
+
+        with recomputation of every block   96·B·s·l·h² · (1 + s/(6h) + V/(16·l·h))
+        without                             72·B·s·l·h² · (1 + s/(6h) + V/(12·l·h))
+
+    (matrix products only: forward 24·B·s·h² + 4·B·s²·h per layer and 2·B·s·h·V for the logits,
+    backward twice the forward, recomputation one more forward of the layers).
+    """
+    b, s, l_, h, v = batch, seq, layers, hidden, vocab
+    if recompute:
+        return 96 * b * s * l_ * h * h * (1 + s / (6 * h) + v / (16 * l_ * h))
+    return 72 * b * s * l_ * h * h * (1 + s / (6 * h) + v / (12 * l_ * h))

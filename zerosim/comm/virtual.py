@@ -240,28 +240,50 @@ class VirtualComm(Communicator):
         view._node_version = -1  # learn its nodes from the world's map at first use
         return view
 
+    def bytes_by_phase(self, world_rank: int, step: int | None = None) -> dict[str, dict]:
+        """{phase: {"sent", "recv", "intra", "inter"}}: the bytes of ``as_rank(world_rank)``'s
+        records (of ``step`` only, when given), summed; each distinct call is rewritten once."""
+        distinct: dict[tuple, int] = {}
+        for call in self.calls:
+            if step is not None and call.record.step != step:
+                continue
+            r = call.record
+            key = (call.comm, r.op, r.phase, r.elements, r.size_bytes, call.root, call.counts)
+            distinct[key + (call.nodes_known,)] = distinct.get(key + (call.nodes_known,), 0) + 1
+        out: dict[str, dict] = {}
+        for (comm, op, phase, elements, size, root, counts, known), times in distinct.items():
+            record = Record(op, phase, "", "", elements, size, 0, 0, 0, 0, "model", True, 0.0)
+            mine = self._rewrite(Call(record, comm, root, counts, known), world_rank)
+            total = out.setdefault(phase, dict.fromkeys(("sent", "recv", "intra", "inter"), 0))
+            total["sent"] += times * mine.bytes_sent
+            total["recv"] += times * mine.bytes_recv
+            total["intra"] += times * mine.intra_bytes
+            total["inter"] += times * mine.inter_bytes
+        return out
+
     def as_rank(self, world_rank: int) -> list[Record]:
         """The records rank ``world_rank`` writes when it makes the calls this rank made."""
-        out = []
-        for call in self.calls:
-            r = call.record
-            theirs = call.comm.view_of(world_rank)
-            if theirs._node_version != self.ledger.node_version:
-                theirs._sync_nodes()
-            size = theirs.size
-            itemsize = r.size_bytes // r.elements if r.elements else 1
-            sent, recv = ring.model_bytes(
-                r.op, r.elements, size, theirs.rank, itemsize, call.root, call.counts
+        return [self._rewrite(call, world_rank) for call in self.calls]
+
+    def _rewrite(self, call: Call, world_rank: int) -> Record:
+        """``call``'s record as rank ``world_rank`` writes it."""
+        r = call.record
+        theirs = call.comm.view_of(world_rank)
+        if theirs._node_version != self.ledger.node_version:
+            theirs._sync_nodes()
+        size = theirs.size
+        itemsize = r.size_bytes // r.elements if r.elements else 1
+        sent, recv = ring.model_bytes(
+            r.op, r.elements, size, theirs.rank, itemsize, call.root, call.counts
+        )
+        mine = replace(r, group=theirs.group, bytes_sent=sent, bytes_recv=recv, peers=size)
+        if theirs.node_of is None or not call.nodes_known:
+            mine.intra_bytes, mine.inter_bytes = sent, 0
+        else:
+            mine.intra_bytes, mine.inter_bytes = theirs._split_sent(
+                r.op, sent, r.elements, itemsize
             )
-            mine = replace(r, group=theirs.group, bytes_sent=sent, bytes_recv=recv, peers=size)
-            if theirs.node_of is None or not call.nodes_known:
-                mine.intra_bytes, mine.inter_bytes = sent, 0
-            else:
-                mine.intra_bytes, mine.inter_bytes = theirs._split_sent(
-                    r.op, sent, r.elements, itemsize
-                )
-            out.append(mine)
-        return out
+        return mine
 
 
 def _members_of(

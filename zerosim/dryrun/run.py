@@ -35,8 +35,6 @@ from zerosim.config import load_config
 from zerosim.engine import Engine, initialize
 from zerosim.nn import GPT, MLP, Module, checkpoint
 
-MEASURED_PHASES = ("forward", "backward", "step", "clip", "overflow")
-
 
 @dataclass(frozen=True)
 class ModelRecipe:
@@ -90,6 +88,7 @@ class RankRun:
     step_flops: int  # matmul FLOPs of the last step
     last_step: int  # the ledger step of the last optimizer step's records
     fingerprint: list[tuple] = field(default_factory=list)  # rank 0 only: every rank's
+    facts: dict[str, Any] = field(default_factory=dict)  # rank 0 only: report.engine_facts
 
 
 def _prepare_config(config: dict | str | Path, micro_batch: int | None) -> dict:
@@ -157,7 +156,10 @@ def run_rank(
             last_step,
         )
         if rank == 0:
+            from zerosim.dryrun.report import engine_facts  # noqa: PLC0415  (report imports run)
+
             result.fingerprint = fingerprint(engine, world.size)
+            result.facts = engine_facts(engine)
         del engine, net
     return result
 
