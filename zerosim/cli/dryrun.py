@@ -1,7 +1,8 @@
 """``zerosim dryrun``: the engine over N virtual ranks on shape-only arrays (docs/dryrun.md).
 
     zerosim dryrun --model gpt3-175b --ranks 1024 --config ds_config.json [--micro-batch B]
-                   [--recompute] [--all-ranks] [--json]
+                   [--recompute] [--cluster C.json] [--all-ranks] [--json] [--trace FILE.json]
+                   [--plot FILE.png]
 
 Progress goes to stderr; the report (a table, or with ``--json`` one JSON object) to stdout.
 """
@@ -58,6 +59,15 @@ def add_subcommand(sub: Any) -> None:
         default=0.0,
         help="the value any other read of an array gives (the loss, Σg²; default 0)",
     )
+    p.add_argument(
+        "--cluster",
+        metavar="C.json",
+        help="simulate the step on this cluster (examples/clusters/selene.json): adds `time`",
+    )
+    p.add_argument(
+        "--trace", metavar="FILE.json", help="the simulated step as a Chrome/Perfetto trace"
+    )
+    p.add_argument("--plot", metavar="FILE.png", help="memory over the simulated step")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=cmd_dryrun)
 
@@ -97,6 +107,13 @@ def format_report(report: dict[str, Any]) -> str:
     )
     if estimator["model_states_bytes"] is not None:
         lines.append(f"{'DS estimator':>16} {estimator['model_states_bytes'] / GIB:>11.3f}")
+    if "time" in r:
+        t = r["time"]
+        lines.append(
+            f"step {t['step_s']:.3f} s on {t['cluster']['name'] or 'the cluster'}: compute "
+            f"{t['compute_s']:.3f} s, communication {t['comm_s']:.3f} s of which exposed "
+            f"{t['exposed_comm_s']:.3f} s; {t['tflops_per_device']:.1f} model TFLOP/s per device"
+        )
     return "\n".join(lines)
 
 
@@ -117,6 +134,9 @@ def cmd_dryrun(args: argparse.Namespace) -> int:
             steps=args.steps,
             overflow=args.overflow,
             fill=args.fill,
+            cluster=args.cluster,
+            trace=args.trace,
+            plot=args.plot,
             progress=progress,
         )
     except (OSError, ValueError, ConfigError) as err:

@@ -91,6 +91,10 @@ class VirtualComm(Communicator):
         # how this group was split off: (parent, rule, its name without the colour, numbered)
         self.origin = origin
         self.calls: list[Call] = [] if origin is None else origin[0].calls  # the world's log
+        self.root: VirtualComm = self if origin is None else origin[0].root  # the world group
+        # the root's: when a list, ("issue", call index) at each call and ("wait", call index)
+        # when a non-blocking one is waited on (the order the dry run's time model reads)
+        self._events: list | None = None
         self._views: dict[int, VirtualComm] = {}  # this group as other ranks see it
         self._colours: dict = {}  # (rule, group size) → its sub-groups' members, by colour
 
@@ -101,8 +105,16 @@ class VirtualComm(Communicator):
     # -- the record, and what it leaves out --------------------------------------------------
     def _call(self, op, dtype, count, native, ring_fn, root, counts, blocking):  # noqa: ANN001
         found = super()._call(op, dtype, count, native, ring_fn, root, counts, blocking)
+        events = self.root._events
+        if events is not None:
+            events.append(("issue", len(self.calls)))
         self.calls.append(Call(found[0], self, int(root), counts, self._node_of is not None))
         return found
+
+    def record_events(self, events: list | None) -> None:
+        """Append this rank's ("issue", i) and ("wait", i) events, i its index in ``calls``, to
+        ``events`` from now on, in every group of its world (None: stop)."""
+        self.root._events = events
 
     # -- collectives: nothing moves ----------------------------------------------------------
     def _native_all_gather(self, out: Any, inp: Any, in_place: bool) -> None:
@@ -134,8 +146,14 @@ class VirtualComm(Communicator):
         """No rank to wait for."""
 
     def _done(self, fn: Callable[..., None], *args: Any) -> Callable[[], None]:
+        """Complete a non-blocking call now; what ``wait()`` runs notes the wait (the call's
+        index is the next one: its record is written after this returns)."""
         fn(*args)
-        return _nothing
+        events = self.root._events
+        if events is None:
+            return _nothing
+        index = len(self.calls)
+        return lambda: events.append(("wait", index))
 
     def _native_iall_gather(self, out: Any, inp: Any, in_place: bool) -> Callable[[], None]:
         return self._done(self._native_all_gather, out, inp, in_place)
@@ -154,11 +172,13 @@ class VirtualComm(Communicator):
     def _native_ireduce_scatter_v(
         self, out: Any, inp: Any, counts: tuple[int, ...], op: str
     ) -> Callable[[], None]:
+        return self._done(self._reduce_scatter_v, out, inp, counts, op)
+
+    def _reduce_scatter_v(self, out: Any, inp: Any, counts: tuple[int, ...], op: str) -> None:
         if isinstance(out, np.ndarray):
             start = sum(counts[: self.rank])
             out.reshape(-1)[...] = np.reshape(inp, -1)[start : start + counts[self.rank]]
             _symmetric(op, out, self.size)
-        return _nothing
 
     # point to point (our ring algorithms): the ring counts its own bytes; nothing to carry
     def _send(self, buf: Any, dest: int) -> None:

@@ -9,7 +9,9 @@ from typing import Any
 import numpy as np
 
 from zerosim import analysis
-from zerosim.dryrun.run import RankRun, host_peak_rss_bytes
+from zerosim.analysis.presets import narayanan_flops
+from zerosim.dryrun.run import ModelRecipe, RankRun, host_peak_rss_bytes
+from zerosim.dryrun.timeline import ClusterModel, StepTime, simulate
 from zerosim.engine import Engine
 from zerosim.zero.schedule import stage3_backward_gathers
 
@@ -101,6 +103,48 @@ def formulas(facts: dict[str, Any], world_size: int) -> dict[str, Any]:
         "paper": {"model_states_bytes": int(states.total), "bytes_sent": sent},
         "deepspeed_estimator": {"model_states_bytes": estimator},
     }
+
+
+def step_time(
+    runs: list[tuple[list[int], RankRun]],
+    world_size: int,
+    cluster: ClusterModel,
+    model: ModelRecipe | None = None,
+    recompute: bool = False,
+    spans: bool = False,
+) -> tuple[dict[str, Any], StepTime]:
+    """The ``time`` entry: each representative's last step simulated on ``cluster`` (resized to
+    ``world_size`` ranks), the slowest one reported (every rank waits for it at the next
+    collective), with model TFLOP/s per device: Narayanan et al.'s formula for a GPT, else the
+    counted matmul FLOPs, over the step time."""
+    resized = cluster.resized(world_size)
+    slowest, run = max(
+        ((simulate(run.events, run.comm.calls, resized, spans), run) for _, run in runs),
+        key=lambda pair: pair[0].step_s,
+    )
+    facts = runs[0][1].facts
+    flops = float(run.step_flops)
+    shape = None if model is None else model.gpt
+    if shape is not None:
+        batch = facts["micro_batch"] * facts["accumulation"]
+        flops = narayanan_flops(
+            batch, shape.seq, shape.layers, shape.hidden, shape.vocab, recompute
+        )
+    time = {
+        **slowest.as_dict(),
+        "tflops_per_device": flops / slowest.step_s / 1e12 if slowest.step_s else 0.0,
+        "counted_tflops_per_device": run.step_flops / slowest.step_s / 1e12
+        if slowest.step_s
+        else 0.0,
+        "cluster": {
+            "name": cluster.name,
+            "nodes": resized.cluster.nodes,
+            "devices_per_node": resized.cluster.devices_per_node,
+            "compute_efficiency": cluster.compute_efficiency,
+            "network_efficiency": cluster.network_efficiency,
+        },
+    }
+    return time, slowest
 
 
 def summarize(

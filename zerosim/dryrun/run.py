@@ -89,6 +89,9 @@ class RankRun:
     last_step: int  # the ledger step of the last optimizer step's records
     fingerprint: list[tuple] = field(default_factory=list)  # rank 0 only: every rank's
     facts: dict[str, Any] = field(default_factory=dict)  # rank 0 only: report.engine_facts
+    # the last step as the time model reads it (dryrun/timeline.py): ("compute", flops),
+    # ("issue", i), ("wait", i) and, when asked for, ("memory", live bytes)
+    events: list[tuple[str, Any]] = field(default_factory=list)
 
 
 def _prepare_config(config: dict | str | Path, micro_batch: int | None) -> dict:
@@ -118,9 +121,12 @@ def run_rank(
     recompute: bool = False,
     overflow: bool = False,
     fill: float = 0.0,
+    memory_events: bool = False,
 ) -> RankRun:
-    """Build, initialize and train virtual rank ``rank`` for ``steps`` optimizer steps."""
+    """Build, initialize and train virtual rank ``rank`` for ``steps`` optimizer steps, writing
+    the last one's events (with every change of the live bytes when ``memory_events``)."""
     comm = world.comm(rank)
+    events: list[tuple[str, Any]] = []
     with meta.tracking(overflow=overflow, fill=fill) as tracker:
         with shape_only_init():
             net = model.build()
@@ -142,10 +148,14 @@ def run_rank(
                 tracker.reset_peaks()
                 flops_before = tracker.matmul_flops
                 last_step = engine.global_steps
+                tracker.listeners.append(_event_writer(events, tracker, memory_events))
+                comm.record_events(events)
             for _ in range(cfg.gradient_accumulation_steps):
                 loss = engine(x, y)
                 engine.backward(loss)
                 engine.step()
+        comm.record_events(None)
+        tracker.listeners.clear()
         result = RankRun(
             rank,
             comm,
@@ -154,6 +164,7 @@ def run_rank(
             init_peak,
             tracker.matmul_flops - flops_before,
             last_step,
+            events=events,
         )
         if rank == 0:
             from zerosim.dryrun.report import engine_facts  # noqa: PLC0415  (report imports run)
@@ -162,6 +173,22 @@ def run_rank(
             result.facts = engine_facts(engine)
         del engine, net
     return result
+
+
+def _event_writer(events: list, tracker: meta.Tracker, memory: bool) -> Callable:
+    """A tracker listener: matmul FLOPs added into the last compute event (a new one after a
+    collective event), and with ``memory`` the live bytes after every allocation and free."""
+
+    def write(kind: str, amount: int, category: str) -> None:
+        if kind == "matmul":
+            if events and events[-1][0] == "compute":
+                events[-1] = ("compute", events[-1][1] + amount)
+            else:
+                events.append(("compute", amount))
+        elif memory:
+            events.append(("memory", tracker.live_total))
+
+    return write
 
 
 def classes_of(keys: list[tuple]) -> list[list[int]]:
@@ -183,6 +210,7 @@ def run_world(
     all_ranks: bool = False,
     overflow: bool = False,
     fill: float = 0.0,
+    memory_events: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[list[tuple[list[int], RankRun]], float]:
     """Run the representatives (or every rank): [(member ranks, the run standing for them)] and
@@ -192,7 +220,9 @@ def run_world(
     load_config(cfg, world_size)  # a bad config fails here, before any rank runs
     world = VirtualWorld(world_size)
     start = time.perf_counter()
-    options = dict(steps=steps, recompute=recompute, overflow=overflow, fill=fill)
+    options = dict(
+        steps=steps, recompute=recompute, overflow=overflow, fill=fill, memory_events=memory_events
+    )
     say(f"rank 0 of {world_size}: building {model.name} and running {steps} step(s)")
     first = run_rank(world, 0, model, cfg, **options)
     if all_ranks:
