@@ -193,6 +193,9 @@ class VirtualComm(Communicator):
     def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:
         return [signature] * self.size
 
+    def _agreed(self, token: Any) -> bool:
+        return True  # every virtual rank makes this rank's call
+
     # -- nodes -------------------------------------------------------------------------------
     def set_ranks_per_node(self, ranks_per_node: int | None) -> None:
         super().set_ranks_per_node(ranks_per_node)

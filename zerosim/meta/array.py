@@ -134,6 +134,17 @@ def result_dtype(fn: Any, kinds: tuple[Any, ...], kwargs: tuple = ()) -> np.dtyp
         return np.dtype(fn(*operands, **dict(kwargs)).dtype)
 
 
+_BASIC_KEYS = frozenset({slice, int, type(None), type(Ellipsis)})
+
+
+def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """NumPy's broadcast shape (equal shapes, the common case, without NumPy's call)."""
+    first = shapes[0]
+    if all(s == first for s in shapes):
+        return tuple(first)
+    return tuple(np.broadcast_shapes(*shapes))
+
+
 def _is_index_array(k: Any) -> bool:
     return isinstance(k, MetaArray | np.ndarray)
 
@@ -237,7 +248,10 @@ class MetaArray:
 
     # -- views ---------------------------------------------------------------------------
     def _view(self, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> MetaArray:
-        return MetaArray(shape, self.dtype, self._storage, strides, offset, self.value)
+        view = object.__new__(MetaArray)  # no checks: shape and strides come from this array's
+        view.shape, view.dtype, view._storage = shape, self.dtype, self._storage
+        view._strides, view._offset, view.value = strides, offset, self.value
+        return view
 
     def transpose(self, *axes: Any) -> MetaArray:
         if len(axes) == 1 and not isinstance(axes[0], int | np.integer):
@@ -356,6 +370,14 @@ class MetaArray:
         return any(_is_index_array(k) for k in key)
 
     def __getitem__(self, key: Any) -> MetaArray:
+        if type(key) is slice and self.shape:  # the common case: a run of a flat buffer
+            start, stop, step = key.indices(self.shape[0])
+            n = len(range(start, stop, step))
+            stride = self._strides[0]
+            offset = self._offset + (start * stride if n else 0)
+            return self._view((n, *self.shape[1:]), (stride * step, *self._strides[1:]), offset)
+        if type(key) is tuple and all(type(k) in _BASIC_KEYS for k in key):
+            return self._basic(key)
         key = self._key(key)
         if self._is_advanced(key):
             return MetaArray(self._advanced_shape(key), self.dtype)  # a copy, as NumPy's

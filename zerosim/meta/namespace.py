@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.meta.array import MetaArray, probe, result_dtype, shape_of
+from zerosim.meta.array import MetaArray, broadcast_shapes, probe, result_dtype, shape_of
 from zerosim.meta.tracker import current, values
 
 _TESTS = {np.isfinite: False, np.isnan: True, np.isinf: True}  # the answer when overflow is True
@@ -53,7 +53,7 @@ def _reduced(shape: tuple[int, ...], axis: Any, keepdims: bool) -> tuple[int, ..
 
 def _write(out: MetaArray, shape: tuple[int, ...]) -> MetaArray:
     """``out`` receiving a result of ``shape`` (NumPy's error when it cannot)."""
-    if np.broadcast_shapes(shape, out.shape) != out.shape:
+    if broadcast_shapes(shape, out.shape) != out.shape:
         raise ValueError(
             f"non-broadcastable output operand with shape {out.shape} doesn't match the "
             f"broadcast shape {shape}"
@@ -138,7 +138,7 @@ class MetaNamespace:
         """The ufunc ``fn`` (a NumPy function) on these operands: NumPy's broadcast shape and
         result dtype; into ``out`` when given. inf/nan tests answer ``Values.overflow``;
         ``logical_and``/``_or``/``_not`` of known answers are known."""
-        shape = np.broadcast_shapes(*(shape_of(x) for x in operands))
+        shape = broadcast_shapes(*(shape_of(x) for x in operands))
         if out is not None:
             return _write(out, shape)
         if dtype is None:
@@ -164,7 +164,7 @@ class MetaNamespace:
         return self.apply(np.clip, x, lo, hi, out=out)
 
     def where(self, condition: Any, a: Any, b: Any) -> MetaArray:
-        shape = np.broadcast_shapes(shape_of(condition), shape_of(a), shape_of(b))
+        shape = broadcast_shapes(shape_of(condition), shape_of(a), shape_of(b))
         kinds = (np.dtype(np.bool_), probe(a), probe(b))
         return MetaArray(shape, result_dtype(np.where, kinds))
 
@@ -204,7 +204,7 @@ class MetaNamespace:
         return MetaArray(_reduced(shape, axis, keepdims), np.int64, value=counted)
 
     def vecdot(self, a: Any, b: Any, axis: int = -1) -> MetaArray:
-        shape = np.broadcast_shapes(shape_of(a), shape_of(b))
+        shape = broadcast_shapes(shape_of(a), shape_of(b))
         return MetaArray(
             _reduced(shape, axis, False), result_dtype(np.vecdot, (probe(a), probe(b)))
         )
@@ -222,7 +222,7 @@ class MetaNamespace:
                 f"matmul: Input operand 1 has a mismatch in its core dimension 0 "
                 f"(size {mb[-2]} is different from {ma[-1]})"
             )
-        batch = np.broadcast_shapes(ma[:-2], mb[:-2])
+        batch = broadcast_shapes(ma[:-2], mb[:-2])
         m, k, n = ma[-2], ma[-1], mb[-1]
         shape = (*batch, *(() if len(sa) == 1 else (m,)), *(() if len(sb) == 1 else (n,)))
         current().matmul(2 * math.prod(batch) * m * k * n)
@@ -281,7 +281,7 @@ class MetaNamespace:
     def take_along_axis(self, x: Any, indices: Any, axis: int) -> MetaArray:
         shape, index = shape_of(x), shape_of(indices)
         axis = _axes(axis, len(shape))[0]
-        others = np.broadcast_shapes(
+        others = broadcast_shapes(
             (*shape[:axis], 1, *shape[axis + 1 :]), (*index[:axis], 1, *index[axis + 1 :])
         )
         return MetaArray((*others[:axis], index[axis], *others[axis + 1 :]), x.dtype)
@@ -293,7 +293,7 @@ class MetaNamespace:
     def add_at(self, target: MetaArray, indices: Any, values: Any) -> None:
         """NumPy's ``np.add.at(target, indices, values)``: in place, nothing allocated."""
         rows = shape_of(indices)
-        np.broadcast_shapes(shape_of(values), (*rows, *target.shape[1:]))
+        broadcast_shapes(shape_of(values), (*rows, *target.shape[1:]))
         target.value = None
 
     # -- dtypes ------------------------------------------------------------------------------
