@@ -143,3 +143,15 @@ def test_step_bytes_formula_helper_agrees(report):
     elsewhere); here only that the report passes it the run's values."""
     want = analysis.step_bytes(3, N, _padded(N), 2, 1, 0, True, schedule="paper")
     assert report["formula"]["paper"]["bytes_sent"] == want
+
+
+def test_overflow_rule_decides_whether_fp16_steps_are_skipped():
+    """The overflow flag's all-reduce runs either way; with every test finding an inf the step is
+    skipped, so the parameters' all-gather after it is not sent."""
+    cfg = _config(stage=2)
+    cfg.pop("bf16")
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    finite = dry_run(MODEL, 3, cfg, steps=1)["ranks"][0]["bytes_sent"]
+    skipped = dry_run(MODEL, 3, cfg, steps=1, overflow=True)["ranks"][0]["bytes_sent"]
+    assert finite["overflow"] == skipped["overflow"] > 0
+    assert finite["step"] > 0 and skipped.get("step", 0) == 0
