@@ -24,13 +24,20 @@ so each rank of a ``LocalWorld`` counts its own).
 
 bfloat16 on the CPU comes from ``ml_dtypes``; CuPy has no bfloat16 dtype, so the GPU path
 supports float64, float32 and float16 only and says so when asked for bfloat16.
+
+- ``meta`` (the dry run, ``zerosim/meta``): arrays with a shape, a dtype and a layout but no
+  values. Their class names their namespace (``__zerosim_namespace__``), which ``xp_of``
+  returns; ``shape_only_init()`` makes the layers' initialisers return such arrays, so a model
+  of any size is built without its values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -38,7 +45,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-BACKENDS = ("numpy", "cupy", "array_api_strict")
+BACKENDS = ("numpy", "cupy", "array_api_strict", "meta")
 # The non-host device array_api_strict arrays live on (the stand-in for a GPU).
 STRICT_DEVICE_NAME = "device1"
 ENV_VAR = "ZEROSIM_BACKEND"
@@ -266,7 +273,7 @@ def add_at(target: Any, indices: Any, values: Any) -> None:
     xp = xp_of(target)
     if xp is np:
         np.add.at(target, indices, values)
-    elif isinstance(xp, StandardNamespace):
+    elif isinstance(xp, StandardNamespace) or hasattr(xp, "add_at"):  # the standard's, meta
         xp.add_at(target, indices, values)
     else:  # CuPy
         import cupyx  # noqa: PLC0415  (GPU-only)
@@ -290,6 +297,9 @@ def xp_of(x: Any) -> Any:
     standard namespace of ``x`` on its device (``StandardNamespace``)."""
     if isinstance(x, np.ndarray | np.generic | float | int):
         return np
+    meta = getattr(type(x), "__zerosim_namespace__", None)  # the dry run's shape-only arrays
+    if meta is not None:
+        return meta
     if is_cupy(x):
         return _cupy_namespace()
     if not hasattr(x, "__array_namespace__"):
@@ -507,6 +517,10 @@ def get_backend(name: str | None = None) -> Backend:
         return Backend("numpy", np)
     if name == "array_api_strict":
         return Backend("array_api_strict", strict_namespace())
+    if name == "meta":
+        from zerosim.meta import NAMESPACE  # noqa: PLC0415  (only the dry run needs it)
+
+        return Backend("meta", NAMESPACE)
     cupy = _cupy_or_none()
     if cupy is None:
         raise RuntimeError(
@@ -521,6 +535,34 @@ def get_backend(name: str | None = None) -> Backend:
     # one device)
     cupy.cuda.Device(local_rank() % cupy.cuda.runtime.getDeviceCount()).use()
     return Backend("cupy", _cupy_namespace())
+
+
+# --- models built without values (the dry run) -------------------------------------------------
+
+_shape_only = threading.local()
+
+
+@contextlib.contextmanager
+def shape_only_init() -> Iterator[None]:
+    """Inside the block, the layers' initialisers (``zerosim.nn.init``) return shape-only arrays
+    (``zerosim.meta``) instead of drawing values: a model of any size is built in no memory.
+    Layers that make small arrays with NumPy directly (LayerNorm's ones) still do; the engine
+    moves them to the meta backend with the rest."""
+    before = getattr(_shape_only, "on", False)
+    _shape_only.on = True
+    try:
+        yield
+    finally:
+        _shape_only.on = before
+
+
+def shape_only_array(shape: tuple[int, ...], dtype: Any) -> Any:
+    """A shape-only array of ``shape`` and ``dtype`` inside ``shape_only_init()``, else None."""
+    if not getattr(_shape_only, "on", False):
+        return None
+    from zerosim.meta import NAMESPACE  # noqa: PLC0415
+
+    return NAMESPACE.empty(shape, resolve_dtype(dtype))
 
 
 # what MPICH's Hydra, Open MPI, Slurm and torchrun call a process's rank within its node

@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     from zerosim.cli import teaching as cli_teaching  # memory, volume, project, compare, plot
 
     cli_teaching.add_subcommands(sub)
+    from zerosim.cli import dryrun as cli_dryrun  # the dry run over N virtual ranks
+
+    cli_dryrun.add_subcommand(sub)
     return parser
 
 

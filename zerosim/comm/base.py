@@ -435,6 +435,16 @@ class Communicator(ABC):
         (hpZ's group and qgZ's two hops on rank 0 are ``world/split1.0``, ``world/split2.0``, …).
         """
 
+    def split_by(
+        self, rule: Callable[[int], tuple[int, int]], name: str | None = None
+    ) -> Communicator:
+        """``split(color, key, name)`` with ``(color, key) = rule(self.rank)``, where ``rule(r)``
+        is what every rank r of this group passes: the same split, stated for all ranks at
+        once, so that a world whose ranks cannot ask each other (the dry run's virtual world,
+        ``comm/virtual.py``) knows the members of every sub-group."""
+        color, key = rule(self.rank)
+        return self.split(color, key, name)
+
     def _check_split(self, color: int, key: int, name: str | None) -> str:
         """Check ``split``'s arguments; return the new group's unique name."""
         if isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0:

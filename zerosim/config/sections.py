@@ -741,9 +741,9 @@ class ZerosimConfig(Section):
 
     backend: str = knob(
         "numpy",
-        choice("numpy", "cupy", "array_api_strict"),
+        choice("numpy", "cupy", "array_api_strict", "meta"),
         "array namespace; array_api_strict is the portability test (arrays on a non-host "
-        "device, float32/float64 only)",
+        "device, float32/float64 only); meta: shape-only arrays, the dry run (docs/dryrun.md)",
     )
     dtype: str = knob(
         "float32",

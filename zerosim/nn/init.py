@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import resolve_dtype
+from zerosim.backend import resolve_dtype, shape_only_array
 
 RngLike = np.random.Generator | int | None
 
@@ -34,7 +34,10 @@ def as_generator(rng: RngLike) -> np.random.Generator:
 
 
 def uniform(rng: np.random.Generator, shape: tuple[int, ...], bound: float, dtype: Any) -> Any:
-    """U(−bound, bound) in ``dtype``."""
+    """U(−bound, bound) in ``dtype`` (no values inside ``backend.shape_only_init``)."""
+    made = shape_only_array(shape, dtype)
+    if made is not None:
+        return made
     return rng.uniform(-bound, bound, size=shape).astype(resolve_dtype(dtype))
 
 
@@ -49,7 +52,10 @@ def linear_default(
 
 
 def normal(rng: np.random.Generator, shape: tuple[int, ...], std: float, dtype: Any) -> Any:
-    """N(0, std²) in ``dtype``."""
+    """N(0, std²) in ``dtype`` (no values inside ``backend.shape_only_init``)."""
+    made = shape_only_array(shape, dtype)
+    if made is not None:
+        return made
     return (std * rng.standard_normal(size=shape)).astype(resolve_dtype(dtype))
 
 

@@ -154,7 +154,7 @@ class Stage3(Strategy):
         size = self.zero.zero_hpz_partition_size
         self.hpz_comm = None
         if size > 1:
-            self.hpz_comm = self.comm.split(self.comm.rank // size, self.comm.rank)
+            self.hpz_comm = self.comm.split_by(lambda r: (r // size, r))
             for g in self.groups:
                 numels = [p.numel for _, p in g.named_params]
                 gathered = [not self.is_persistent(p) for _, p in g.named_params]

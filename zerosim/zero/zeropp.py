@@ -208,10 +208,10 @@ class HierarchicalReducer:
             )
         self.bits, self.block = bits, block_size
         self.nodes, self.local = len(members), sizes[0]
-        a = labels.index(nodes[comm.rank])
-        j = members[a].index(comm.rank)
-        self.intra = comm.split(a, comm.rank)
-        self.inter = comm.split(j, a)
+        node = [labels.index(nodes[r]) for r in range(comm.size)]  # node index of each rank
+        local = [members[node[r]].index(r) for r in range(comm.size)]  # index within it
+        self.intra = comm.split_by(lambda r: (node[r], r))
+        self.inter = comm.split_by(lambda r: (local[r], node[r]))
         self.order = [members[b][i] for i in range(self.local) for b in range(self.nodes)]
 
     def reduce(self, rows: Any) -> Any:

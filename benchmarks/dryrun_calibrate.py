@@ -1,0 +1,168 @@
+"""Calibrate examples/clusters/selene.json on Narayanan et al.'s ZeRO-3 rows; predict the others.
+
+    python -m benchmarks.dryrun_calibrate [--write] [--json PATH] [--only 174.6]
+
+Narayanan et al. (SC21, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", Table 2) trained their 174.6B and 529.6B GPTs with ZeRO-3 and no model parallelism
+on Selene, with activation recomputation, and report model TFLOP/s per GPU (their eq. 3:
+96·B·s·l·h²·(1 + s/6h + V/16lh) per step over the step time). ``PUBLISHED`` transcribes those
+rows; the 174.6B ones are the issue's figures, the 529.6B ones were read from the paper's table and
+could not be checked against its text from this machine.
+
+For every row, one dry run (``zerosim.dryrun.run_world``: GPT preset, stage 3 on DeepSpeed's
+schedule with DeepSpeed's defaults, bf16 with fp32 Adam, recomputation of every block, the row's
+micro-batch, one micro-batch per step as batch = N · micro-batch) records each class
+representative's last step; the time model (``dryrun/timeline.py``) simulates it on Selene.
+The two efficiency factors of selene.json, compute (fraction of the 312 TFLOP/s peak the matrix
+products reach) and network (fraction of the link bandwidths), are fitted on the three 174.6B
+rows only, minimising Σ log²(predicted / published) by coordinate descent (golden section in log
+space, from 1, 1). The 529.6B rows are then predictions of a model that never saw them; every row
+is printed with its ratio. ``--write`` stores the fitted factors in selene.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from zerosim.dryrun import load_cluster_model, recipe, run_world  # noqa: E402
+from zerosim.dryrun.report import step_time  # noqa: E402
+
+SELENE = ROOT / "examples" / "clusters" / "selene.json"
+# (model, GPUs, micro-batch, batch, published model TFLOP/s per GPU, fitted?)
+PUBLISHED = [
+    ("gpt3-175b", 384, 4, 1536, 144.0, True),
+    ("gpt3-175b", 768, 2, 1536, 88.0, True),
+    ("gpt3-175b", 1536, 1, 1536, 44.0, True),
+    ("gpt-529b", 640, 4, 2560, 138.0, False),
+    ("gpt-529b", 1120, 2, 2240, 98.0, False),
+    ("gpt-529b", 2240, 1, 2240, 48.0, False),
+]
+
+
+def config(micro: int, accumulation: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": True},
+        "steps_per_print": 10**9,
+    }
+
+
+def record(row: tuple) -> list:
+    """The dry run of one row: its class representatives' runs."""
+    model, n, micro, batch, *_ = row
+    runs, wall = run_world(
+        recipe(model), n, config(micro, batch // (n * micro)), recompute=True, steps=2
+    )
+    print(f"  {model} on {n} ranks: {len(runs)} classes in {wall:.0f} s", file=sys.stderr)
+    return runs
+
+
+def predict(row: tuple, runs: list, cluster) -> float:
+    model, n, *_ = row
+    time_, _ = step_time(runs, n, cluster, recipe(model), recompute=True)
+    return time_["tflops_per_device"]
+
+
+def loss(rows: list, traces: list, cluster) -> float:
+    return sum(
+        math.log(predict(row, runs, cluster) / row[4]) ** 2
+        for row, runs in zip(rows, traces, strict=True)
+        if row[5]
+    )
+
+
+def golden(f, lo: float, hi: float, iterations: int = 25) -> float:
+    """The minimiser of a unimodal f on [lo, hi] (golden-section search)."""
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(iterations):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+def fit(rows: list, traces: list, base) -> tuple[float, float]:
+    """(compute, network) efficiencies minimising the fitted rows' Σ log² ratio."""
+    log_c = log_n = 0.0
+    for _ in range(4):  # coordinate descent, each coordinate in log space on (1%, 100%]
+        log_c = golden(
+            lambda x, n=log_n: loss(rows, traces, base.with_efficiencies(math.exp(x), math.exp(n))),
+            math.log(0.01),
+            0.0,
+        )
+        log_n = golden(
+            lambda x, c=log_c: loss(rows, traces, base.with_efficiencies(math.exp(c), math.exp(x))),
+            math.log(0.01),
+            0.0,
+        )
+    return math.exp(log_c), math.exp(log_n)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--write", action="store_true", help="store the factors in selene.json")
+    parser.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    parser.add_argument("--only", help="only the rows of this model size (174.6 or 529.6)")
+    args = parser.parse_args()
+    rows = [r for r in PUBLISHED if args.only is None or (args.only == "174.6") == r[5]]
+    start = time.perf_counter()
+    traces = [record(row) for row in rows]
+    base = load_cluster_model(SELENE)
+    compute, network = fit(rows, traces, base)
+    cluster = base.with_efficiencies(compute, network)
+    print(
+        f"selene.json fitted on the 174.6B rows: compute_efficiency {compute:.4f}, "
+        f"network_efficiency {network:.4f} ({time.perf_counter() - start:.0f} s)"
+    )
+    print(f"{'model':>10} {'GPUs':>5} {'micro':>5} {'published':>9} {'predicted':>9} {'ratio':>6}")
+    table = []
+    for row, runs in zip(rows, traces, strict=True):
+        model, n, micro, batch, published, fitted = row
+        t, _ = step_time(runs, n, cluster, recipe(model), recompute=True)
+        pred = t["tflops_per_device"]
+        table.append({"model": model, "gpus": n, "micro_batch": micro, "batch": batch,
+                      "published_tflops": published, "predicted_tflops": pred,
+                      "fitted": fitted, "time": t})  # fmt: skip
+        note = "fitted" if fitted else "predicted"
+        print(
+            f"{model:>10} {n:>5} {micro:>5} {published:>9.0f} {pred:>9.1f} "
+            f"{pred / published:>6.3f}  {note}; step {t['step_s']:.1f} s, exposed comm "
+            f"{t['exposed_comm_s']:.1f} s"
+        )
+    if args.write:
+        spec = json.loads(SELENE.read_text())
+        spec["compute_efficiency"], spec["network_efficiency"] = (
+            round(compute, 4),
+            round(network, 4),
+        )
+        spec["calibration"] = (
+            "compute_efficiency and network_efficiency fitted by benchmarks/dryrun_calibrate.py "
+            "on Narayanan et al.'s three 174.6B ZeRO-3 rows (Table 2)"
+        )
+        SELENE.write_text(json.dumps(spec, indent=2) + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The dry run against real runs: its ledger and memory equal those of mpirun, rank by rank.
+
+For N = 2, 3, 4 and 8, one mpirun launch trains every configuration of ``dryrun_cases`` (every
+stage, both schedules, fp32 and bf16, ZeRO++ on and off) on real arrays; the dry run of the same
+model and config (its representatives of each class of rank, as ``zerosim dryrun`` runs by
+default) must give every rank the same ledger, record for record (op, phase, group, dtype,
+elements, bytes sent and received, order), and the same ``memory_report()``, to the byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import dryrun_cases
+import pytest
+from mpi_helpers import ROOT, mpirun_path
+
+from zerosim.dryrun import recipe, records_of, run_world
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+
+def _start_mpi(n: int, args: list[str]) -> subprocess.Popen:
+    """``mpirun -n n python ARGS`` started in the background (as mpi_helpers.run_mpi runs it)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("PYTHONUNBUFFERED", None)
+    cmd = [mpirun_path(), "-n", str(n), sys.executable, *args]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_dry_run_ledger_and_memory_equal_the_mpirun_ones(n, tmp_path):
+    job = _start_mpi(n, ["tests/dryrun_worker.py", str(tmp_path)])
+    model = recipe(dryrun_cases.MODEL_SPEC)
+    dry = {}
+    try:  # the dry runs, while the real ones run
+        for case in dryrun_cases.cases():
+            dry[case.name], _ = run_world(
+                model,
+                n,
+                dryrun_cases.config(case, n),
+                micro_batch=dryrun_cases.MICRO_BATCH,
+                steps=dryrun_cases.STEPS,
+            )
+        out, err = job.communicate(timeout=600)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out[-3000:] + err[-3000:]
+    real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
+    mismatches = []
+    for case in dryrun_cases.cases():
+        runs = dry[case.name]
+        assert sorted(r for members, _ in runs for r in members) == list(range(n))
+        for members, run in runs:
+            for r in members:
+                want = real[r][case.name]
+                got = [dryrun_cases.record_key(x) for x in records_of(run, r)]
+                assert got, case.name
+                if got != want["records"]:
+                    first = next(
+                        (
+                            i
+                            for i, (a, b) in enumerate(zip(got, want["records"], strict=False))
+                            if a != b
+                        ),
+                        min(len(got), len(want["records"])),
+                    )
+                    mismatches.append(
+                        f"{case.name} rank {r}: record {first} of {len(want['records'])}: "
+                        f"dry {got[first : first + 1]} real {want['records'][first : first + 1]}"
+                    )
+                if run.memory != want["memory"]:
+                    mismatches.append(
+                        f"{case.name} rank {r}: memory {run.memory} real {want['memory']}"
+                    )
+    assert not mismatches, "\n".join(mismatches[:20])

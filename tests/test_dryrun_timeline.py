@@ -1,0 +1,125 @@
+"""The dry run's time model: a step's events on a described cluster, against hand-worked times."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from zerosim.analysis.timing import Cluster
+from zerosim.dryrun import dry_run
+from zerosim.dryrun.timeline import (
+    ClusterModel,
+    chrome_trace,
+    group_seconds,
+    load_cluster_model,
+    simulate,
+)
+
+# 2 nodes × 2 devices; bandwidths in bytes/s, no latency, 1,000 FLOP/s: easy arithmetic
+CLUSTER = Cluster(2, 2, 100.0, 10.0, 0.0, 0.0, 1000.0)
+
+
+def _call(op, size, members, blocking):
+    record = SimpleNamespace(op=op, size_bytes=size, blocking=blocking, phase="p", group="g")
+    return SimpleNamespace(record=record, comm=SimpleNamespace(members=members))
+
+
+def test_a_step_on_two_streams_by_hand():
+    calls = [
+        _call("all_gather", 40, (0, 1, 2, 3), False),  # AG_inter(40/2, 2 nodes) + AG_intra(40, 2)
+        _call("all_reduce", 40, (0, 1), True),  # one node: 2·(1/2)·40/100
+    ]
+    events = [
+        ("compute", 1000),  # 1 s
+        ("issue", 0),  # starts at 1: (1/2)·20/10 + (1/2)·40/100 = 1.2 s, ends at 2.2
+        ("compute", 2000),  # 1 → 3
+        ("wait", 0),  # already done
+        ("issue", 1),  # blocking: 3 → 3.4
+    ]
+    step = simulate(events, calls, ClusterModel(CLUSTER), spans=True)
+    assert step.as_dict() == pytest.approx(
+        {"step_s": 3.4, "compute_s": 3.0, "comm_s": 1.6, "exposed_comm_s": 0.4}
+    )
+    waiting = simulate([("issue", 0), ("wait", 0), ("compute", 1000)], calls, ClusterModel(CLUSTER))
+    assert waiting.step_s == pytest.approx(2.2)  # compute waits for the gather
+
+
+def test_efficiencies_scale_compute_and_bandwidth():
+    model = ClusterModel(CLUSTER, compute_efficiency=0.5, network_efficiency=0.25)
+    step = simulate(
+        [("compute", 1000), ("issue", 0)], [_call("all_gather", 40, (0, 1), True)], model
+    )
+    assert step.compute_s == pytest.approx(2.0)
+    assert step.comm_s == pytest.approx(0.5 * 40 / 25)
+
+
+def test_groups_are_placed_by_node():
+    model = ClusterModel(CLUSTER)
+    assert group_seconds(model, "all_gather", 40, (2,)) == 0.0
+    assert group_seconds(model, "all_gather", 40, (0, 2)) == pytest.approx(0.5 * 40 / 10)
+    assert group_seconds(model, "reduce", 40, (0, 1)) == group_seconds(
+        model, "broadcast", 40, (0, 1)
+    )
+    uneven = group_seconds(model, "all_gather", 30, (0, 1, 2))  # a flat ring at inter-node
+    assert uneven == pytest.approx((2 / 3) * 30 / 10)
+
+
+def test_chrome_trace_has_a_track_per_stream():
+    calls = [_call("all_gather", 40, (0, 1), False)]
+    step = simulate(
+        [("issue", 0), ("compute", 500), ("wait", 0)], calls, ClusterModel(CLUSTER), True
+    )
+    trace = chrome_trace(step)
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == {1, 2}
+    assert spans[0]["dur"] == pytest.approx(0.2e6)  # (1/2)·40/100 s, in µs
+
+
+def test_cluster_files_name_what_is_wrong(tmp_path):
+    path = tmp_path / "c.json"
+    good = dict(
+        nodes=2, devices_per_node=8, intra_bandwidth=1e11, inter_bandwidth=2.5e10,
+        intra_latency=1e-6, inter_latency=5e-6, device_flops=3e14,
+    )  # fmt: skip
+    path.write_text(json.dumps({**good, "compute_efficiency": 0.4, "bogus": 1}))
+    with pytest.raises(ValueError, match=r"unknown keys \['bogus'\]"):
+        load_cluster_model(path)
+    path.write_text(json.dumps({**good, "network_efficiency": 1.5}))
+    with pytest.raises(ValueError, match="network_efficiency must be in"):
+        load_cluster_model(path)
+    path.write_text(json.dumps({**good, "compute_efficiency": 0.4, "name": "x"}))
+    assert load_cluster_model(path).compute_efficiency == 0.4
+
+
+def test_dry_run_reports_time_and_writes_trace_and_plot(tmp_path):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 2000, "overlap_comm": True},
+        "bf16": {"enabled": True},
+    }
+    cluster = tmp_path / "c.json"
+    cluster.write_text(
+        json.dumps(
+            dict(
+                nodes=1,
+                devices_per_node=4,
+                intra_bandwidth=1e9,
+                inter_bandwidth=1e8,
+                intra_latency=1e-6,
+                inter_latency=5e-6,
+                device_flops=1e11,
+            )  # fmt: skip
+        )
+    )
+    trace, plot = tmp_path / "t.json", tmp_path / "m.png"
+    report = dry_run("gpt:2,32,40,32,2", 8, cfg, cluster=cluster, trace=trace, plot=plot)
+    t = report["time"]
+    assert t["step_s"] >= max(t["compute_s"], t["comm_s"]) > 0
+    assert t["exposed_comm_s"] == pytest.approx(t["step_s"] - t["compute_s"])
+    assert t["cluster"]["nodes"] == 2  # resized to the 8 ranks, 4 per node
+    assert json.loads(trace.read_text())["traceEvents"] and plot.stat().st_size > 1000
+    with pytest.raises(ValueError, match="give a cluster"):
+        dry_run("gpt:2,32,40,32,2", 8, cfg, trace=trace)

@@ -1,0 +1,86 @@
+"""The dry run: the engine over a virtual world of N ranks on shape-only arrays (docs/dryrun.md).
+
+from zerosim.dryrun import dry_run
+report = dry_run("gpt3-175b", 1024, "ds_config.json")   # what `zerosim dryrun --json` prints
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from zerosim.dryrun.plots import plot_step_memory
+from zerosim.dryrun.report import step_time, summarize
+from zerosim.dryrun.run import ModelRecipe, RankRun, recipe, records_of, run_world
+from zerosim.dryrun.timeline import ClusterModel, chrome_trace, load_cluster_model
+
+
+def dry_run(
+    model: str | ModelRecipe,
+    world_size: int,
+    config: dict | str | Path,
+    *,
+    micro_batch: int | None = None,
+    recompute: bool = False,
+    all_ranks: bool = False,
+    steps: int = 2,
+    overflow: bool = False,
+    fill: float = 0.0,
+    cluster: str | Path | ClusterModel | None = None,
+    trace: str | Path | None = None,
+    plot: str | Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``model`` (a name ``recipe`` knows, or a recipe) on ``world_size`` virtual ranks with
+    ``config`` (a DeepSpeed JSON config, dict or path; its ``zerosim.backend`` becomes "meta")
+    for ``steps`` optimizer steps; return the report of the last one (docs/dryrun.md). With
+    ``cluster`` (a cluster JSON or a ``ClusterModel``) the report has the step's ``time``, and
+    ``trace`` / ``plot`` write the simulated step as a Chrome trace / the memory over it."""
+    if (trace or plot) and cluster is None:
+        raise ValueError("trace and plot draw the simulated step: give a cluster too")
+    if isinstance(cluster, str | Path):
+        cluster = load_cluster_model(cluster)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    model = recipe(model) if isinstance(model, str) else model
+    runs, wall = run_world(
+        model,
+        world_size,
+        config,
+        micro_batch=micro_batch,
+        steps=steps,
+        recompute=recompute,
+        all_ranks=all_ranks,
+        overflow=overflow,
+        fill=fill,
+        memory_events=plot is not None,
+        progress=progress,
+    )
+    report = summarize(runs, world_size, wall, all_ranks)
+    if cluster is not None:
+        report["time"], step = step_time(
+            runs, world_size, cluster, model, recompute, spans=trace is not None
+        )
+        if trace is not None:
+            Path(trace).write_text(
+                json.dumps(chrome_trace(step, f"{model.name}, {world_size} ranks"))
+            )
+        if plot is not None:
+            plot_step_memory(step, plot, f"{model.name}, {world_size} ranks")
+    return report
+
+
+__all__ = [
+    "ClusterModel",
+    "ModelRecipe",
+    "RankRun",
+    "dry_run",
+    "load_cluster_model",
+    "recipe",
+    "records_of",
+    "run_world",
+]

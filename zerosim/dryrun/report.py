@@ -1,0 +1,198 @@
+"""The dry run's report: per class of rank, what the engine held, sent and computed, beside the
+formulas (the object ``zerosim dryrun --json`` prints; docs/dryrun.md lists its fields)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from zerosim import analysis
+from zerosim.analysis.presets import narayanan_flops
+from zerosim.dryrun.run import ModelRecipe, RankRun, host_peak_rss_bytes
+from zerosim.dryrun.timeline import ClusterModel, StepTime, simulate
+from zerosim.engine import Engine
+from zerosim.zero.schedule import stage3_backward_gathers
+
+# memory_report() entries that are model states (the rest are buffers, peaks and the like)
+MODEL_STATES = (
+    "params",
+    "persistent_params",
+    "hpz_secondary_params",
+    "grads",
+    "master_params",
+    "master_grads",
+)
+
+
+def model_states_bytes(report: dict[str, int]) -> int:
+    """Parameters (partitioned, persistent, hpZ's secondary), gradients, master weights and
+    optimizer states: what ZeRO partitions."""
+    states = sum(v for k, v in report.items() if k.startswith("optimizer_state."))
+    return states + sum(report.get(k, 0) for k in MODEL_STATES)
+
+
+def engine_facts(engine: Engine) -> dict[str, Any]:
+    """What the formulas need, read from an initialized engine (rank 0's)."""
+    cfg, strategy, model = engine.config, engine.strategy, engine.module
+    zero = cfg.zero_optimization
+    params = sum(p.numel for p in model.parameters())
+    largest = max(sum(p.numel for p in m._parameters.values() if p) for m in model.modules())
+    report = strategy.memory_report()
+    persistent = getattr(strategy, "persistent_padded_numel", lambda: 0)()
+    return {
+        "params": params,
+        "padded_params": strategy.padded_numel,
+        "persistent_padded_params": persistent,
+        "largest_layer_params": largest,
+        "stage": zero.stage,
+        "schedule": cfg.zerosim.schedule,
+        "model_dtype": cfg.model_dtype,
+        "param_bytes": np.dtype(strategy.dtype).itemsize,
+        "comm_bytes": (strategy.comm_dtype or np.dtype(strategy.dtype)).itemsize,
+        "master_bytes": None if strategy.master_dtype is None else strategy.master_dtype.itemsize,
+        "num_states": sum(1 for k in report if k.startswith("optimizer_state.")),
+        "micro_batch": cfg.train_micro_batch_size_per_gpu,
+        "accumulation": cfg.gradient_accumulation_steps,
+        "ranks_per_node": cfg.zerosim.ranks_per_node,
+        "zero": zero,
+    }
+
+
+def formulas(facts: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The ZeRO paper's model states and bytes per step (Ψ padded as the engine pads it), and
+    DeepSpeed's estimator, for this run's stage, dtypes and world."""
+    n, stage = world_size, facts["stage"]
+    psi, padded = facts["params"], facts["padded_params"]
+    states = analysis.zero_model_states(
+        padded,
+        n,
+        stage,
+        param_bytes=facts["param_bytes"],
+        master_bytes=facts["master_bytes"],
+        state_bytes=4 if facts["master_bytes"] else facts["param_bytes"],
+        num_states=facts["num_states"],
+    )
+    gathered = padded - facts["persistent_padded_params"]
+    backward = (
+        bool(stage3_backward_gathers("paper", facts["zero"], gathered)) if stage == 3 else True
+    )
+    sent = analysis.step_bytes(
+        stage,
+        n,
+        padded,
+        facts["comm_bytes"],
+        facts["accumulation"],
+        facts["persistent_padded_params"],
+        backward,
+        schedule="paper",
+    )
+    per_node = facts["ranks_per_node"] or n
+    nodes = max(1, -(-n // per_node))
+    estimator = None
+    if stage == 3:
+        _, estimator, _ = analysis.estimate_zero3_model_states_mem_needs(
+            psi, facts["largest_layer_params"], min(per_node, n), nodes, False, False
+        )
+    elif stage in (1, 2):
+        _, estimator = analysis.estimate_zero2_model_states_mem_needs(
+            psi, min(per_node, n), nodes, cpu_offload=False
+        )
+    return {
+        "paper": {"model_states_bytes": int(states.total), "bytes_sent": sent},
+        "deepspeed_estimator": {"model_states_bytes": estimator},
+    }
+
+
+def step_time(
+    runs: list[tuple[list[int], RankRun]],
+    world_size: int,
+    cluster: ClusterModel,
+    model: ModelRecipe | None = None,
+    recompute: bool = False,
+    spans: bool = False,
+) -> tuple[dict[str, Any], StepTime]:
+    """The ``time`` entry: each representative's last step simulated on ``cluster`` (resized to
+    ``world_size`` ranks), the slowest one reported (every rank waits for it at the next
+    collective), with model TFLOP/s per device: Narayanan et al.'s formula for a GPT, else the
+    counted matmul FLOPs, over the step time."""
+    resized = cluster.resized(world_size)
+    slowest, run = max(
+        ((simulate(run.events, run.comm.calls, resized, spans), run) for _, run in runs),
+        key=lambda pair: pair[0].step_s,
+    )
+    facts = runs[0][1].facts
+    flops = float(run.step_flops)
+    shape = None if model is None else model.gpt
+    if shape is not None:
+        batch = facts["micro_batch"] * facts["accumulation"]
+        flops = narayanan_flops(
+            batch, shape.seq, shape.layers, shape.hidden, shape.vocab, recompute
+        )
+    time = {
+        **slowest.as_dict(),
+        "tflops_per_device": flops / slowest.step_s / 1e12 if slowest.step_s else 0.0,
+        "counted_tflops_per_device": run.step_flops / slowest.step_s / 1e12
+        if slowest.step_s
+        else 0.0,
+        "cluster": {
+            "name": cluster.name,
+            "nodes": resized.cluster.nodes,
+            "devices_per_node": resized.cluster.devices_per_node,
+            "compute_efficiency": cluster.compute_efficiency,
+            "network_efficiency": cluster.network_efficiency,
+        },
+    }
+    return time, slowest
+
+
+def summarize(
+    runs: list[tuple[list[int], RankRun]], world_size: int, wall_s: float, all_ranks: bool
+) -> dict[str, Any]:
+    """The report: ranks grouped by everything it shows (members of a class of rank that also
+    send the same bytes), with the formulas beside them."""
+    first = runs[0][1]
+    facts = first.facts
+    entries: dict[tuple, dict[str, Any]] = {}
+    for members, run in runs:
+        for r in members:
+            sent = run.comm.bytes_by_phase(r, step=run.last_step)
+            sent.pop("init", None)  # initialize()'s calls share step 0 with the first step
+            by_phase = {phase: t["sent"] for phase, t in sorted(sent.items())}
+            inter = {phase: t["inter"] for phase, t in sorted(sent.items())}
+            entry = _entry(run, by_phase, inter)
+            key = json.dumps(entry, sort_keys=True)  # ranks showing the same are one entry
+            entries.setdefault(key, entry)["ranks"].append(r)
+    return {
+        "world_size": world_size,
+        "params": facts["params"],
+        "padded_params": facts["padded_params"],
+        "stage": facts["stage"],
+        "schedule": facts["schedule"],
+        "dtype": facts["model_dtype"],
+        "micro_batch": facts["micro_batch"],
+        "accumulation": facts["accumulation"],
+        "ranks_run": len(runs),
+        "all_ranks": all_ranks,
+        "wall_s": round(wall_s, 3),
+        "host_peak_rss_bytes": host_peak_rss_bytes(),
+        "ranks": sorted(entries.values(), key=lambda e: e["ranks"][0]),
+        "formula": formulas(facts, world_size),
+    }
+
+
+def _entry(run: RankRun, by_phase: dict[str, int], inter: dict[str, int]) -> dict[str, Any]:
+    tracker = run.tracker
+    return {
+        "ranks": [],
+        "model_states_bytes": model_states_bytes(run.memory),
+        "peak_bytes": tracker["peak_bytes"],
+        "activation_peak_bytes": tracker["peak"]["activations"],
+        "peak_bytes_by_category": tracker["peak"],
+        "init_peak_bytes": run.init_peak_bytes,
+        "memory_report": run.memory,
+        "bytes_sent": by_phase,
+        "inter_node_bytes_sent": inter,
+        "flops": run.step_flops,
+    }

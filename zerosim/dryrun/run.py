@@ -1,0 +1,250 @@
+"""The dry run: zerosim's engine over a virtual world of N ranks on shape-only arrays.
+
+For each rank it runs, the dry run builds the model without values (``backend.shape_only_init``),
+calls ``zerosim.initialize`` with the config's ``zerosim.backend`` set to ``"meta"`` on that
+rank's ``VirtualComm``, and trains ``steps`` optimizer steps of ``gradient_accumulation_steps``
+micro-batches of zeros (token ids, or features and class ids), counting every allocation
+and matrix product (``zerosim.meta.Tracker``) and recording every collective in its ledger.
+
+**Classes of rank.** Ranks whose *program* is the same (the same calls in the same order, the same
+allocations) need not all run: one representative per class runs, and each other member's
+records are the representative's with its own sub-groups and bytes (``VirtualComm.as_rank``).
+Which ranks may differ is read from rank 0's strategy (``fingerprint``): the first rank, the
+last rank (its chunks carry the padding), and, where a stage sizes a buffer by the rank's piece
+of a bucket (stage 2's reduce-scatter under the paper's schedule), those pieces. With
+``all_ranks`` every rank runs; tests hold the two modes to each other and to real ``mpirun`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zerosim import meta
+from zerosim.backend import shape_only_init
+from zerosim.comm.ledger import Record
+from zerosim.comm.virtual import VirtualComm, VirtualWorld
+from zerosim.config import load_config
+from zerosim.engine import Engine, initialize
+from zerosim.nn import GPT, MLP, Module, checkpoint
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """How to build a model without values and what one micro-batch of it looks like."""
+
+    name: str
+    build: Callable[[], Module]
+    batch: Callable[[int], tuple[Any, Any]]  # micro-batch size → (x, y), shape-only
+    gpt: Any = None  # the GPTShape, for GPT models
+
+
+def recipe(spec: str) -> ModelRecipe:
+    """``gpt``/``mlp`` (``zerosim train``'s models), a preset or ``gpt:L,H,V,S[,HEADS]``."""
+    from zerosim.analysis.presets import GPTShape, gpt_shape
+
+    xp = meta.NAMESPACE
+    if spec == "mlp":  # report.workloads' MLP
+        sizes = [32, 256, 256, 10]
+        return ModelRecipe(
+            spec,
+            lambda: MLP(sizes),
+            lambda b: (xp.zeros((b, sizes[0]), np.float32), xp.zeros((b,), np.int64)),
+        )
+    if spec == "gpt":  # report.workloads' character-level GPT on the shipped corpus
+        from zerosim.data import CharDataset
+
+        shape = GPTShape(2, 64, 4, CharDataset(block_size=64).vocab_size, 64, tied=False)
+    else:
+        shape = gpt_shape(spec)
+
+    def build() -> Module:
+        s = shape
+        return GPT(s.vocab, s.seq, s.layers, s.heads, s.hidden, tie_weights=s.tied)
+
+    def batch(b: int) -> tuple[Any, Any]:
+        ids = xp.zeros((b, shape.seq), np.int64)
+        return ids, xp.zeros((b, shape.seq), np.int64)
+
+    return ModelRecipe(spec, build, batch, shape)
+
+
+@dataclass
+class RankRun:
+    """What one virtual rank's run left: its communicator (and ledger), its memory, its counts."""
+
+    rank: int
+    comm: VirtualComm
+    memory: dict[str, int]
+    tracker: dict[str, Any]  # meta.Tracker.snapshot() after the run, peaks over the last step
+    init_peak_bytes: int  # the peak while the model was built and the engine initialized
+    step_flops: int  # matmul FLOPs of the last step
+    last_step: int  # the ledger step of the last optimizer step's records
+    fingerprint: list[tuple] = field(default_factory=list)  # rank 0 only: every rank's
+    facts: dict[str, Any] = field(default_factory=dict)  # rank 0 only: report.engine_facts
+    # the last step as the time model reads it (dryrun/timeline.py): ("compute", flops),
+    # ("issue", i), ("wait", i) and, when asked for, ("memory", live bytes)
+    events: list[tuple[str, Any]] = field(default_factory=list)
+
+
+def _prepare_config(config: dict | str | Path, micro_batch: int | None) -> dict:
+    cfg = json.loads(Path(config).read_text()) if isinstance(config, str | Path) else dict(config)
+    cfg["zerosim"] = {**cfg.get("zerosim", {}), "backend": "meta"}
+    if micro_batch is not None:
+        cfg["train_micro_batch_size_per_gpu"] = int(micro_batch)
+        cfg.pop("train_batch_size", None)  # it would pin the old micro-batch
+    return cfg
+
+
+def fingerprint(engine: Engine, world_size: int) -> list[tuple]:
+    """Every rank's class key: ranks with equal keys run the same program (module docstring)."""
+    pieces = [
+        counts for g in engine.strategy.groups for counts in getattr(g, "bucket_counts", None) or []
+    ]
+    return [(r == 0, r == world_size - 1, tuple(c[r] for c in pieces)) for r in range(world_size)]
+
+
+def run_rank(
+    world: VirtualWorld,
+    rank: int,
+    model: ModelRecipe,
+    config: dict,
+    *,
+    steps: int = 2,
+    recompute: bool = False,
+    overflow: bool = False,
+    fill: float = 0.0,
+    memory_events: bool = False,
+) -> RankRun:
+    """Build, initialize and train virtual rank ``rank`` for ``steps`` optimizer steps, writing
+    the last one's events (with every change of the live bytes when ``memory_events``)."""
+    comm = world.comm(rank)
+    events: list[tuple[str, Any]] = []
+    with meta.tracking(overflow=overflow, fill=fill) as tracker:
+        with shape_only_init():
+            net = model.build()
+        if recompute:
+            blocks = getattr(net, "blocks", None)
+            if blocks is None:
+                raise ValueError(
+                    f"recompute needs a model with transformer blocks, not {model.name}"
+                )
+            for i, block in enumerate(blocks):
+                blocks[i] = checkpoint(block)
+        engine, *_ = initialize(net, config, comm=comm)
+        init_peak = tracker.peak_total
+        cfg = engine.config
+        x, y = model.batch(cfg.train_micro_batch_size_per_gpu)
+        flops_before = 0
+        for step in range(steps):
+            if step == steps - 1:
+                tracker.reset_peaks()
+                flops_before = tracker.matmul_flops
+                last_step = engine.global_steps
+                tracker.listeners.append(_event_writer(events, tracker, memory_events))
+                comm.record_events(events)
+            for _ in range(cfg.gradient_accumulation_steps):
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+        comm.record_events(None)
+        tracker.listeners.clear()
+        result = RankRun(
+            rank,
+            comm,
+            engine.memory_report(),
+            tracker.snapshot(),
+            init_peak,
+            tracker.matmul_flops - flops_before,
+            last_step,
+            events=events,
+        )
+        if rank == 0:
+            from zerosim.dryrun.report import engine_facts  # noqa: PLC0415  (report imports run)
+
+            result.fingerprint = fingerprint(engine, world.size)
+            result.facts = engine_facts(engine)
+        del engine, net
+    return result
+
+
+def _event_writer(events: list, tracker: meta.Tracker, memory: bool) -> Callable:
+    """A tracker listener: matmul FLOPs added into the last compute event (a new one after a
+    collective event), and with ``memory`` the live bytes after every allocation and free."""
+
+    def write(kind: str, amount: int, category: str) -> None:
+        if kind == "matmul":
+            if events and events[-1][0] == "compute":
+                events[-1] = ("compute", events[-1][1] + amount)
+            else:
+                events.append(("compute", amount))
+        elif memory:
+            events.append(("memory", tracker.live_total))
+
+    return write
+
+
+def classes_of(keys: list[tuple]) -> list[list[int]]:
+    """Ranks grouped by equal keys, in order of their first rank."""
+    groups: dict[tuple, list[int]] = {}
+    for r, key in enumerate(keys):
+        groups.setdefault(key, []).append(r)
+    return list(groups.values())
+
+
+def run_world(
+    model: ModelRecipe,
+    world_size: int,
+    config: dict | str | Path,
+    *,
+    micro_batch: int | None = None,
+    steps: int = 2,
+    recompute: bool = False,
+    all_ranks: bool = False,
+    overflow: bool = False,
+    fill: float = 0.0,
+    memory_events: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[list[tuple[list[int], RankRun]], float]:
+    """Run the representatives (or every rank): [(member ranks, the run standing for them)] and
+    the wall time in seconds."""
+    say = progress or (lambda _: None)
+    cfg = _prepare_config(config, micro_batch)
+    load_config(cfg, world_size)  # a bad config fails here, before any rank runs
+    world = VirtualWorld(world_size)
+    start = time.perf_counter()
+    options = dict(
+        steps=steps, recompute=recompute, overflow=overflow, fill=fill, memory_events=memory_events
+    )
+    say(f"rank 0 of {world_size}: building {model.name} and running {steps} step(s)")
+    first = run_rank(world, 0, model, cfg, **options)
+    if all_ranks:
+        members = [[r] for r in range(world_size)]
+    else:
+        members = classes_of(first.fingerprint)
+    say(
+        f"{len(members)} {'ranks' if all_ranks else 'classes of rank'} to run"
+        f" ({time.perf_counter() - start:.1f} s so far)"
+    )
+    runs = [(members[0], first)]
+    for k, group in enumerate(members[1:], start=2):
+        say(f"{'rank' if all_ranks else 'class'} {k}/{len(members)}: rank {group[0]}")
+        runs.append((group, run_rank(world, group[0], model, cfg, **options)))
+    return runs, time.perf_counter() - start
+
+
+def records_of(run: RankRun, rank: int) -> list[Record]:
+    """Rank ``rank``'s ledger records: the run's own, or rewritten for another member."""
+    return list(run.comm.ledger.records) if rank == run.rank else run.comm.as_rank(rank)
+
+
+def host_peak_rss_bytes() -> int:
+    """This process's high-water mark of resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
