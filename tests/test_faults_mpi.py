@@ -173,7 +173,7 @@ def _first_report(err: str) -> dict[int, tuple[int, str]]:
     return {int(q): (int(c), where) for q, c, where in _RANK_LINE.findall(block.group(0))}
 
 
-@pytest.mark.parametrize("n", [4])
+@pytest.mark.parametrize("n", [3, 4])
 def test_a_stopped_rank_is_named_with_its_count_and_no_rank_inside_a_call_is_blamed(
     n, tmp_path, monkeypatch, capsys
 ):

@@ -13,7 +13,8 @@ How a rank waits (``MPIComm``):
   non-blocking one), it makes MPI's blocking call, at MPI's full speed.
 
 Either way the wait is *watched*: the rank notes (communicator, call, start time) in ``_CURRENT``
-before and marks it over after, and one daemon thread per process looks every quarter second.
+and the call in its row of the progress table (below) before, clears the row's call after, and
+one daemon thread per process looks every quarter second.
 When a wait has lasted more than the communicator's ``timeout`` (``zerosim.timeout``,
 ``ZEROSIM_TIMEOUT``; 0 = never), that thread prints what the rank waits for (op, phase, group,
 dtype, elements, seconds), where every other rank of its node is, and the rank's flight record
@@ -32,10 +33,11 @@ wait begins, one as it ends). The rest is copied by its watchdog thread each tim
 the process is alive, and the details of the wait (op, what of the call it waits for, since when),
 which change only as fast as the waits do. A copy is as old as the thread's last look, and a
 stopped process's thread does not look: when the thread copied everything, a stopped rank showed
-the count of a quarter second before it stopped (hundreds of calls behind its neighbours), and a
-rank inside a call looked as if it had stopped calling collectives. From the table the report
-tells a rank inside a call (its argument check, its data exchange, the ``wait()`` of a
-non-blocking one) from one that never arrived, and either from one whose process does not run.
+the count of a quarter second before it stopped (hundreds of calls behind its neighbours). From
+the table the report tells a rank inside a call (its argument check, its data exchange, the
+``wait()`` of a non-blocking one) from one that never arrived, and either from one whose process
+does not run (``flight.diagnose``); it used to call every rank with fewer calls begun one that
+"stopped calling collectives", a rank waiting inside an earlier call included.
 Ranks on other nodes are not visible.
 
 An uncaught exception on any rank (``install_abort_on_exception``) prints its traceback and flight
@@ -74,7 +76,7 @@ LOOK_EVERY_S = 0.25  # how often the watchdog thread looks at the wait in progre
 # what of a call a rank waits for, by the stage its ``_pending`` names (0: a set-up step)
 _STAGES = {"cross-rank argument check": 1, "data exchange": 2, "wait()": 3}
 _STAGE_NAMES = {
-    0: "set-up",
+    0: "a split, node discovery or an MPIComm's set-up",
     1: "cross-rank argument check",
     2: "data exchange",
     3: "wait() of the non-blocking call",
