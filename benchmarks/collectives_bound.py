@@ -82,10 +82,12 @@ def one_frame_class():
             start = clock()
             record.start = start - ledger._t0
             current[0] = (self, pending, time.monotonic())
+            row = watchdog.ROW  # this rank's row of the progress table (set by the first MPIComm)
+            row[watchdog.WAITING] = seq
             try:
                 self.mpi.Reduce_scatter_block(_spec(inp), _spec(out), _mpi_op(dtype, op))
             finally:
-                current[0] = (self, pending, None)
+                row[watchdog.WAITING] = watchdog.NOT_WAITING
             self._pending = None
             record.intra_bytes = moved
             record.wall_time = clock() - start

@@ -16,6 +16,12 @@ the phase moves data); rank 1 meets the fault at micro-step ``AT``:
     idle_wait                                (no fault) rank 1 computes 1.5 s before an all-reduce;
                                              the others say how much CPU their wait used
     config_differs                           rank 2 loads another config: ConfigError on all ranks
+    late_in_the_abort                        rank 1 joins the last all-reduce only once a waiting
+                                             rank's watchdog wrote its flight file (it has decided
+                                             to abort): the program then finishes on every rank
+    train_until_stopped                      (any number of ranks) print the pid, train stage 3
+                                             (non-blocking gathers and reductions) until the test
+                                             SIGSTOPs a rank
 
 ``tests/test_faults_mpi.py`` launches each and checks how the job ends.
 """
@@ -35,6 +41,8 @@ from zerosim.nn import MLP  # noqa: E402
 
 AT = 3  # the micro-step (from 1) at which rank 1 meets its fault
 VICTIM = 1
+LATE_TIMEOUT_S = 0.5  # late_in_the_abort's timeout, set once the ranks are in step
+STOP_TIMEOUT_S = 2.0  # train_until_stopped's
 
 
 def config(stage: int) -> dict:
@@ -179,6 +187,42 @@ def config_differs(comm: object) -> None:
     raise AssertionError("the differing configs were not detected")
 
 
+def late_in_the_abort(comm: object) -> None:
+    """Three all-reduces, then the last one, which rank 1 joins late: once a flight file exists in
+    ZEROSIM_FLIGHT_DIR, written by a waiting rank's watchdog after it decided to abort and before
+    it says so. Every rank then completes the program while that watchdog is still ending the
+    job: the job must fail all the same."""
+    for _ in range(3):
+        comm.all_reduce(np.ones(4))
+    comm.timeout = LATE_TIMEOUT_S  # not before: the ranks start at different times
+    if comm.rank == VICTIM:
+        folder, deadline = Path(comm.ledger.flight.directory), time.monotonic() + 60
+        while not any(folder.glob("rank*.json")) and time.monotonic() < deadline:
+            time.sleep(0.002)
+    comm.all_reduce(np.ones(4))
+
+
+def train_until_stopped(comm: object, limit_s: float = 120.0) -> None:
+    """Say this rank's pid, then train (stage 3 with overlap_comm: all-gathers and
+    reduce-scatters started early and completed in ``wait()``) until a rank is stopped and the
+    watchdog ends the job; "training" once a few steps are done. Gives up after ``limit_s``."""
+    say(f"rank {comm.rank}: pid {os.getpid()}")
+    cfg = config(stage=3)
+    cfg["zero_optimization"]["overlap_comm"] = True
+    engine, *_ = initialize(MLP([8, 16, 16, 16, 4], seed=0), cfg, comm=comm)
+    comm.timeout = STOP_TIMEOUT_S  # not before: the ranks start at different times
+    rng = np.random.default_rng(comm.rank)
+    deadline, steps = time.monotonic() + limit_s, 0
+    while time.monotonic() < deadline:
+        x, y = rng.standard_normal((4, 8)), rng.integers(0, 4, 4)
+        engine.backward(engine(x, y))
+        engine.step()
+        steps += 1
+        if steps == 3:
+            say(f"rank {comm.rank}: training")
+    raise SystemExit(f"rank {comm.rank}: no rank was stopped within {limit_s} s")
+
+
 if __name__ == "__main__":
     fault = sys.argv[1]
     if fault == "hidden_launcher":
@@ -199,6 +243,10 @@ if __name__ == "__main__":
         idle_wait(comm)
     elif fault == "config_differs":
         config_differs(comm)
+    elif fault == "late_in_the_abort":
+        late_in_the_abort(comm)
+    elif fault == "train_until_stopped":
+        train_until_stopped(comm)
     else:
         raise SystemExit(f"unknown fault {fault!r}")
     say(f"rank {comm.rank}: finished")

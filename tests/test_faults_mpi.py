@@ -4,13 +4,19 @@ died leaves the previous one loadable. docs/faults.md tabulates these cases and 
 """
 
 import json
+import os
+import queue
 import re
+import signal
+import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
-from mpi_helpers import run_mpi
+from fault_worker import STOP_TIMEOUT_S, VICTIM
+from mpi_helpers import ROOT, mpirun_path, run_mpi
 
 import zerosim as zs
 from zerosim.cli.main import main
@@ -76,7 +82,9 @@ def test_a_rank_that_stops_calling_collectives_ends_the_job_naming_the_call_and_
     assert stalled is not None, out
     op, call, phase = stalled.groups()
     assert (op, phase) == ("all_reduce", "backward")  # stage 2's bucket, DeepSpeed's schedule
-    assert f"rank(s) [1] have not reached call #{call} ({op})" in out
+    assert f"rank(s) [1] never arrived at call #{call} ({op})" in out
+    assert "rank 1: began" in out and "is not in a collective" in out
+    assert "no sign of life" not in out  # asleep, but its process runs
     assert "flight record: the last" in out and "not done" in out
     assert "aborting the job" in out
     capsys.readouterr()
@@ -121,3 +129,119 @@ def test_a_rank_waiting_for_a_slow_one_leaves_the_cpu(monkeypatch):
     for waited, cpu in waits:
         assert float(waited) > 1.2
         assert float(cpu) < 0.1 * float(waited), out  # MPI's own blocking call spins
+
+
+def test_a_job_whose_watchdog_said_it_aborts_fails_although_the_program_finished(
+    tmp_path, monkeypatch
+):
+    """A waiting rank's watchdog decides to abort, and rank 1 arrives right then (it waits for the
+    flight file the watchdog writes just before "aborting the job"): the program completes on
+    every rank while the watchdog gives the launcher time to forward its words. The job exited
+    0 in every run before the abort was made final; it must fail in every run."""
+    whole_program_ran = 0
+    for attempt in range(3):
+        env = {"ZEROSIM_FLIGHT_DIR": str(tmp_path / str(attempt))}
+        proc, out = _run("late_in_the_abort", env=env, monkeypatch=monkeypatch)
+        assert "all_reduce call #4 (phase 'none'" in out, out  # the last all-reduce, not set-up
+        assert "watchdog: aborting the job" in out, out
+        assert proc.returncode != 0, out
+        whole_program_ran += all(f"rank {q}: finished" in out for q in range(3))
+    assert whole_program_ran  # the race was run: at least once every rank got to the end
+
+
+def _start_mpi(n: int, args: list[str], stderr: object) -> subprocess.Popen:
+    """``mpirun -n n python ARGS`` as run_mpi starts it, but left running (stdout piped)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop("PYTHONUNBUFFERED", None)
+    env.pop("ZEROSIM_TIMEOUT", None)  # the worker sets its own once the ranks are in step
+    cmd = [mpirun_path(), "-n", str(n), sys.executable, *args]
+    pipe = subprocess.PIPE
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=pipe, stderr=stderr, text=True)
+
+
+_RANK_LINE = re.compile(r"^  rank (\d+)(?: \(this rank\))?: began (\d+) calls, (.*)$", re.M)
+_WAITS = re.compile(r"waits in call #(\d+) \((\w+), (.+?)\) for")
+
+
+def _first_report(err: str) -> dict[int, tuple[int, str]]:
+    """{rank: (calls begun, where)} from the first watchdog report in ``err``."""
+    head = re.search(r"watchdog: .* has not completed after .*\n", err)
+    assert head is not None, err
+    block = re.match(r"(?:  rank .*\n)+", err[head.end() :])
+    assert block is not None, err
+    return {int(q): (int(c), where) for q, c, where in _RANK_LINE.findall(block.group(0))}
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_stopped_rank_is_named_with_its_count_and_no_rank_inside_a_call_is_blamed(
+    n, tmp_path, monkeypatch, capsys
+):
+    """SIGSTOP one rank of a stage 3 job (all-gathers and reduce-scatters completed in wait())
+    at whatever point of its training it is: the watchdog of a waiting rank must say that the
+    stopped rank shows no sign of life, give its count of calls as it is (it stopped after that
+    many), and show every other rank inside a call, none of them as having stopped calling
+    collectives; ``zerosim flight`` must blame the stopped rank alone."""
+    folder = tmp_path / "flight"
+    monkeypatch.setenv("ZEROSIM_FLIGHT_DIR", str(folder))
+    errors = open(tmp_path / "stderr.txt", "w+")  # noqa: SIM115  (read back below)
+    proc = _start_mpi(n, ["tests/fault_worker.py", "train_until_stopped"], errors)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+    pids, training, out = {}, 0, []
+    try:
+        deadline = time.monotonic() + 120
+        while training < n:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            out.append(line)
+            if m := re.match(r"rank (\d+): pid (\d+)", line):
+                pids[int(m.group(1))] = int(m.group(2))
+            training += line.endswith(": training\n")
+        time.sleep(0.3)  # somewhere in a step, wherever that is
+        os.kill(pids[VICTIM], signal.SIGSTOP)
+        stopped = time.monotonic()
+        proc.wait(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in pids.values():  # a stopped process the launcher left behind
+            try:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=60)
+    errors.seek(0)
+    err = errors.read()
+    sys.__stderr__.write(f"SIGSTOP: exit code {proc.returncode}, {took:.1f} s after the stop\n")
+    assert proc.returncode != 0
+    assert took < STOP_TIMEOUT_S + 10, err
+
+    ranks = _first_report(err)
+    assert sorted(ranks) == list(range(n)), err
+    victim, where = ranks.pop(VICTIM)
+    assert "no sign of life" in where, err
+    assert f"rank(s) [{VICTIM}] show no sign of life" in err
+    assert "never arrived" not in err and "no sign of life" not in "".join(
+        w for _, w in ranks.values()
+    ), err
+    # Bounds on the stopped rank's count from where the running ranks are now. A rank begins
+    # call #c + 1 only after the argument check of call #c, which needs every rank to have begun
+    # #c; a rank past the check of #k (in its data exchange or wait()) saw every rank begin #k.
+    lowest, highest = 0, min(calls for calls, _ in ranks.values()) + 1
+    for calls, where in ranks.values():
+        lowest = max(lowest, calls - 1)
+        waits = _WAITS.search(where)
+        assert waits is not None or "is inside call #" in where, err  # inside a call, all
+        if waits is not None and waits.group(3) != "cross-rank argument check":
+            lowest = max(lowest, int(waits.group(1)))
+    assert lowest <= victim <= highest, err
+
+    capsys.readouterr()
+    assert main(["flight", str(folder), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["silent"] == [VICTIM] and summary["behind"] == [], summary
+    assert main(["flight", str(folder)]) == 0
+    text = capsys.readouterr().out
+    assert f"rank {VICTIM} shows no sign of life" in text and "is behind" not in text, text

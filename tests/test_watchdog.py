@@ -125,6 +125,18 @@ def test_flight_recorder_numbers_calls_and_keeps_the_last_k_after_a_ledger_reset
     ]
 
 
+def test_flight_recorder_counts_in_the_cell_it_is_given():
+    """The MPI watchdog hands the recorder a cell of the node's shared progress table: the count
+    moves there and every call begun is written there at once."""
+    recorder = FlightRecorder()
+    for _ in range(2):
+        recorder.begin(None)
+    cell = memoryview(bytearray(8)).cast("q")
+    recorder.count_in(cell)
+    assert cell[0] == 2
+    assert recorder.begin(None) == 3 and cell[0] == recorder.calls == 3
+
+
 def test_flight_recorder_rejects_a_negative_size():
     with pytest.raises(ValueError, match="flight_records must be an int >= 0, got -1"):
         FlightRecorder(-1)
@@ -149,7 +161,7 @@ def test_local_timeout_writes_a_flight_file_that_zerosim_flight_reads(tmp_path, 
     assert "rank 1: no file" in out
 
 
-def _report(rank, calls, waiting=None, node=None, reason="timeout after 10.0 s"):
+def _report(rank, calls, waiting=None, node=None, reason="timeout after 10.0 s", size=3):
     records = [
         {
             "call": c,
@@ -168,7 +180,7 @@ def _report(rank, calls, waiting=None, node=None, reason="timeout after 10.0 s")
     what = None if waiting is None else f"all_reduce call #{waiting} (phase 'step')"
     return {
         "rank": rank,
-        "size": 3,
+        "size": size,
         "reason": reason,
         "calls": calls,
         "waiting": None if waiting is None else {"call": waiting, "what": what},
@@ -177,19 +189,73 @@ def _report(rank, calls, waiting=None, node=None, reason="timeout after 10.0 s")
     }
 
 
+def _seen(calls, waiting=None, stage=None, op="all_reduce", silent_s=0.1):
+    """A rank as the progress table shows it (watchdog.Progress.read)."""
+    state = {"calls": calls, "waiting": waiting, "op": None, "stage": None, "waited_s": None}
+    if stage is not None:
+        state.update(op=op, stage=stage, waited_s=10.0)
+    return {**state, "silent_s": silent_s}
+
+
 def test_summary_names_the_rank_behind_from_a_neighbours_view():
-    node = {
-        "0": {"calls": 9, "waiting": 9, "last_call": 9, "op": "all_reduce", "waited_s": 10.0},
-        "1": {"calls": 8, "waiting": 0, "last_call": 8, "op": "all_gather", "waited_s": 0.0},
-        "2": {"calls": 9, "waiting": 9, "last_call": 9, "op": "all_reduce", "waited_s": 10.0},
-    }
+    check = "cross-rank argument check"
+    node = {"0": _seen(9, 9, check), "1": _seen(8), "2": _seen(9, 9, check)}
     reports = [_report(0, 9, waiting=9, node=node), _report(2, 9, waiting=9, node=node)]
     summary = summarize(reports)
     assert summary["behind"] == [1] and summary["waiting"] == [0, 2]
+    assert summary["silent"] == []
     text = format_summary(summary)
     assert "rank 1 is behind: it began 8 collective calls, other ranks 9" in text
     assert "ranks [0, 2] wait for it in all_reduce call #9 (phase 'step')" in text
-    assert "rank 1: began 8 calls, is not in a collective; last: #8 all_gather" in text
+    assert "rank 1: began 8 calls, is not in a collective [wrote no file" in text
+
+
+def test_summary_blames_a_stopped_rank_not_one_waiting_in_a_non_blocking_calls_wait():
+    """Rank 1 began fewer calls than the others but waits in wait() of call #7 (a non-blocking
+    all-gather): held up, not behind. Rank 3 shows no sign of life: the cause."""
+    node = {
+        "0": _seen(9, 9, "cross-rank argument check"),
+        "1": _seen(8, 7, "wait() of the non-blocking call", op="all_gather"),
+        "2": _seen(9, 9, "cross-rank argument check"),
+        "3": _seen(9, 9, silent_s=10.2),  # stopped just as it entered call #9: op not seen
+    }
+    reports = [_report(q, 9, waiting=9, node=node, size=4) for q in (0, 2)]
+    summary = summarize(reports)
+    assert summary["silent"] == [3] and summary["behind"] == []
+    assert summary["waiting"] == [0, 1, 2]
+    text = format_summary(summary)
+    assert "is behind" not in text
+    assert (
+        "rank 1: began 8 calls, waits in call #7 (all_gather, wait() of the non-blocking call) "
+        "for 10.0 s [wrote no file" in text
+    )
+    assert "rank 1 began fewer calls (8) but is inside call #7: it arrived there" in text
+    # the op of call #9, which rank 3's watchdog thread did not see, from rank 0's own record
+    assert (
+        "rank 3 shows no sign of life for 10.2 s: its process does not run (stopped: SIGSTOP, a "
+        "debugger; or frozen); it began 9 calls and is inside call #9 (all_reduce)" in text
+    )
+    assert "ranks [0, 1, 2] wait for it in the calls above" in text  # not all in one call
+
+
+def test_diagnose_sorts_ranks_by_what_holds_the_call_up():
+    states = {
+        0: _seen(5, 5, "data exchange"),  # inside the call
+        1: _seen(4),  # running, in no collective, began fewer: never arrived
+        2: _seen(3, 2, "wait() of the non-blocking call"),  # inside an earlier call
+        3: _seen(5, silent_s=1.5),  # no sign of life, wherever it is
+        4: _seen(5),  # began the call and is past it
+    }
+    assert flight.diagnose(5, states) == {"silent": [3], "absent": [1], "inside": [0, 2]}
+    assert flight.rank_state(states[0]) == (
+        "began 5 calls, waits in call #5 (all_reduce, data exchange) for 10.0 s"
+    )
+    assert flight.rank_state(_seen(5, 5, "data exchange", silent_s=3.0)) == (
+        "began 5 calls, is inside call #5 (all_reduce); no sign of life for 3.0 s "
+        "(its process does not run)"  # what it waits for there is not now's
+    )
+    assert flight.rank_state(_seen(5, 5)) == "began 5 calls, is inside call #5"
+    assert not flight.is_silent(_seen(5, silent_s=flight.SILENT_S))
 
 
 def test_summary_of_a_rank_that_raised_and_of_ranks_that_agree():

@@ -142,7 +142,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_flight(args: argparse.Namespace) -> int:
-    """Read a job's flight records (zerosim.flight_dir) and say which rank is behind."""
+    """Read a job's flight records (zerosim.flight_dir): which rank is stopped or behind."""
     from zerosim.comm.flight import format_summary, read_reports, summarize
 
     try:
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("--json", action="store_true", help="print the arrays written as JSON")
     cons.set_defaults(func=cmd_consolidate)
     flight = sub.add_parser(
-        "flight", help="read the flight records a stalled job wrote; say which rank is behind"
+        "flight", help="read the flight records a stalled job wrote; say which rank held it up"
     )
     flight.add_argument("dir", help="the folder of zerosim.flight_dir / ZEROSIM_FLIGHT_DIR")
     flight.add_argument("--json", action="store_true", help="print the summary as JSON")

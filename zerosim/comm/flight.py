@@ -9,9 +9,11 @@ prints its record; with ``zerosim.flight_dir`` (or ``ZEROSIM_FLIGHT_DIR``) it al
 is behind and on which call. PyTorch's NCCL flight recorder is the model (``TORCH_NCCL_TRACE_*``).
 
 The files hold, besides this rank's records, what the rank could see of the other ranks on its
-node (``node_ranks``, from the MPI world's shared progress table; see ``comm/mpi.py``): how many
-calls each had begun and whether it was waiting in one. A rank that stopped calling collectives
-writes no file itself, but its neighbours' files say where it stopped.
+node (``node_ranks``, from the MPI world's shared progress table; see ``comm/watchdog.py``): how
+many calls each had begun, the call it was inside, if any, and how long ago its process last ran.
+A rank that stopped calling collectives, or whose process was stopped, writes no file itself, but
+its neighbours' files say where it is. ``rank_state`` and ``diagnose`` put that into words, for the
+watchdog's report and for ``zerosim flight`` alike.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ ENV_FLIGHT_DIR = "ZEROSIM_FLIGHT_DIR"
 DEFAULT_TIMEOUT = 600.0  # seconds, as ``zerosim.timeout``'s default
 DEFAULT_RECORDS = 64  # calls kept, as ``zerosim.flight_records``'s default
 FILE_PATTERN = "rank*.json"
+# A rank whose watchdog thread has not looked for this long shows no sign of life: its process
+# does not run (stopped, frozen). The thread looks every quarter second; this is four looks missed.
+SILENT_S = 1.0
 
 
 def check_timeout(value: Any, name: str = "timeout") -> float:
@@ -108,7 +113,9 @@ class FlightRecorder:
     """
 
     def __init__(self, size: int = DEFAULT_RECORDS) -> None:
-        self.calls = 0
+        # calls begun, in one int64 of memory: this recorder's own, or the cell of the MPI
+        # world's progress table that the other ranks of the node read (``count_in``)
+        self._count = memoryview(bytearray(8)).cast("q")
         self._ring: deque[tuple[int, Record]] = deque(maxlen=self._check_size(size))
         self.directory: str | None = env_flight_dir()  # where ``dump`` writes, if anywhere
         _LIVE.add(self)
@@ -127,11 +134,26 @@ class FlightRecorder:
         """Keep the last ``size`` calls from now on (the newest ones already kept stay)."""
         self._ring = deque(self._ring, maxlen=self._check_size(size))
 
+    @property
+    def calls(self) -> int:
+        """How many calls have begun (the number of the latest)."""
+        return self._count[0]
+
+    def count_in(self, cell: memoryview) -> None:
+        """Count calls in ``cell`` (one int64 of shared memory) from now on. The MPI watchdog
+        gives the world ledger's recorder a cell of its node's progress table, so that the
+        other ranks read this rank's count as it is at every moment, even once its process is
+        stopped (a copy made by a thread would be as old as the thread's last look)."""
+        cell[0] = self._count[0]
+        self._count = cell
+
     def begin(self, record: Record) -> int:
         """Number a call that is starting and remember it; returns its number."""
-        self.calls += 1
-        self._ring.append((self.calls, record))
-        return self.calls
+        count = self._count
+        seq = count[0] + 1
+        count[0] = seq
+        self._ring.append((seq, record))
+        return seq
 
     def entries(self) -> list[tuple[int, Record]]:
         return list(self._ring)
@@ -191,6 +213,59 @@ class FlightRecorder:
         return path
 
 
+# -- what holds a stalled call up --------------------------------------------------------------
+# A rank's state, as the progress table gives it (``watchdog.Progress.read``) and the flight files
+# keep it: ``calls`` begun; ``waiting``: the call it is inside now, or None; ``op``, ``stage``
+# (what of that call it waits for) and ``waited_s`` where its watchdog thread has seen that wait;
+# ``silent_s``: how long ago that thread last looked (its process last ran).
+def is_silent(state: dict[str, Any]) -> bool:
+    """Whether a rank shows no sign of life: its watchdog thread has not looked for SILENT_S."""
+    silent = state.get("silent_s")
+    return silent is not None and silent > SILENT_S
+
+
+def position(state: dict[str, Any]) -> str:
+    """Which call a rank is in: ``waits in call #613 (all_gather, data exchange) for 3.1 s``,
+    ``is inside call #613 (all_gather)`` (what it waits for there not seen, or not now's: a
+    silent rank's), ``is not in a collective``."""
+    call = state.get("waiting")
+    if call is None:
+        return "is not in a collective"
+    if state.get("stage") is None or is_silent(state):
+        return f"is inside call #{call}" + (f" ({state['op']})" if state.get("op") else "")
+    return f"waits in call #{call} ({state['op']}, {state['stage']}) for {state['waited_s']:.1f} s"
+
+
+def rank_state(state: dict[str, Any]) -> str:
+    """Where a rank is, in words: ``began 613 calls, waits in call #613 (all_gather, data
+    exchange) for 3.1 s``, ``… is inside call #613 (all_gather); no sign of life for 3.2 s``."""
+    text = f"began {state['calls']} calls, {position(state)}"
+    if is_silent(state):
+        text += f"; no sign of life for {state['silent_s']:.1f} s (its process does not run)"
+    return text
+
+
+def diagnose(call: int, states: dict[int, dict[str, Any]]) -> dict[str, list[int]]:
+    """Sort ranks by what they do while another rank waits in call #``call``.
+
+    ``silent``: no sign of life (its process is stopped or frozen), wherever it is: what it was
+    inside cannot complete, nor what the others wait for after it. ``absent``: running, in no
+    collective, fewer than ``call`` calls begun: it never arrived at the call (it computes,
+    sleeps, or is stuck outside zerosim). ``inside``: running and inside a call (a blocking one,
+    its argument check, or the ``wait()`` of a non-blocking one): it arrived where it waits and
+    is held up as well, not the cause.
+    """
+    out: dict[str, list[int]] = {"silent": [], "absent": [], "inside": []}
+    for rank, state in sorted(states.items()):
+        if is_silent(state):
+            out["silent"].append(rank)
+        elif state.get("waiting") is not None:
+            out["inside"].append(rank)
+        elif state["calls"] < call:
+            out["absent"].append(rank)
+    return out
+
+
 # -- reading the files back (``zerosim flight DIR``) ---------------------------------------------
 def read_reports(directory: str | Path) -> list[dict[str, Any]]:
     """Every ``rank*.json`` in ``directory``, in rank order."""
@@ -226,13 +301,14 @@ def _last_call(report: dict[str, Any]) -> str:
 
 
 def _status(rank: int, reports: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
-    """What is known of ``rank``: its own file, else a node neighbour's view of it."""
+    """What is known of ``rank``: its own file (it was running: it wrote it), else a node
+    neighbour's view of it from the progress table."""
     if rank in reports:
         own = reports[rank]
         waiting = own.get("waiting") or {}
         return {
             "calls": own["calls"],
-            "waiting": waiting.get("call", 0),
+            "waiting": waiting.get("call") or None,
             "what": waiting.get("what"),
             "reason": own.get("reason", ""),
             "last": _last_call(own),
@@ -241,37 +317,43 @@ def _status(rank: int, reports: dict[int, dict[str, Any]]) -> dict[str, Any] | N
     for other in reports.values():
         seen = (other.get("node_ranks") or {}).get(str(rank))
         if seen is not None:
+            if seen.get("waiting") is not None and not seen.get("op"):  # name it from the
+                ops = {r["call"]: r["op"] for r in other["records"]}  # neighbour's record
+                seen = {**seen, "op": ops.get(seen["waiting"])}
             return {
-                "calls": seen["calls"],
-                "waiting": seen.get("waiting", 0),
+                **seen,
                 "what": None,
                 "reason": "wrote no file",
-                "last": f"#{seen.get('last_call')} {seen.get('op')} (the last it waited in)",
                 "source": f"rank {other['rank']}'s file (same node)",
             }
     return None
 
 
 def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """Which rank is behind and on which call, from the ranks' flight records.
+    """What held the job up, from the ranks' flight records.
 
     ``ranks``: each rank's status (None when neither its file nor a neighbour's saw it);
-    ``behind``: ranks that began fewer calls than the most any rank began; ``waiting``: ranks
-    waiting in a call; ``raised``: ranks whose file says they raised.
+    ``silent``: ranks that showed no sign of life (their process did not run); ``behind``:
+    running ranks in no collective that began fewer calls than the most any rank began (they
+    never arrived at the next call); ``waiting``: ranks inside a call (held up, not the cause);
+    ``raised``: ranks whose file says they raised.
     """
     by_rank = {r["rank"]: r for r in reports}
     size = max(max(int(r.get("size", 0)) for r in reports), max(by_rank) + 1)
     ranks = {q: _status(q, by_rank) for q in range(size)}
     known = {q: s for q, s in ranks.items() if s is not None}
     most = max(s["calls"] for s in known.values())
-    waiting = sorted(q for q, s in known.items() if s["waiting"])
-    what = next((known[q]["what"] for q in waiting if known[q]["what"]), None)
+    sorted_out = diagnose(most, known)
+    waiting = sorted_out["inside"]
+    same_call = len({known[q]["waiting"] for q in waiting}) == 1
+    what = next((known[q]["what"] for q in waiting if known[q]["what"] and same_call), None)
     return {
         "size": size,
         "files": sorted(by_rank),
         "ranks": ranks,
         "most_calls": most,
-        "behind": sorted(q for q, s in known.items() if s["calls"] < most),
+        "silent": sorted_out["silent"],
+        "behind": sorted_out["absent"],
         "waiting": waiting,
         "waiting_in": what,
         "raised": sorted(q for q, s in known.items() if s["reason"].startswith("exception")),
@@ -281,35 +363,50 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
 def format_summary(summary: dict[str, Any]) -> str:
     """``summarize``'s answer as the lines ``zerosim flight`` prints."""
     lines = [f"flight records of {len(summary['files'])} of {summary['size']} ranks"]
-    for q, s in summary["ranks"].items():
+    ranks = summary["ranks"]
+    for q, s in ranks.items():
         if s is None:
             lines.append(f"  rank {q}: no file, and no rank of its node saw it")
-            continue
-        where = "is not in a collective"
-        if s["waiting"]:
-            where = f"waits in {s['what'] or 'call #' + str(s['waiting'])}"
-        lines.append(
-            f"  rank {q}: began {s['calls']} calls, {where}; last: {s['last']} "
-            f"[{s['reason']}; from {s['source']}]"
-        )
+        elif s["source"] == "its own file":
+            where = f"waits in {s['what']}" if s["what"] else "is not in a collective"
+            lines.append(
+                f"  rank {q}: began {s['calls']} calls, {where}; last: {s['last']} "
+                f"[{s['reason']}; from {s['source']}]"
+            )
+        else:
+            lines.append(f"  rank {q}: {rank_state(s)} [{s['reason']}; from {s['source']}]")
     for q in summary["raised"]:
-        lines.append(f"rank {q} raised: {summary['ranks'][q]['reason']}")
-    waiting_in = summary["waiting_in"] or "a call"
+        lines.append(f"rank {q} raised: {ranks[q]['reason']}")
+    for q in summary["silent"]:
+        s = ranks[q]
+        lines.append(
+            f"rank {q} shows no sign of life for {s['silent_s']:.1f} s: its process does not run "
+            f"(stopped: SIGSTOP, a debugger; or frozen); it began {s['calls']} calls and "
+            f"{position(s)}, and every call it takes part in waits for it"
+        )
     for q in summary["behind"]:
-        s = summary["ranks"][q]
-        idle = "" if s["waiting"] else " and is not in a collective (computing, sleeping, stuck)"
         lines.append(
-            f"rank {q} is behind: it began {s['calls']} collective calls, other ranks "
-            f"{summary['most_calls']}; it has not reached call #{s['calls'] + 1}{idle}"
+            f"rank {q} is behind: it began {ranks[q]['calls']} collective calls, other ranks "
+            f"{summary['most_calls']}; it has not reached call #{ranks[q]['calls'] + 1} and is "
+            f"not in a collective (computing, sleeping, stuck)"
         )
-    ahead = [q for q in summary["waiting"] if q not in summary["behind"]]
-    if summary["behind"] and ahead:
-        lines.append(f"ranks {ahead} wait for it in {waiting_in}")
-    elif summary["waiting"] and not summary["behind"]:
+    held_up = summary["silent"] + summary["behind"]
+    waiting_in = summary["waiting_in"] or "the calls above"
+    if held_up and summary["waiting"]:
+        them = "it" if len(held_up) == 1 else "them"
+        lines.append(f"ranks {summary['waiting']} wait for {them} in {waiting_in}")
+        for q in summary["waiting"]:
+            if ranks[q]["calls"] < summary["most_calls"]:
+                lines.append(
+                    f"rank {q} began fewer calls ({ranks[q]['calls']}) but is inside call "
+                    f"#{ranks[q]['waiting']}: it arrived there and is held up too, not behind"
+                )
+    elif summary["waiting"] and not held_up:
         lines.append(
-            f"no rank is behind in calls: ranks {summary['waiting']} wait in {waiting_in}; look "
-            f"for a rank that called another collective or on another group, or a dead rank"
+            f"no rank is behind or silent: ranks {summary['waiting']} wait in {waiting_in}; look "
+            f"for a rank that called another collective or on another group, a rank on another "
+            f"node, or a dead rank"
         )
-    elif not summary["behind"] and not summary["raised"]:
+    elif not held_up and not summary["raised"]:
         lines.append(f"no rank is behind: every rank began {summary['most_calls']} calls")
     return "\n".join(lines)

@@ -215,7 +215,7 @@ class MPIComm(Communicator):
         try:
             call(*args)
         finally:
-            watchdog.leave(self)
+            watchdog.leave()
 
     def _native_all_gather(self, out: Any, inp: Any, in_place: bool) -> None:
         if self._route(out) == "nccl":

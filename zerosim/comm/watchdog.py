@@ -1,5 +1,5 @@
 """The MPI world's watchdog: no rank waits forever in a collective, and the one that gives up says
-what it waited for and who did not come.
+what it waited for and what each other rank is doing.
 
 How a rank waits (``MPIComm``):
 
@@ -13,21 +13,32 @@ How a rank waits (``MPIComm``):
   non-blocking one), it makes MPI's blocking call, at MPI's full speed.
 
 Either way the wait is *watched*: the rank notes (communicator, call, start time) in ``_CURRENT``
-before and marks it done after — one store each, on every wait of every collective — and one
-daemon thread per process looks every quarter second. When a wait has lasted more than the
-communicator's ``timeout`` (``zerosim.timeout``, ``ZEROSIM_TIMEOUT``;
-0 = never), that thread prints what the rank waits for (op, phase, group, dtype, elements, seconds),
-which ranks have not reached that call, and the rank's flight record (``comm/flight.py``), writes
-the flight file if a folder is set, and calls ``MPI.COMM_WORLD.Abort(1)``: the whole job ends with
-a non-zero code. NCCL's watchdog thread in PyTorch works the same way.
+and the call in its row of the progress table (below) before, clears the row's call after, and
+one daemon thread per process looks every quarter second.
+When a wait has lasted more than the communicator's ``timeout`` (``zerosim.timeout``,
+``ZEROSIM_TIMEOUT``; 0 = never), that thread prints what the rank waits for (op, phase, group,
+dtype, elements, seconds), where every other rank of its node is, and the rank's flight record
+(``comm/flight.py``), writes the flight file if a folder is set, and calls
+``MPI.COMM_WORLD.Abort(1)``: the whole job ends with a non-zero code. NCCL's watchdog thread in
+PyTorch works the same way. Once the thread has decided to abort, the job fails whatever the
+other threads do: it takes ``_ENDING`` first, and a program that finishes meanwhile waits for it
+at exit (``_exit_guard``) instead of ending with code 0 while the thread waits for its words to
+reach the launcher.
 
-Which ranks have not reached the call comes from ``Progress``, a table in node-shared memory where
-every rank's watchdog thread copies, each time it looks (``publish``), how many calls its rank has
-begun and which one it waits in; the rank that gives up reads it without any message from the
-others, so a rank that stopped calling collectives is named although it takes no part. (The thread
-copies it, not the waits themselves: four shared-memory stores per wait cost about a third of a
-microsecond, on every collective; a row at most a quarter second old is exact for a rank that has
-stalled for seconds.) Ranks on other nodes are not visible.
+Where the other ranks are comes from ``Progress``, a table in node-shared memory that every rank
+writes and the rank that gives up reads, with no message from the others (they may be stuck, or
+stopped). What must be right at any moment is written by the rank itself, as it goes: its count of
+calls begun (its flight recorder counts in the table) and the call it waits in (one store as a
+wait begins, one as it ends). The rest is copied by its watchdog thread each time it looks: that
+the process is alive, and the details of the wait (op, what of the call it waits for, since when),
+which change only as fast as the waits do. A copy is as old as the thread's last look, and a
+stopped process's thread does not look: when the thread copied everything, a stopped rank showed
+the count of a quarter second before it stopped (hundreds of calls behind its neighbours). From
+the table the report tells a rank inside a call (its argument check, its data exchange, the
+``wait()`` of a non-blocking one) from one that never arrived, and either from one whose process
+does not run (``flight.diagnose``); it used to call every rank with fewer calls begun one that
+"stopped calling collectives", a rank waiting inside an earlier call included.
+Ranks on other nodes are not visible.
 
 An uncaught exception on any rank (``install_abort_on_exception``) prints its traceback and flight
 record and aborts the job the same way, so the other ranks do not wait for it.
@@ -35,6 +46,7 @@ record and aborts the job the same way, so the other ranks do not wait for it.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -45,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 from mpi4py import MPI
 
 from zerosim.comm.base import OP_CODES
-from zerosim.comm.flight import describe, live_recorders
+from zerosim.comm.flight import describe, diagnose, live_recorders, rank_state
 
 if TYPE_CHECKING:
     from zerosim.comm.mpi import MPIComm
@@ -61,20 +73,36 @@ MAX_SLEEP_S = 1e-3  # … up to this
 LOOK_EVERY_S = 0.25  # how often the watchdog thread looks at the wait in progress
 
 
+# what of a call a rank waits for, by the stage its ``_pending`` names (0: a set-up step)
+_STAGES = {"cross-rank argument check": 1, "data exchange": 2, "wait()": 3}
+_STAGE_NAMES = {
+    0: "a split, node discovery or an MPIComm's set-up",
+    1: "cross-rank argument check",
+    2: "data exchange",
+    3: "wait() of the non-blocking call",
+}
+# a row of the progress table: one int64 each
+CALLS = 0  # calls begun: the world ledger's flight recorder counts here (exact at any moment)
+WAITING = 1  # the call the rank waits in now, NOT_WAITING when none: the rank writes it
+SEEN = 2  # the call whose wait the next three fields describe: copied by its watchdog thread
+OP = 3  # that call's op code (0: not a collective: a set-up step)
+STAGE = 4  # what of that call it waits for (_STAGES)
+SINCE = 5  # when that wait began (ns of the monotonic clock, which a node's processes share)
+ALIVE = 6  # when its watchdog thread last looked (ns, monotonic): the process runs
+FIELDS = 7
+NOT_WAITING = -1
+
+
 class Progress:
     """Each rank's progress through its collectives, in memory every rank of its node can read.
 
-    One shared-memory window per node (``MPI.Win.Allocate_shared``) with a row of four int64 per
-    rank: calls begun (its flight recorder's count), the call it waits in (negated once the wait
-    is over, so the row still names its last call), that call's op code (0: not a collective), and
-    when the wait began (ms of the monotonic clock, which a node's processes share).
+    One shared-memory window per node (``MPI.Win.Allocate_shared``) with a row of ``FIELDS``
+    int64 per rank (``CALLS`` … ``ALIVE`` above).
     """
-
-    FIELDS = 4
 
     def __init__(self, world: MPI.Intracomm) -> None:
         node = world.Split_type(MPI.COMM_TYPE_SHARED)
-        self.win = MPI.Win.Allocate_shared(8 * self.FIELDS, 8, comm=node)
+        self.win = MPI.Win.Allocate_shared(8 * FIELDS, 8, comm=node)
         mine, everyone = node.Get_group(), world.Get_group()
         members = mine.Translate_ranks(list(range(node.Get_size())), everyone)
         mine.Free()
@@ -87,39 +115,53 @@ class Progress:
         node.Free()
 
     def read(self) -> dict[int, dict[str, Any]]:
-        """{world rank: {calls, waiting, last_call, op, waited_s}} for every rank of this node;
-        ``waiting`` is the call it waits in now (0: none), ``last_call`` the last it waited in."""
-        now = time.monotonic() * 1e3
+        """{world rank: state} for every rank of this node, as ``flight.rank_state`` reads it:
+        ``calls`` begun and ``waiting``, the call it is inside (None: none), as they are now;
+        ``op``, ``stage`` and ``waited_s`` of that wait once its watchdog thread has seen it
+        (else None); ``silent_s``, how long ago that thread last looked."""
+        now = time.monotonic_ns()
         out = {}
         for rank, row in self.rows.items():
-            calls, call, op, since = row.tolist()
-            out[rank] = {
-                "calls": calls,
-                "waiting": max(call, 0),
-                "last_call": abs(call),
-                "op": _OP_NAMES.get(op, "set-up"),
-                "waited_s": round((now - since) / 1e3, 3) if call > 0 else 0.0,
-            }
+            calls, waiting, seen, op, stage, since, alive = row.tolist()
+            state: dict[str, Any] = {"calls": calls, "waiting": None, "op": None, "stage": None}
+            state.update(waited_s=None, silent_s=round((now - alive) / 1e9, 3))
+            if waiting != NOT_WAITING:
+                state["waiting"] = waiting
+                if seen == waiting:  # the thread has seen a wait in this call: its details
+                    state["op"] = _OP_NAMES.get(op, "set-up")
+                    state["stage"] = _STAGE_NAMES[stage]
+                    state["waited_s"] = round((now - since) / 1e9, 3)
+            out[rank] = state
         return out
 
 
 PROGRESS: Progress | None = None  # made once per process by the first MPIComm over COMM_WORLD
-PRIVATE_ROW = memoryview(bytearray(8 * Progress.FIELDS)).cast("q")  # until then, or without one
-# (comm, pending, start) of the wait in progress; start None once it is over; None before any
+# this rank's row: a private one until the table exists (or without one)
+ROW = memoryview(bytearray(8 * FIELDS)).cast("q")
+ROW[WAITING] = NOT_WAITING
+# (comm, pending, start) of the wait in progress, or of the last one (ROW[WAITING] says which)
 _CURRENT: list[Any] = [None]
 _started = False
+# Whoever holds this lock ends the process: the watchdog thread once it decides to abort (it
+# never lets go: it aborts), or the exit guard once the program ends normally. The first keeps
+# the other out: a decided abort is not outrun by the program finishing (exit code 0 although
+# "aborting the job" was printed), and a normal exit is not aborted by a wait that just ended.
+_ENDING = threading.Lock()
+EXIT_GRACE_S = 10.0  # how long a normal exit waits for an abort begun by the watchdog thread
 
 
 def start(comm: MPIComm) -> None:
-    """Once per process, under mpirun: the exception hook, the node's progress table (when
-    ``comm`` is over COMM_WORLD: a collective, preceded by a barrier under the watchdog, so that
-    a rank that never creates its MPIComm is reported, not waited for) and the watchdog thread."""
-    global PROGRESS, _started
+    """Once per process, under mpirun: the exception hook, the exit guard, the node's progress
+    table (when ``comm`` is over COMM_WORLD: a collective, preceded by a barrier under the
+    watchdog, so that a rank that never creates its MPIComm is reported, not waited for; its
+    ledger's flight recorder then counts calls in this rank's row) and the watchdog thread."""
+    global PROGRESS, ROW, _started
     world = MPI.COMM_WORLD
     if world.Get_size() == 1:
         return
     install_abort_on_exception()
     if not _started:
+        atexit.register(_exit_guard)  # runs before mpi4py finalizes MPI (a C-level exit hook)
         threading.Thread(target=_watch, name="zerosim-watchdog", daemon=True).start()
         _started = True
     if PROGRESS is None and comm.mpi == world:
@@ -127,42 +169,40 @@ def start(comm: MPIComm) -> None:
         poll(comm, comm.mpi.Ibarrier())
         comm._pending = None
         PROGRESS = Progress(world)
-
-
-def row() -> memoryview:
-    """This rank's row of the progress table (a private one when there is no table)."""
-    return PRIVATE_ROW if PROGRESS is None else PROGRESS.mine
+        PROGRESS.mine[:] = ROW  # what the private row holds so far
+        ROW = PROGRESS.mine
+        ROW[ALIVE] = time.monotonic_ns()
+        comm.ledger.flight.count_in(ROW[CALLS : CALLS + 1])
 
 
 def enter(comm: MPIComm, _clock: Any = time.monotonic) -> None:
-    """A wait begins: note it for the watchdog thread (on every collective: one store)."""
-    _CURRENT[0] = (comm, comm._pending, _clock())
+    """A wait begins: note it for the watchdog thread, then (the thread relies on this order)
+    the call it is in for the other ranks (on every wait of every collective: a tuple and a
+    store)."""
+    pending = comm._pending or (comm.ledger.flight.calls, None, "set-up")
+    _CURRENT[0] = (comm, pending, _clock())
+    ROW[WAITING] = pending[0]
 
 
-def leave(comm: MPIComm) -> None:
-    """The wait is over (the call it was stays noted, for the progress table)."""
-    _CURRENT[0] = (comm, comm._pending, None)
+def leave() -> None:
+    """The wait is over (``_CURRENT`` keeps it, as the last wait, for the thread's copy)."""
+    ROW[WAITING] = NOT_WAITING
 
 
 def publish() -> None:
-    """Copy this rank's progress into its row of the node's table: calls begun, the call it waits
-    in (negated once the wait is over, so the row still names its last call), that call's op code
-    (0: not a collective) and when the wait began (ms of the monotonic clock, which a node's
-    processes share). The watchdog thread calls it each time it looks, and so does every report."""
+    """What the watchdog thread adds to this rank's row each time it looks (and every report):
+    that the process runs, and the details of the wait in progress (op, stage, start), the call
+    they describe written last."""
+    row = ROW
+    row[ALIVE] = time.monotonic_ns()
     current = _CURRENT[0]
     if current is None:
         return
-    comm, pending, since = current
-    mine = row()
-    mine[0] = comm.ledger.flight.calls
-    call = mine[0] if pending is None else pending[0]
-    record = None if pending is None else pending[1]
-    mine[2] = 0 if record is None else OP_CODES[record.op]
-    if since is None:
-        mine[1] = -call
-    else:
-        mine[1] = call
-        mine[3] = int(since * 1e3)
+    _, (call, record, stage), since = current
+    row[OP] = 0 if record is None else OP_CODES[record.op]
+    row[STAGE] = _STAGES.get(stage, 0)
+    row[SINCE] = int(since * 1e9)
+    row[SEEN] = call
 
 
 def poll(comm: MPIComm, request: MPI.Request) -> None:
@@ -186,7 +226,7 @@ def poll(comm: MPIComm, request: MPI.Request) -> None:
             time.sleep(delay)
             delay = min(2 * delay, MAX_SLEEP_S)
     finally:
-        leave(comm)
+        leave()
 
 
 def wait(comm: MPIComm, request: MPI.Request) -> None:
@@ -195,72 +235,101 @@ def wait(comm: MPIComm, request: MPI.Request) -> None:
     try:
         request.Wait()
     finally:
-        leave(comm)
+        leave()
 
 
 def _watch() -> None:
     """The watchdog thread: every quarter second, is a wait older than its timeout?"""
     while True:
         time.sleep(LOOK_EVERY_S)
-        current = _CURRENT[0]
         publish()
-        if current is None or current[2] is None:
+        current = _CURRENT[0]
+        # A wait is in progress (ROW says so), and it is ``current``: enter() notes the wait in
+        # _CURRENT before it writes ROW, so if _CURRENT still holds ``current`` now, no later
+        # wait began before the ROW read.
+        if current is None or ROW[WAITING] == NOT_WAITING or _CURRENT[0] is not current:
             continue
-        comm, _, since = current
+        comm, pending, since = current
         waited = time.monotonic() - since
-        if comm.timeout and waited > comm.timeout and _CURRENT[0] is current:
-            expire(comm, current[1], waited)
+        if comm.timeout and waited > comm.timeout:
+            expire(comm, pending, waited)
 
 
 def report(comm: MPIComm, pending: tuple | None, waited: float) -> tuple[str, dict[str, Any]]:
-    """What the watchdog prints after ``waited`` seconds, and the summary for the flight file."""
+    """What the watchdog prints after ``waited`` seconds, and the summary for the flight file:
+    where every rank of the group on this node is, and which of them hold the call up."""
     seq, record, stage = pending or (comm.ledger.flight.calls, None, "wait")
     what = describe(seq, record, stage)
     me = comm.world_rank
+    head = f"[zerosim rank {me}] watchdog:"
     lines = [
-        f"[zerosim rank {me}] watchdog: {what} has not completed after {waited:.1f} s "
+        f"{head} {what} has not completed after {waited:.1f} s "
         f"(timeout {comm.timeout:g} s: zerosim.timeout or ZEROSIM_TIMEOUT); this is rank "
         f"{comm.rank} of group {comm.group!r} ({comm.size} ranks)"
     ]
     publish()
     table = None if PROGRESS is None else PROGRESS.read()
-    behind = []
+    others: dict[int, dict[str, Any]] = {}
     if table is None:
-        lines.append("  (which ranks have not reached this call is not known here)")
-    else:
-        for w in comm.world_ranks():
-            seen = table.get(w)
-            if seen is None:
-                lines.append(f"  rank {w}: on another node, not visible from here")
-                continue
-            where = (
-                f"is not in a collective (the last it waited in: #{seen['last_call']} {seen['op']})"
-            )
-            if seen["waiting"]:
-                call, op, waited = seen["waiting"], seen["op"], seen["waited_s"]
-                where = f"waits in call #{call} ({op}) for {waited:.1f} s"
-            who = f"rank {w}" + (" (this rank)" if w == me else "")
-            lines.append(f"  {who}: began {seen['calls']} calls, {where}")
-            if w != me and seen["calls"] < seq:
-                behind.append(w)
-    if behind:
+        lines.append("  (where the other ranks are is not known here)")
+    mine = dict(comm.ledger.flight.entries())  # call #k is the same op on every rank
+    for w in comm.world_ranks() if table is not None else ():
+        state = table.get(w)
+        if state is None:
+            lines.append(f"  rank {w}: on another node, not visible from here")
+            continue
+        if state["op"] is None and state["waiting"] in mine:  # its thread did not see the wait
+            state["op"] = mine[state["waiting"]].op
+        lines.append(f"  rank {w}{' (this rank)' if w == me else ''}: {rank_state(state)}")
+        if w != me:
+            others[w] = state
+    found = diagnose(seq, others)
+    name = f"call #{seq} ({record.op if record else stage}) of group {comm.group!r}"
+    if found["silent"]:
         lines.append(
-            f"[zerosim rank {me}] watchdog: rank(s) {behind} have not reached call #{seq} "
-            f"({record.op if record else stage}) of group {comm.group!r}: they stopped calling "
-            f"collectives (computing, sleeping, stuck, or waiting in another group's call)"
+            f"{head} rank(s) {found['silent']} show no sign of life: their process does not run "
+            f"(stopped: SIGSTOP, a debugger; or frozen), so {name} cannot complete"
         )
-    waiting = {"call": seq, "what": what, "stage": stage, "waited_s": round(waited, 3)}
-    waiting["behind"] = behind
+    if found["absent"]:
+        lines.append(
+            f"{head} rank(s) {found['absent']} never arrived at {name}: they are in no "
+            f"collective (computing, sleeping, or stuck outside zerosim)"
+        )
+    elsewhere = [w for w in found["inside"] if others[w]["waiting"] != seq]
+    if elsewhere and (found["silent"] or found["absent"]):
+        lines.append(
+            f"{head} rank(s) {elsewhere} are inside calls of their own (above), held up as well"
+        )
+    elif table is not None and not found["silent"] and not found["absent"]:
+        lines.append(
+            f"{head} no rank of this node is missing or stopped: each is inside a call; look for "
+            f"ranks inside different calls (another group's) or a rank on another node"
+        )
+    waiting = {"call": seq, "what": what, "stage": stage, "waited_s": round(waited, 3), **found}
     return "\n".join(lines), waiting
 
 
 def expire(comm: MPIComm, pending: tuple | None, waited: float) -> None:
-    """Give up: say what this rank waits for and who is missing, print the record, abort."""
-    text, waiting = report(comm, pending, waited)
-    sys.stderr.write(text + "\n")
-    dump_flight_records(f"timeout after {waited:.1f} s", waiting)
-    sys.stderr.write(f"[zerosim rank {comm.world_rank}] watchdog: aborting the job\n")
-    abort_job()
+    """Give up: say what this rank waits for and who is missing, print the record, abort. Once
+    it has begun, the process ends here whatever its other threads do (``_ENDING``)."""
+    if not _ENDING.acquire(blocking=False):
+        return  # the program is ending (its exit guard holds the lock), or already aborting
+    try:
+        text, waiting = report(comm, pending, waited)
+        sys.stderr.write(text + "\n")
+        dump_flight_records(f"timeout after {waited:.1f} s", waiting)
+        sys.stderr.write(f"[zerosim rank {comm.world_rank}] watchdog: aborting the job\n")
+    finally:
+        abort_job()
+
+
+def _exit_guard() -> None:
+    """At a normal exit (atexit, before MPI finalizes): take ``_ENDING``, so that the watchdog
+    thread can no longer begin an abort. If it has begun one, wait: it ends the job once its
+    report is out (abort from here if it has not within EXIT_GRACE_S). Without this, a program
+    that finished while the thread waited for its words to reach the launcher exited 0."""
+    if not _ENDING.acquire(timeout=EXIT_GRACE_S):
+        abort_job()
 
 
 def dump_flight_records(reason: str, waiting: dict[str, Any] | None = None) -> None:
@@ -303,7 +372,8 @@ def install_abort_on_exception() -> None:
         text = "".join(traceback.format_exception(kind, value, tb))
         sys.stderr.write(f"[zerosim rank {rank}] uncaught exception, aborting the job:\n{text}")
         if MPI.COMM_WORLD.Get_size() > 1:
-            dump_flight_records(f"exception: {kind.__name__}: {value}")
+            if _ENDING.acquire(blocking=False):  # else the watchdog thread is aborting already
+                dump_flight_records(f"exception: {kind.__name__}: {value}")
             abort_job()
         previous(kind, value, tb)
 
