@@ -11,6 +11,7 @@ the same global sample stream, whose micro-batch width may change mid-run (N·m 
 M·m after the load at M ranks).
 """
 
+import json
 import math
 import shutil
 import sys
@@ -189,6 +190,45 @@ def mpi_load_corrupt(comm, ckpt, bad_file):
     raise AssertionError("the corrupted file was not detected")
 
 
+# -- resuming at another world size: which samples every rank reads ----------------------------
+class RecordingDataset:
+    """Random MLP samples that remember the index array of every batch read from them."""
+
+    def __init__(self, length: int) -> None:
+        rng = np.random.default_rng(11)
+        self.x, self.y = rng.standard_normal((length, 6)), rng.integers(0, 4, length)
+        self.read: list[list[int]] = []
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, idx):
+        self.read.append(np.asarray(idx).tolist())
+        return self.x[idx], self.y[idx]
+
+
+def mpi_resume_stream(comm, out, launch, targets):
+    """One launch of a chain of ``zerosim train`` runs: for each config ``out/<policy>.json``
+    train to global step ``targets[policy]`` (resuming from ``out/<policy>`` when a previous
+    launch saved there), save, and write the indices this rank read to
+    ``out/<policy>.launch<launch>.rank<r>.json``."""
+    from zerosim.cli import build_parser
+    from zerosim.cli import train as train_demo
+
+    for policy, target in json.loads(targets).items():
+        ckpt = Path(out) / policy
+        data = RecordingDataset(int((Path(out) / "length").read_text()))
+        train_demo.build = lambda args, data=data: (MLP([6, 9, 4], seed=3), data)
+        argv = ["train", "--quiet", "--steps", str(target), "--config", f"{ckpt}.json"]
+        argv += ["--save", str(ckpt)]
+        if (ckpt / "latest").exists():
+            argv += ["--resume", str(ckpt)]
+        train_demo.train(comm, build_parser().parse_args(argv))
+        path = Path(out) / f"{policy}.launch{launch}.rank{comm.rank}.json"
+        path.write_text(json.dumps(data.read))
+    return "trained"
+
+
 # -- the kill test's subject ------------------------------------------------------------------
 BIG = Case(model="big", stage=2, micro=4)
 
@@ -225,7 +265,12 @@ def save_loop(comm, ckpt, every_state=None):
             print(f"saved {k}", flush=True)
 
 
-CHECKS = {"save": mpi_save, "load": mpi_load, "load_corrupt": mpi_load_corrupt}
+CHECKS = {
+    "save": mpi_save,
+    "load": mpi_load,
+    "load_corrupt": mpi_load_corrupt,
+    "resume_stream": mpi_resume_stream,
+}
 
 if __name__ == "__main__":
     if sys.argv[1] == "save_loop":
