@@ -190,6 +190,40 @@ def mpi_load_corrupt(comm, ckpt, bad_file):
     raise AssertionError("the corrupted file was not detected")
 
 
+def mpi_save_too_large(comm, ckpt, bad_rank):
+    """Save at step 2; then rank ``bad_rank`` may write files of at most 1 KiB (RLIMIT_FSIZE:
+    the kernel's EFBIG, as a full disk's ENOSPC, at a real write) and the save of step 3
+    fails. Every rank must raise an OSError naming the file; the folder must hold exactly the
+    step-2 save, which must load."""
+    import resource
+
+    engine = make_engine(comm, SAVE_CASE)
+    nxt = train_steps(engine, comm, SAVE_CASE, 2, 0)
+    engine.save_checkpoint(ckpt)
+    before = snapshot(engine)
+    train_steps(engine, comm, SAVE_CASE, 1, nxt)
+    if comm.rank == int(bad_rank):
+        resource.setrlimit(
+            resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1])
+        )
+    try:
+        engine.save_checkpoint(ckpt)
+    except OSError as err:
+        print(f"rank {comm.rank}: {type(err).__name__}: {err}", flush=True)
+    else:
+        raise AssertionError("the save did not fail")
+    comm.barrier()  # rank 0 has removed the unfinished save
+    left = sorted(p.name for p in Path(ckpt).iterdir())
+    assert left == ["global_step2", "latest"], left
+    again = make_engine(comm, SAVE_CASE)
+    again.load_checkpoint(ckpt)
+    for kind, pieces in before.items():
+        if kind != "scalars":
+            for (name, *_, want), (_, *_, got) in zip(pieces, snapshot(again)[kind], strict=True):
+                assert np.array_equal(got, want), name
+    return "kept"
+
+
 # -- resuming at another world size: which samples every rank reads ----------------------------
 class RecordingDataset:
     """Random MLP samples that remember the index array of every batch read from them."""
@@ -270,6 +304,7 @@ CHECKS = {
     "load": mpi_load,
     "load_corrupt": mpi_load_corrupt,
     "resume_stream": mpi_resume_stream,
+    "save_too_large": mpi_save_too_large,
 }
 
 if __name__ == "__main__":

@@ -46,6 +46,20 @@ def test_corrupted_shard_fails_on_every_rank_naming_the_file(saved, tmp_path):
     assert proc.stdout.count("OK rank") == 3
 
 
+def test_save_failing_on_one_rank_for_a_file_size_limit_leaves_the_previous_checkpoint(tmp_path):
+    """Rank 1 meets a real EFBIG (RLIMIT_FSIZE) while saving: every rank raises an OSError
+    naming rank 1's file, no partial tag or temporary file is left, the last save loads."""
+    t0 = time.monotonic()
+    proc = run_mpi(3, ["tests/ckpt_worker.py", "save_too_large", str(tmp_path / "c"), "1"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 120
+    lines = [line for line in proc.stdout.splitlines() if ": OSError: " in line]
+    assert len(lines) == 3, proc.stdout
+    for line in lines:
+        assert "File too large" in line and "rank00001.group0.master.npy" in line, line
+    assert proc.stdout.count("OK rank") == 3
+
+
 # The resume chain: (world size, {policy: global step to train to}); it resumes 5 → 4 → 3 → 2 → 3.
 STREAM_LEN = 203  # an epoch's tail of 203 mod G samples is dropped (drop_last)
 POLICIES = {
