@@ -19,6 +19,7 @@ from ckpt_worker import (
     config,
     load_run,
     make_engine,
+    pool,
     reference,
     rel_error,
     save_loop,
@@ -367,6 +368,28 @@ def test_save_on_a_full_disk_names_the_file_and_leaves_the_earlier_save_of_the_t
             np.testing.assert_array_equal(got[name], w)
         if fail_at == latest_write:
             zs.LocalWorld(2).run(save, 1)
+
+
+def test_data_position_of_another_dataset_is_refused_naming_the_metadata(tmp_path):
+    """A loader over another dataset would read another order from the saved position."""
+    case = Case(model="mlp")
+    x, y = pool(case)
+
+    def run(comm, length, load):
+        data = ArrayDataset(x[:length], y[:length])
+        engine, *_ = initialize(build_model(case), config(case), comm=comm, training_data=data)
+        if load:
+            engine.load_checkpoint(tmp_path)
+        else:
+            engine.save_checkpoint(tmp_path)
+
+    zs.LocalWorld(2).run(run, 100, False)
+    with pytest.raises(
+        CheckpointError,
+        match=r"metadata.json: the saved data position .*"
+        r"state\['dataset_len'\]=100, but this loader's dataset_len is 90",
+    ):
+        zs.LocalWorld(2).run(run, 90, True)
 
 
 def test_save_inside_an_accumulation_window_is_refused(tmp_path):

@@ -410,7 +410,10 @@ def _read_and_check(
         )
     state = meta["objects"]["data_loader"]
     if loader is not None and state is not None and "json" in state:
-        copy.copy(loader).load_state_dict(from_json(state["json"]))  # validates, changes nothing
+        try:  # validates on a copy: changes nothing
+            copy.copy(loader).load_state_dict(from_json(state["json"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{where}: the saved data position does not fit: {err}") from err
     return tag_dir, meta
 
 
