@@ -376,7 +376,8 @@ def read_config_file(path: str | os.PathLike) -> Any:
     try:
         content = Path(name).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(name, name, allowed, got=f"cannot read the file ({err})") from err
+        why = err.strerror if isinstance(err, OSError) and err.strerror else err
+        raise ConfigError(name, name, allowed, got=f"cannot read the file ({why})") from err
     try:
         return hjson.loads(content, object_pairs_hook=no_duplicates)
     except ConfigError:
