@@ -14,7 +14,13 @@ import torch
 from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
-from zerosim.config import Config, ConfigError, load_config, resolve_batch_size
+from zerosim.config import (
+    Config,
+    ConfigError,
+    load_config,
+    read_config_file,
+    resolve_batch_size,
+)
 from zerosim.config.optimizer import (
     DEEPSPEED_SCHEDULERS,
     HYPERPARAMETERS,
@@ -1083,6 +1089,67 @@ def test_file_problems_name_the_file(tmp_path):
     repeated.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
     assert "repeated keys ['train_batch_size']" in str(error_for(repeated))
     assert error_for(tmp_path).path == str(tmp_path)  # a directory is not a file
+
+
+HJSON = """# DeepSpeed reads its config file with hjson: comments, quoteless keys and strings,
+# optional commas
+{
+  train_micro_batch_size_per_gpu: 2
+  gradient_clipping: 1.0  // hjson reads this as the integer 1, as DeepSpeed then sees it
+  optimizer: {
+    type: AdamW
+    params: {lr: 1e-3, betas: [0.9, 0.95,],}
+  }
+  zero_optimization: {stage: 2}
+}
+"""
+
+
+def test_hjson_file_is_read_as_deepspeed_reads_it(tmp_path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    path = tmp_path / "ds_config.hjson"
+    path.write_text(HJSON)
+    raw = read_config_file(path)
+    assert raw == DeepSpeedConfig(str(path))._param_dict  # DeepSpeed's own reader, its values
+    assert type(raw["gradient_clipping"]) is int
+    config = load(path, world_size=3)
+    assert (config.train_batch_size, config.gradient_clipping) == (6, 1.0)
+    assert dict(config.optimizer.params) == {"lr": 1e-3, "betas": (0.9, 0.95)}
+    assert config.zero_optimization.stage == 2
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        (
+            '{"train_batch_size": 8, "gradient_clipping": 1.0, "gradient_clipping": 0.0}',
+            "gradient_clipping",
+        ),
+        ("train_batch_size: 8\nzero_optimization: {\n  stage: 1\n  stage: 2\n}", "stage"),
+    ],
+)
+def test_repeated_key_is_refused_naming_it_and_the_file_as_deepspeed_refuses_it(
+    tmp_path, text, key
+):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    path = tmp_path / "repeated.json"
+    path.write_text(text)
+    message = str(error_for(path))
+    assert str(path) in message and f"repeated keys [{key!r}]" in message
+    with pytest.raises(ValueError, match=f"Duplicate keys in DeepSpeed config: \\[{key!r}\\]"):
+        DeepSpeedConfig(str(path))
+
+
+def test_malformed_hjson_and_huge_numbers_name_the_file(tmp_path):
+    bad = tmp_path / "bad.hjson"
+    bad.write_text("{\n  train_batch_size: 8,\n  fp16: }\n")
+    message = str(error_for(bad))
+    assert str(bad) in message and "neither JSON nor hjson" in message and "line 3" in message
+    huge = tmp_path / "huge.json"
+    huge.write_text('{"train_batch_size": 1e400}')  # hjson: OverflowError, not a ConfigError
+    assert str(huge) in str(error_for(huge))
 
 
 def test_top_level_must_be_an_object(tmp_path):

@@ -17,6 +17,7 @@ from zerosim import analysis
 from zerosim.analysis import SCHEDULES
 from zerosim.analysis.stages import STAGES
 from zerosim.backend import PRECISION_DTYPES
+from zerosim.cli.arguments import int_at_least, parameter_count
 from zerosim.report.tables import (
     DTYPE_NAMES,
     load_cluster,
@@ -289,10 +290,12 @@ def _common(p: argparse.ArgumentParser, plot: bool = True) -> None:
 
 
 def _memory_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", type=float, default=7.5e9, help="parameters Ψ (default 7.5e9)")
+    p.add_argument(
+        "--params", type=parameter_count, default=7.5e9, help="parameters Ψ (default 7.5e9)"
+    )
     p.add_argument(
         "--dp",
-        type=int,
+        type=int_at_least(1),
         nargs="+",
         default=[1, 4, 16, 64, 256, 1024],
         metavar="N",
@@ -318,8 +321,12 @@ def _memory_options(p: argparse.ArgumentParser) -> None:
 
 
 def _volume_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", type=float, required=True, help="parameters Ψ (before padding)")
-    p.add_argument("--dp", type=int, required=True, metavar="N", help="data-parallel ranks")
+    p.add_argument(
+        "--params", type=parameter_count, required=True, help="parameters Ψ (before padding)"
+    )
+    p.add_argument(
+        "--dp", type=int_at_least(1), required=True, metavar="N", help="data-parallel ranks"
+    )
     p.add_argument(
         "--accumulation", type=int, default=1, metavar="K", help="micro-steps per optimizer step"
     )
@@ -345,12 +352,14 @@ def _world_options(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument(
         "-n",
         "--local",
-        type=int,
+        type=int_at_least(1),
         default=None,
         metavar="N",
         help="ranks of the in-process world when not under mpirun (default 4)",
     )
-    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
+    p.add_argument(
+        "--steps", type=int_at_least(1), default=steps, help=f"optimizer steps (default {steps})"
+    )
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -397,7 +406,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "--cluster", required=True, help="cluster JSON, e.g. examples/cluster_64gpu.json"
     )
     size = project.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", type=float, help="parameters Ψ")
+    size.add_argument("--params", type=parameter_count, help="parameters Ψ")
     size.add_argument(
         "--model",
         help="a GPT: a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-7b, gpt-13b) or "

@@ -80,6 +80,7 @@ __all__ = [
     "ZeroConfig",
     "ZerosimConfig",
     "load_config",
+    "read_config_file",
     "resolve_batch_size",
 ]
 
@@ -389,10 +390,16 @@ def _check_deepspeed_engine_rules(cfg: Config) -> None:
                 )
 
 
-def _read_json_file(path: str | os.PathLike) -> Any:
-    """The JSON in ``path``; a missing file, bad JSON or a repeated key is a ConfigError."""
+def read_config_file(path: str | os.PathLike) -> Any:
+    """The object in a config file, read as DeepSpeed reads one (runtime/config.py:
+    ``hjson.load(f, object_pairs_hook=dict_raise_error_on_duplicate_keys)``): JSON, or hjson
+    (comments, quoteless keys and strings, optional commas), a repeated key refused. Every
+    problem is a ConfigError naming the file. hjson reads ``1.0`` and ``5e8`` as integers, as
+    DeepSpeed sees them."""
+    import hjson  # DeepSpeed's reader; pure Python, imported only when a file is read
+
     name = os.fspath(path)
-    allowed = "a readable file holding one JSON object without repeated keys"
+    allowed = "a readable JSON or hjson file holding one object without repeated keys"
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         keys = [key for key, _ in pairs]
@@ -404,11 +411,17 @@ def _read_json_file(path: str | os.PathLike) -> Any:
     try:
         content = Path(name).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(name, name, allowed, got=f"cannot read the file ({err})") from err
+        why = err.strerror if isinstance(err, OSError) and err.strerror else err
+        raise ConfigError(name, name, allowed, got=f"cannot read the file ({why})") from err
     try:
-        return json.loads(content, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as err:
-        got = f"not JSON ({err.msg} at line {err.lineno} column {err.colno})"
+        return hjson.loads(content, object_pairs_hook=no_duplicates)
+    except ConfigError:
+        raise
+    except hjson.HjsonDecodeError as err:
+        got = f"neither JSON nor hjson ({err.msg} at line {err.lineno} column {err.colno})"
+        raise ConfigError(name, name, allowed, got=got) from err
+    except (ValueError, OverflowError, RecursionError) as err:  # 1e400, nesting too deep
+        got = f"not readable as hjson ({type(err).__name__}: {err})"
         raise ConfigError(name, name, allowed, got=got) from err
 
 
@@ -514,7 +527,8 @@ def reject_unbuilt(cfg: Config) -> None:
 
 
 def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> Config:
-    """Read and validate a DeepSpeed config (a dict, or a path to a JSON file) for ``world_size``.
+    """Read and validate a DeepSpeed config (a dict, or a path to a JSON or hjson file, read by
+    ``read_config_file``) for ``world_size``.
 
     Unknown keys produce one UserWarning listing their key paths, except inside the sections
     DeepSpeed validates strictly (zero_optimization, its offload sections, fp16, bf16), where
@@ -529,7 +543,7 @@ def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> C
     if isinstance(config, Config):
         config = config.to_dict()
     elif isinstance(config, str | os.PathLike):
-        config = _read_json_file(config)
+        config = read_config_file(config)
     raw = as_mapping(config, "")
     for key in REMOVED_TOP_LEVEL_KEYS:
         if key in raw:
