@@ -321,7 +321,40 @@ def sample_rows() -> dict[str, list[dict]]:
             "full_model": 4 * 124_000_000,
         }
     ]
+    dryrun = [
+        {
+            "kind": "target",
+            "model": "gpt3-175b",
+            "n": n,
+            "wall_s": 40.0 * n / 1024,
+            "wall_target_s": limit,
+            "host_peak_rss_bytes": 150e6,
+            "states_equal": True,
+            "bytes_equal": True,
+            "flops_ratio": 0.987,
+        }
+        for n, limit in ((1024, 60.0), (4096, 300.0))
+    ] + [
+        {
+            "kind": "prediction",
+            "source": source,
+            "scheme": scheme,
+            "published_tflops": published,
+            "predicted_tflops": predicted,
+            "fitted": fitted,
+        }
+        for source, published, predicted, fitted, scheme in (
+            ("Narayanan et al. SC21, Table 2", 144, 144.4, True, "ZeRO-3"),
+            ("Narayanan et al. SC21, Table 2", 88, 86.7, True, "ZeRO-3"),
+            ("Narayanan et al. SC21, Table 2", 44, 44.6, True, "ZeRO-3"),
+            ("Narayanan et al. SC21, Table 2", 138, 86.2, False, "ZeRO-3"),
+            ("Wang et al. 2023", 25, 8.8, False, "ZeRO-3"),
+            ("Wang et al. 2023", 35, 18.1, False, "ZeRO++"),
+            ("Wang et al. 2023", 36, None, False, "ZeRO++"),  # a figure without a prediction
+        )
+    ]
     return {
+        "dryrun": dryrun,
         "large_gpt": large_gpt,
         "zero_init_cap": zero_init_cap,
         "allocations": allocations,
