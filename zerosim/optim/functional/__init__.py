@@ -32,7 +32,15 @@ from zerosim.optim.functional.common import (
     state_dtype,
     zeros_state,
 )
+from zerosim.optim.functional.lamb import (
+    lamb,
+    lamb_apply,
+    lamb_moments,
+    lamb_step_size,
+    trust_ratio,
+)
 from zerosim.optim.functional.lion import lion
+from zerosim.optim.functional.muon import muon, muon_apply, muon_update
 from zerosim.optim.functional.nadam import nadam
 from zerosim.optim.functional.radam import radam
 from zerosim.optim.functional.rmsprop import rmsprop
@@ -45,12 +53,20 @@ __all__ = [
     "adam",
     "adamax",
     "block_length",
+    "lamb",
+    "lamb_apply",
+    "lamb_moments",
+    "lamb_step_size",
     "lion",
     "make_scratch",
+    "muon",
+    "muon_apply",
+    "muon_update",
     "nadam",
     "radam",
     "rmsprop",
     "sgd",
     "state_dtype",
+    "trust_ratio",
     "zeros_state",
 ]
