@@ -187,7 +187,7 @@ def test_scaling_quick_memory_per_rank_equals_the_zero_formula_with_padding(tmp_
     rows_path = tmp_path / "scaling.json"
     cmd = [sys.executable, "benchmarks/scaling.py", "--quick", "--json", str(rows_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(rows_path.read_text())
     widths = sorted({r["width"] for r in rows})
