@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -177,8 +178,14 @@ def test_the_wrapper_writes_a_report_when_the_check_cannot_start(tmp_path):
 
 
 def test_the_prepared_command_fits_the_machines_command_line():
+    """The longest command gpu_prepare.py prints: its --dest at the longest path a machine
+    carries, made of the character that quoting lengthens most."""
+    assert gpu_prepare.CARRY_PATH_LIMIT == 200 and gpu_prepare.COMMAND_LIMIT == 2000
+    longest = gpu_prepare.command("'" * gpu_prepare.CARRY_PATH_LIMIT)
+    assert len(longest) <= gpu_prepare.COMMAND_LIMIT, len(longest)
+    spaced = "wheels for the check/" + "x" * 10
+    assert shlex.split(gpu_prepare.command(spaced))[3] == spaced  # one argument, as given
     line = gpu_prepare.command()
-    assert len(line) <= gpu_prepare.COMMAND_LIMIT == 2000
     assert line.startswith("bash benchmarks/gpu_check.sh ") and '--out "$OUT"' in line
     assert (ROOT / "benchmarks" / "gpu_check.sh").exists()
     ignored = subprocess.run(["git", "check-ignore", "-q", gpu_prepare.DEST], cwd=ROOT)
@@ -194,6 +201,9 @@ def test_the_prepare_helper_names_what_is_missing(tmp_path):
     assert not any("MiB to carry" in p for p in problems)  # 1 kB and the tree fit
     too_long = gpu_prepare.command("x" * 2000)
     assert any("characters, over 2000" in p for p in gpu_prepare.check(tmp_path, too_long))
+    dest = "d" * 201  # longer than a machine carries: refused before the command is printed
+    problems = gpu_prepare.check(tmp_path, gpu_prepare.command(dest), dest)
+    assert any("201 characters, over 200" in p for p in problems), problems
 
 
 # -- the report as it will read on a GPU machine --------------------------------------------------
