@@ -1382,3 +1382,47 @@ def test_fuzz_strategy_reaches_valid_configs_with_sections():
     budget = settings(database=None, phases=[Phase.generate], derandomize=True, max_examples=2000)
     example = find(section_strategy(Config, False), interesting, settings=budget)
     assert interesting(example)
+
+
+@pytest.mark.parametrize(
+    "raw, key, got, allowed, why",
+    [
+        (
+            {"managed_gradient_accumulation": False},
+            "managed_gradient_accumulation",
+            "False",
+            "true",
+            "client-managed boundary is not built",
+        ),
+        ({"sequence_parallel_size": 4}, "sequence_parallel_size", "4", "1", "Ulysses"),
+        (
+            {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+            "bf16.bf16_optimizer_states",
+            "True",
+            "false",
+            "float32 optimizer states",
+        ),
+        (
+            {"tensor_parallel": {"autotp_size": 2}},
+            "tensor_parallel",
+            "{'autotp_size': 2}",
+            "autotp_size and tp.tp_size (alias tensor_parallel.tp_size) <= 1 or absent",
+            "tensor parallelism is not built",
+        ),
+        (
+            {"weight_quantization": {"quantized_initialization": {"num_bits": 8}}},
+            "weight_quantization",
+            "{'quantized_initialization': {'num_bits': 8}}",
+            "quantized_initialization and post_init_quant false or absent",
+            "weight quantization is not built",
+        ),
+    ],
+)
+def test_a_refused_key_names_the_value_received_what_is_allowed_and_why(
+    raw, key, got, allowed, why
+):
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_batch_size": 4, **raw}, world_size=4)
+    message = str(info.value)
+    assert message.startswith(f"{key}: got {got}; allowed: {allowed} ("), message
+    assert why in message and info.value.path == key

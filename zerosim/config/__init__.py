@@ -493,12 +493,11 @@ def _unbuilt(cfg: Config) -> list[tuple[str, Any, bool, str]]:
 def _check_inert(cfg: Config, raw: dict) -> None:
     """One UserWarning for each DeepSpeed key written with a value zerosim does not act on;
     a ConfigError for one that would change the numbers (``refuse``)."""
-    for key, value, why, refuse in inert_keys_given(Config, raw, cfg, ""):
+    for key, value, allowed, why, refuse in inert_keys_given(Config, raw, cfg, ""):
         value = to_plain(value)
-        text = json.dumps(value)
         if refuse:
-            raise ConfigError(key, value, f"{text} is not built: {why}")
-        warnings.warn(f"{key}={text} is ignored: {why}", UserWarning, stacklevel=3)
+            raise ConfigError(key, value, f"{allowed} ({why})")
+        warnings.warn(f"{key}={json.dumps(value)} is ignored: {why}", UserWarning, stacklevel=3)
 
 
 def _check_sum_scaling(cfg: Config) -> None:
