@@ -176,9 +176,34 @@ class _Body:
 
     def value(self, node: ast.expr) -> Any:
         """A constant expression's value (a literal or a module constant), else NO_DEFAULT."""
+        value = self.constant(node)
+        return NO_DEFAULT if value is NO_DEFAULT else _plain(value)
+
+    def constant(self, node: ast.expr) -> Any:
+        """What ``node`` names without running DeepSpeed's code: a literal (``ast.literal_eval``),
+        a name the function sees (``KEY``), an attribute of one (``consts.KEY``, ``Enum.X``), or a
+        tuple, list or dict of those; NO_DEFAULT for any other expression."""
+        if isinstance(node, ast.Name):
+            return self.names.get(node.id, NO_DEFAULT)
+        if isinstance(node, ast.Attribute):
+            owner = self.constant(node.value)
+            return NO_DEFAULT if owner is NO_DEFAULT else getattr(owner, node.attr, NO_DEFAULT)
+        if isinstance(node, ast.Tuple | ast.List):
+            items = [self.constant(e) for e in node.elts]
+            if NO_DEFAULT in items:
+                return NO_DEFAULT
+            return tuple(items) if isinstance(node, ast.Tuple) else items
+        if isinstance(node, ast.Dict) and None not in node.keys:  # None: a ``**`` entry
+            pairs = [
+                (self.constant(k), self.constant(v))
+                for k, v in zip(node.keys, node.values, strict=True)
+            ]
+            if any(NO_DEFAULT in pair for pair in pairs):
+                return NO_DEFAULT
+            return dict(pairs)
         try:
-            return _plain(eval(compile(ast.Expression(node), "<k>", "eval"), self.names))  # noqa: S307
-        except Exception:
+            return ast.literal_eval(node)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return NO_DEFAULT
 
     def key_names(self, node: ast.expr) -> list[str]:
@@ -309,10 +334,7 @@ class _Body:
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
             target = getattr(self.owner, f.attr, None) if self.owner is not None else None
         else:
-            try:
-                target = eval(compile(ast.Expression(f), "<f>", "eval"), self.names)  # noqa: S307
-            except Exception:
-                return None
+            target = self.constant(f)
         if isinstance(target, types.FunctionType | type):
             if getattr(target, "__module__", "").startswith("deepspeed"):
                 return target
