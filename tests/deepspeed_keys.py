@@ -3,7 +3,9 @@
 DeepSpeed 0.19.8 reads its JSON config in two ways: plain functions that take the dict and call
 ``get_scalar_param(d, KEY, DEFAULT)``, ``d.get(KEY, DEFAULT)``, ``d[KEY]`` or ``KEY in d``, and
 pydantic models built with ``Model(**d)``. ``deepspeed_keys()`` walks the first kind from
-``DeepSpeedConfig`` (its ``__init__``, ``_initialize_params`` and checks) through every function
+``DeepSpeedConfig`` (its ``__init__``, ``_initialize_params`` and checks) and from
+``deepspeed.initialize`` (which reads ``data_parallel_size`` and ``tensor_parallel.autotp_size``
+itself, for its device mesh and AutoTP's mode) through every function
 and class they hand the dict or a part of it to, following the key path each variable holds,
 and walks the second kind through ``model_fields`` (aliases and nested models included). Key
 names are resolved from the constants modules the readers import. The result maps each key path
@@ -359,7 +361,9 @@ def _target_name(target: ast.expr) -> str | None:
 
 
 def deepspeed_keys() -> dict[Path, Key]:
-    """{key path: Key} for every key DeepSpeed 0.19.8's ``DeepSpeedConfig`` reads."""
+    """{key path: Key} for every key DeepSpeed 0.19.8's ``DeepSpeedConfig`` and
+    ``deepspeed.initialize`` read."""
+    import deepspeed
     from deepspeed.runtime import config as ds_config
 
     walk = _Walk()
@@ -369,6 +373,8 @@ def deepspeed_keys() -> dict[Path, Key]:
     for name in ("__init__", "_initialize_params", "_do_error_check", "_do_warning_check"):
         walk.function(getattr(cls, name), env, {})
     walk.function(ds_config._reject_removed_config_keys, {"param_dict": root}, {})
+    # deepspeed.initialize reads a few keys itself before it builds DeepSpeedConfig (its mesh)
+    walk.function(deepspeed.initialize, {"config": root}, {})
     return walk.keys
 
 

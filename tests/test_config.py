@@ -1426,3 +1426,29 @@ def test_a_refused_key_names_the_value_received_what_is_allowed_and_why(
     message = str(info.value)
     assert message.startswith(f"{key}: got {got}; allowed: {allowed} ("), message
     assert why in message and info.value.path == key
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_data_parallel_size_beside_sequence_parallel_size_must_be_the_world_size(world):
+    """deepspeed.initialize builds a (data_parallel, sequence_parallel) mesh of every rank from
+    the two keys: with sequence_parallel_size 1 the data-parallel side is the world."""
+    base = {"train_batch_size": 2 * world, "sequence_parallel_size": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # declared: no "unknown key" warning
+        cfg = load_config({**base, "data_parallel_size": world}, world_size=world)
+    assert cfg.data_parallel_size == world
+    for wrong in (world + 1, 2 * world):
+        with pytest.raises(ConfigError) as info:
+            load_config({**base, "data_parallel_size": wrong}, world_size=world)
+        assert info.value.path == "data_parallel_size" and info.value.value == wrong
+        assert str(info.value).startswith(
+            f"data_parallel_size: got {wrong}; allowed: {world} (world size {world} / "
+            "sequence_parallel_size 1"
+        )
+
+
+def test_data_parallel_size_alone_is_warned_about_as_deepspeed_ignores_it():
+    with pytest.warns(UserWarning, match=r"data_parallel_size=5 is ignored: deepspeed.initialize"):
+        load_config({"train_batch_size": 4, "data_parallel_size": 5}, world_size=4)
+    with pytest.raises(ConfigError, match=r"data_parallel_size: got 'two'; allowed: an integer"):
+        load_config({"train_batch_size": 4, "data_parallel_size": "two"}, world_size=4)

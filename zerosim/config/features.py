@@ -464,6 +464,13 @@ class DeepSpeedFeatures:
         reproduces=(True,),
         refuse=True,
     )
+    data_parallel_size: int | None = knob(
+        None,
+        optional(integer(1)),
+        "read by deepspeed.initialize beside sequence_parallel_size: the data-parallel side of "
+        "its (data_parallel, sequence_parallel) device mesh, so world size / "
+        "sequence_parallel_size (checked in load_config; warned about without the other)",
+    )
     sequence_parallel_size: int = knob(
         1,
         integer(1),
