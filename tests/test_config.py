@@ -1382,3 +1382,73 @@ def test_fuzz_strategy_reaches_valid_configs_with_sections():
     budget = settings(database=None, phases=[Phase.generate], derandomize=True, max_examples=2000)
     example = find(section_strategy(Config, False), interesting, settings=budget)
     assert interesting(example)
+
+
+@pytest.mark.parametrize(
+    "raw, key, got, allowed, why",
+    [
+        (
+            {"managed_gradient_accumulation": False},
+            "managed_gradient_accumulation",
+            "False",
+            "true",
+            "client-managed boundary is not built",
+        ),
+        ({"sequence_parallel_size": 4}, "sequence_parallel_size", "4", "1", "Ulysses"),
+        (
+            {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+            "bf16.bf16_optimizer_states",
+            "True",
+            "false",
+            "float32 optimizer states",
+        ),
+        (
+            {"tensor_parallel": {"autotp_size": 2}},
+            "tensor_parallel",
+            "{'autotp_size': 2}",
+            "autotp_size and tp.tp_size (alias tensor_parallel.tp_size) <= 1 or absent",
+            "tensor parallelism is not built",
+        ),
+        (
+            {"weight_quantization": {"quantized_initialization": {"num_bits": 8}}},
+            "weight_quantization",
+            "{'quantized_initialization': {'num_bits': 8}}",
+            "quantized_initialization and post_init_quant false or absent",
+            "weight quantization is not built",
+        ),
+    ],
+)
+def test_a_refused_key_names_the_value_received_what_is_allowed_and_why(
+    raw, key, got, allowed, why
+):
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_batch_size": 4, **raw}, world_size=4)
+    message = str(info.value)
+    assert message.startswith(f"{key}: got {got}; allowed: {allowed} ("), message
+    assert why in message and info.value.path == key
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_data_parallel_size_beside_sequence_parallel_size_must_be_the_world_size(world):
+    """deepspeed.initialize builds a (data_parallel, sequence_parallel) mesh of every rank from
+    the two keys: with sequence_parallel_size 1 the data-parallel side is the world."""
+    base = {"train_batch_size": 2 * world, "sequence_parallel_size": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # declared: no "unknown key" warning
+        cfg = load_config({**base, "data_parallel_size": world}, world_size=world)
+    assert cfg.data_parallel_size == world
+    for wrong in (world + 1, 2 * world):
+        with pytest.raises(ConfigError) as info:
+            load_config({**base, "data_parallel_size": wrong}, world_size=world)
+        assert info.value.path == "data_parallel_size" and info.value.value == wrong
+        assert str(info.value).startswith(
+            f"data_parallel_size: got {wrong}; allowed: {world} (world size {world} / "
+            "sequence_parallel_size 1"
+        )
+
+
+def test_data_parallel_size_alone_is_warned_about_as_deepspeed_ignores_it():
+    with pytest.warns(UserWarning, match=r"data_parallel_size=5 is ignored: deepspeed.initialize"):
+        load_config({"train_batch_size": 4, "data_parallel_size": 5}, world_size=4)
+    with pytest.raises(ConfigError, match=r"data_parallel_size: got 'two'; allowed: an integer"):
+        load_config({"train_batch_size": 4, "data_parallel_size": "two"}, world_size=4)

@@ -1018,6 +1018,8 @@ def test_the_walk_of_deepspeeds_code_finds_keys_of_every_kind():
         "data_efficiency.data_sampling.curriculum_learning.enabled",
         "timers.throughput.synchronized",
         "nebula",  # removed, and refused
+        "data_parallel_size",  # `in config` and config[...] in deepspeed.initialize
+        "tensor_parallel.autotp_size",  # .get on .get in deepspeed.initialize
     ):
         assert expected in keys, expected
 
@@ -1068,3 +1070,23 @@ def test_every_declared_key_has_the_default_deepspeeds_code_writes():
 
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def test_the_key_walk_evaluates_names_attributes_and_literals_only():
+    """The walk reads constants out of DeepSpeed's source: it must not run other expressions
+    (a call there would run DeepSpeed's, or anyone's, code at test time)."""
+    import ast
+
+    from deepspeed_keys import _Body, _Walk
+
+    ran = []
+    body = _Body(_Walk(), test_the_key_walk_evaluates_names_attributes_and_literals_only, {}, {})
+    body.names.update(run=lambda: ran.append(1) or "KEY", consts=re, KEY="train_batch_size")
+
+    def value(source: str):
+        return body.value(ast.parse(source, mode="eval").body)
+
+    assert value("run()") is NO_DEFAULT and value("[run()]") is NO_DEFAULT and ran == []
+    assert value("KEY") == "train_batch_size" and value("consts.IGNORECASE") == re.IGNORECASE
+    assert value("-1") == -1 and value("(KEY, 2)") == ["train_batch_size", 2]
+    assert value("{KEY: None}") == {"train_batch_size": None} and value("1 + 1") is NO_DEFAULT

@@ -24,6 +24,7 @@ import json
 import numbers
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -493,12 +494,38 @@ def _unbuilt(cfg: Config) -> list[tuple[str, Any, bool, str]]:
 def _check_inert(cfg: Config, raw: dict) -> None:
     """One UserWarning for each DeepSpeed key written with a value zerosim does not act on;
     a ConfigError for one that would change the numbers (``refuse``)."""
-    for key, value, why, refuse in inert_keys_given(Config, raw, cfg, ""):
+    for key, value, allowed, why, refuse in inert_keys_given(Config, raw, cfg, ""):
         value = to_plain(value)
-        text = json.dumps(value)
         if refuse:
-            raise ConfigError(key, value, f"{text} is not built: {why}")
-        warnings.warn(f"{key}={text} is ignored: {why}", UserWarning, stacklevel=3)
+            raise ConfigError(key, value, f"{allowed} ({why})")
+        warnings.warn(f"{key}={json.dumps(value)} is ignored: {why}", UserWarning, stacklevel=3)
+
+
+def _check_data_parallel_size(cfg: Config, raw: Mapping[str, Any]) -> None:
+    """``deepspeed.initialize`` reads ``data_parallel_size`` only where ``sequence_parallel_size``
+    is written too: it then builds a (data_parallel, sequence_parallel) device mesh over every
+    rank (torch's ``init_device_mesh``: the product must be the world size), and the
+    data-parallel world is the mesh's first side. Alone, DeepSpeed never reads it."""
+    size = cfg.data_parallel_size
+    if size is None:
+        return
+    if "sequence_parallel_size" not in raw:
+        warnings.warn(
+            f"data_parallel_size={size} is ignored: deepspeed.initialize reads it only together "
+            "with sequence_parallel_size (to build their device mesh)",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    sequence = cfg.sequence_parallel_size  # 1: a larger one is refused (_check_inert)
+    if size * sequence != cfg.world_size:
+        raise ConfigError(
+            "data_parallel_size",
+            size,
+            f"{cfg.world_size // sequence} (world size {cfg.world_size} / sequence_parallel_size "
+            f"{sequence}: deepspeed.initialize lays every rank out in a (data_parallel, "
+            "sequence_parallel) device mesh)",
+        )
 
 
 def _check_sum_scaling(cfg: Config) -> None:
@@ -568,6 +595,7 @@ def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> C
     cfg = Config(world_size=world_size, **values)
     _check_consistency(cfg)
     _check_inert(cfg, raw)
+    _check_data_parallel_size(cfg, raw)
     _check_sum_scaling(cfg)
     zero = cfg.zero_optimization
     hpz = min(zero.zero_hpz_partition_size, world_size)  # DeepSpeed's effective size
