@@ -32,6 +32,7 @@ from typing import Any
 from zerosim.backend import PRECISION_DTYPES
 from zerosim.config.features import DeepSpeedFeatures, check_features
 from zerosim.config.optimizer import (
+    DEEPSPEED_SCHEDULERS,
     ZERO_SUPPORTED_OPTIMIZERS,
     OptimizerConfig,
     SchedulerConfig,
@@ -359,8 +360,8 @@ def _check_deepspeed_engine_rules(cfg: Config) -> None:
         raise ConfigError(
             "scheduler.type",
             sched.type,
-            "a DeepSpeed scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) with ZeRO "
-            "stage >= 1 or fp16/bf16: DeepSpeed gives torch schedulers its optimizer wrapper, "
+            f"a DeepSpeed scheduler ({', '.join(DEEPSPEED_SCHEDULERS)}) with ZeRO stage >= 1 "
+            "or fp16/bf16: DeepSpeed gives torch schedulers its optimizer wrapper, "
             "which is then not a torch.optim.Optimizer, and fails",
         )
     if not zero.compute_grad_norm and cfg.gradient_clipping > 0:

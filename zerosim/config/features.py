@@ -517,7 +517,8 @@ class DeepSpeedFeatures:
     disable_python_gc: bool = knob(
         False,
         flag(),
-        "turn Python's cyclic garbage collector off (engine.collect_python_gc() collects)",
+        "turn Python's cyclic garbage collector off (DeepSpeed's engine.collect_python_gc() "
+        "then collects; zerosim's engine has no such method)",
         inert=_GC,
         reproduces=(False,),
     )
