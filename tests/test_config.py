@@ -1466,3 +1466,10 @@ def test_a_torch_scheduler_at_stage_1_names_every_deepspeed_scheduler_type():
         load_config(config, world_size=2)
     assert info.value.path == "scheduler.type" and "LRRangeTest" in str(info.value)
     assert all(name in str(info.value) for name in DEEPSPEED_SCHEDULERS)
+
+
+def test_gradient_allreduce_sum_is_refused_with_deepcompile_as_in_deepspeed():
+    config = {**BATCH, "gradient_allreduce_op": "sum", "compile": {"deepcompile": True}}
+    error = error_for(config, 2)
+    assert (error.path, error.value) == ("gradient_allreduce_op", "sum")
+    assert "with compile.deepcompile" in error.allowed and "'mean'" in error.allowed

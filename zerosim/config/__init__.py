@@ -371,12 +371,14 @@ def _check_deepspeed_engine_rules(cfg: Config) -> None:
             f"true while gradient_clipping is {cfg.gradient_clipping} (clipping needs the norm; "
             "DeepSpeed refuses false unless gradient_clipping is 0)",
         )
-    if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
+    # DeepSpeed 0.19.8 sums gradients unscaled ('sum') only at stages 0-2 without DeepCompile
+    if cfg.gradient_allreduce_op == "sum" and (zero.stage == 3 or cfg.compile.deepcompile):
+        where = "at ZeRO stage 3" if zero.stage == 3 else "with compile.deepcompile"
         raise ConfigError(
             "gradient_allreduce_op",
             "sum",
-            "'mean' at ZeRO stage 3 (DeepSpeed 0.19.8 refuses 'sum' with stage 3); 'sum' at "
-            "stages 0-2",
+            f"'mean' {where} (DeepSpeed 0.19.8 refuses 'sum' with stage 3 and with "
+            "DeepCompile); 'sum' at stages 0-2 without DeepCompile",
         )
     if zero.stage >= 2 and zero.reduce_scatter and cfg.gradient_allreduce_op == "mean":
         for key, value, fine in (

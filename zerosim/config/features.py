@@ -676,9 +676,3 @@ def check_features(cfg: Any) -> None:
                 name,
                 f"null or a name of the model dtype {cfg.model_dtype} ({why})",
             )
-    if cfg.gradient_allreduce_op == "sum" and cfg.compile.deepcompile:
-        raise ConfigError(
-            "gradient_allreduce_op",
-            "sum",
-            "'mean' with compile.deepcompile (DeepSpeed 0.19.8 refuses 'sum' with DeepCompile)",
-        )
