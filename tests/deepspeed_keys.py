@@ -373,8 +373,14 @@ def deepspeed_keys() -> dict[Path, Key]:
     for name in ("__init__", "_initialize_params", "_do_error_check", "_do_warning_check"):
         walk.function(getattr(cls, name), env, {})
     walk.function(ds_config._reject_removed_config_keys, {"param_dict": root}, {})
-    # deepspeed.initialize reads a few keys itself before it builds DeepSpeedConfig (its mesh)
+    # deepspeed.initialize reads a few keys itself before it builds DeepSpeedConfig (its mesh,
+    # AutoTP's mode). Its tp_model_init merge reads tensor_parallel's keys with None for a
+    # default, which is not DeepSpeedConfig's: the defaults of the keys DeepSpeedConfig reads
+    # stay the ones its readers write.
+    config_defaults = {path: key.default for path, key in walk.keys.items()}
     walk.function(deepspeed.initialize, {"config": root}, {})
+    for path, default in config_defaults.items():
+        walk.keys[path].default = default
     return walk.keys
 
 

@@ -1452,3 +1452,24 @@ def test_data_parallel_size_alone_is_warned_about_as_deepspeed_ignores_it():
         load_config({"train_batch_size": 4, "data_parallel_size": 5}, world_size=4)
     with pytest.raises(ConfigError, match=r"data_parallel_size: got 'two'; allowed: an integer"):
         load_config({"train_batch_size": 4, "data_parallel_size": "two"}, world_size=4)
+
+
+def test_a_torch_scheduler_at_stage_1_names_every_deepspeed_scheduler_type():
+    from zerosim.config.optimizer import DEEPSPEED_SCHEDULERS
+
+    config = {
+        "train_batch_size": 2,
+        "zero_optimization": {"stage": 1},
+        "scheduler": {"type": "StepLR", "params": {"step_size": 10}},
+    }
+    with pytest.raises(ConfigError) as info:
+        load_config(config, world_size=2)
+    assert info.value.path == "scheduler.type" and "LRRangeTest" in str(info.value)
+    assert all(name in str(info.value) for name in DEEPSPEED_SCHEDULERS)
+
+
+def test_gradient_allreduce_sum_is_refused_with_deepcompile_as_in_deepspeed():
+    config = {**BATCH, "gradient_allreduce_op": "sum", "compile": {"deepcompile": True}}
+    error = error_for(config, 2)
+    assert (error.path, error.value) == ("gradient_allreduce_op", "sum")
+    assert "with compile.deepcompile" in error.allowed and "'mean'" in error.allowed

@@ -621,7 +621,7 @@ def test_torch_state_dict_loads_into_zerosim_scheduler_and_continues_like_torch(
         assert group_values(ours) == group_values(theirs)
 
 
-@pytest.mark.parametrize("case", INTERCHANGE_CASES[3:])
+@pytest.mark.parametrize("case", INTERCHANGE_CASES)
 def test_zerosim_state_dict_loads_into_torch_scheduler_and_continues_like_zerosim(case):
     kind, build = CASES[case]
     ours, _ = make_pair(kind)

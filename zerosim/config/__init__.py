@@ -32,6 +32,7 @@ from typing import Any
 from zerosim.backend import PRECISION_DTYPES
 from zerosim.config.features import DeepSpeedFeatures, check_features
 from zerosim.config.optimizer import (
+    DEEPSPEED_SCHEDULERS,
     ZERO_SUPPORTED_OPTIMIZERS,
     OptimizerConfig,
     SchedulerConfig,
@@ -359,8 +360,8 @@ def _check_deepspeed_engine_rules(cfg: Config) -> None:
         raise ConfigError(
             "scheduler.type",
             sched.type,
-            "a DeepSpeed scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) with ZeRO "
-            "stage >= 1 or fp16/bf16: DeepSpeed gives torch schedulers its optimizer wrapper, "
+            f"a DeepSpeed scheduler ({', '.join(DEEPSPEED_SCHEDULERS)}) with ZeRO stage >= 1 "
+            "or fp16/bf16: DeepSpeed gives torch schedulers its optimizer wrapper, "
             "which is then not a torch.optim.Optimizer, and fails",
         )
     if not zero.compute_grad_norm and cfg.gradient_clipping > 0:
@@ -370,12 +371,14 @@ def _check_deepspeed_engine_rules(cfg: Config) -> None:
             f"true while gradient_clipping is {cfg.gradient_clipping} (clipping needs the norm; "
             "DeepSpeed refuses false unless gradient_clipping is 0)",
         )
-    if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
+    # DeepSpeed 0.19.8 sums gradients unscaled ('sum') only at stages 0-2 without DeepCompile
+    if cfg.gradient_allreduce_op == "sum" and (zero.stage == 3 or cfg.compile.deepcompile):
+        where = "at ZeRO stage 3" if zero.stage == 3 else "with compile.deepcompile"
         raise ConfigError(
             "gradient_allreduce_op",
             "sum",
-            "'mean' at ZeRO stage 3 (DeepSpeed 0.19.8 refuses 'sum' with stage 3); 'sum' at "
-            "stages 0-2",
+            f"'mean' {where} (DeepSpeed 0.19.8 refuses 'sum' with stage 3 and with "
+            "DeepCompile); 'sum' at stages 0-2 without DeepCompile",
         )
     if zero.stage >= 2 and zero.reduce_scatter and cfg.gradient_allreduce_op == "mean":
         for key, value, fine in (

@@ -517,7 +517,8 @@ class DeepSpeedFeatures:
     disable_python_gc: bool = knob(
         False,
         flag(),
-        "turn Python's cyclic garbage collector off (engine.collect_python_gc() collects)",
+        "turn Python's cyclic garbage collector off (DeepSpeed's engine.collect_python_gc() "
+        "then collects; zerosim's engine has no such method)",
         inert=_GC,
         reproduces=(False,),
     )
@@ -675,9 +676,3 @@ def check_features(cfg: Any) -> None:
                 name,
                 f"null or a name of the model dtype {cfg.model_dtype} ({why})",
             )
-    if cfg.gradient_allreduce_op == "sum" and cfg.compile.deepcompile:
-        raise ConfigError(
-            "gradient_allreduce_op",
-            "sum",
-            "'mean' with compile.deepcompile (DeepSpeed 0.19.8 refuses 'sum' with DeepCompile)",
-        )
