@@ -151,7 +151,7 @@ def _optimizer_spec(cfg: Config, client: Any, model: Module) -> tuple[type, list
             "zerosim's engine trains (DeepSpeed would build an engine that cannot step)",
         )
     cls = getattr(optim, cfg.optimizer.class_name)
-    return cls, [(named, dict(cfg.optimizer.kwargs()))]
+    return cls, cfg.optimizer.param_groups(named)
 
 
 def _gather_text(comm: Communicator, text: str) -> list[str]:
@@ -589,7 +589,8 @@ class Engine:
     def _clip(self, inv_scale: float = 1.0) -> float | None:
         """Global gradient norm as the schedule says (``self.checks``); clip.
 
-        "sum_sq": each rank's partial Σg² over what it owns, summed by one all-reduce; "mean":
+        "sum_sq": each rank's partial Σg² over what it owns, summed by one all-reduce per norm
+        group (``Strategy.grad_norm_sq_parts``: DeepSpeed's parameter groups or sub-groups); "mean":
         DeepSpeed's stage 0 all-reduces ‖g‖/N of the full local gradients; "local": the full
         local gradients, no collective; "none": no norm, no clipping. The norm is of the
         unscaled gradients. In one-precision training the coefficient is applied here; under
@@ -600,10 +601,18 @@ class Engine:
         if checks.norm == "none":  # compute_grad_norm false (and so no clipping)
             self._global_grad_norm = None
             return None
-        sum_sq = self.strategy.grad_norm_sq(inv_scale, whole=checks.norm != "sum_sq")
-        if checks.norm == "local":
-            norm = math.sqrt(sum_sq)
+        if checks.norm == "sum_sq":  # a scalar per norm group, phase "clip" (DeepSpeed's)
+            total = 0.0
+            for part in self.strategy.grad_norm_sq_parts(inv_scale):
+                message = np.array([part], dtype=checks.norm_dtype)
+                with self.comm.phase("clip"):
+                    self.comm.all_reduce(message)
+                total += float(message[0])
+            norm = math.sqrt(total)
+        elif checks.norm == "local":
+            norm = math.sqrt(self.strategy.grad_norm_sq(inv_scale, whole=True))
         else:  # one scalar, phase "clip": kept apart from the model-sized volume
+            sum_sq = self.strategy.grad_norm_sq(inv_scale, whole=True)
             mean = checks.norm == "mean"
             value = math.sqrt(sum_sq) / self.comm.size if mean else sum_sq
             message = np.array([value], dtype=checks.norm_dtype)

@@ -33,6 +33,7 @@ from zerosim.config.optimizer import (
     ZERO_SUPPORTED_OPTIMIZERS,
     OptimizerConfig,
     SchedulerConfig,
+    check_whole_parameter_rules,
 )
 from zerosim.config.sections import (
     BF16Config,
@@ -266,6 +267,7 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("bf16.enabled", True, "false when fp16.enabled is true (one 16-bit mode)")
     _check_deepspeed_engine_rules(cfg)
+    check_whole_parameter_rules(cfg)
     if sim.layout == "megatron" and zero.stage != 1:
         raise ConfigError(
             "zero_optimization.stage",
