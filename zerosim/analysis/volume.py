@@ -340,6 +340,41 @@ def boundary_messages(
     return {**({"overflow": 1} if fp16 else {}), "clip": 8}
 
 
+def norm_messages(
+    stage: int,
+    group_numels: list[list[int]],
+    world_size: int,
+    *,
+    schedule: str = "deepspeed",
+    sub_group_size: int = 1_000_000_000,
+) -> int:
+    """How many norm all-reduces one step sends (each of ``boundary_messages``'s "clip" size).
+
+    DeepSpeed's ZeRO takes each group's norm with an all-reduce of its own: one per parameter
+    group at stages 1-2 (``group_numels``: the numels of each group's parameters), one per
+    sub-group at stage 3, where a group is cut after the parameter whose chunks
+    (⌈numel/N⌉ each) bring the running total to ``sub_group_size`` or more (unless the whole
+    group fits). Stage 0 and the paper's schedule send one.
+    """
+    if schedule == "paper" or stage == 0:
+        return 1
+    if stage in (1, 2):
+        return len(group_numels)
+    count = 0
+    for numels in group_numels:
+        chunks = [-(-m // world_size) for m in numels]
+        if sub_group_size >= sum(chunks):
+            count += 1
+            continue
+        running = 0
+        for i, chunk in enumerate(chunks):
+            running += chunk
+            if running >= sub_group_size or i == len(chunks) - 1:
+                count += 1
+                running = 0
+    return count
+
+
 # -- ZeRO++ (Wang et al. 2023, arXiv:2306.10209) ------------------------------------------------
 #
 # Per-rank bytes of stage 3 with qwZ, hpZ and qgZ, split into bytes sent within this rank's node
