@@ -116,6 +116,8 @@ def test_a_lamb_section_passes_fusedlambs_arguments():
             "zero_optimization.offload_optimizer.device",
         ),
         ({"type": "Muon"}, {"zerosim": {"schedule": "paper"}}, "zerosim.schedule"),
+        ({"type": "Muon"}, {"bf16": {"enabled": True}}, "bf16.enabled"),
+        ({"type": "Muon"}, {"fp16": {"enabled": True}}, "fp16.enabled"),
         (
             {"type": "Muon"},
             {"zero_optimization": {"stage": 1}, "zerosim": {"layout": "megatron"}},

@@ -420,8 +420,8 @@ def check_whole_parameter_rules(cfg: Any) -> None:
     stage 3 and Muon with ZeRO++'s quantized gradients (their all-to-all group;
     ``stage3.py``). zerosim builds neither optimizer with optimizer offload to NVMe (its tile
     swapper steps part of a shard at a time, where these need every slice of a parameter at
-    once), nor Muon with any optimizer offload, Megatron's layout, the paper's schedule or
-    ZeRO++ (DeepSpeed's Muon for those has paths of its own, not built here).
+    once), nor Muon with fp16/bf16, any optimizer offload, Megatron's layout, the paper's
+    schedule or ZeRO++ (DeepSpeed's Muon for those has paths of its own, not built here).
     """
     opt, zero, sim = cfg.optimizer, cfg.zero_optimization, cfg.zerosim
     if opt is None or opt.type not in ("Lamb", "Muon"):
@@ -453,6 +453,15 @@ def check_whole_parameter_rules(cfg: Any) -> None:
             "zero_optimization.zero_quantized_gradients",
             True,
             "false with Muon (DeepSpeed: 'Muon and all2all process group cannot be used together')",
+        )
+    if cfg.mixed_precision is not None:
+        section = cfg.mixed_precision
+        raise ConfigError(
+            f"{section}.enabled",
+            True,
+            f"false with Muon (zerosim builds Muon for float32/float64 training; DeepSpeed's "
+            f"Muon under {section} keeps its momentum in the gradient dtype and scales updates "
+            "back by the loss scale, a path not built here)",
         )
     not_built = (
         ("zero_optimization.offload_optimizer.device", zero.offload_optimizer.device, "none"),
