@@ -25,6 +25,7 @@ from engine_cases import Case  # noqa: E402
 from zerosim.optim import functional as F  # noqa: E402
 
 LR, ADAM_LR, WEIGHT_DECAY = 0.02, 1e-2, 0.01
+PHASES = ("forward", "backward", "step", "clip", "muon")
 # reduce_bucket_size in the cases is small (engine_cases: 50 elements), so buckets and runs are
 # many and cut matrices; reduce: DeepSpeed's per-owner reduces, where split matrices differ.
 VARIANTS = [
@@ -44,8 +45,10 @@ def muon_section() -> dict:
 
 
 def config(case: Case, **zero) -> dict:
+    """engine_cases' config with a Muon section (or, for ``optimizer="adam"``, its Adam one)."""
     cfg = engine_cases.config(case)
-    cfg["optimizer"] = muon_section()
+    if case.optimizer == "muon":
+        cfg["optimizer"] = muon_section()
     cfg["zero_allow_untested_optimizer"] = False
     if case.stage == 3:
         cfg["zero_optimization"]["reduce_scatter"] = False  # DeepSpeed's rule for Muon
@@ -111,7 +114,7 @@ def train(comm, case: Case, **zero) -> dict:
             loss = engine(x[at : at + case.micro], y[at : at + case.micro])
             engine.backward(loss)
             engine.step()
-        phases.append({p: comm.ledger.bytes_sent(phase=p) for p in ("backward", "step", "muon")})
+        phases.append({p: comm.ledger.bytes_sent(phase=p) for p in PHASES})
     return {
         "params": engine.full_state_dict(),
         "bytes": phases,
