@@ -153,7 +153,7 @@ class MuonUpdates:
                 s.average(m.copies)
                 full[...] = m.copies
                 m.copies[...] = 0
-            owned = self._owned(m)
+            owned = self.owned_parts(m)
             for part in owned:
                 full[part.start - m.start : part.stop - m.start] = s.grad_view(g, part)
             update = self._update(m.group, full.reshape(m.shape), m.momentum)
@@ -195,7 +195,8 @@ class MuonUpdates:
         hyper = self.strategy.optimizer.param_groups[group]
         return muon_update(grad, momentum, beta=hyper["momentum"], ns_method=hyper["ns_method"])
 
-    def _owned(self, m: Matrix) -> list[Any]:
+    def owned_parts(self, m: Matrix) -> list[Any]:
+        """Stages 1-2: the flat ranges of matrix ``m`` this rank owns."""
         g = self.strategy.groups[m.group]
         slot = g.slots[m.index].range
         return [x for own in g.owned if (x := slot.intersect(own)) is not None]
