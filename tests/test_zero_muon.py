@@ -3,7 +3,10 @@ one process (LocalWorld) and under a real mpirun; what splitting a matrix costs,
 
 from __future__ import annotations
 
+import math
+
 import engine_cases
+import numpy as np
 import pytest
 import zero_muon_cases
 from engine_cases import Case
@@ -44,3 +47,56 @@ def test_muon_at_every_stage_equals_the_single_process_run_under_mpirun(n):
     proc = run_mpi(n, ["tests/zero_muon_cases.py"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.count("OK rank") == n
+
+
+def test_a_checkpoint_of_a_muon_engine_is_refused_not_saved_without_its_momentum(tmp_path):
+    case = Case(optimizer="muon", stage=2, model="mlp")
+    engine, *_ = zs.initialize(
+        engine_cases.build_model(case),
+        zero_muon_cases.config(case),
+        comm=zs.LocalWorld(1).comms()[0],
+    )
+    with pytest.raises(NotImplementedError, match="momentum"):
+        engine.save_checkpoint(tmp_path)
+    with pytest.raises(NotImplementedError, match="load_optimizer_states"):
+        engine.load_checkpoint(tmp_path)
+
+
+def expected_muon_memory(case: Case, n: int, rank: int) -> tuple[int, int]:
+    """(momentum bytes, copied-gradient bytes) of ``rank``, from the shapes alone: stage 0 every
+    matrix; stages 1-2 every matrix overlapping the rank's partition of the Muon group's flat
+    buffer (matrices sorted by shape, padded to 2N, P = Ψ_pad/N), whole (DeepSpeed's momentum
+    buffer is Σ numel of the partition's parameters), plus the whole gradient of each split one;
+    stage 3 the rank's chunks ⌈numel/N⌉."""
+    named = engine_cases.build_model(case).named_parameters()
+    shapes = sorted(
+        (tuple(p.shape) for name, p in named if p.ndim == 2 and "lm_head" not in name),
+        reverse=True,
+    )
+    numels = [math.prod(s) for s in shapes]
+    b = np.dtype(case.dtype).itemsize
+    if case.stage == 0:
+        return sum(numels) * b, 0
+    if case.stage == 3:
+        return sum(-(-m // n) for m in numels) * b, 0
+    total = sum(numels)
+    part = -(-total // (2 * n)) * 2 * n // n
+    momentum = copies = start = 0
+    for m in numels:
+        touched = range(start // part, -(-(start + m) // part))
+        if rank in touched:
+            momentum += m * b
+            copies += m * b if len(touched) > 1 else 0
+        start += m
+    return momentum, copies
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_the_momentum_is_kept_whole_on_every_owner_at_stages_1_2_and_partitioned_at_3(stage, model):
+    case = Case(optimizer="muon", steps=1, stage=stage, model=model)
+    out = zs.LocalWorld(3).run(zero_muon_cases.train, case)
+    for rank in range(3):
+        mem = out[rank]["memory"]
+        want = expected_muon_memory(case, 3, rank)
+        assert (mem["optimizer_state.momentum_buffer"], mem["muon_gradient_copies"]) == want
