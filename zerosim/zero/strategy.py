@@ -11,13 +11,18 @@ The engine drives a strategy through a few calls. Once, after construction: ``at
 (stages that act during forward or backward install their module hooks). Every micro-step:
 ``before_forward()``, the model's forward, ``before_backward(boundary)``, the model's backward,
 ``after_backward(boundary)``. At the accumulation boundary: ``overflow()`` and
-``grad_norm_sq(inv_scale)`` when the schedule's checks ask for them (``schedule.py``; the engine
-all-reduces them), ``unscale_grads(inv_scale)``, ``clip(coef)``,
+``grad_norm_sq(inv_scale)`` (or ``grad_norm_sq_parts``, one per norm group) when the schedule's
+checks ask for them (``schedule.py``; the engine all-reduces them), ``unscale_grads(inv_scale)``,
+``clip(coef)``,
 ``optimizer.step()``, ``master_to_params()``, ``gather()``, ``zero_grad()``. Subclasses (one per
 stage, in this package) decide where gradients live, how they are reduced and what is gathered;
 the bucket machinery that stages 0, 2 and 3 share is ``zerosim/zero/buckets.py``, DeepSpeed's
 gradient buckets of stages 1-2 are ``zerosim/zero/ipg.py``. ``schedule`` ("deepspeed" or "paper",
 ``zerosim/zero/schedule.py``) says whose collectives a stage issues.
+
+Optimizers that need whole parameters get what a shard lacks here: LAMB's per-parameter norms
+(``zerosim/zero/lamb.py``) and Muon's whole matrices (``zerosim/zero/muon.py``, whose updates are
+made when the norm is first asked for: DeepSpeed takes the norm over them).
 
 Offload (``zero.offload_optimizer`` / ``offload_param``, ``zerosim/zero/offload.py``): whenever
 anything is offloaded the optimizer steps a separate master copy (of the model dtype in fp32/fp64
