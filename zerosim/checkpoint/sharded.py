@@ -129,6 +129,17 @@ def _engine_params(engine: Any) -> list[dict[str, Any]]:
 
 
 # -- save ---------------------------------------------------------------------------------------
+def _refuse_muon(engine: Any, what: str) -> None:
+    """Muon's momentum lives with its matrices (zerosim/zero/muon.py), not in the optimizer's
+    shards, which are what a checkpoint holds: saving would drop it without a word."""
+    if getattr(engine.strategy, "muon", None) is not None:
+        raise NotImplementedError(
+            f"{what}: zerosim's checkpoints do not hold Muon's momentum (kept per matrix, "
+            "outside the optimizer's shards); allowed: Muon without checkpoints, or a weights-"
+            "only load (load_optimizer_states=False)"
+        )
+
+
 def save_checkpoint(
     engine: Any,
     save_dir: str | Path,
@@ -143,6 +154,7 @@ def save_checkpoint(
     ``state_dict()`` saved. Returns the tag directory.
     """
     comm = engine.comm
+    _refuse_muon(engine, "save_checkpoint")
     loader = getattr(engine, "training_dataloader", None) if loader is None else loader
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     tag_dir = Path(save_dir) / tag
@@ -340,6 +352,8 @@ def load_checkpoint(
     ``(tag directory, client_state)``.
     """
     comm = engine.comm
+    if load_optimizer_states:
+        _refuse_muon(engine, "load_checkpoint with load_optimizer_states=True")
     loader = getattr(engine, "training_dataloader", None) if loader is None else loader
     with comm.phase("checkpoint"):
         flags = (load_optimizer_states, load_lr_scheduler_states)

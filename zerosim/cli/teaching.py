@@ -134,6 +134,14 @@ def cmd_volume(args: argparse.Namespace) -> int:
         "stages 1-2: DeepSpeed all-reduces each gradient bucket, 2(N−1)/N·Ψ, where the paper",
         "reduce-scatters it, (N−1)/N·Ψ_pad; its norm all-reduce is one float32 (4 B)",
     ]
+    if args.optimizer != "adam":  # what LAMB or Muon add (zerosim/report/whole_params.py)
+        from zerosim.report import whole_params
+
+        extra = whole_params.volume_data(
+            int(args.params), args.dp, args.optimizer, args.matrices, data["itemsize"]
+        )
+        data = {**data, "whole_params": extra}
+        lines += ["", whole_params.format_volume(extra)]
     _emit(args, data, "\n".join(lines))
     if args.plot:
         bars = {s: {p: row[p] for p in phases} for s, row in data["stages"].items()}
@@ -203,6 +211,17 @@ def _run_on_world(args: argparse.Namespace, fn: Any, *fn_args: Any) -> tuple[Any
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from zerosim.report import compare, plots
+
+    if args.optimizer != "adam":  # LAMB's or Muon's extra collectives, measured vs formulas
+        from zerosim.report import whole_params
+
+        result, rank = _run_on_world(
+            args, whole_params.compare, args.optimizer, args.model, args.steps
+        )
+        report = result[0] if isinstance(result, list) else result
+        if rank == 0:
+            _emit(args, report, whole_params.format_report(report))
+        return 0 if report["ok"] else 1
 
     stages = _stages(args.stage, tuple(STAGES))
     if args.precision != "fp32" and args.dtype != "float32":
@@ -345,6 +364,16 @@ def _volume_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stage 3: every parameter kept from forward to backward (no backward all-gather)",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=["adam", "lamb", "muon"],
+        default="adam",
+        help="lamb or muon: also what that optimizer adds per step, Ψ laid out as --matrices "
+        "equal square matrices (default adam: nothing added)",
+    )
+    p.add_argument(
+        "--matrices", type=int, default=16, metavar="M", help="with --optimizer (default 16)"
+    )
 
 
 def _world_options(p: argparse.ArgumentParser, steps: int) -> None:
@@ -448,6 +477,13 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "float32); memory against analysis.zero_model_states with 2-byte params (default fp32)",
     )
     comp.add_argument("--accumulation", type=int, default=1, metavar="K")
+    comp.add_argument(
+        "--optimizer",
+        choices=["adam", "lamb", "muon"],
+        default="adam",
+        help="lamb or muon: train that optimizer at stages 0-3 and check its extra collectives "
+        "(LAMB's norm all-reduce; Muon's every phase) against zerosim.analysis.whole_params",
+    )
     comp.add_argument(
         "--schedule",
         nargs="+",

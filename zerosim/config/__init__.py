@@ -36,6 +36,7 @@ from zerosim.config.optimizer import (
     ZERO_SUPPORTED_OPTIMIZERS,
     OptimizerConfig,
     SchedulerConfig,
+    check_whole_parameter_rules,
 )
 from zerosim.config.sections import (
     BF16Config,
@@ -297,6 +298,7 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError("bf16.enabled", True, "false when fp16.enabled is true (one 16-bit mode)")
     _check_deepspeed_engine_rules(cfg)
     check_features(cfg)
+    check_whole_parameter_rules(cfg)
     if sim.layout == "megatron" and zero.stage != 1:
         raise ConfigError(
             "zero_optimization.stage",

@@ -16,7 +16,7 @@ shard its slice of the update as ``.grad``; a 1-D parameter of a Muon group is s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from zerosim.optim import functional as F
@@ -30,13 +30,17 @@ ADAM_DEFAULTS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay":
 class Muon(Optimizer):
     """MuonWithAuxAdam: Muon for groups with ``use_muon=True``, Adam for the others.
 
-    ``adam_w_mode`` (DeepSpeed's optimizer-level switch, default True): the Adam groups decay
-    weights decoupled (AdamW) or add λ·θ to the gradient (Adam). Muon's decay is always
-    decoupled. State per parameter: ``'momentum_buffer'`` (Muon); ``'step'``, ``'exp_avg'``,
-    ``'exp_avg_sq'`` (Adam). The formulas are in ``functional.muon`` and ``functional.adam``.
+    ``adam_w_mode`` (DeepSpeed's optimizer-level switch, default True; here the default of the
+    Adam groups' key of that name): the Adam groups decay weights decoupled (AdamW) or add λ·θ
+    to the gradient (Adam). Muon's decay is always decoupled. State per parameter:
+    ``'momentum_buffer'`` (Muon); ``'step'``, ``'exp_avg'``, ``'exp_avg_sq'`` (Adam). The
+    formulas are in ``functional.muon`` and ``functional.adam``.
     """
 
     counts_steps = False  # only the Adam groups count steps (_update does)
+    #: Set by a ZeRO strategy at stage 0, whose shards are flat: makes every matrix's update
+    #: from the shards' gradients and writes it into them before each step (zero/muon.py).
+    before_step: Callable[[Muon], None] | None = None
 
     def __init__(self, params: Iterable[Any], *, adam_w_mode: bool = True) -> None:
         if not isinstance(adam_w_mode, bool):
@@ -51,7 +55,9 @@ class Muon(Optimizer):
                 f"{owner}: every Muon param group needs use_muon: true (Muon) or false "
                 f"(auxiliary Adam); got {use_muon!r}"
             )
-        return {**(MUON_DEFAULTS if use_muon else ADAM_DEFAULTS), "use_muon": use_muon}
+        if use_muon:
+            return {**MUON_DEFAULTS, "use_muon": True}
+        return {**ADAM_DEFAULTS, "adam_w_mode": self.adam_w_mode, "use_muon": False}
 
     def _check_group(self, group: Mapping[str, Any], owner: str) -> None:
         if not group:  # the optimizer-wide defaults: none, every group brings its kind's
@@ -67,9 +73,19 @@ class Muon(Optimizer):
         else:
             check_non_negative(owner, group, "eps")
             check_betas(owner, group["betas"])
+            if not isinstance(group["adam_w_mode"], bool):
+                raise TypeError(
+                    f"{owner}: adam_w_mode must be a bool; got {group['adam_w_mode']!r}"
+                )
 
     def state_keys(self, group: Mapping[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["use_muon"] else ("exp_avg", "exp_avg_sq")
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update every parameter whose ``.grad`` is not None; return ``closure()``'s loss."""
+        if self.before_step is not None:
+            self.before_step(self)
+        return super().step(closure)
 
     def _init_state(self, param: Any, group: dict[str, Any]) -> dict[str, Any]:
         if group["use_muon"] and param.data.ndim < 2:
@@ -96,7 +112,7 @@ class Muon(Optimizer):
                 beta2=beta2,
                 eps=group["eps"],
                 weight_decay=group["weight_decay"],
-                decoupled_weight_decay=self.adam_w_mode,
+                decoupled_weight_decay=group["adam_w_mode"],
                 scratch=scratch,
             )
             return

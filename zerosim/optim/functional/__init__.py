@@ -3,7 +3,7 @@
 The torch-like classes (``zerosim.optim.Adam`` …) call these on whole parameters; the
 ZeRO engine calls them on its flat float32 shards. Every function updates ``param`` and
 its named state arrays **in place** and returns nothing (``nadam`` returns its running
-momentum product). Arguments follow one pattern::
+momentum product, ``lamb`` its trust ratio). Arguments follow one pattern::
 
     rule(param, grad, *state_arrays, step=t, lr=…, <hyperparameters>, scratch=None)
 
@@ -16,6 +16,11 @@ momentum product). Arguments follow one pattern::
 - ``scratch``: optional reusable work buffer from ``make_scratch(param)``. The rules walk
   the arrays in cache-sized blocks, so the work buffers are a few blocks, never
   full-size; without ``scratch`` they are allocated on each call.
+
+Two rules need whole parameters and do not fit the pattern: ``lamb`` (a trust ratio of
+whole-parameter norms; split into ``lamb_moments``, ``trust_ratio`` and ``lamb_apply`` for
+ZeRO) and ``muon_update`` (Newton–Schulz on a whole matrix; returns the update, which
+``muon_apply`` steps).
 
 The formulas, with their sources, are in each function's docstring; docs/optim.md
 compares them with torch.optim and Keras.
