@@ -52,6 +52,7 @@ class Stage0(Strategy):
     """Full replicas; gradient all-reduce in the boundary backward."""
 
     stage = 0
+    reported_norm = "none_in_one_precision"  # the client's torch optimizer keeps none
     alignment = 1  # zerosim's own padding (to N), in both schedules
 
     def setup_gradients(self) -> None:

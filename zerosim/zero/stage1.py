@@ -43,6 +43,8 @@ class Stage1(Strategy):
     """Partitioned optimizer state; in-place reduce-scatter at the boundary; all-gather."""
 
     stage = 1
+    partitions_optimizer_states = True
+    reported_norm = "before_scale_update"  # DeepSpeed's stage_1_and_2.py
 
     def make_layout(self, named: list[tuple[str, Parameter]]) -> Layout:
         shapes = [(n, p.shape) for n, p in named]

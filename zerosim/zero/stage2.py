@@ -36,6 +36,8 @@ class Stage2(Strategy):
     """Partitioned gradients: bucketed reduction during every backward."""
 
     stage = 2
+    partitions_optimizer_states = True
+    reported_norm = "before_scale_update"  # DeepSpeed's stage_1_and_2.py
 
     def setup_gradients(self) -> None:
         self.queues: list[BucketQueue] = []  # paper: per group, its buckets in order

@@ -109,6 +109,8 @@ class Stage3(Strategy):
     """Partitioned parameters gathered around each module; bucketed gradient reduce-scatter."""
 
     stage = 3
+    partitions_optimizer_states = True
+    partitions_params = True
 
     def __init__(
         self, *, quantization_block_size: int = zeropp.WEIGHT_BLOCK_SIZE, **kwargs: Any

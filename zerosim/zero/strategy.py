@@ -147,6 +147,9 @@ class Strategy(ABC):
     """Base class of the ZeRO stages; see the module docstring for the call sequence."""
 
     stage = -1
+    partitions_optimizer_states = False  # stages 1-3: each rank keeps the states of its shard
+    partitions_params = False  # stage 3: each rank holds a chunk of every parameter (swaps .data)
+    reported_norm = "after_scale_update"  # get_global_grad_norm()'s, see engine/reporting.py
 
     def __init__(
         self,
