@@ -7,8 +7,9 @@
 The engine owns the loop's bookkeeping (micro-steps, the accumulation boundary, loss scaling,
 clipping, ledger phases, the scheduler); where gradients and parameters live and how they travel
 is the strategy's business (``zerosim.zero``), and so is whatever differs between stages. It never
-calls MPI itself: its only collectives are the boundary's overflow flag and gradient norm, in the
-dtype ``zerosim/zero/schedule.py`` gives (``self.checks``).
+calls MPI itself; besides the strategy's, a step's only collectives are the boundary's overflow
+flag and gradient norm (``boundary.py``, as ``zerosim/zero/schedule.py``'s table says).
+The rest of ``initialize`` and of the engine's checks and reports: the package's other modules.
 """
 
 from __future__ import annotations
