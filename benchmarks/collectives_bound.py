@@ -41,8 +41,8 @@ def one_frame_class():
 
     from zerosim.comm import MPIComm, watchdog
     from zerosim.comm.base import _SUPPORTED, OPS, _dtype_code, _dtype_name
-    from zerosim.comm.ledger import Record
     from zerosim.comm.mpi import _mpi_op, _spec
+    from zerosim.comm.record import Record
 
     current = watchdog._CURRENT
     clock = time.perf_counter

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from zerosim.comm import Communicator, LocalWorld, world_size_from_env
-from zerosim.comm.ledger import busbw_factor
+from zerosim.comm.record import busbw_factor
 
 
 def _collective_demo(comm: Communicator, elements: int) -> tuple[str, list[str]]:

@@ -7,8 +7,9 @@ initialise MPI.
 from typing import Any
 
 from zerosim.comm.base import Communicator, Handle
-from zerosim.comm.ledger import Ledger, Record
+from zerosim.comm.ledger import Ledger
 from zerosim.comm.local import LocalComm, LocalWorld, WorldAborted
+from zerosim.comm.record import Record
 
 __all__ = [
     "Communicator",

@@ -31,7 +31,8 @@ import numpy as np
 from zerosim.backend import DTYPES, dtype_name, is_device_array, np_dtype, resolve_dtype
 from zerosim.comm import ring
 from zerosim.comm.flight import check_timeout, default_timeout, env_flight_dir, env_timeout
-from zerosim.comm.ledger import Ledger, Record
+from zerosim.comm.ledger import Ledger
+from zerosim.comm.record import Record
 
 OPS = ("sum", "max", "min")
 COLLECTIVES = ("native", "ring")

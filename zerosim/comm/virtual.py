@@ -34,7 +34,8 @@ import numpy as np
 
 from zerosim.comm import ring
 from zerosim.comm.base import Communicator
-from zerosim.comm.ledger import Ledger, Record
+from zerosim.comm.ledger import Ledger
+from zerosim.comm.record import Record
 
 
 @dataclass(frozen=True)
