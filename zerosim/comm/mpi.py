@@ -39,7 +39,8 @@ from mpi4py import MPI
 
 from zerosim.backend import DTYPES, from_host, is_cupy, is_half, move_like, np_dtype, to_host
 from zerosim.comm import cuda, watchdog
-from zerosim.comm.base import SIGNATURE_FIELDS, Communicator
+from zerosim.comm.agreement import SIGNATURE_FIELDS
+from zerosim.comm.base import Communicator
 from zerosim.comm.ledger import Ledger
 
 _MPI_TYPES = {
@@ -189,10 +190,10 @@ class MPIComm(Communicator):
         """How this call's data travels; written into its ledger record. ``nccl=False``: a call
         NCCL has no form of (uneven reduce-scatter, all-to-all, point to point)."""
         if type(x) is np.ndarray:  # the common case, decided without a call
-            return "host"  # (_call set _route_now to "host" before the data moves)
+            return "host"  # (Bookkeeping set route_now to "host" before the data moves)
         if nccl and self._nccl is _NOT_YET and is_cupy(x):
             self._nccl = cuda.Nccl.maybe(self.mpi) if _cupy_installed() else None
-        self._route_now = route = cuda.transport(x, self._nccl if nccl else None, self._cuda_aware)
+        self.route_now = route = cuda.transport(x, self._nccl if nccl else None, self._cuda_aware)
         if route == "cuda-aware":  # MPI reads the memory now: finish the work queued on it
             import cupy  # noqa: PLC0415
 
@@ -202,7 +203,7 @@ class MPIComm(Communicator):
     def _host(self, x: Any) -> Any:
         """What MPI is given for ``x``: itself (NumPy, or CuPy under CUDA-aware MPI), else a
         host copy (staging, counted by the backend)."""
-        return x if type(x) is np.ndarray or self._route_now == "cuda-aware" else to_host(x)
+        return x if type(x) is np.ndarray or self.route_now == "cuda-aware" else to_host(x)
 
     def world_ranks(self) -> list[int]:
         """The COMM_WORLD rank of each rank of this group, in group order."""
@@ -335,7 +336,7 @@ class MPIComm(Communicator):
     # -- point to point and checks ------------------------------------------------------------
     _RING_TAG = 7071
 
-    def _sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
         self._route(recvbuf, nccl=False)
         host = self._host(recvbuf)
         tag = self._RING_TAG
@@ -343,11 +344,11 @@ class MPIComm(Communicator):
         self._blocking(self.mpi.Sendrecv, send, dest, tag, _spec(host), source, tag)
         _back(recvbuf, host)
 
-    def _send(self, buf: Any, dest: int) -> None:
+    def send(self, buf: Any, dest: int) -> None:
         self._route(buf, nccl=False)
         watchdog.wait(self, self.mpi.Isend(_spec(self._host(buf)), dest, self._RING_TAG))
 
-    def _recv(self, buf: Any, source: int) -> None:
+    def recv(self, buf: Any, source: int) -> None:
         self._route(buf, nccl=False)
         host = self._host(buf)
         watchdog.wait(self, self.mpi.Irecv(_spec(host), source, self._RING_TAG))
@@ -370,20 +371,20 @@ class MPIComm(Communicator):
 
     def _shared_memory_node(self) -> int | None:
         """The lowest rank of this rank's shared-memory node (a collective, watched)."""
-        self._pending = (self.ledger.flight.calls, None, "node discovery")
+        self.waiting = (self.ledger.flight.calls, None, "node discovery")
         watchdog.poll(self, self.mpi.Ibarrier())  # every rank is here: the split cannot hang
         shared = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
         lowest = np.array([self.rank], dtype=np.int64)
         watchdog.wait(self, shared.Iallreduce(MPI.IN_PLACE, [lowest, MPI.INT64_T], op=MPI.MIN))
         shared.Free()
-        self._pending = None
+        self.waiting = None
         return int(lowest[0])
 
     def split(self, color: int, key: int = 0, name: str | None = None) -> MPIComm:
         group = self._check_split(color, key, name)
-        self._pending = (self.ledger.flight.calls, None, f"split of group {self.group!r}")
+        self.waiting = (self.ledger.flight.calls, None, f"split of group {self.group!r}")
         watchdog.poll(self, self.mpi.Ibarrier())  # every rank is here: the split cannot hang
-        self._pending = None
+        self.waiting = None
         child = MPIComm(
             self.mpi.Split(int(color), int(key)),
             self.collectives,

@@ -34,12 +34,22 @@ rank r + s and receives block (r − s) from rank r − s. Each rank sends and r
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from zerosim.backend import array_module, flat, nbytes, np_dtype
+from zerosim.comm.checks import is_own_slice
 
-if TYPE_CHECKING:
-    from zerosim.comm.base import Communicator
+
+class PointToPoint(Protocol):
+    """What the ring algorithms need of a communicator: its rank, size and public point-to-point
+    calls (every ``Communicator`` has them)."""
+
+    rank: int
+    size: int
+
+    def send(self, buf: Any, dest: int) -> None: ...
+    def recv(self, buf: Any, source: int) -> None: ...
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None: ...
 
 
 def chunk_bounds(count: int, n: int) -> list[tuple[int, int]]:
@@ -95,7 +105,7 @@ def _reduce_into(acc: Any, other: Any, op: str) -> None:
 
 
 def _ring_reduce_scatter(
-    comm: Communicator, work: Any, bounds: list[tuple[int, int]], op: str
+    comm: PointToPoint, work: Any, bounds: list[tuple[int, int]], op: str
 ) -> tuple[int, int]:
     """Reduce-scatter in place over ``work`` so that rank r ends with the full chunk r."""
     n, r = comm.size, comm.rank
@@ -107,7 +117,7 @@ def _ring_reduce_scatter(
         a0, a1 = bounds[(r - s - 1) % n]
         b0, b1 = bounds[(r - s - 2) % n]
         incoming = scratch[: b1 - b0]
-        comm._sendrecv(work[a0:a1], right, incoming, left)
+        comm.sendrecv(work[a0:a1], right, incoming, left)
         _reduce_into(work[b0:b1], incoming, op)
         sent += (a1 - a0) * np_dtype(work.dtype).itemsize
         recv += (b1 - b0) * np_dtype(work.dtype).itemsize
@@ -115,7 +125,7 @@ def _ring_reduce_scatter(
 
 
 def _ring_all_gather(
-    comm: Communicator, work: Any, bounds: list[tuple[int, int]]
+    comm: PointToPoint, work: Any, bounds: list[tuple[int, int]]
 ) -> tuple[int, int]:
     """All-gather in place over ``work``, where rank r starts with its chunk r complete."""
     n, r = comm.size, comm.rank
@@ -124,24 +134,24 @@ def _ring_all_gather(
     for s in range(n - 1):
         a0, a1 = bounds[(r - s) % n]
         b0, b1 = bounds[(r - s - 1) % n]
-        comm._sendrecv(work[a0:a1], right, work[b0:b1], left)
+        comm.sendrecv(work[a0:a1], right, work[b0:b1], left)
         sent += (a1 - a0) * np_dtype(work.dtype).itemsize
         recv += (b1 - b0) * np_dtype(work.dtype).itemsize
     return sent, recv
 
 
-def all_gather(comm: Communicator, out: Any, inp: Any) -> tuple[int, int]:
+def all_gather(comm: PointToPoint, out: Any, inp: Any) -> tuple[int, int]:
     """Ring all-gather; returns (bytes sent, bytes received) by this rank."""
     bounds = chunk_bounds(out.size, comm.size)
     whole = flat(out)
     start, stop = bounds[comm.rank]
-    if not comm._is_own_slice(out, inp):
+    if not is_own_slice(out, inp, comm.rank):
         whole[start:stop] = flat(inp)
     return _ring_all_gather(comm, whole, bounds)
 
 
 def reduce_scatter(
-    comm: Communicator, out: Any, inp: Any, op: str, counts: tuple[int, ...] | None
+    comm: PointToPoint, out: Any, inp: Any, op: str, counts: tuple[int, ...] | None
 ) -> tuple[int, int]:
     """Ring reduce-scatter; returns (bytes sent, bytes received).
 
@@ -153,7 +163,7 @@ def reduce_scatter(
     else:
         edges = [0, *itertools.accumulate(counts)]
         bounds = list(zip(edges[:-1], edges[1:], strict=True))
-    in_place = counts is None and comm._is_own_slice(inp, out)
+    in_place = counts is None and is_own_slice(inp, out, comm.rank)
     work = flat(inp) if in_place else array_module(inp).asarray(flat(inp), copy=True)
     moved = _ring_reduce_scatter(comm, work, bounds, op)
     if not in_place:
@@ -162,7 +172,7 @@ def reduce_scatter(
     return moved
 
 
-def all_reduce(comm: Communicator, buf: Any, op: str) -> tuple[int, int]:
+def all_reduce(comm: PointToPoint, buf: Any, op: str) -> tuple[int, int]:
     """Ring all-reduce in place (reduce-scatter then all-gather); returns (sent, received)."""
     bounds = chunk_bounds(buf.size, comm.size)
     whole = flat(buf)
@@ -171,22 +181,22 @@ def all_reduce(comm: Communicator, buf: Any, op: str) -> tuple[int, int]:
     return sent1 + sent2, recv1 + recv2
 
 
-def broadcast(comm: Communicator, buf: Any, root: int) -> tuple[int, int]:
+def broadcast(comm: PointToPoint, buf: Any, root: int) -> tuple[int, int]:
     """Chain broadcast from ``root``; returns (bytes sent, bytes received)."""
     n = comm.size
     position = (comm.rank - root) % n
     whole = flat(buf)
     sent = recv = 0
     if position > 0:
-        comm._recv(whole, (comm.rank - 1) % n)
+        comm.recv(whole, (comm.rank - 1) % n)
         recv = nbytes(whole)
     if position < n - 1:
-        comm._send(whole, (comm.rank + 1) % n)
+        comm.send(whole, (comm.rank + 1) % n)
         sent = nbytes(whole)
     return sent, recv
 
 
-def reduce(comm: Communicator, buf: Any, root: int, op: str) -> tuple[int, int]:
+def reduce(comm: PointToPoint, buf: Any, root: int, op: str) -> tuple[int, int]:
     """Chain reduce towards ``root`` (broadcast's chain backwards); returns (sent, received).
 
     Only the root's ``buf`` changes: a rank in the middle adds its buffer to the partial sum it
@@ -199,7 +209,7 @@ def reduce(comm: Communicator, buf: Any, root: int, op: str) -> tuple[int, int]:
     partial = whole
     if position < n - 1:
         incoming = array_module(whole).empty_like(whole)
-        comm._recv(incoming, (comm.rank + 1) % n)
+        comm.recv(incoming, (comm.rank + 1) % n)
         recv = nbytes(whole)
         if position == 0:
             _reduce_into(whole, incoming, op)
@@ -207,12 +217,12 @@ def reduce(comm: Communicator, buf: Any, root: int, op: str) -> tuple[int, int]:
             _reduce_into(incoming, whole, op)
             partial = incoming
     if position > 0:
-        comm._send(partial, (comm.rank - 1) % n)
+        comm.send(partial, (comm.rank - 1) % n)
         sent = nbytes(whole)
     return sent, recv
 
 
-def all_to_all(comm: Communicator, out: Any, inp: Any) -> tuple[int, int]:
+def all_to_all(comm: PointToPoint, out: Any, inp: Any) -> tuple[int, int]:
     """Pairwise all-to-all (block j of ``inp`` to rank j); returns (bytes sent, bytes received)."""
     n, r = comm.size, comm.rank
     block = inp.size // n
@@ -221,6 +231,6 @@ def all_to_all(comm: Communicator, out: Any, inp: Any) -> tuple[int, int]:
     for s in range(1, n):
         to, source = (r + s) % n, (r - s) % n
         outgoing = src[to * block : (to + 1) * block]
-        comm._sendrecv(outgoing, to, dst[source * block : (source + 1) * block], source)
+        comm.sendrecv(outgoing, to, dst[source * block : (source + 1) * block], source)
     moved = (n - 1) * block * np_dtype(inp.dtype).itemsize
     return moved, moved

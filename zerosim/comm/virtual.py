@@ -21,7 +21,7 @@ without asking them. ``split(color, key)``, which names only this rank's colour,
 the same calls; only the bytes of a call depend on the rank (an all-reduce's uneven chunks, a
 broadcast's root, the neighbour's node) and so does a sub-group's name and size. ``as_rank(m)``
 rewrites this rank's records as rank m's: the same calls, with m's sub-groups and m's bytes from
-the same byte model (``ring.model_bytes``, ``Communicator._split_sent``).
+the same byte model (``ring.model_bytes``, ``Communicator.split_sent``).
 """
 
 from __future__ import annotations
@@ -104,13 +104,12 @@ class VirtualComm(Communicator):
         return self.members[self.rank]
 
     # -- the record, and what it leaves out --------------------------------------------------
-    def _call(self, op, dtype, count, native, ring_fn, root, counts, blocking):  # noqa: ANN001
-        found = super()._call(op, dtype, count, native, ring_fn, root, counts, blocking)
+    def after_record(self, record: Record, root: int, counts: tuple[int, ...] | None) -> None:
+        """Log the call in the world's ``calls`` (and its issue in the events, when asked)."""
         events = self.root._events
         if events is not None:
             events.append(("issue", len(self.calls)))
-        self.calls.append(Call(found[0], self, int(root), counts, self._node_of is not None))
-        return found
+        self.calls.append(Call(record, self, int(root), counts, self._node_of is not None))
 
     def record_events(self, events: list | None) -> None:
         """Append this rank's ("issue", i) and ("wait", i) events, i its index in ``calls``, to
@@ -182,13 +181,13 @@ class VirtualComm(Communicator):
             _symmetric(op, out, self.size)
 
     # point to point (our ring algorithms): the ring counts its own bytes; nothing to carry
-    def _send(self, buf: Any, dest: int) -> None:
+    def send(self, buf: Any, dest: int) -> None:
         pass
 
-    def _recv(self, buf: Any, source: int) -> None:
+    def recv(self, buf: Any, source: int) -> None:
         pass
 
-    def _sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
         pass
 
     def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -203,10 +202,10 @@ class VirtualComm(Communicator):
         if self.origin is None:  # the world's map, which every sub-group reads
             self.world.nodes = self._node_of
 
-    def _sync_nodes(self) -> None:
+    def sync_nodes(self) -> None:
         nodes = self.world.nodes
         self._node_of = None if nodes is None else tuple(nodes[m] for m in self.members)
-        self._node_version = self.ledger.node_version
+        self.node_version = self.ledger.node_version
 
     # -- sub-groups --------------------------------------------------------------------------
     def split(self, color: int, key: int = 0, name: str | None = None) -> VirtualComm:
@@ -261,7 +260,7 @@ class VirtualComm(Communicator):
             group,
             self.origin,
         )
-        view._node_version = -1  # learn its nodes from the world's map at first use
+        view.node_version = -1  # learn its nodes from the world's map at first use
         return view
 
     def bytes_by_phase(self, world_rank: int, step: int | None = None) -> dict[str, dict]:
@@ -293,8 +292,8 @@ class VirtualComm(Communicator):
         """``call``'s record as rank ``world_rank`` writes it."""
         r = call.record
         theirs = call.comm.view_of(world_rank)
-        if theirs._node_version != self.ledger.node_version:
-            theirs._sync_nodes()
+        if theirs.node_version != self.ledger.node_version:
+            theirs.sync_nodes()
         size = theirs.size
         itemsize = r.size_bytes // r.elements if r.elements else 1
         sent, recv = ring.model_bytes(
@@ -304,7 +303,7 @@ class VirtualComm(Communicator):
         if theirs.node_of is None or not call.nodes_known:
             mine.intra_bytes, mine.inter_bytes = sent, 0
         else:
-            mine.intra_bytes, mine.inter_bytes = theirs._split_sent(
+            mine.intra_bytes, mine.inter_bytes = theirs.split_sent(
                 r.op, sent, r.elements, itemsize
             )
         return mine
