@@ -303,9 +303,7 @@ class VirtualComm(Communicator):
         if theirs.node_of is None or not call.nodes_known:
             mine.intra_bytes, mine.inter_bytes = sent, 0
         else:
-            mine.intra_bytes, mine.inter_bytes = theirs.split_sent(
-                r.op, sent, r.elements, itemsize
-            )
+            mine.intra_bytes, mine.inter_bytes = theirs.split_sent(r.op, sent, r.elements, itemsize)
         return mine
 
 
