@@ -158,20 +158,6 @@ class Communicator(ABC):
         self._node_of = None if node is None else tuple(s[0] for s in self._agree((node,)))
         self.node_version = self.ledger.node_version
 
-    def split_sent(self, op: str, sent: int, count: int, itemsize: int) -> tuple[int, int]:
-        """(intra, inter) bytes of ``sent``: ring ops and broadcast send all to rank + 1, reduce
-        to rank − 1, all-to-all block j to rank j."""
-        nodes = self._node_of
-        if nodes is None or sent == 0:
-            return sent, 0
-        mine = nodes[self.rank]
-        if op == "all_to_all":
-            block = count // self.size * itemsize
-            local = sum(1 for q, n in enumerate(nodes) if q != self.rank and n == mine)
-            return local * block, sent - local * block
-        step = -1 if op == "reduce" else 1  # a reduce's chain runs towards the root
-        return (sent, 0) if nodes[(self.rank + step) % self.size] == mine else (0, sent)
-
     # -- collectives ------------------------------------------------------------------------------
     def all_gather(self, out: Any, inp: Any) -> None:
         """out ← concatenation of every rank's ``inp`` in rank order (out.size = size · inp.size).
@@ -332,12 +318,7 @@ class Communicator(ABC):
 
     def _check_split(self, color: int, key: int, name: str | None) -> str:
         """Check ``split``'s arguments; return the new group's unique name."""
-        if isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0:
-            raise ValueError(f"color must be a non-negative int, got {color!r}")
-        if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
-            raise ValueError(f"key must be an int, got {key!r}")
-        if name is not None and (not isinstance(name, str) or not name or "/" in name):
-            raise ValueError(f"name must be None or a non-empty string without '/', got {name!r}")
+        checks.split(color, key, name)
         self._splits += 1
         child = f"{self.group}/{name or f'split{self._splits}'}.{int(color)}"
         if child in self._child_names:  # a name given twice: number the second
@@ -346,10 +327,9 @@ class Communicator(ABC):
         return child
 
     # -- what a world provides ----------------------------------------------------------------
-    # Native collectives (blocking, and non-blocking ones returning a function that completes
-    # them), point-to-point messages for the ring algorithms, and the cross-rank argument check.
-    # ``in_place``: ``inp`` is this rank's own chunk of ``out`` (all-gather), ``out`` of ``inp``
-    # (reduce-scatter).
+    # Native collectives (non-blocking ones return what completes them), point-to-point for the
+    # ring algorithms, the cross-rank exchange. ``in_place``: ``inp`` is this rank's own chunk of
+    # ``out`` (all-gather), ``out`` of ``inp`` (reduce-scatter).
     @abstractmethod
     def _native_all_gather(self, out: Any, inp: Any, in_place: bool) -> None: ...
     @abstractmethod

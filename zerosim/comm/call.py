@@ -160,8 +160,8 @@ class Bookkeeping:
         if comm.node_of is None:
             record.intra_bytes = record.bytes_sent  # one node: every byte stays on it
         else:
-            record.intra_bytes, record.inter_bytes = comm.split_sent(
-                self.op, record.bytes_sent, self.count, self.dtype.itemsize
+            record.intra_bytes, record.inter_bytes = ring.split_by_node(
+                comm.node_of, comm.rank, self.op, record.bytes_sent, self.count, self.dtype.itemsize
             )
         if self.finish is None:
             record.wall_time = comm.ledger.now() - record.start

@@ -176,3 +176,13 @@ def all_to_all(out: Any, inp: Any, size: int) -> None:
             f"; got out.size={out.size}, inp.size={inp.size}"
         )
     disjoint("all_to_all", out, inp)
+
+
+def split(color: int, key: int, name: str | None) -> None:
+    """``split``'s arguments: a colour ≥ 0, an int key, and a name for the ledger or None."""
+    if isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0:
+        raise ValueError(f"color must be a non-negative int, got {color!r}")
+    if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
+        raise ValueError(f"key must be an int, got {key!r}")
+    if name is not None and (not isinstance(name, str) or not name or "/" in name):
+        raise ValueError(f"name must be None or a non-empty string without '/', got {name!r}")

@@ -99,6 +99,23 @@ def model_bytes(
     raise ValueError(f"no byte model for op {op!r}")
 
 
+def split_by_node(
+    nodes: tuple[int, ...] | None, rank: int, op: str, sent: int, count: int, itemsize: int
+) -> tuple[int, int]:
+    """(intra, inter) bytes of the ``sent`` bytes of ``rank`` (``nodes``: the node of each rank
+    of the group, None for one node): ring ops and broadcast send all to rank + 1, reduce to
+    rank − 1, all-to-all block j to rank j."""
+    if nodes is None or sent == 0:
+        return sent, 0
+    size, mine = len(nodes), nodes[rank]
+    if op == "all_to_all":
+        block = count // size * itemsize
+        local = sum(1 for q, n in enumerate(nodes) if q != rank and n == mine)
+        return local * block, sent - local * block
+    step = -1 if op == "reduce" else 1  # a reduce's chain runs towards the root
+    return (sent, 0) if nodes[(rank + step) % size] == mine else (0, sent)
+
+
 def _reduce_into(acc: Any, other: Any, op: str) -> None:
     xp = array_module(acc)
     {"sum": xp.add, "max": xp.maximum, "min": xp.minimum}[op](acc, other, out=acc)

@@ -21,7 +21,7 @@ without asking them. ``split(color, key)``, which names only this rank's colour,
 the same calls; only the bytes of a call depend on the rank (an all-reduce's uneven chunks, a
 broadcast's root, the neighbour's node) and so does a sub-group's name and size. ``as_rank(m)``
 rewrites this rank's records as rank m's: the same calls, with m's sub-groups and m's bytes from
-the same byte model (``ring.model_bytes``, ``Communicator.split_sent``).
+the same byte model (``ring.model_bytes``, ``ring.split_by_node``).
 """
 
 from __future__ import annotations
@@ -303,7 +303,9 @@ class VirtualComm(Communicator):
         if theirs.node_of is None or not call.nodes_known:
             mine.intra_bytes, mine.inter_bytes = sent, 0
         else:
-            mine.intra_bytes, mine.inter_bytes = theirs.split_sent(r.op, sent, r.elements, itemsize)
+            mine.intra_bytes, mine.inter_bytes = ring.split_by_node(
+                theirs.node_of, theirs.rank, r.op, sent, r.elements, itemsize
+            )
         return mine
 
 
