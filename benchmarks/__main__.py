@@ -1,8 +1,9 @@
 """Every benchmark in one run: ``python -m benchmarks [--quick] [--out docs/benchmarks.md]``.
 
-Runs the collectives, optimizer-step, model-step, training-step, scaling, allocation, zero.Init
-and large-GPT scripts one after the other (each compares zerosim with a baseline measured in the
-same run: raw mpi4py, NumPy's copy and matmul rates, PyTorch, DeepSpeed, the memory formulas),
+Runs the collectives, optimizer-step, model-step, training-step, scaling, allocation, zero.Init,
+large-GPT and dry-run scripts one after the other (each compares zerosim with a baseline measured
+in the same run, or with published figures: raw mpi4py, NumPy's copy and matmul rates, PyTorch,
+DeepSpeed, the memory formulas, the dry run's formulas and published training runs),
 and writes their tables, with the machine, the versions and the date, to a Markdown file. Each
 script also writes its rows as JSON (``--json``, to a temporary folder); ``benchmarks/figures.py``
 turns them into ``figures/bench_<module>.png`` beside the Markdown file, embedded under each
@@ -116,6 +117,23 @@ SUITE = [
         "inside zero.Init and trained at stage 3 with fp32 Adam by 8 ranks on this machine's "
         "cores: time per step, tokens per second, and per rank the model states and buffers "
         "that memory_report() counts against 16Ψ/N, beside the measured peak RSS.",
+    ),
+    (
+        "The dry run: GPT-3 175B on 1,024 and 4,096 virtual ranks, and published runs predicted",
+        "dryrun",
+        ["--ranks", "1024", "4096"],
+        ["--model", "gpt3-1.3b", "--ranks", "64", "--skip-predictions"],
+        "The engine run shape-only over a virtual world (docs/dryrun.md), each world size in a "
+        "fresh process: its wall time and peak host memory on this machine, each class of "
+        "rank's model states and bytes per step against the ZeRO paper's formulas and its "
+        "matmul FLOPs against Narayanan et al.'s eq. 3. Then the time model: Narayanan et al.'s "
+        "six ZeRO-3 rows (SC21, Table 2) on examples/clusters/selene.json, fitted on the three "
+        "174.6B rows (benchmarks/dryrun_calibrate.py), and Wang et al.'s ZeRO-3 and ZeRO++ "
+        "figures on 384 V100s (the ZeRO++ blog's Figures 6-8) on "
+        "examples/clusters/zeropp_v100.json, whose factors are Selene's: every prediction "
+        "beside its published figure, fitted to none of them but the three. Targets: 1,024 "
+        "ranks under 60 s and 4 GB, 4,096 under 5 minutes; states and bytes equal to the "
+        "formulas, FLOPs within 2%; the 174.6B rows within 10%.",
     ),
 ]
 

@@ -17,7 +17,9 @@ One function per benchmark turns its rows into one figure:
 * allocations: the peak bytes allocated in one steady-state step over Ψ·b, per stage and dtype,
   against the largest parameter's bytes (a layer's worth) and the whole model's;
 * large_gpt: per rank, 16Ψ/N plus the buffers against the measured peak RSS growth and the
-  whole model's fp32 size.
+  whole model's fp32 size;
+* dryrun: the dry run's wall time per world size against its target, and the time model's
+  predicted TFLOP/s per GPU against every published figure it predicts (fitted rows filled).
 
 Figures are drawn on a matplotlib ``Figure`` with the Agg canvas (no pyplot, no display), as in
 ``zerosim.report.plots``.
@@ -305,6 +307,47 @@ def large_gpt(rows: Rows, path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def dryrun(rows: Rows, path: str | Path) -> Path:
+    """Left: each world size's wall time against its target. Right: predicted against published
+    model TFLOP/s per GPU for every published run with a prediction, on the y = x line with ±10%,
+    the fitted rows filled."""
+    targets = [r for r in rows if r["kind"] == "target"]
+    predicted = [r for r in rows if r["kind"] == "prediction" and r["predicted_tflops"]]
+    fig, (left, right) = _figure(11, 4.2, 2)
+    x = np.arange(len(targets))
+    left.bar(x, [r["wall_s"] for r in targets], 0.5, color=_colors(1)[0], label="wall time")
+    for i, r in enumerate(targets):
+        if r.get("wall_target_s"):
+            left.hlines(r["wall_target_s"], i - 0.35, i + 0.35, color="red", linestyle="--")
+    left.set_xticks(x, [f"{r['n']:,} ranks" for r in targets])
+    left.set_ylabel("seconds on this machine")
+    left.set_title(f"{targets[0]['model'] if targets else ''} dry run (red: target)")
+    kinds = ("Narayanan et al., Selene", "Wang et al.: ZeRO-3", "Wang et al.: ZeRO++")
+    colors = dict(zip(kinds, _colors(3), strict=True))
+    for r in predicted:
+        kind = kinds[0] if r["source"].startswith("Narayanan") else f"Wang et al.: {r['scheme']}"
+        right.scatter(
+            r["published_tflops"],
+            r["predicted_tflops"],
+            color=colors[kind],
+            facecolors=colors[kind] if r["fitted"] else "none",
+            label=kind,
+        )
+    top = 1.1 * max([r["published_tflops"] for r in predicted] + [1.0])
+    line = np.array([0.0, top])
+    right.plot(line, line, color="black", linewidth=0.8)
+    right.fill_between(line, 0.9 * line, 1.1 * line, color="grey", alpha=0.2, label="±10%")
+    handles, labels = right.get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    right.legend(unique.values(), unique.keys(), fontsize=8)
+    right.set_xlim(0, top)
+    right.set_ylim(0, top)
+    right.set_xlabel("published TFLOP/s per GPU")
+    right.set_ylabel("predicted")
+    right.set_title("published runs (filled: fitted)")
+    return _save(fig, path)
+
+
 PLOTS: dict[str, Callable[[Rows, str | Path], Path]] = {
     "collectives": collectives,
     "optimizer_step": optimizer_step,
@@ -314,6 +357,7 @@ PLOTS: dict[str, Callable[[Rows, str | Path], Path]] = {
     "allocations": allocations,
     "zero_init_cap": zero_init_cap,
     "large_gpt": large_gpt,
+    "dryrun": dryrun,
 }
 
 

@@ -30,7 +30,8 @@ differ by more than 1e-3 relative).
 of this script's code where no GPU is (tests/test_gpu_check.py); its figures are not a GPU's.
 With ``--device cuda`` (the default) it needs CuPy and a CUDA device (``pip install
 zerosim[gpu]``) and torch with CUDA for the torch columns; without a GPU it says so and exits
-with status 2. benchmarks/gpu_check.sh runs it on a GPU machine.
+with status 2, and with ``--check`` but no torch that can use CUDA (nothing to compare the losses
+with) it exits 1. benchmarks/gpu_check.sh runs it on a GPU machine.
 """
 
 from __future__ import annotations
@@ -263,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(rows))
     if gap is None:
         print("\nlast losses: no torch to compare with", flush=True)
+        if a.check and dev.torch == "cuda":  # a GPU check that compared nothing
+            print("gpu_adam: --check: torch cannot use CUDA here, nothing to compare with",
+                  file=sys.stderr)  # fmt: skip
+            return 1
         return 0
     print(f"\nlast losses, |zerosim − torch| / torch = {gap:.2e}", flush=True)
     if a.check and gap > LOSS_AGREEMENT:

@@ -27,10 +27,13 @@ mpi.log, tests.log, benchmark.log, mpirun.log); the report is rewritten after ev
 check cut short still leaves one. Exit status 0 when no part failed (a part may skip, saying
 why), 1 otherwise.
 
-CPU mode: where no GPU is seen, or with ``--cpu-dry`` (which hides the GPUs from every part,
-``CUDA_VISIBLE_DEVICES=""``), the same parts run: the GPU tests skip, saying why, and the
-benchmark runs its code on the host at a small size, so the check itself is tested where there
-is no GPU (tests/test_gpu_check.py). ``ZEROSIM_GPU_CHECK_FAIL=PART`` (or ``PART:hang``) runs a
+CPU mode: with ``--cpu-dry`` (which hides the GPUs from every part, ``CUDA_VISIBLE_DEVICES=""``),
+the same parts run: the GPU tests skip, saying why, and the benchmark runs its code on the host at
+a small size, so the check itself is tested where there is no GPU (tests/test_gpu_check.py).
+Without ``--cpu-dry`` a GPU is required: where none is seen the environment part fails saying why
+(CuPy's import error or its device count, and what nvidia-smi says), a GPU test part whose tests
+all skip fails, and so does the benchmark (gpu_adam.py exits 2 without a GPU, 1 without a torch
+that can use CUDA to compare with). ``ZEROSIM_GPU_CHECK_FAIL=PART`` (or ``PART:hang``) runs a
 command that fails (or never ends) in place of that part's, for those tests.
 """
 
@@ -207,6 +210,12 @@ class Check:
             return
         self.facts = json.loads(facts.read_text())
         f = self.facts
+        if not f.get("gpu") and not self.a.cpu_dry:  # a GPU check with no GPU tests nothing
+            smi = " ".join(str(f.get("nvidia-smi", "not asked")).split())
+            part.status = "failed"
+            part.note = f"no GPU: {f.get('no gpu') or f.get('cuda facts')}; nvidia-smi: {smi} "
+            part.note += "(--cpu-dry runs the check without a GPU)"
+            return
         part.status = "passed"
         gpus = (
             f"{f['devices']} × {f.get('names', ['?'])[0]}"
@@ -245,8 +254,11 @@ class Check:
         outcomes = [outcome for _, outcome, _, _ in part.tests]
         counts = ", ".join(f"{outcomes.count(o)} {o}" for o in sorted(set(outcomes)))
         if code in (0, 5) and outcomes and set(outcomes) == {"skipped"}:  # 5: none collected
-            part.status = "skipped"
+            # every GPU test skipped: the CPU mode's outcome, a failure on a GPU machine
+            part.status = "skipped" if self.a.cpu_dry else "failed"
             part.note = "; ".join(sorted({message for *_, message in part.tests}))
+            if not self.a.cpu_dry:
+                part.note = f"every test skipped (outside --cpu-dry): {part.note}"
         elif code == 0 and "passed" in outcomes:
             part.status, part.note = "passed", counts
         else:
@@ -262,16 +274,16 @@ class Check:
         self.pytest(part, "mpi")
 
     def benchmark(self, part: Part) -> None:
-        on_host = self.a.cpu_dry or self.facts.get("gpu") is False
+        on_host = self.a.cpu_dry
         argv = [sys.executable, "benchmarks/gpu_adam.py", "--check"]
         code = self.run(part, argv + (BENCH_ON_HOST if on_host else []))
         if code is None:
             return self.timed_out(part)
-        if code == 2:
-            part.status, part.note = "skipped", self.log(part).strip().splitlines()[-1]
+        if code == 2:  # gpu_adam.py found no GPU (outside --cpu-dry: it runs on the device)
+            part.status, part.note = "failed", self.log(part).strip().splitlines()[-1]
         elif code == 0:
             part.status = "passed"
-            part.note = "on the host, a check of the script's code (no GPU)" if on_host else ""
+            part.note = "on the host, a check of the script's code (--cpu-dry)" if on_host else ""
         else:
             part.status, part.note = "failed", f"exit status {code} (benchmark.log)"
 

@@ -162,19 +162,19 @@ def attempt(fn: Any) -> str:
 
 def cuda_facts() -> dict[str, Any]:
     """The GPU as CuPy sees it, NCCL through CuPy, and CuPy's bfloat16."""
-    from zerosim.backend import _cupy_or_none, gpu_available  # noqa: PLC0415
-
-    cupy = _cupy_or_none()
-    if cupy is None:
-        return {"gpu": False, "no gpu": "CuPy is not installed", "devices": 0}
-    if not gpu_available():
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        why = "CuPy sees no CUDA device" + (
-            f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-        )
-        return {"gpu": False, "no gpu": why, "devices": 0, "cupy": cupy.__version__}
+    try:
+        import cupy  # noqa: PLC0415  (the error, if any, is the reason there is no GPU)
+    except ImportError as err:
+        return {"gpu": False, "no gpu": f"CuPy does not import ({err})", "devices": 0}
     rt = cupy.cuda.runtime
-    count = rt.getDeviceCount()
+    try:
+        count, why = rt.getDeviceCount(), "CuPy sees no CUDA device"
+    except Exception as err:  # noqa: BLE001  (CUDARuntimeError: no driver, no device, …)
+        count, why = 0, f"CuPy finds no CUDA device ({type(err).__name__}: {err})"
+    if count == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why += f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        return {"gpu": False, "no gpu": why, "devices": 0, "cupy": cupy.__version__}
     names = [attempt(lambda i=i: _name(rt.getDeviceProperties(i)["name"])) for i in range(count)]
     facts: dict[str, Any] = {
         "gpu": True,

@@ -20,6 +20,7 @@ and checks what is already in the folder.
 from __future__ import annotations
 
 import argparse
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -34,11 +35,12 @@ for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86
     TARGET += ["--platform", tag]
 CARRY_LIMIT = 64 * 2**20  # bytes: the working tree and the carried folders together
 COMMAND_LIMIT = 2000  # characters of the command line a lent machine takes
+CARRY_PATH_LIMIT = 200  # characters of each path a lent machine is asked to carry (--dest)
 
 
 def command(dest: str = DEST) -> str:
     """The one command line to run on the GPU machine, in the repository's root."""
-    return f'bash benchmarks/gpu_check.sh --wheels {dest} --out "$OUT"'
+    return f'bash benchmarks/gpu_check.sh --wheels {shlex.quote(dest)} --out "$OUT"'
 
 
 def download(dest: Path) -> None:
@@ -59,9 +61,15 @@ def working_tree_bytes() -> int:
     return sum(f.stat().st_size for f in files if f.is_file())
 
 
-def check(dest: Path, line: str) -> list[str]:
-    """What is wrong with the folder (empty: ready): every wheel there, git ignores it, it fits."""
+def check(dest: Path, line: str, carried: str = DEST) -> list[str]:
+    """What is wrong with the folder (empty: ready): every wheel there, git ignores it, it fits,
+    and so do ``carried`` (the folder as the machine is asked to carry it) and the command."""
     problems = []
+    if len(carried) > CARRY_PATH_LIMIT:
+        problems.append(
+            f"--dest {carried[:40]}…: {len(carried)} characters, over {CARRY_PATH_LIMIT} "
+            "(the longest path a lent machine carries)"
+        )
     names = {w.name.split("-")[0].replace("_", "-").lower() for w in dest.glob("*.whl")}
     for wanted in WHEELS:
         if wanted.split("==")[0] not in names:
@@ -91,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     wheels = sum(w.stat().st_size for w in dest.glob("*.whl"))
     print(f"{tree / 2**20:8.2f} MiB  the working tree; together {(tree + wheels) / 2**20:.2f} MiB")
     line = command(a.dest)
-    problems = check(dest, line)
+    problems = check(dest, line, a.dest)
     for problem in problems:
         print(f"gpu_prepare: {problem}", file=sys.stderr)
     if problems:

@@ -134,7 +134,7 @@ def mode(facts: dict, cpu_dry: bool) -> str:
     if facts.get("gpu"):
         return f"GPU: {facts['devices']} × {facts.get('names', ['?'])[0]}"
     if facts:
-        return f"CPU mode: no GPU ({facts.get('no gpu')})"
+        return f"no GPU seen ({facts.get('no gpu')}): a failure without --cpu-dry"
     return "GPU or not unknown: the environment part did not report"
 
 

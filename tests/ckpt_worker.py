@@ -11,6 +11,7 @@ the same global sample stream, whose micro-batch width may change mid-run (N·m 
 M·m after the load at M ranks).
 """
 
+import json
 import math
 import shutil
 import sys
@@ -189,6 +190,79 @@ def mpi_load_corrupt(comm, ckpt, bad_file):
     raise AssertionError("the corrupted file was not detected")
 
 
+def mpi_save_too_large(comm, ckpt, bad_rank):
+    """Save at step 2; then rank ``bad_rank`` may write files of at most 1 KiB (RLIMIT_FSIZE:
+    the kernel's EFBIG, as a full disk's ENOSPC, at a real write) and the save of step 3
+    fails. Every rank must raise an OSError naming the file; the folder must hold exactly the
+    step-2 save, which must load."""
+    import resource
+
+    engine = make_engine(comm, SAVE_CASE)
+    nxt = train_steps(engine, comm, SAVE_CASE, 2, 0)
+    engine.save_checkpoint(ckpt)
+    before = snapshot(engine)
+    train_steps(engine, comm, SAVE_CASE, 1, nxt)
+    if comm.rank == int(bad_rank):
+        resource.setrlimit(
+            resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1])
+        )
+    try:
+        engine.save_checkpoint(ckpt)
+    except OSError as err:
+        print(f"rank {comm.rank}: {type(err).__name__}: {err}", flush=True)
+    else:
+        raise AssertionError("the save did not fail")
+    comm.barrier()  # rank 0 has removed the unfinished save
+    left = sorted(p.name for p in Path(ckpt).iterdir())
+    assert left == ["global_step2", "latest"], left
+    again = make_engine(comm, SAVE_CASE)
+    again.load_checkpoint(ckpt)
+    for kind, pieces in before.items():
+        if kind != "scalars":
+            for (name, *_, want), (_, *_, got) in zip(pieces, snapshot(again)[kind], strict=True):
+                assert np.array_equal(got, want), name
+    return "kept"
+
+
+# -- resuming at another world size: which samples every rank reads ----------------------------
+class RecordingDataset:
+    """Random MLP samples that remember the index array of every batch read from them."""
+
+    def __init__(self, length: int) -> None:
+        rng = np.random.default_rng(11)
+        self.x, self.y = rng.standard_normal((length, 6)), rng.integers(0, 4, length)
+        self.read: list[list[int]] = []
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, idx):
+        self.read.append(np.asarray(idx).tolist())
+        return self.x[idx], self.y[idx]
+
+
+def mpi_resume_stream(comm, out, launch, targets):
+    """One launch of a chain of ``zerosim train`` runs: for each config ``out/<policy>.json``
+    train to global step ``targets[policy]`` (resuming from ``out/<policy>`` when a previous
+    launch saved there), save, and write the indices this rank read to
+    ``out/<policy>.launch<launch>.rank<r>.json``."""
+    from zerosim.cli import build_parser
+    from zerosim.cli import train as train_demo
+
+    for policy, target in json.loads(targets).items():
+        ckpt = Path(out) / policy
+        data = RecordingDataset(int((Path(out) / "length").read_text()))
+        train_demo.build = lambda args, data=data: (MLP([6, 9, 4], seed=3), data)
+        argv = ["train", "--quiet", "--steps", str(target), "--config", f"{ckpt}.json"]
+        argv += ["--save", str(ckpt)]
+        if (ckpt / "latest").exists():
+            argv += ["--resume", str(ckpt)]
+        train_demo.train(comm, build_parser().parse_args(argv))
+        path = Path(out) / f"{policy}.launch{launch}.rank{comm.rank}.json"
+        path.write_text(json.dumps(data.read))
+    return "trained"
+
+
 # -- the kill test's subject ------------------------------------------------------------------
 BIG = Case(model="big", stage=2, micro=4)
 
@@ -225,7 +299,13 @@ def save_loop(comm, ckpt, every_state=None):
             print(f"saved {k}", flush=True)
 
 
-CHECKS = {"save": mpi_save, "load": mpi_load, "load_corrupt": mpi_load_corrupt}
+CHECKS = {
+    "save": mpi_save,
+    "load": mpi_load,
+    "load_corrupt": mpi_load_corrupt,
+    "resume_stream": mpi_resume_stream,
+    "save_too_large": mpi_save_too_large,
+}
 
 if __name__ == "__main__":
     if sys.argv[1] == "save_loop":

@@ -3,7 +3,9 @@
 DeepSpeed 0.19.8 reads its JSON config in two ways: plain functions that take the dict and call
 ``get_scalar_param(d, KEY, DEFAULT)``, ``d.get(KEY, DEFAULT)``, ``d[KEY]`` or ``KEY in d``, and
 pydantic models built with ``Model(**d)``. ``deepspeed_keys()`` walks the first kind from
-``DeepSpeedConfig`` (its ``__init__``, ``_initialize_params`` and checks) through every function
+``DeepSpeedConfig`` (its ``__init__``, ``_initialize_params`` and checks) and from
+``deepspeed.initialize`` (which reads ``data_parallel_size`` and ``tensor_parallel.autotp_size``
+itself, for its device mesh and AutoTP's mode) through every function
 and class they hand the dict or a part of it to, following the key path each variable holds,
 and walks the second kind through ``model_fields`` (aliases and nested models included). Key
 names are resolved from the constants modules the readers import. The result maps each key path
@@ -176,9 +178,34 @@ class _Body:
 
     def value(self, node: ast.expr) -> Any:
         """A constant expression's value (a literal or a module constant), else NO_DEFAULT."""
+        value = self.constant(node)
+        return NO_DEFAULT if value is NO_DEFAULT else _plain(value)
+
+    def constant(self, node: ast.expr) -> Any:
+        """What ``node`` names without running DeepSpeed's code: a literal (``ast.literal_eval``),
+        a name the function sees (``KEY``), an attribute of one (``consts.KEY``, ``Enum.X``), or a
+        tuple, list or dict of those; NO_DEFAULT for any other expression."""
+        if isinstance(node, ast.Name):
+            return self.names.get(node.id, NO_DEFAULT)
+        if isinstance(node, ast.Attribute):
+            owner = self.constant(node.value)
+            return NO_DEFAULT if owner is NO_DEFAULT else getattr(owner, node.attr, NO_DEFAULT)
+        if isinstance(node, ast.Tuple | ast.List):
+            items = [self.constant(e) for e in node.elts]
+            if NO_DEFAULT in items:
+                return NO_DEFAULT
+            return tuple(items) if isinstance(node, ast.Tuple) else items
+        if isinstance(node, ast.Dict) and None not in node.keys:  # None: a ``**`` entry
+            pairs = [
+                (self.constant(k), self.constant(v))
+                for k, v in zip(node.keys, node.values, strict=True)
+            ]
+            if any(NO_DEFAULT in pair for pair in pairs):
+                return NO_DEFAULT
+            return dict(pairs)
         try:
-            return _plain(eval(compile(ast.Expression(node), "<k>", "eval"), self.names))  # noqa: S307
-        except Exception:
+            return ast.literal_eval(node)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return NO_DEFAULT
 
     def key_names(self, node: ast.expr) -> list[str]:
@@ -309,10 +336,7 @@ class _Body:
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "self":
             target = getattr(self.owner, f.attr, None) if self.owner is not None else None
         else:
-            try:
-                target = eval(compile(ast.Expression(f), "<f>", "eval"), self.names)  # noqa: S307
-            except Exception:
-                return None
+            target = self.constant(f)
         if isinstance(target, types.FunctionType | type):
             if getattr(target, "__module__", "").startswith("deepspeed"):
                 return target
@@ -337,7 +361,9 @@ def _target_name(target: ast.expr) -> str | None:
 
 
 def deepspeed_keys() -> dict[Path, Key]:
-    """{key path: Key} for every key DeepSpeed 0.19.8's ``DeepSpeedConfig`` reads."""
+    """{key path: Key} for every key DeepSpeed 0.19.8's ``DeepSpeedConfig`` and
+    ``deepspeed.initialize`` read."""
+    import deepspeed
     from deepspeed.runtime import config as ds_config
 
     walk = _Walk()
@@ -347,6 +373,14 @@ def deepspeed_keys() -> dict[Path, Key]:
     for name in ("__init__", "_initialize_params", "_do_error_check", "_do_warning_check"):
         walk.function(getattr(cls, name), env, {})
     walk.function(ds_config._reject_removed_config_keys, {"param_dict": root}, {})
+    # deepspeed.initialize reads a few keys itself before it builds DeepSpeedConfig (its mesh,
+    # AutoTP's mode). Its tp_model_init merge reads tensor_parallel's keys with None for a
+    # default, which is not DeepSpeedConfig's: the defaults of the keys DeepSpeedConfig reads
+    # stay the ones its readers write.
+    config_defaults = {path: key.default for path, key in walk.keys.items()}
+    walk.function(deepspeed.initialize, {"config": root}, {})
+    for path, default in config_defaults.items():
+        walk.keys[path].default = default
     return walk.keys
 
 

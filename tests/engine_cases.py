@@ -25,7 +25,7 @@ class Case:
     layout: str = "deepspeed"
     accumulation: int = 1
     clip: float = 0.0
-    optimizer: str = "adam"  # "adam" | "sgd"
+    optimizer: str = "adam"  # "adam" | "sgd" | "lamb"
     dtype: str = "float64"
     steps: int = 20
     micro: int = 2
@@ -65,6 +65,8 @@ def data(case: Case, n: int) -> tuple[np.ndarray, np.ndarray]:
 def optimizer_section(case: Case) -> dict:
     if case.optimizer == "adam":
         return {"type": "Adam", "params": {"lr": 3e-2, "weight_decay": 0.01}}
+    if case.optimizer == "lamb":
+        return {"type": "Lamb", "params": {"lr": 2e-2, "weight_decay": 0.01}}
     return {"type": "SGD", "params": {"lr": 5e-2, "momentum": 0.9}}
 
 
@@ -75,6 +77,8 @@ def reference(case: Case, n: int, grad_factor: float = 1.0) -> dict[str, np.ndar
     params = list(model.parameters())
     if case.optimizer == "adam":  # DeepSpeed's Adam section defaults to AdamW mode
         opt = optim.AdamW(params, lr=3e-2, weight_decay=0.01)
+    elif case.optimizer == "lamb":
+        opt = optim.Lamb(params, lr=2e-2, weight_decay=0.01)
     else:
         opt = optim.SGD(params, lr=5e-2, momentum=0.9)
     x, y = data(case, n)
@@ -107,7 +111,7 @@ def config(case: Case) -> dict:
         "gradient_predivide_factor": case.predivide,
         "steps_per_print": 10**6,
         "optimizer": optimizer_section(case),
-        "zero_allow_untested_optimizer": case.optimizer == "sgd",  # DeepSpeed's rule for SGD
+        "zero_allow_untested_optimizer": case.optimizer in ("sgd", "lamb"),  # DeepSpeed's rule
         "zero_optimization": {
             "stage": case.stage,
             **({"reduce_scatter": False} if scaled and case.stage >= 2 else {}),
@@ -141,7 +145,7 @@ def train(comm, case: Case) -> dict:
     engine, *_ = initialize(model, config(case), comm=comm)
     x, y = data(case, comm.size)
     width = comm.size * case.micro
-    steps_bytes = []
+    steps_bytes, norm_bytes = [], []
     for s in range(case.steps):
         comm.ledger.reset()
         for j in range(case.accumulation):
@@ -153,10 +157,12 @@ def train(comm, case: Case) -> dict:
         steps_bytes.append(
             {ph: led.bytes_sent(phase=ph) for ph in ("forward", "backward", "step", "clip")}
         )
+        norm_bytes.append(led.bytes_sent(phase="lamb_norms"))
     return {
         "params": engine.full_state_dict(),
         "memory": engine.memory_report(),
         "bytes": steps_bytes,
+        "lamb_norm_bytes": norm_bytes,  # LAMB's partial-norm all-reduce (zerosim/zero/lamb.py)
         "padded": engine.strategy.padded_numel,
         "persistent": getattr(engine.strategy, "persistent_padded_numel", lambda: 0)(),
         "shard": engine.strategy.shard_numel,
@@ -233,7 +239,7 @@ def formula_bytes(case: Case, n: int, rank: int, persistent: int, padded: int) -
     its padding derived from the model's shapes (``shapes_padded``, not the engine's buffers):
     the paper's schedule pads to N (stage 3: each parameter), DeepSpeed's reduces in its buckets;
     Megatron's layout (its own buckets, in either schedule) moves its padded buckets."""
-    from zerosim.analysis import boundary_messages, clip_bytes, step_bytes
+    from zerosim.analysis import boundary_messages, clip_bytes, norm_messages, step_bytes
 
     numels = [p.numel for _, p in build_model(case).named_parameters()]
     b = np.dtype(case.dtype).itemsize
@@ -266,7 +272,14 @@ def formula_bytes(case: Case, n: int, rank: int, persistent: int, padded: int) -
         clip=case.clip,
         float64=case.dtype == "float64",
     )
-    out["clip"] = clip_bytes(n, rank, checks["clip"]) if "clip" in checks else 0
+    groups = norm_messages(  # DeepSpeed's ZeRO: a norm all-reduce per (sub-)group
+        case.stage,
+        [numels],
+        n,
+        schedule=case.schedule,
+        sub_group_size=case.sub_group_size,
+    )
+    out["clip"] = groups * clip_bytes(n, rank, checks["clip"]) if "clip" in checks else 0
     return out
 
 
@@ -307,9 +320,10 @@ def shapes_padded(case: Case, n: int) -> tuple[int, int]:
     return -(-sum(numels) // multiple) * multiple, 0
 
 
-def check_case(comm, case: Case) -> float:
-    """Train under ``comm`` and assert parity, bytes and memory; return the relative error."""
-    out = train(comm, case)
+def check_case(comm, case: Case, out: dict | None = None) -> float:
+    """Train under ``comm`` (or take ``out``, a ``train`` result) and assert parity, bytes and
+    memory; return the relative error."""
+    out = train(comm, case) if out is None else out
     n = comm.size
     padded, persistent = shapes_padded(case, n)
     assert out["persistent"] == persistent, (case, n, out["persistent"], persistent)
@@ -379,7 +393,7 @@ def _stage3_total(case: Case, n: int, persistent: int, regather: bool) -> int:
 def check_memory(case: Case, n: int, out: dict) -> None:
     """The model-state bytes each rank holds, and the number of optimizer steps taken."""
     mem = out["memory"]
-    states = 2 if case.optimizer == "adam" else 1
+    states = 2 if case.optimizer in ("adam", "lamb") else 1
     padded, persistent = shapes_padded(case, n)
     want_mem = expected_memory(case, n, padded, states)
     got_states = sum(v for k, v in mem.items() if k.startswith("optimizer_state."))

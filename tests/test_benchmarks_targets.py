@@ -188,3 +188,26 @@ def test_large_gpt_needs_100m_parameters_8_ranks_and_states_equal_to_the_formula
     assert "≤ 1.33×" in text  # 512 MiB of growth against 256 + 128 MiB
     for change in (dict(params=99_000_000), dict(n=4), dict(model_states=2**28 + 16)):
         assert not targets.large_gpt([{**row, **change}])[1], change
+
+
+def test_dryrun_needs_both_world_sizes_of_gpt3_175b_and_the_fitted_rows_within_ten_percent():
+    rows = sample_rows()["dryrun"]
+    text, met = targets.dryrun(rows)
+    assert met, text
+    assert "174.6B rows (fitted) at 0.985-1.014 of published" in text
+    assert "3 unfitted predictions at 0.35-0.62 of published (reported, not judged)" in text
+    slow = [{**r, "wall_s": 61.0} if r.get("n") == 1024 else r for r in rows]
+    assert not targets.dryrun(slow)[1]
+    big = [{**r, "host_peak_rss_bytes": 5e9} if r.get("n") == 4096 else r for r in rows]
+    assert not targets.dryrun(big)[1]
+    far = [{**r, "predicted_tflops": 100.0} if r.get("published_tflops") == 88 else r for r in rows]
+    assert not targets.dryrun(far)[1]  # a fitted row 14% off
+    unfitted_far = [{**r, "predicted_tflops": 1.0} if r.get("published_tflops") == 138 else r
+                    for r in rows]  # fmt: skip
+    assert targets.dryrun(unfitted_far)[1]  # predictions are reported, not judged
+    assert not targets.dryrun([r for r in rows if r.get("n") != 4096])[1]
+    quick = [{**r, "model": "gpt3-1.3b"} if r["kind"] == "target" else r for r in rows]
+    assert not targets.dryrun(quick)[1]
+    wrong = [{**r, "bytes_equal": False} if r.get("n") == 1024 else r for r in rows]
+    assert not targets.dryrun(wrong)[1]
+    assert not targets.dryrun([r for r in rows if r["kind"] == "target"])[1]  # no fitted rows

@@ -19,6 +19,7 @@ from ckpt_worker import (
     config,
     load_run,
     make_engine,
+    pool,
     reference,
     rel_error,
     save_loop,
@@ -289,6 +290,108 @@ def test_missing_latest_and_model_mismatch_are_errors(tmp_path):
     assert "saved with optimizer AdamW" in messages[0]
 
 
+@pytest.mark.parametrize("content", ["", "\n", "../elsewhere", "global_step9"])
+def test_empty_or_damaged_latest_is_an_error_naming_it(tmp_path, content):
+    case, _ = _saved(tmp_path)
+    (tmp_path / "latest").write_text(content)
+    kind = CheckpointNotFoundError if content == "global_step9" else CheckpointError
+    messages = _load_expecting(tmp_path, case, kind)
+    assert all(str(tmp_path / "latest") in m for m in messages), messages
+
+
+def _writes_failing_at(monkeypatch, fail_at):
+    """Make the ``fail_at``-th write of a checkpoint file (counted over all ranks) raise
+    ENOSPC as a full disk does: an OSError that does not name the file. Returns the count."""
+    import errno
+    import threading
+
+    calls, lock = [], threading.Lock()
+    real = checkpoint_io._HashingFile.write
+
+    def write(self, data):
+        with lock:
+            calls.append(1)
+            full = len(calls) == fail_at + 1
+        if full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, data)
+
+    monkeypatch.setattr(checkpoint_io._HashingFile, "write", write)
+    return calls
+
+
+def test_save_on_a_full_disk_names_the_file_and_leaves_the_earlier_save_of_the_tag(
+    tmp_path, monkeypatch
+):
+    """A write fails at each point of re-saving tag "t" in turn: every rank raises an OSError
+    naming the file; the staging folder and temporary files are gone; "t" still holds the
+    first save (or, when only `latest` failed, the complete second one)."""
+    case = Case(model="mlp", stage=2)
+
+    def save(comm, steps):
+        engine = make_engine(comm, case)
+        train_steps(engine, comm, case, steps, 0)
+        try:
+            engine.save_checkpoint(tmp_path, tag="t")
+        except OSError as err:
+            return snapshot(engine), str(err)
+        return snapshot(engine), None
+
+    def load(comm):
+        engine = make_engine(comm, case)
+        engine.load_checkpoint(tmp_path)
+        return snapshot(engine)
+
+    def weights(snaps):
+        return assemble(snaps, shapes_of(case))["master"]
+
+    first = weights([snap for snap, _ in zs.LocalWorld(2).run(save, 1)])
+    counted = _writes_failing_at(monkeypatch, -1)  # never fails: counts a whole save's writes
+    second = weights([snap for snap, _ in zs.LocalWorld(2).run(save, 2)])
+    writes = len(counted)
+    assert writes > 10, writes
+    latest_write = writes - 1  # `latest` is written last
+    zs.LocalWorld(2).run(save, 1)  # "t" back to the first save
+    for fail_at in range(writes):
+        monkeypatch.undo()
+        _writes_failing_at(monkeypatch, fail_at)
+        out = zs.LocalWorld(2).run(save, 2)
+        monkeypatch.undo()
+        errors = [err for _, err in out]
+        assert all(err is not None and "No space left on device" in err for err in errors)
+        assert all(str(tmp_path) in err for err in errors), errors  # the file is named
+        assert {p.name for p in tmp_path.iterdir()} == {"t", "latest"}, fail_at
+        assert not list(tmp_path.rglob(".*")), fail_at  # no staging folder or temporary file
+        want = second if fail_at == latest_write else first
+        got = weights(zs.LocalWorld(3).run(load))
+        for name, w in want.items():
+            np.testing.assert_array_equal(got[name], w)
+        if fail_at == latest_write:
+            zs.LocalWorld(2).run(save, 1)
+
+
+def test_data_position_of_another_dataset_is_refused_naming_the_metadata(tmp_path):
+    """A loader over another dataset would read another order from the saved position."""
+    case = Case(model="mlp")
+    x, y = pool(case)
+
+    def run(comm, length, load):
+        data = ArrayDataset(x[:length], y[:length])
+        engine, *_ = initialize(build_model(case), config(case), comm=comm, training_data=data)
+        if load:
+            engine.load_checkpoint(tmp_path)
+        else:
+            engine.save_checkpoint(tmp_path)
+
+    zs.LocalWorld(2).run(run, 100, False)
+    with pytest.raises(
+        CheckpointError,
+        match=r"metadata.json: the saved data position .*"
+        r"state\['dataset_len'\]=100, but this loader's dataset_len is 90",
+    ):
+        zs.LocalWorld(2).run(run, 90, True)
+
+
 def test_save_inside_an_accumulation_window_is_refused(tmp_path):
     case = Case(model="mlp", accumulation=2)
 
@@ -308,7 +411,8 @@ def test_save_interrupted_at_every_rename_leaves_the_previous_checkpoint(tmp_pat
     """A rename that fails (as if the process died there) at each point of a save."""
     case = Case(model="mlp", stage=1)
     first = zs.LocalWorld(2).run(save_run, case, 2, str(tmp_path))
-    renames = 2 * 3 + 2 + 1  # 3 kinds per rank, metadata and client state, latest
+    # 3 kinds per rank, metadata and client state, the staging folder to the tag, latest
+    renames = 2 * 3 + 2 + 1 + 1
     real = os.replace
     for fail_at in range(renames):
         calls = []
@@ -330,6 +434,11 @@ def test_save_interrupted_at_every_rename_leaves_the_previous_checkpoint(tmp_pat
             for name in want[kind]:
                 np.testing.assert_array_equal(got[kind][name], want[kind][name])
         assert not list(tmp_path.rglob(".*.tmp*"))  # no temporary file left behind
+        # nor a staging folder; the new tag exists only if it was complete (latest failed)
+        left = {p.name for p in tmp_path.iterdir()}
+        assert left == {"global_step2", "latest"} | (
+            {"global_step3"} if fail_at == renames - 1 else set()
+        )
     assert len(calls) == renames
 
 

@@ -165,3 +165,138 @@ def test_consolidate_json_lists_every_parameter(tmp_path, capsys):
         "layers.4.weight": [10, 256],
         "layers.4.bias": [10],
     }
+
+
+# -- bad input: a clear error naming the argument or file, on every rank, before anything runs --
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["volume", "--params=-1e6", "--dp", "4"], "argument --params: must be a whole number"),
+        (["volume", "--params", "1.5", "--dp", "4"], "got '1.5'"),
+        (["volume", "--params", "nan", "--dp", "4"], "got 'nan'"),
+        (["volume", "--params", "1e6", "--dp", "0"], "argument --dp: must be an integer >= 1"),
+        (["memory", "--params=-1"], "argument --params: must be a whole number"),
+        (["train", "--steps", "0"], "argument --steps: must be an integer >= 1, got '0'"),
+        (["train", "--steps", "-3"], "argument --steps: must be an integer >= 1, got '-3'"),
+    ],
+)
+def test_bad_numbers_are_refused_naming_the_argument_and_value(argv, named, capsys):
+    from zerosim.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def _train(tmp_path, *extra):
+    from zerosim.cli import main
+
+    return main(["train", "--local", "2", "--model", "mlp", "--quiet", *extra])
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        (
+            '{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, '
+            '"gradient_clipping": 0.0}',
+            "repeated keys ['gradient_clipping']",
+        ),
+        ('{"train_micro_batch_size_per_gpu": 2,\n "fp16": }', "neither JSON nor hjson"),
+        (None, "cannot read the file"),
+        (
+            '{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": -1}',
+            "gradient_clipping: got -1",
+        ),
+    ],
+)
+def test_train_config_goes_through_the_checked_reader(tmp_path, capsys, text, named):
+    path = tmp_path / "ds.json"
+    if text is not None:
+        path.write_text(text)
+    assert _train(tmp_path, "--steps", "1", "--config", str(path)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zerosim train: ") and named in err, err
+    assert err.count(str(path)) == 1, err  # the file is named, once
+    assert "Traceback" not in err
+
+
+def test_train_reads_an_hjson_config(tmp_path, capsys):
+    path = tmp_path / "ds.hjson"
+    path.write_text(
+        """# hjson: comments, quoteless keys and strings (each runs to the end of its line)
+{
+  train_micro_batch_size_per_gpu: 4
+  optimizer: {
+    type: SGD
+    params: {lr: 0.1}
+  }
+  zero_allow_untested_optimizer: true
+  zerosim: {
+    dtype: float64
+  }
+}
+"""
+    )
+    assert _train(tmp_path, "--steps", "2", "--config", str(path)) == 0
+    assert "memory matches the formula on every rank" in capsys.readouterr().out
+
+
+def test_resume_with_steps_not_beyond_the_checkpoint_is_refused(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    assert _train(tmp_path, "--steps", "3", "--save", str(ckpt)) == 0
+    capsys.readouterr()
+    assert _train(tmp_path, "--steps", "3", "--resume", str(ckpt), "--save", str(ckpt)) == 2
+    err = capsys.readouterr().err
+    assert f"--steps 3: the checkpoint in {ckpt} is at step 3" in err and "> 3" in err
+    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step3", "latest"]  # unchanged
+
+
+def test_consolidate_without_a_checkpoint_says_so_without_a_traceback(tmp_path, capsys):
+    from zerosim.cli import main
+
+    out = str(tmp_path / "w.npz")
+    assert main(["consolidate", str(tmp_path), out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"zerosim consolidate: {tmp_path / 'latest'}: missing"), err
+    assert main(["consolidate", str(tmp_path / "nowhere"), out]) == 2
+    assert "nowhere: no such checkpoint folder" in capsys.readouterr().err
+    (tmp_path / "latest").write_text("")
+    assert main(["consolidate", str(tmp_path), out]) == 2
+    assert f"{tmp_path / 'latest'}: holds ''" in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+def test_bad_config_and_steps_end_every_rank_with_the_error_under_mpirun(tmp_path):
+    from mpi_helpers import run_mpi
+
+    path = tmp_path / "ds.json"
+    path.write_text(
+        '{"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "gradient_clipping": 0.0}'
+    )
+    argv = ["-m", "zerosim", "train", "--model", "mlp", "--quiet", "--steps", "1"]
+    proc = run_mpi(3, [*argv, "--config", str(path)], timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count(f"zerosim train: {path}: repeated keys ['gradient_clipping']") == 3
+    assert "Traceback" not in proc.stderr
+    proc = run_mpi(3, [*argv[:-1], "0"], timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("argument --steps: must be an integer >= 1, got '0'") == 3
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_train_saved_on_4_ranks_resumes_on_3(tmp_path):
+    """The issue's commands (with the MLP): 4 steps × 16 samples = 64 is not a multiple of the
+    3-rank micro-step (12 samples); the resumed run trains to step 6 and reports."""
+    from mpi_helpers import run_mpi
+
+    argv = ["-m", "zerosim", "train", "--model", "mlp", "--quiet"]
+    ckpt = str(tmp_path / "ck")
+    proc = run_mpi(4, [*argv, "--steps", "4", "--save", ckpt], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_mpi(3, [*argv, "--steps", "6", "--resume", ckpt, "--save", ckpt], timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "memory matches the formula on every rank" in proc.stdout
+    assert (tmp_path / "ck" / "latest").read_text() == "global_step6"

@@ -14,7 +14,13 @@ import torch
 from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
-from zerosim.config import Config, ConfigError, load_config, resolve_batch_size
+from zerosim.config import (
+    Config,
+    ConfigError,
+    load_config,
+    read_config_file,
+    resolve_batch_size,
+)
 from zerosim.config.optimizer import (
     DEEPSPEED_SCHEDULERS,
     HYPERPARAMETERS,
@@ -720,7 +726,11 @@ def test_optimizer_and_scheduler_need_a_type():
     assert error_for({**BATCH, "scheduler": {"params": {}}}).path == "scheduler.type"
 
 
-TORCH_OPTIMIZERS = {name: getattr(torch.optim, name) for name in OPTIMIZER_TYPES if name != "Lion"}
+TORCH_OPTIMIZERS = {  # Lion, Lamb and Muon are DeepSpeed's own, not torch.optim's
+    name: getattr(torch.optim, name)
+    for name in OPTIMIZER_TYPES
+    if name not in ("Lion", "Lamb", "Muon")
+}
 NUMBERS = st.sampled_from([-1.0, -1e-9, 0.0, 1e-8, 0.5, 0.9, 0.999, 1.0, 3.0])
 
 
@@ -1085,6 +1095,67 @@ def test_file_problems_name_the_file(tmp_path):
     assert error_for(tmp_path).path == str(tmp_path)  # a directory is not a file
 
 
+HJSON = """# DeepSpeed reads its config file with hjson: comments, quoteless keys and strings,
+# optional commas
+{
+  train_micro_batch_size_per_gpu: 2
+  gradient_clipping: 1.0  // hjson reads this as the integer 1, as DeepSpeed then sees it
+  optimizer: {
+    type: AdamW
+    params: {lr: 1e-3, betas: [0.9, 0.95,],}
+  }
+  zero_optimization: {stage: 2}
+}
+"""
+
+
+def test_hjson_file_is_read_as_deepspeed_reads_it(tmp_path):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    path = tmp_path / "ds_config.hjson"
+    path.write_text(HJSON)
+    raw = read_config_file(path)
+    assert raw == DeepSpeedConfig(str(path))._param_dict  # DeepSpeed's own reader, its values
+    assert type(raw["gradient_clipping"]) is int
+    config = load(path, world_size=3)
+    assert (config.train_batch_size, config.gradient_clipping) == (6, 1.0)
+    assert dict(config.optimizer.params) == {"lr": 1e-3, "betas": (0.9, 0.95)}
+    assert config.zero_optimization.stage == 2
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        (
+            '{"train_batch_size": 8, "gradient_clipping": 1.0, "gradient_clipping": 0.0}',
+            "gradient_clipping",
+        ),
+        ("train_batch_size: 8\nzero_optimization: {\n  stage: 1\n  stage: 2\n}", "stage"),
+    ],
+)
+def test_repeated_key_is_refused_naming_it_and_the_file_as_deepspeed_refuses_it(
+    tmp_path, text, key
+):
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    path = tmp_path / "repeated.json"
+    path.write_text(text)
+    message = str(error_for(path))
+    assert str(path) in message and f"repeated keys [{key!r}]" in message
+    with pytest.raises(ValueError, match=f"Duplicate keys in DeepSpeed config: \\[{key!r}\\]"):
+        DeepSpeedConfig(str(path))
+
+
+def test_malformed_hjson_and_huge_numbers_name_the_file(tmp_path):
+    bad = tmp_path / "bad.hjson"
+    bad.write_text("{\n  train_batch_size: 8,\n  fp16: }\n")
+    message = str(error_for(bad))
+    assert str(bad) in message and "neither JSON nor hjson" in message and "line 3" in message
+    huge = tmp_path / "huge.json"
+    huge.write_text('{"train_batch_size": 1e400}')  # hjson: OverflowError, not a ConfigError
+    assert str(huge) in str(error_for(huge))
+
+
 def test_top_level_must_be_an_object(tmp_path):
     path = tmp_path / "list.json"
     path.write_text("[1, 2]")
@@ -1223,6 +1294,9 @@ def good_values(allowed: str) -> st.SearchStrategy:
     return SCALARS
 
 
+FAVOURED = {"zero_optimization", "optimizer", "bf16", "fp16"}
+
+
 def section_strategy(cls: type, chaos: bool) -> st.SearchStrategy[dict]:
     """Random subsets of the keys of ``cls`` plus random unknown keys.
 
@@ -1253,7 +1327,14 @@ def section_strategy(cls: type, chaos: bool) -> st.SearchStrategy[dict]:
     if chaos:
         for name in getattr(cls, "LEGACY_KEYS", ()):
             entries[name] = st.booleans() | SCALARS
-    chosen = st.lists(st.sampled_from(sorted(entries)), max_size=4, unique=True)
+    # Any up to 4 keys, plus any of the sections that decide how a run trains: drawn from the
+    # ~100 top-level keys alone, a ZeRO section came up in too few configs to exercise it.
+    favoured = sorted(FAVOURED & set(entries))
+    chosen = st.builds(
+        lambda keys, more: sorted(set(keys) | set(more)),
+        st.lists(st.sampled_from(sorted(entries)), max_size=4, unique=True),
+        st.lists(st.sampled_from(favoured), unique=True) if favoured else st.just([]),
+    )
     known = chosen.flatmap(
         lambda keys: st.fixed_dictionaries({**required, **{key: entries[key] for key in keys}})
     )
@@ -1315,3 +1396,94 @@ def test_fuzz_strategy_reaches_valid_configs_with_sections():
     budget = settings(database=None, phases=[Phase.generate], derandomize=True, max_examples=2000)
     example = find(section_strategy(Config, False), interesting, settings=budget)
     assert interesting(example)
+
+
+@pytest.mark.parametrize(
+    "raw, key, got, allowed, why",
+    [
+        (
+            {"managed_gradient_accumulation": False},
+            "managed_gradient_accumulation",
+            "False",
+            "true",
+            "client-managed boundary is not built",
+        ),
+        ({"sequence_parallel_size": 4}, "sequence_parallel_size", "4", "1", "Ulysses"),
+        (
+            {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+            "bf16.bf16_optimizer_states",
+            "True",
+            "false",
+            "float32 optimizer states",
+        ),
+        (
+            {"tensor_parallel": {"autotp_size": 2}},
+            "tensor_parallel",
+            "{'autotp_size': 2}",
+            "autotp_size and tp.tp_size (alias tensor_parallel.tp_size) <= 1 or absent",
+            "tensor parallelism is not built",
+        ),
+        (
+            {"weight_quantization": {"quantized_initialization": {"num_bits": 8}}},
+            "weight_quantization",
+            "{'quantized_initialization': {'num_bits': 8}}",
+            "quantized_initialization and post_init_quant false or absent",
+            "weight quantization is not built",
+        ),
+    ],
+)
+def test_a_refused_key_names_the_value_received_what_is_allowed_and_why(
+    raw, key, got, allowed, why
+):
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_batch_size": 4, **raw}, world_size=4)
+    message = str(info.value)
+    assert message.startswith(f"{key}: got {got}; allowed: {allowed} ("), message
+    assert why in message and info.value.path == key
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_data_parallel_size_beside_sequence_parallel_size_must_be_the_world_size(world):
+    """deepspeed.initialize builds a (data_parallel, sequence_parallel) mesh of every rank from
+    the two keys: with sequence_parallel_size 1 the data-parallel side is the world."""
+    base = {"train_batch_size": 2 * world, "sequence_parallel_size": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # declared: no "unknown key" warning
+        cfg = load_config({**base, "data_parallel_size": world}, world_size=world)
+    assert cfg.data_parallel_size == world
+    for wrong in (world + 1, 2 * world):
+        with pytest.raises(ConfigError) as info:
+            load_config({**base, "data_parallel_size": wrong}, world_size=world)
+        assert info.value.path == "data_parallel_size" and info.value.value == wrong
+        assert str(info.value).startswith(
+            f"data_parallel_size: got {wrong}; allowed: {world} (world size {world} / "
+            "sequence_parallel_size 1"
+        )
+
+
+def test_data_parallel_size_alone_is_warned_about_as_deepspeed_ignores_it():
+    with pytest.warns(UserWarning, match=r"data_parallel_size=5 is ignored: deepspeed.initialize"):
+        load_config({"train_batch_size": 4, "data_parallel_size": 5}, world_size=4)
+    with pytest.raises(ConfigError, match=r"data_parallel_size: got 'two'; allowed: an integer"):
+        load_config({"train_batch_size": 4, "data_parallel_size": "two"}, world_size=4)
+
+
+def test_a_torch_scheduler_at_stage_1_names_every_deepspeed_scheduler_type():
+    from zerosim.config.optimizer import DEEPSPEED_SCHEDULERS
+
+    config = {
+        "train_batch_size": 2,
+        "zero_optimization": {"stage": 1},
+        "scheduler": {"type": "StepLR", "params": {"step_size": 10}},
+    }
+    with pytest.raises(ConfigError) as info:
+        load_config(config, world_size=2)
+    assert info.value.path == "scheduler.type" and "LRRangeTest" in str(info.value)
+    assert all(name in str(info.value) for name in DEEPSPEED_SCHEDULERS)
+
+
+def test_gradient_allreduce_sum_is_refused_with_deepcompile_as_in_deepspeed():
+    config = {**BATCH, "gradient_allreduce_op": "sum", "compile": {"deepcompile": True}}
+    error = error_for(config, 2)
+    assert (error.path, error.value) == ("gradient_allreduce_op", "sum")
+    assert "with compile.deepcompile" in error.allowed and "'mean'" in error.allowed

@@ -190,7 +190,14 @@ def test_loader_yields_dataset_rows_of_the_sampled_indices_and_moves_to_next_epo
     for (x, y), idx in zip(first, expected, strict=True):
         np.testing.assert_array_equal(y, idx)
         np.testing.assert_array_equal(x, np.stack([idx, 2 * idx], axis=1))
-    assert loader.state_dict() == {"epoch": 1, "position": 0}
+    assert loader.state_dict() == {
+        "epoch": 1,
+        "position": 0,
+        "batch_start": 0,
+        "dataset_len": 50,
+        "shuffle": True,
+        "seed": 9,
+    }
     second = [y for _, y in loader]
     np.testing.assert_array_equal(np.stack(second), loader.sampler.rank_batches(1))
     assert not np.array_equal(np.stack(second), np.stack([y for _, y in first]))
@@ -204,7 +211,8 @@ def test_resume_from_state_dict_gives_the_same_remaining_batches():
     for _ in range(4):
         next(it)
     state = loader.state_dict()
-    assert state == {"epoch": 0, "position": 4 * 2 * 4}  # 4 micro-steps of 2·4 samples
+    # 4 micro-steps of 2·4 samples; the global batch in progress began after 3 (k = 3)
+    assert (state["epoch"], state["position"], state["batch_start"]) == (0, 4 * 2 * 4, 3 * 2 * 4)
     rest = [y for _, y in it] + [y for _, y in loader]  # rest of epoch 0, all of epoch 1
     resumed = make()
     resumed.load_state_dict(state)
@@ -235,12 +243,102 @@ def test_resume_with_another_world_size_continues_at_the_same_sample():
         np.testing.assert_array_equal(union_four, union_two)
 
 
+def _stream_rows(length, seed, epoch, start, micro, world, accum, rank, drop_last):
+    """Oracle from the documented definition (not from zerosim.data): rank ``rank``'s index
+    arrays for the rest of ``epoch`` when global batches of G = m·k·N are laid from position
+    ``start`` of the permutation default_rng((seed, epoch)).permutation(length)."""
+    perm = np.random.default_rng((seed, epoch)).permutation(length)
+    g = micro * accum * world
+    rows, at = [], start
+    while at + g <= length or (not drop_last and at < length):
+        for j in range(accum):
+            first = at + (j * world + rank) * micro
+            rows.append(perm[np.arange(first, first + micro) % length])
+        at += g
+    return rows
+
+
+def _read(loader, rows):
+    """The next ``rows`` index arrays (y of the indexed dataset) this loader yields."""
+    it = iter(loader)
+    return [next(it)[1] for _ in range(rows)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    length=st.integers(30, 160),
+    before=st.tuples(st.integers(1, 3), st.integers(1, 5), st.integers(1, 3)),
+    after=st.tuples(st.integers(1, 3), st.integers(1, 5), st.integers(1, 3)),
+    steps=st.integers(0, 4),
+    drop_last=st.booleans(),
+)
+def test_resume_at_any_world_size_reads_every_sample_of_the_stream_once(
+    length, before, after, steps, drop_last
+):
+    """Save after ``steps`` global steps with (m, N, k) = ``before``; resume with ``after``:
+    the resumed ranks read the rest of the epoch from the saved position on, laid in their
+    own global batches, whether or not the position is a multiple of their sizes."""
+    (m, n, k), (m2, n2, k2) = before, after
+    g, g2 = m * n * k, m2 * n2 * k2
+    if drop_last and (length < g or length < g2):
+        return
+    steps = min(steps, -(-length // g) if not drop_last else length // g)
+    data, seed = _indexed_dataset(length), 7
+    kw = dict(seed=seed, drop_last=drop_last)
+    saving = [build_loader(data, m, n, r, gradient_accumulation_steps=k, **kw) for r in range(n)]
+    for r, loader in enumerate(saving):
+        got = _read(loader, steps * k)
+        want = _stream_rows(length, seed, 0, 0, m, n, k, r, drop_last)[: steps * k]
+        np.testing.assert_array_equal(np.reshape(got, (-1, m)), np.reshape(want, (-1, m)))
+    state = saving[0].state_dict()
+    assert all(loader.state_dict() == state for loader in saving)
+    assert state["position"] == state["batch_start"] == steps * g
+    for r in range(n2):
+        loader = build_loader(data, m2, n2, r, gradient_accumulation_steps=k2, **kw)
+        loader.load_state_dict(state)
+        want = _stream_rows(length, seed, 0, steps * g, m2, n2, k2, r, drop_last)
+        # the rest of epoch 0 (when the saving run read it to its end, iterating would
+        # start epoch 1: there is no rest)
+        rest = [y for _, y in loader] if want else []
+        assert len(rest) == len(want)
+        for a, b in zip(rest, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+        first_of_next = next(iter(loader))[1]  # then epoch 1 from its first position
+        want_next = _stream_rows(length, seed, 1, 0, m2, n2, k2, r, drop_last)[0]
+        np.testing.assert_array_equal(first_of_next, want_next)
+
+
+def test_position_that_does_not_divide_the_new_micro_step_starts_a_global_batch_there():
+    """The issue's case: 4 ranks × micro-batch 4 saved at position 640; 3 ranks resume."""
+    data = _indexed_dataset(1000)
+    state = {"epoch": 0, "position": 640, "batch_start": 640, "dataset_len": 1000}
+    state |= {"shuffle": True, "seed": 0}
+    perm = np.random.default_rng((0, 0)).permutation(1000)
+    for r in range(3):
+        loader = build_loader(data, 4, world_size=3, rank=r)
+        loader.load_state_dict(state)  # 640 = 53·12 + 4: not a multiple of m·N = 12
+        first, second = _read(loader, 2)
+        np.testing.assert_array_equal(first, perm[640 + 4 * r : 644 + 4 * r])
+        np.testing.assert_array_equal(second, perm[652 + 4 * r : 656 + 4 * r])
+        assert loader.state_dict()["position"] == 640 + 2 * 12
+
+
 def test_loader_rejects_bad_state_and_mismatched_dataset():
-    loader = build_loader(_indexed_dataset(40), 2, world_size=2)  # micro-step = 4 samples
-    with pytest.raises(ValueError, match=r"state\['position'\]=6 must be a multiple of"):
-        loader.load_state_dict({"epoch": 0, "position": 6})
+    loader = build_loader(_indexed_dataset(40), 2, world_size=2, seed=4)  # micro-step = 4
+    base = loader.state_dict()
+    with pytest.raises(ValueError, match=r"state\['position'\]=6 is 2 samples into the global"):
+        loader.load_state_dict({**base, "position": 6, "batch_start": 4})
+    with pytest.raises(ValueError, match=r"batch_start'\]=8 must be at most state\['position'\]=4"):
+        loader.load_state_dict({**base, "position": 4, "batch_start": 8})
+    with pytest.raises(ValueError, match=r"state\['dataset_len'\]=41, but this loader's"):
+        loader.load_state_dict({**base, "dataset_len": 41})
+    with pytest.raises(ValueError, match=r"state\['seed'\]=5, but this loader's seed is 4"):
+        loader.load_state_dict({**base, "seed": 5})
     with pytest.raises(KeyError, match="missing"):
         loader.load_state_dict({"epoch": 0})
+    assert loader.state_dict() == base  # nothing changed by the refused states
+    loader.load_state_dict({"epoch": 0, "position": 6})  # an older state: a boundary at 6
+    assert loader.state_dict()["batch_start"] == 6
     with pytest.raises(ValueError, match="does not match len"):
         DataLoader(_indexed_dataset(41), loader.sampler)
 

@@ -330,6 +330,49 @@ def optimizer_cases() -> list[Case]:
     for label, section in odd.items():
         cases.append(Case(f"optimizer/{label}", {"train_batch_size": 2, "optimizer": section}))
     cases.append(Case("optimizer/absent", {"train_batch_size": 2}))
+    return cases + whole_parameter_cases()
+
+
+def whole_parameter_cases() -> list[Case]:
+    """LAMB and Muon: DeepSpeed's rules across sections (Muon with torch_adam: DeepSpeed's
+    FusedAdam, its default auxiliary Adam, is not built on this machine)."""
+    muon = {"torch_adam": True}
+    fp16, bf16 = {"fp16": {"enabled": True}}, {"bf16": {"enabled": True}}
+    static = {"enabled": True, "loss_scale": 8}
+    sections = {
+        "Muon@s0": ({"type": "Muon", "params": muon}, {}, {}),
+        "muon@s1 fp16": ({"type": "muon", "params": muon}, {"stage": 1}, fp16),
+        "Muon@s2 bf16": ({"type": "Muon", "params": muon}, {"stage": 2}, bf16),
+        "Muon@s3": ({"type": "Muon", "params": muon}, {"stage": 3}, {}),
+        "Muon@s3 no reduce_scatter": (
+            {"type": "Muon", "params": muon}, {"stage": 3, "reduce_scatter": False}, {}
+        ),
+        "Muon@s3 qgZ": (
+            {"type": "Muon", "params": muon},
+            {"stage": 3, "reduce_scatter": False, "zero_quantized_gradients": True},
+            {},
+        ),
+        "Muon halves": (
+            {"type": "Muon", "params": {**muon, "muon_lr": 0.02, "adam_lr": 1e-3,
+                                        "momentum": 0.9, "ns_method": "standard",
+                                        "betas": [0.9, 0.95], "eps": 1e-10}},
+            {}, {},
+        ),
+        "Muon ns_method newton": ({"type": "Muon", "params": {**muon, "ns_method": "x"}}, {}, {}),
+        "Muon unknown key": ({"type": "Muon", "params": {**muon, "foo": 1}}, {}, {}),
+        "Lamb fp16 static scale": ({"type": "Lamb"}, {}, {"fp16": static}),
+        "Lamb static scale fp16 off": ({"type": "Lamb"}, {}, {"fp16": {"loss_scale": 8}}),
+        "Lamb amsgrad": ({"type": "Lamb", "params": {"amsgrad": True}}, {}, {}),
+        "Lamb params": (
+            {"type": "Lamb", "params": {"lr": 0.01, "bias_correction": False, "max_coeff": 5.0,
+                                        "min_coeff": 0.1, "eps_inside_sqrt": True}},
+            {}, {},
+        ),
+    }  # fmt: skip
+    cases = []
+    for label, (section, zero, top) in sections.items():
+        config = {"train_batch_size": 2, "optimizer": section, "zero_optimization": zero, **top}
+        cases.append(Case(f"optimizer/{label}", config))
     return cases
 
 
@@ -757,8 +800,27 @@ DIFFERENCES: list[Difference] = [
     Difference(
         r"optimizer/Adadelta",
         True,
-        "zerosim implements Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam and Lion; "
+        "zerosim implements Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, Lion, Lamb "
+        "and Muon; "
         "DeepSpeed looks any other torch.optim name up",
+    ),
+    Difference(
+        r"optimizer/Lamb(@s0|@s2\+allow| params)",
+        False,
+        "DeepSpeed builds FusedLamb, which its CPU accelerator lacks ('This op had not been "
+        "implemented on CPU backend'); with a GPU DeepSpeed accepts these configs, as zerosim does",
+    ),
+    Difference(
+        r"optimizer/[Mm]uon@s\d (fp16|bf16)",
+        True,
+        "zerosim builds Muon for float32/float64 training only (DeepSpeed's Muon keeps its "
+        "momentum in the 16-bit gradient dtype and rescales updates by the loss scale)",
+    ),
+    Difference(
+        r"optimizer/Muon unknown key",
+        True,
+        "DeepSpeed's Muon reads only the keys of its two halves (and its Adam switches) and "
+        "ignores any other without a word; zerosim refuses a key it would not act on",
     ),
     Difference(
         r"optimizer/[Ll]ion@",
@@ -1018,6 +1080,8 @@ def test_the_walk_of_deepspeeds_code_finds_keys_of_every_kind():
         "data_efficiency.data_sampling.curriculum_learning.enabled",
         "timers.throughput.synchronized",
         "nebula",  # removed, and refused
+        "data_parallel_size",  # `in config` and config[...] in deepspeed.initialize
+        "tensor_parallel.autotp_size",  # .get on .get in deepspeed.initialize
     ):
         assert expected in keys, expected
 
@@ -1068,3 +1132,23 @@ def test_every_declared_key_has_the_default_deepspeeds_code_writes():
 
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def test_the_key_walk_evaluates_names_attributes_and_literals_only():
+    """The walk reads constants out of DeepSpeed's source: it must not run other expressions
+    (a call there would run DeepSpeed's, or anyone's, code at test time)."""
+    import ast
+
+    from deepspeed_keys import _Body, _Walk
+
+    ran = []
+    body = _Body(_Walk(), test_the_key_walk_evaluates_names_attributes_and_literals_only, {}, {})
+    body.names.update(run=lambda: ran.append(1) or "KEY", consts=re, KEY="train_batch_size")
+
+    def value(source: str):
+        return body.value(ast.parse(source, mode="eval").body)
+
+    assert value("run()") is NO_DEFAULT and value("[run()]") is NO_DEFAULT and ran == []
+    assert value("KEY") == "train_batch_size" and value("consts.IGNORECASE") == re.IGNORECASE
+    assert value("-1") == -1 and value("(KEY, 2)") == ["train_batch_size", 2]
+    assert value("{KEY: None}") == {"train_batch_size": None} and value("1 + 1") is NO_DEFAULT

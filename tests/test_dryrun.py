@@ -155,3 +155,24 @@ def test_overflow_rule_decides_whether_fp16_steps_are_skipped():
     skipped = dry_run(MODEL, 3, cfg, steps=1, overflow=True)["ranks"][0]["bytes_sent"]
     assert finite["overflow"] == skipped["overflow"] > 0
     assert finite["step"] > 0 and skipped.get("step", 0) == 0
+
+
+def test_a_recipe_from_a_shape_keeps_its_name_and_its_tied_embedding():
+    from zerosim.analysis.presets import GPTShape
+    from zerosim.backend import shape_only_init
+    from zerosim.dryrun import recipe
+
+    shape = GPTShape(2, 32, 2, vocab=40, seq=16)  # tied, as Megatron's GPT
+    model = recipe(shape, "tiny")
+    assert model.name == "tiny" and model.gpt == shape
+    with shape_only_init():
+        net = model.build()
+    # Narayanan et al.'s eq. 2 counts one embedding matrix and no final LayerNorm (2h)
+    assert sum(p.numel for p in net.parameters()) == round(shape.formula_params()) + 2 * 32
+    x, y = model.batch(3)
+    assert x.shape == y.shape == (3, 16)
+    untied = recipe("gpt:2,32,40,16,2")
+    with shape_only_init():
+        assert sum(p.numel for p in untied.build().parameters()) == (
+            round(shape.formula_params()) + 2 * 32 + 40 * 32
+        )

@@ -123,3 +123,25 @@ def test_dry_run_reports_time_and_writes_trace_and_plot(tmp_path):
     assert json.loads(trace.read_text())["traceEvents"] and plot.stat().st_size > 1000
     with pytest.raises(ValueError, match="give a cluster"):
         dry_run("gpt:2,32,40,32,2", 8, cfg, trace=trace)
+
+
+def test_the_zeropp_cluster_borrows_selenes_factors_and_the_published_hardware():
+    from pathlib import Path
+
+    clusters = Path(__file__).resolve().parent.parent / "examples" / "clusters"
+    selene = load_cluster_model(clusters / "selene.json")
+    v100 = load_cluster_model(clusters / "zeropp_v100.json")
+    # nothing fitted to the ZeRO++ figures: the efficiencies are Selene's, whatever its next fit
+    assert (v100.compute_efficiency, v100.network_efficiency) == (
+        selene.compute_efficiency,
+        selene.network_efficiency,
+    )
+    c = v100.cluster
+    assert c.nodes * c.devices_per_node == 384  # the blog's 384 V100s, 16 per node
+    assert c.inter_bandwidth == 4 * 100e9 / 8 / 16  # Figure 6: 4 × 100 Gb/s IB per node
+    assert c.device_flops == 2e15 / 16  # the DGX-2's 2 PFLOPS over its 16 GPUs
+    spec = json.loads((clusters / "zeropp_v100.json").read_text())
+    assert set(spec["comment"]) == {  # every number says where it comes from
+        "nodes", "devices_per_node", "intra_bandwidth", "inter_bandwidth", "intra_latency",
+        "inter_latency", "device_flops",
+    }  # fmt: skip

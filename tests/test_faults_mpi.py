@@ -55,7 +55,9 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_loadable(tmp_
     proc, out = _run("kill_save", str(tmp_path), monkeypatch=monkeypatch)
     assert proc.returncode != 0 and "rank 1: SIGKILL now" in out
     assert (tmp_path / "latest").read_text().strip() == "global_step2"
-    assert (tmp_path / "global_step4").is_dir()  # the interrupted save, never named latest
+    # the interrupted save stays in its staging folder: never a tag folder, never named latest
+    assert (tmp_path / ".global_step4.saving").is_dir()
+    assert not (tmp_path / "global_step4").exists()
     expected = dict(np.load(tmp_path / "expected.npz"))
 
     def load(comm):

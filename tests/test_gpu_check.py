@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -98,6 +99,46 @@ def test_the_check_runs_end_to_end_in_cpu_mode(tmp_path):
     assert len(files) <= MACHINE_FILE_LIMIT
 
 
+def test_without_cpu_dry_a_machine_with_no_gpu_fails_the_check_saying_why(tmp_path):
+    """This machine has no GPU: outside --cpu-dry that is a failure, not the CPU mode."""
+    out = tmp_path / "out"
+    proc, report = check(out, "--parts", "environment,tests,benchmark")
+    assert proc.returncode == 1, proc.stdout + proc.stderr + report
+    assert "No part failed." not in report
+    environment = part_row(report, "environment")
+    assert environment[1] == "failed", environment
+    assert re.search(r"no GPU: CuPy (does not import|sees no CUDA device|finds no)", environment[4])
+    assert "nvidia-smi: " in environment[4] and "--cpu-dry" in environment[4]
+    tests = part_row(report, "tests")
+    assert tests[1] == "failed" and "every test skipped" in tests[4], tests
+    bench = part_row(report, "benchmark")
+    assert bench[1] == "failed" and "no GPU" in bench[4], bench
+    assert "**Failed: environment, tests, benchmark.**" in report
+    assert "no GPU seen (" in report and "CPU mode" not in report
+
+
+def test_the_benchmark_check_fails_where_torch_cannot_use_cuda(monkeypatch, capsys):
+    """``gpu_adam.py --check`` on a GPU but with a torch that has no CUDA: nothing compared,
+    exit 1 (here the GPU is stood in for by the host arrays; torch has no CUDA)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    import zerosim.backend
+    from benchmarks import gpu_adam
+
+    assert not __import__("torch").cuda.is_available()
+    host_as_gpu = SimpleNamespace(xp=np, sync=lambda: None, torch="cuda", backend="numpy")
+    monkeypatch.setattr(zerosim.backend, "gpu_available", lambda: True)
+    monkeypatch.setattr(
+        gpu_adam, "device", lambda name: SimpleNamespace(**vars(host_as_gpu), name="gpu")
+    )
+    argv = ["--numel", "1024", "--steps", "1", "--gpt", "tiny", "--gpt-steps", "1", "--warmup", "0"]
+    assert gpu_adam.main([*argv, "--check"]) == 1
+    assert "torch cannot use CUDA here" in capsys.readouterr().err
+    assert gpu_adam.main(argv) == 0  # without --check it only reports
+
+
 def test_a_failing_part_fails_the_check_and_the_report_names_it(tmp_path):
     out = tmp_path / "out"
     proc, report = check(out, "--parts", "environment", env={FAIL_ENV: "environment"})
@@ -137,8 +178,14 @@ def test_the_wrapper_writes_a_report_when_the_check_cannot_start(tmp_path):
 
 
 def test_the_prepared_command_fits_the_machines_command_line():
+    """The longest command gpu_prepare.py prints: its --dest at the longest path a machine
+    carries, made of the character that quoting lengthens most."""
+    assert gpu_prepare.CARRY_PATH_LIMIT == 200 and gpu_prepare.COMMAND_LIMIT == 2000
+    longest = gpu_prepare.command("'" * gpu_prepare.CARRY_PATH_LIMIT)
+    assert len(longest) <= gpu_prepare.COMMAND_LIMIT, len(longest)
+    spaced = "wheels for the check/" + "x" * 10
+    assert shlex.split(gpu_prepare.command(spaced))[3] == spaced  # one argument, as given
     line = gpu_prepare.command()
-    assert len(line) <= gpu_prepare.COMMAND_LIMIT == 2000
     assert line.startswith("bash benchmarks/gpu_check.sh ") and '--out "$OUT"' in line
     assert (ROOT / "benchmarks" / "gpu_check.sh").exists()
     ignored = subprocess.run(["git", "check-ignore", "-q", gpu_prepare.DEST], cwd=ROOT)
@@ -154,6 +201,9 @@ def test_the_prepare_helper_names_what_is_missing(tmp_path):
     assert not any("MiB to carry" in p for p in problems)  # 1 kB and the tree fit
     too_long = gpu_prepare.command("x" * 2000)
     assert any("characters, over 2000" in p for p in gpu_prepare.check(tmp_path, too_long))
+    dest = "d" * 201  # longer than a machine carries: refused before the command is printed
+    problems = gpu_prepare.check(tmp_path, gpu_prepare.command(dest), dest)
+    assert any("201 characters, over 200" in p for p in problems), problems
 
 
 # -- the report as it will read on a GPU machine --------------------------------------------------

@@ -621,7 +621,7 @@ def test_torch_state_dict_loads_into_zerosim_scheduler_and_continues_like_torch(
         assert group_values(ours) == group_values(theirs)
 
 
-@pytest.mark.parametrize("case", INTERCHANGE_CASES[3:])
+@pytest.mark.parametrize("case", INTERCHANGE_CASES)
 def test_zerosim_state_dict_loads_into_torch_scheduler_and_continues_like_zerosim(case):
     kind, build = CASES[case]
     ours, _ = make_pair(kind)
@@ -974,7 +974,17 @@ BAD_DS = [
     (lambda o: Z.LRRangeTest(o, lr_range_test_min_lr=[0.1]), "lr_range_test_min_lr.*2.*got 1"),
     (lambda o: Z.LRRangeTest(o, lr_range_test_min_lr=-0.1), "lr_range_test_min_lr.*-0.1"),
     (lambda o: Z.LRRangeTest(o, lr_range_test_step_rate=-1.0), "lr_range_test_step_rate.*-1.0"),
-    (lambda o: Z.LRRangeTest(o, lr_range_test_staircase="false"), "staircase.*true or false"),
+    (lambda o: Z.LRRangeTest(o, lr_range_test_staircase="false"), "staircase.*true, false, 0 or 1"),
+    # a number that is not one: named with the value and what is allowed, not a bare TypeError
+    (
+        lambda o: Z.LRRangeTest(o, lr_range_test_min_lr="0.1"),
+        r"lr_range_test_min_lr must be a finite number >= 0.*got '0.1'",
+    ),
+    (lambda o: Z.WarmupLR(o, warmup_max_lr="1e-3"), r"warmup_max_lr must be a finite.*'1e-3'"),
+    (lambda o: Z.WarmupLR(o, warmup_min_lr=float("nan")), r"warmup_min_lr must be a finite.*nan"),
+    (lambda o: Z.WarmupLR(o, warmup_max_lr=[0.1, math.inf]), r"warmup_max_lr must.*inf\]"),
+    (lambda o: Z.OneCycle(o, 0.1, True), r"cycle_max_lr must be a finite number.*True"),
+    (lambda o: Z.WarmupCosineLR(o, 2000, cos_min_ratio=None), r"cos_min_ratio must.*None"),
 ]
 
 

@@ -18,9 +18,12 @@ def params(n=2):
     return [Param(np.zeros(3)) for _ in range(n)]
 
 
-ALL = [zo.SGD, zo.Adam, zo.AdamW, zo.Adagrad, zo.RMSprop, zo.Adamax, zo.NAdam, zo.RAdam, zo.Lion]
-WITH_EPS = [zo.Adam, zo.AdamW, zo.Adagrad, zo.RMSprop, zo.Adamax, zo.NAdam, zo.RAdam]
-WITH_BETAS = [zo.Adam, zo.AdamW, zo.Adamax, zo.NAdam, zo.RAdam, zo.Lion]
+ALL = [
+    zo.SGD, zo.Adam, zo.AdamW, zo.Adagrad, zo.RMSprop, zo.Adamax, zo.NAdam, zo.RAdam, zo.Lion,
+    zo.Lamb,
+]  # fmt: skip
+WITH_EPS = [zo.Adam, zo.AdamW, zo.Adagrad, zo.RMSprop, zo.Adamax, zo.NAdam, zo.RAdam, zo.Lamb]
+WITH_BETAS = [zo.Adam, zo.AdamW, zo.Adamax, zo.NAdam, zo.RAdam, zo.Lion, zo.Lamb]
 
 BAD = (
     [(cls, "lr", -1e-3, "0.0 <= lr") for cls in ALL]

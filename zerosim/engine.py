@@ -160,7 +160,7 @@ def _optimizer_spec(cfg: Config, client: Any, model: Module) -> tuple[type, list
             "zerosim's engine trains (DeepSpeed would build an engine that cannot step)",
         )
     cls = getattr(optim, cfg.optimizer.class_name)
-    return cls, [(named, dict(cfg.optimizer.kwargs()))]
+    return cls, cfg.optimizer.param_groups(named)
 
 
 def _gather_text(comm: Communicator, text: str) -> list[str]:
@@ -617,14 +617,23 @@ class Engine:
         """The global norm of the gradients times ``inv_scale``, as the schedule says
         (``self.checks``); None without one.
 
-        "sum_sq": each rank's partial Σg² over what it owns, summed by one all-reduce; "mean":
+        "sum_sq": each rank's partial Σg² over what it owns, summed by one all-reduce per norm
+        group (``Strategy.grad_norm_sq_parts``: DeepSpeed's parameter groups or sub-groups); "mean":
         DeepSpeed's stage 0 all-reduces ‖g‖/N of the full local gradients; "local": the full
         local gradients, no collective; "none": no norm (and so no clipping).
         """
         checks = self.checks
         if checks.norm == "none":  # compute_grad_norm false
             return None
-        sum_sq = self.strategy.grad_norm_sq(inv_scale, whole=checks.norm != "sum_sq")
+        if checks.norm == "sum_sq":  # a scalar per norm group, phase "clip" (DeepSpeed's)
+            total = 0.0
+            for part in self.strategy.grad_norm_sq_parts(inv_scale):
+                message = np.array([part], dtype=checks.norm_dtype)
+                with self.comm.phase("clip"):
+                    self.comm.all_reduce(message)
+                total += float(message[0])
+            return math.sqrt(total)
+        sum_sq = self.strategy.grad_norm_sq(inv_scale, whole=True)
         if checks.norm == "local":
             return math.sqrt(sum_sq)
         mean = checks.norm == "mean"  # one scalar, phase "clip": kept apart from the volume

@@ -10,8 +10,9 @@ ZeRO, the module's parameters at stage 0).
 
 fp16: DeepSpeed's CPU accelerator says it has no fp16, but its engines run on CPU when the check
 is patched, so for fp16 cases this driver patches ``get_accelerator().is_fp16_supported`` to
-return True (only here, only for those cases): fp16 training and the dynamic loss scaler are then
-compared end to end.
+return True (only here, only for those cases, undone after each): fp16 training and the dynamic
+loss scaler are then compared end to end. (Left on, it would also switch DeepSpeed's Muon to fp16
+Newton-Schulz in the cases after it.)
 """
 
 from __future__ import annotations
@@ -59,12 +60,20 @@ def comms_snapshot() -> dict[str, dict[str, int]]:
 
 
 def run_case(case: dict, out: Path) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if case["config"].get("fp16", {}).get("enabled"):
+        accelerator.is_fp16_supported = lambda: True  # patched: see the module docstring
+    try:
+        _run_case(case, out)
+    finally:  # only for that case: Muon's Newton-Schulz picks fp16 where the accelerator says so
+        vars(accelerator).pop("is_fp16_supported", None)
+
+
+def _run_case(case: dict, out: Path) -> None:
     rank = dist.get_rank()
     cfg = dict(case["config"], comms_logger={"enabled": True, "prof_all": True})
-    if cfg.get("fp16", {}).get("enabled"):
-        from deepspeed.accelerator import get_accelerator
-
-        get_accelerator().is_fp16_supported = lambda: True  # patched: see the module docstring
     twin = twin_of(case, model_of(case))
     engine, *_ = deepspeed.initialize(model=twin, model_parameters=twin.parameters(), config=cfg)
     dtype = next(engine.module.parameters()).dtype

@@ -77,7 +77,9 @@ def deepspeed_step(step: dict, stage: int) -> dict[str, dict[int, int]]:
     for op, sizes in step.items():
         if op == "broadcast" and stage == 3:
             continue
-        out[NAMES.get(op, op)] = {int(size): calls for size, calls in sizes.items()}
+        merged = out.setdefault(NAMES.get(op, op), {})  # Muon's stage 3 logs both all-gathers
+        for size, calls in sizes.items():
+            merged[int(size)] = merged.get(int(size), 0) + calls
     return out
 
 

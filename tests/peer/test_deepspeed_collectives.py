@@ -25,6 +25,12 @@ Not compared, and why:
   in the first micro-step with broadcasts (``assert_ints_same_as_other_ranks``, in the first
   two forwards); zerosim's ranks record the same trace and check nothing. Stage 3's broadcasts
   are compared nowhere.
+Muon (MuonWithAuxAdam, with torch's AdamW as its Adam): one norm all-reduce per parameter
+group (two) at stages 1-2 and per sub-group at stage 3; at stages 1-2 a split matrix's slices
+all-reduced to its owners; at stage 3 the step's all-gathers of gradient and momentum chunks
+(``all_gather_into_tensor``) and of each round's updates and momentums (``all_gather`` of
+lists), both counted under all_gather.
+
 Every optimizer step is compared, the first included. zerosim's stage 3 follows DeepSpeed's
 coordinator (zerosim/zero/ds_coordinator.py): one coalesced all-gather per module fetch while it
 records, then one per fetch and one per prefetch along the trace (prefetch bucket, live cap and
@@ -55,7 +61,11 @@ SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 BF16 = {"bf16": {"enabled": True}}
 FP16 = {"fp16": {"enabled": True, "initial_scale_power": 4}}  # no overflow in these steps
 GATHERED = {"stage3_param_persistence_threshold": 0}
-TRAINING_PHASES = {"forward", "backward", "step", "clip", "overflow"}
+TRAINING_PHASES = {"forward", "backward", "step", "clip", "overflow", "muon"}
+MUON = {
+    "type": "Muon",
+    "params": {"lr": 0.02, "adam_lr": 1e-3, "weight_decay": 0.01, "torch_adam": True},
+}
 
 
 def _case(name, stage, zero=None, model=MLP, optimizer=ADAM, **top):
@@ -76,6 +86,7 @@ def cases() -> list[dict]:
         _case("s0_noclip_gas2", 0, gradient_clipping=0.0, gradient_accumulation_steps=2),
         _case("s0_bf16", 0, optimizer=SGD, **BF16),
         _case("s0_fp16_bucket37", 0, {"reduce_bucket_size": 37}, optimizer=SGD, **FP16),
+        _case("s0_muon", 0, optimizer=MUON),  # one all-reduce over both groups' gradients
     ]
     for stage in (1, 2):
         s = f"s{stage}"
@@ -142,6 +153,25 @@ def cases() -> list[dict]:
                 {"reduce_bucket_size": 500, "overlap_comm": True},
                 model=GPT,
             ),
+            # Muon: two groups (two norm all-reduces); split matrices all-reduced to their owners
+            _case(f"{s}_muon", stage, optimizer=MUON),
+            _case(
+                f"{s}_gpt_muon_bucket300_reduce",
+                stage,
+                {"reduce_bucket_size": 300, "use_multi_rank_bucket_allreduce": False},
+                model=GPT,
+                optimizer=MUON,
+            ),
+            _case(
+                f"{s}_muon_bucket37_reduce_overlap",
+                stage,
+                {
+                    "reduce_bucket_size": 37,
+                    "use_multi_rank_bucket_allreduce": False,
+                    "overlap_comm": True,
+                },
+                optimizer=MUON,
+            ),
         ]
     # Stage 3 last: its zero.Init replaces torch.nn.functional.linear with DeepSpeed's
     # memory-efficient linear for the rest of the process ("This will persist unless manually
@@ -178,6 +208,22 @@ def cases() -> list[dict]:
         ),
         _case(
             "s3_gpt_gathered_live300", 3, {**GATHERED, "stage3_max_live_parameters": 300}, model=GPT
+        ),
+        # Muon (reduce_scatter false, DeepSpeed's rule): the step's sub-group loop
+        _case("s3_muon", 3, {"reduce_scatter": False}, optimizer=MUON),
+        _case(
+            "s3_gpt_muon_gathered_bucket300",
+            3,
+            {**GATHERED, "reduce_scatter": False, "reduce_bucket_size": 300},
+            model=GPT,
+            optimizer=MUON,
+        ),
+        _case(  # sub-groups: the loop restarts at each, and each has its norm all-reduce
+            "s3_gpt_muon_sub_group200",
+            3,
+            {"reduce_scatter": False, "sub_group_size": 200},
+            model=GPT,
+            optimizer=MUON,
         ),
         _case(
             "s3_gpt_gathered_live0_reuse0_gas2",

@@ -36,6 +36,10 @@ Bounds, and why (measured worst cases at N = 2 and 3 in brackets):
   bounds above and must be finite; where it does not (stage 0 in fp32; stages 1-2 in bf16
   without the check), both sides' weights are nan in the same places. After every step the
   skipped steps, the loss scale and the collectives are DeepSpeed's, exactly.
+- Muon (fp32, Newton–Schulz "gram" in float32 on both sides): the same bounds as Adam's. Both
+  sides orthogonalize the same reduced gradients up to float32 rounding, and the update is
+  ~1 in size, so a matrix's weights move by lr·(update) with differences of lr·1e-6 [MLP
+  6e-8; GPT 4.5e-6, its Adam half's key bias as above].
 """
 
 from __future__ import annotations
@@ -88,6 +92,12 @@ DECAY = {
     "params": {"warmup_num_steps": 2, "total_num_steps": 6, "warmup_max_lr": 0.05},
 }
 COSINE = {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 6}}
+# Muon with torch's AdamW as its auxiliary Adam (DeepSpeed's FusedAdam, the default, is not built
+# on this machine; torch_adam changes nothing else)
+MUON = {
+    "type": "Muon",
+    "params": {"lr": 0.02, "adam_lr": 1e-3, "weight_decay": 0.01, "torch_adam": True},
+}
 FP16_8 = {"enabled": True, "initial_scale_power": 8}
 # Stage 0: DeepSpeed's backward leaves the loss unscaled, zerosim's scales it (docs/config.md);
 # from a scale of 1 the two agree, the dynamic scaler and FP16_UnfusedOptimizer's step included.
@@ -183,6 +193,29 @@ def cases() -> list[dict]:
             **UNTESTED,
         ),
         *nonfinite_cases((3,)),
+        # Muon: stage 0 clips raw gradients, ZeRO clips the updates (the norms test holds both)
+        _case("s0_muon", 0, MUON),
+        _case("s1_muon_clip", 1, MUON, gradient_clipping=0.3),
+        _case("s2_gpt_muon", 2, MUON, model=GPT),
+        _case(  # split matrices all-reduced to their owners, the rest reduced to one
+            "s2_muon_reduce_gas2",
+            2,
+            MUON,
+            zero={"use_multi_rank_bucket_allreduce": False, "reduce_bucket_size": 300},
+            gradient_accumulation_steps=2,
+        ),
+        _case("s3_muon", 3, MUON, zero={"reduce_scatter": False}),
+        _case(
+            "s3_gpt_muon_gathered",
+            3,
+            MUON,
+            model=GPT,
+            zero={
+                "reduce_scatter": False,
+                "reduce_bucket_size": 300,
+                "stage3_param_persistence_threshold": 0,
+            },
+        ),
     ]
 
 

@@ -2,10 +2,10 @@
 
 The GPT-3 family (Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1) and the
 529.6B GPT of Narayanan et al. (SC21, "Efficient Large-Scale Language Model Training on GPU
-Clusters Using Megatron-LM", Table 1 and §5.9's ZeRO-3 comparison), all with sequence 2048 and the
-vocabulary of 51,200 tokens that Narayanan et al. use (GPT-3's 50,257 padded to a multiple of
-1,024), and the input embedding tied to the output layer, as both papers count them. Their
-parameter count (Narayanan et al., eq. 2, biases and LayerNorms included):
+Clusters Using Megatron-LM", Table 1, and Table 2 of §5.2's ZeRO-3 comparison), all with sequence
+2048 and the vocabulary of 51,200 tokens that Narayanan et al. use (§5.1, a multiple of 1,024:
+GPT-3's 50,257 padded), and the input embedding tied to the output layer, as both papers count
+them. Their parameter count (Narayanan et al., eq. 2, biases and LayerNorms included):
 
     P = 12·l·h² · (1 + 13/(12·h) + (V + s)/(12·l·h))
 
@@ -63,7 +63,7 @@ PRESETS: dict[str, GPTShape] = {
     "gpt3-175b": GPTShape(96, 12288, 96),  # 175B; 174.6B in Narayanan et al.
     "gpt-529b": GPTShape(105, 20480, 128),  # 529.6B, Narayanan et al. SC21
 }
-# The published parameter counts these shapes must reproduce (Narayanan et al., Table 1 / §5.9).
+# The published parameter counts these shapes must reproduce (Narayanan et al., Tables 1 and 2).
 PUBLISHED_PARAMS = {"gpt3-175b": 174.6e9, "gpt-529b": 529.6e9}
 
 

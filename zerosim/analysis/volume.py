@@ -89,6 +89,8 @@ def deepspeed_gradient_messages(
     reduce_scatter: bool = True,
     use_multi_rank_bucket_allreduce: bool = True,
     contiguous_gradients: bool = True,
+    groups: list[int] | None = None,
+    copied: set[int] | None = None,
 ) -> list[tuple[str, int, int | None]]:
     """(op, elements, root) of the gradient reductions of one stage-1/2 backward, DeepSpeed's way.
 
@@ -101,10 +103,24 @@ def deepspeed_gradient_messages(
     owner merged; then either all-reduces of runs of them (``use_multi_rank_bucket_allreduce``)
     or, per owner in order of first appearance, reduces of runs of its pieces to it, a run closed
     once it holds more than ``reduce_bucket_size`` elements. Otherwise one all-reduce per bucket.
+
+    Several parameter groups (``groups``: each parameter's group, the groups' parameters in
+    ``numels`` one group after another) each have a flat buffer and a partition size of their
+    own. ``copied``: the parameters whose slices every rank owning a piece of them receives
+    (Muon's matrices): when such a parameter is split, its slices merge only with each other and
+    are all-reduced even where the others are reduced to their owner.
     """
     n = world_size
-    starts = [sum(numels[:i]) for i in range(len(numels))]
-    part = deepspeed_padded_numel(sum(numels), n) // n
+    groups = [0] * len(numels) if groups is None else list(groups)
+    copied = set() if copied is None else copied
+    totals = {g: sum(m for m, h in zip(numels, groups, strict=True) if h == g) for g in groups}
+    parts = {g: deepspeed_padded_numel(total, n) // n for g, total in totals.items()}
+    starts = [sum(m for m, h in zip(numels[:i], groups, strict=False) if h == groups[i])
+              for i in range(len(numels))]  # fmt: skip
+    touched = [  # the partitions a parameter touches
+        range(starts[i] // parts[groups[i]], -(-(starts[i] + numels[i]) // parts[groups[i]]))
+        for i in range(len(numels))
+    ]
     order = list(range(len(numels)))[::-1] if order is None else list(order)
     buckets: list[list[int]] = [[]]
     held = 0
@@ -121,24 +137,29 @@ def deepspeed_gradient_messages(
         if not (contiguous_gradients and reduce_scatter):
             out.append(("all_reduce", sum(numels[i] for i in bucket), None))
             continue
-        owned: list[list[int]] = []  # [owner, elements], consecutive owners merged
+        owned: list[list] = []  # [owner, elements, split copied?], like ones merged
         for i in bucket:
+            part = parts[groups[i]]
+            shared = i in copied and len(touched[i]) > 1
             at, stop = starts[i], starts[i] + numels[i]
             while at < stop:
                 owner = at // part
                 end = min((owner + 1) * part, stop)
-                if owned and owned[-1][0] == owner:
+                key = (owner, touched[i] if shared else None)
+                if owned and owned[-1][0] == key:
                     owned[-1][1] += end - at
                 else:
-                    owned.append([owner, end - at])
+                    owned.append([key, end - at])
                 at = end
         if use_multi_rank_bucket_allreduce:
             sizes = [size for _, size in owned]
             out += [("all_reduce", m, None) for m in _runs(sizes, reduce_bucket_size)]
             continue
-        for owner in dict.fromkeys(o for o, _ in owned):
-            sizes = [size for o, size in owned if o == owner]
-            out += [("reduce", m, owner) for m in _runs(sizes, reduce_bucket_size)]
+        roots = [None if key[1] is not None else key[0] for key, _ in owned]
+        for root in dict.fromkeys(roots):
+            sizes = [size for (_, size), r in zip(owned, roots, strict=True) if r == root]
+            op = "all_reduce" if root is None else "reduce"
+            out += [(op, m, root) for m in _runs(sizes, reduce_bucket_size)]
     return out
 
 
@@ -165,6 +186,8 @@ def collective_schedule(
     use_multi_rank_bucket_allreduce: bool = True,
     contiguous_gradients: bool = True,
     overlap_comm: bool = False,
+    groups: list[int] | None = None,
+    copied: set[int] | None = None,
 ) -> list[Collective]:
     """The collectives of one optimizer step (the clip and overflow all-reduces are apart).
 
@@ -181,7 +204,8 @@ def collective_schedule(
     for them: stage 0 all-reduces ``deepspeed_stage0_messages``; stage 1 issues
     ``deepspeed_gradient_messages`` once at the boundary, in definition order (in ``order``,
     the order backward finishes gradients, with ``overlap_comm``), stage 2 every micro-step in
-    ``order``; both then all-gather Ψ_pad (``deepspeed_padded_numel``) in one call.
+    ``order``; both then all-gather Ψ_pad (``deepspeed_padded_numel``) in one call, one per
+    parameter group (``groups`` and ``copied`` as in ``deepspeed_gradient_messages``).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -203,6 +227,8 @@ def collective_schedule(
             reduce_scatter=reduce_scatter,
             use_multi_rank_bucket_allreduce=use_multi_rank_bucket_allreduce,
             contiguous_gradients=contiguous_gradients,
+            groups=groups,
+            copied=copied,
         )
         definition = list(range(len(numels)))
         grad_order = order if stage == 2 or overlap_comm else definition
@@ -212,10 +238,15 @@ def collective_schedule(
                 numels, world_size, grad_order, **switches
             )
         ]
-        gather = Collective(
-            "step", "all_gather", "params", deepspeed_padded_numel(sum(numels), world_size)
-        )
-        return once * (k if stage == 2 else 1) + [gather]
+        member = [0] * len(numels) if groups is None else groups
+        gathers = [
+            Collective("step", "all_gather", "params", deepspeed_padded_numel(total, world_size))
+            for total in (
+                sum(m for m, h in zip(numels, member, strict=True) if h == g)
+                for g in dict.fromkeys(member)
+            )
+        ]
+        return once * (k if stage == 2 else 1) + gathers
     if stage == 0:
         return [Collective("backward", "all_reduce", "grads", padded_numel)]
     if stage == 1:
@@ -338,6 +369,41 @@ def boundary_messages(
         flag = {"overflow": 1} if fp16 or (bf16 and bf16_overflow) else {}
         return {**flag, **({"clip": f32} if compute_grad_norm else {})}
     return {**({"overflow": 1} if fp16 else {}), "clip": 8}
+
+
+def norm_messages(
+    stage: int,
+    group_numels: list[list[int]],
+    world_size: int,
+    *,
+    schedule: str = "deepspeed",
+    sub_group_size: int = 1_000_000_000,
+) -> int:
+    """How many norm all-reduces one step sends (each of ``boundary_messages``'s "clip" size).
+
+    DeepSpeed's ZeRO takes each group's norm with an all-reduce of its own: one per parameter
+    group at stages 1-2 (``group_numels``: the numels of each group's parameters), one per
+    sub-group at stage 3, where a group is cut after the parameter whose chunks
+    (⌈numel/N⌉ each) bring the running total to ``sub_group_size`` or more (unless the whole
+    group fits). Stage 0 and the paper's schedule send one.
+    """
+    if schedule == "paper" or stage == 0:
+        return 1
+    if stage in (1, 2):
+        return len(group_numels)
+    count = 0
+    for numels in group_numels:
+        chunks = [-(-m // world_size) for m in numels]
+        if sub_group_size >= sum(chunks):
+            count += 1
+            continue
+        running = 0
+        for i, chunk in enumerate(chunks):
+            running += chunk
+            if running >= sub_group_size or i == len(chunks) - 1:
+                count += 1
+                running = 0
+    return count
 
 
 # -- ZeRO++ (Wang et al. 2023, arXiv:2306.10209) ------------------------------------------------

@@ -10,8 +10,11 @@ byte ranges it copies, whatever world size wrote the file.
 Every file is written to a temporary name, flushed, fsynced, renamed over the final name and its
 directory fsynced (``write_atomic``), so a file either holds its complete new contents or does not
 exist. Its SHA-256 and size, computed while writing, go into the metadata; ``verify_file`` checks
-them before anything is loaded. This module does no communication: ``zerosim.checkpoint`` drives
-it on every rank, and ``consolidate`` runs in one process.
+them before anything is loaded. A save writes its tag into a staging folder ``.tag.saving`` that
+becomes ``tag`` by one rename once every file is written (``commit_tag_dir``), so ``save_dir/tag``
+only ever holds a complete checkpoint, and a failed save deletes its staging folder
+(``discard_staging``). This module does no communication: ``zerosim.checkpoint`` drives it on
+every rank, and ``consolidate`` runs in one process.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -96,8 +100,12 @@ def write_atomic(path: Path, write: Callable[[Any], None]) -> dict[str, Any]:
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno is not None and err.filename is None:
+            # write() and fsync() do not say which file a full disk (ENOSPC) or a file size
+            # limit (EFBIG) stopped: name it (OSError(errno, …) keeps the errno's subclass)
+            raise OSError(err.errno, f"{err.strerror} (writing)", str(path)) from err
         raise
     fsync_dir(path.parent)
     return {"sha256": f.sha.hexdigest(), "bytes": f.size}
@@ -215,14 +223,32 @@ def read_metadata(tag_dir: Path) -> dict[str, Any]:
 def resolve_tag(load_dir: str | Path, tag: str | None) -> Path:
     """The tag directory: ``load_dir/tag``, or the tag named by ``load_dir/latest``."""
     load_dir = Path(load_dir)
-    if tag is None:
-        latest = load_dir / LATEST
-        if not latest.is_file():
-            raise CheckpointNotFoundError(
-                f"{latest}: missing, so no tag to load; pass tag= or save a checkpoint first"
-            )
-        tag = latest.read_text().strip()
-    return load_dir / check_tag(tag)
+    if tag is not None:
+        return load_dir / check_tag(tag)
+    latest = load_dir / LATEST
+    if not load_dir.is_dir():
+        raise CheckpointNotFoundError(f"{load_dir}: no such checkpoint folder")
+    if not latest.is_file():
+        raise CheckpointNotFoundError(
+            f"{latest}: missing, so {load_dir} names no checkpoint to load; save one there "
+            "first, or name a tag folder (tag= / --tag)"
+        )
+    why = "it must hold the name of a tag folder (save_checkpoint writes it; a copy or an edit "
+    why += "can damage it)"
+    try:
+        text = latest.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{latest}: cannot be read as text ({err}); {why}") from err
+    try:
+        name = check_tag(text.strip())
+    except ValueError as err:
+        raise CheckpointError(f"{latest}: holds {text!r}; {why}") from err
+    tag_dir = load_dir / name
+    if not tag_dir.is_dir():
+        aside = replaced_dir(tag_dir)
+        hint = f"; its previous contents are in {aside}" if aside.is_dir() else ""
+        raise CheckpointNotFoundError(f"{latest} names {name!r}, but {tag_dir} is missing{hint}")
+    return tag_dir
 
 
 def check_tag(tag: Any) -> str:
@@ -233,18 +259,63 @@ def check_tag(tag: Any) -> str:
 
 
 # -- the tag directory and the small objects in it ---------------------------------------------
-_OBJECT_FILES = ("buffers", "client_state", "lr_scheduler", "loss_scaler", "data_loader")
+def staging_dir(tag_dir: Path) -> Path:
+    """Where a save of ``tag_dir`` writes before its one rename into place: ``.tag.saving``."""
+    return tag_dir.with_name(f".{tag_dir.name}.saving")
 
 
-def prepare_tag_dir(tag_dir: Path) -> None:
-    """Rank 0: create the tag directory; invalidate (metadata first) an older save of this tag."""
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    if (tag_dir / METADATA).exists():
-        (tag_dir / METADATA).unlink()
-        fsync_dir(tag_dir)
-    for f in tag_dir.iterdir():  # our files, and temporaries a crashed save left behind
-        if f.is_file() and (f.name.startswith(("rank", ".")) or f.stem in _OBJECT_FILES):
-            f.unlink()
+def replaced_dir(tag_dir: Path) -> Path:
+    """``.tag.replaced``: where an older save of the tag waits while a new one takes its name."""
+    return tag_dir.with_name(f".{tag_dir.name}.replaced")
+
+
+def prepare_staging(tag_dir: Path) -> Path:
+    """Rank 0: an empty staging folder for a save of ``tag_dir``; returns it.
+
+    Removes what killed saves left in ``save_dir`` (staging folders, ``.latest.tmp*`` files, and
+    an older save set aside whose replacement completed). One job saves into a folder at a time.
+    """
+    save_dir = tag_dir.parent
+    if tag_dir.exists() and not tag_dir.is_dir():
+        raise FileExistsError(errno.EEXIST, "exists and is not a checkpoint folder", str(tag_dir))
+    save_dir.mkdir(parents=True, exist_ok=True)
+    for stale in save_dir.glob(".*"):
+        if stale.name.startswith(f".{LATEST}.tmp"):
+            stale.unlink(missing_ok=True)
+        elif stale.is_dir() and stale.name.endswith(".saving"):
+            shutil.rmtree(stale)
+        elif stale.is_dir() and stale.name.endswith(".replaced"):
+            if (save_dir / stale.name[1 : -len(".replaced")]).is_dir():
+                shutil.rmtree(stale)  # else it holds the only copy of its tag: keep it
+    stage = staging_dir(tag_dir)
+    stage.mkdir()
+    return stage
+
+
+def commit_tag_dir(tag_dir: Path) -> None:
+    """Rank 0, once every file of the save is durable: the staging folder becomes ``tag_dir``.
+
+    An older save of the tag is renamed aside first and deleted only after the new one is in
+    place; if the second rename fails, the older save is put back.
+    """
+    stage, old = staging_dir(tag_dir), replaced_dir(tag_dir)
+    moved = tag_dir.is_dir()
+    if moved:
+        os.replace(tag_dir, old)
+    try:
+        os.replace(stage, tag_dir)
+    except BaseException:
+        if moved:
+            os.replace(old, tag_dir)
+        raise
+    fsync_dir(tag_dir.parent)
+    if moved:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def discard_staging(tag_dir: Path) -> None:
+    """Rank 0, after a save failed on any rank: delete its staging folder, and nothing else."""
+    shutil.rmtree(staging_dir(tag_dir), ignore_errors=True)
 
 
 def write_latest(tag_dir: Path) -> None:

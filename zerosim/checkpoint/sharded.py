@@ -7,7 +7,9 @@ Both are collectives. Saving: every rank writes, for each parameter group, one `
 (``master`` and each optimizer state) holding its *owned* segments end to end
 (``Strategy.segments("owned")``: every element of the model exactly once across ranks); rank 0
 writes ``metadata.json`` (the segment tables, hyperparameters, per-group scalar state, scheduler,
-RNG states, data position, a SHA-256 per file) and then, after every rank has finished, ``latest``.
+RNG states, data position, a SHA-256 per file). All of it goes into a staging folder that rank 0
+renames to the tag once every rank has finished, and then it replaces ``latest``; a save that
+fails on any rank deletes the staging folder (the previous checkpoint stays as it was).
 
 Loading is resharding by element ranges, blind to layouts: each rank, for every segment it
 *steps* (``segments("stepped")``), copies the overlapping runs of the saved pieces out of the
@@ -38,14 +40,17 @@ from zerosim.checkpoint.files import (
     CheckpointNotFoundError,
     SavedIndex,
     check_tag,
+    commit_tag_dir,
+    discard_staging,
     from_json,
     npy_writer,
     open_shard,
-    prepare_tag_dir,
+    prepare_staging,
     read_metadata,
     read_objects,
     resolve_tag,
     shard_file,
+    staging_dir,
     store_object,
     to_json,
     verify_share,
@@ -124,6 +129,17 @@ def _engine_params(engine: Any) -> list[dict[str, Any]]:
 
 
 # -- save ---------------------------------------------------------------------------------------
+def _refuse_muon(engine: Any, what: str) -> None:
+    """Muon's momentum lives with its matrices (zerosim/zero/muon.py), not in the optimizer's
+    shards, which are what a checkpoint holds: saving would drop it without a word."""
+    if getattr(engine.strategy, "muon", None) is not None:
+        raise NotImplementedError(
+            f"{what}: zerosim's checkpoints do not hold Muon's momentum (kept per matrix, "
+            "outside the optimizer's shards); allowed: Muon without checkpoints, or a weights-"
+            "only load (load_optimizer_states=False)"
+        )
+
+
 def save_checkpoint(
     engine: Any,
     save_dir: str | Path,
@@ -138,6 +154,7 @@ def save_checkpoint(
     ``state_dict()`` saved. Returns the tag directory.
     """
     comm = engine.comm
+    _refuse_muon(engine, "save_checkpoint")
     loader = getattr(engine, "training_dataloader", None) if loader is None else loader
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     tag_dir = Path(save_dir) / tag
@@ -148,14 +165,23 @@ def save_checkpoint(
         comm.all_reduce(same, op="max")
         if same[0] != -same[1]:
             raise ValueError(f"tag differs across ranks (this rank's is {tag!r}); pass one tag")
-        _agree(comm, lambda: prepare_tag_dir(tag_dir) if comm.rank == 0 else None)
-        manifest = _agree(comm, lambda: _write_rank_files(engine, tag_dir))
-        manifests = _gather_json(comm, manifest)
-        if comm.rank == 0:
-            body = lambda: _write_rank0_files(engine, tag_dir, manifests, client_state, loader)  # noqa: E731
-        else:
-            body = lambda: _check_manifests(manifests)  # noqa: E731
-        _agree(comm, body)
+        stage = staging_dir(tag_dir)  # the files go here; one rename makes it the tag
+        try:
+            _agree(comm, lambda: prepare_staging(tag_dir) if comm.rank == 0 else None)
+            manifest = _agree(comm, lambda: _write_rank_files(engine, stage))
+            manifests = _gather_json(comm, manifest)
+            if comm.rank == 0:
+                body = lambda: _write_rank0_files(engine, stage, manifests, client_state, loader)  # noqa: E731
+            else:
+                body = lambda: _check_manifests(manifests)  # noqa: E731
+            _agree(comm, body)
+            _agree(comm, lambda: commit_tag_dir(tag_dir) if comm.rank == 0 else None)
+        except Exception:
+            # every rank has left the failed step (_agree), so no rank still writes: rank 0
+            # deletes the unfinished save; the previous checkpoint and `latest` are untouched
+            if comm.rank == 0:
+                discard_staging(tag_dir)
+            raise
         _agree(comm, lambda: write_latest(tag_dir) if comm.rank == 0 else None)
     if comm.rank == 0:  # one line for the job, not one per rank
         log.info("saved checkpoint %s", tag_dir)
@@ -326,6 +352,8 @@ def load_checkpoint(
     ``(tag directory, client_state)``.
     """
     comm = engine.comm
+    if load_optimizer_states:
+        _refuse_muon(engine, "load_checkpoint with load_optimizer_states=True")
     loader = getattr(engine, "training_dataloader", None) if loader is None else loader
     with comm.phase("checkpoint"):
         flags = (load_optimizer_states, load_lr_scheduler_states)
@@ -396,7 +424,10 @@ def _read_and_check(
         )
     state = meta["objects"]["data_loader"]
     if loader is not None and state is not None and "json" in state:
-        copy.copy(loader).load_state_dict(from_json(state["json"]))  # validates, changes nothing
+        try:  # validates on a copy: changes nothing
+            copy.copy(loader).load_state_dict(from_json(state["json"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{where}: the saved data position does not fit: {err}") from err
     return tag_dir, meta
 
 

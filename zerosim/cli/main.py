@@ -14,8 +14,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from zerosim.checkpoint import CheckpointError
+from zerosim.cli.arguments import int_at_least
 from zerosim.comm import Communicator, LocalWorld, world_size_from_env
 from zerosim.comm.record import busbw_factor
+from zerosim.config import ConfigError
 
 
 def _collective_demo(comm: Communicator, elements: int) -> tuple[str, list[str]]:
@@ -71,12 +74,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.local:
-        data = LocalWorld(args.local).run(_train_and_report, args)[0]
-    else:
-        from zerosim.comm import MPIComm
+    from zerosim.cli.train import UsageError
 
-        data = _train_and_report(MPIComm(), args)
+    try:
+        if args.local:
+            data = LocalWorld(args.local).run(_train_and_report, args)[0]
+        else:
+            from zerosim.comm import MPIComm
+
+            data = _train_and_report(MPIComm(), args)
+    except (ConfigError, CheckpointError, UsageError, OSError) as err:
+        # raised on every rank alike (the config is read, a checkpoint checked and written by
+        # every rank together), so every rank ends here: no rank is left waiting
+        named = not isinstance(err, ConfigError) or not args.config or args.config in str(err)
+        where = "" if named else f"--config {args.config}: "
+        print(f"zerosim train: {where}{err}", file=sys.stderr)
+        return 2
     if not data["text"]:  # ranks other than 0
         return 0
     ok = data["bytes"]["equal"] and data["memory"]["equal"]
@@ -105,7 +118,11 @@ def _train_and_report(comm: Communicator, args: argparse.Namespace) -> dict:
 def cmd_consolidate(args: argparse.Namespace) -> int:
     from zerosim.checkpoint.files import consolidate
 
-    out = consolidate(args.ckpt_dir, args.out, args.tag, args.with_optimizer)
+    try:
+        out = consolidate(args.ckpt_dir, args.out, args.tag, args.with_optimizer)
+    except (ValueError, OSError) as err:  # CheckpointError is a ValueError
+        print(f"zerosim consolidate: {err}", file=sys.stderr)
+        return 2
     if args.json:
         import numpy as np
 
@@ -162,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--collectives", choices=["native", "ring"], default="native")
     demo.add_argument(
         "--local",
-        type=int,
+        type=int_at_least(0),
         default=0,
         metavar="N",
         help="simulate N ranks in this process instead of using MPI",
@@ -170,14 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     train = sub.add_parser("train", help="train a model with a DeepSpeed config (the main job)")
-    train.add_argument("--config", help="DeepSpeed JSON config (default: a stage-2 GPT demo)")
-    train.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    train.add_argument(
+        "--config",
+        help="DeepSpeed config file, JSON or hjson (default: the stage-3 GPT demo's settings)",
+    )
+    train.add_argument(
+        "--steps",
+        type=int_at_least(1),
+        default=150,
+        help="train until this many optimizer steps (with --resume, counted from the start)",
+    )
     train.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
-    train.add_argument("--block-size", type=int, default=32)
-    train.add_argument("--n-layer", type=int, default=2)
-    train.add_argument("--n-head", type=int, default=4)
-    train.add_argument("--n-embd", type=int, default=64)
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--block-size", type=int_at_least(1), default=32)
+    train.add_argument("--n-layer", type=int_at_least(1), default=2)
+    train.add_argument("--n-head", type=int_at_least(1), default=4)
+    train.add_argument("--n-embd", type=int_at_least(1), default=64)
+    train.add_argument("--seed", type=int_at_least(0), default=0)
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--json", action="store_true", help="print the report as JSON")
     train.add_argument(
@@ -190,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="DIR", help="continue from DIR's latest checkpoint")
     train.add_argument(
         "--local",
-        type=int,
+        type=int_at_least(0),
         default=0,
         metavar="N",
         help="simulate N ranks in this process instead of using MPI",

@@ -17,6 +17,7 @@ from zerosim import analysis
 from zerosim.analysis import SCHEDULES
 from zerosim.analysis.stages import STAGES
 from zerosim.backend import PRECISION_DTYPES
+from zerosim.cli.arguments import int_at_least, parameter_count
 from zerosim.report.tables import (
     DTYPE_NAMES,
     load_cluster,
@@ -133,6 +134,14 @@ def cmd_volume(args: argparse.Namespace) -> int:
         "stages 1-2: DeepSpeed all-reduces each gradient bucket, 2(N−1)/N·Ψ, where the paper",
         "reduce-scatters it, (N−1)/N·Ψ_pad; its norm all-reduce is one float32 (4 B)",
     ]
+    if args.optimizer != "adam":  # what LAMB or Muon add (zerosim/report/whole_params.py)
+        from zerosim.report import whole_params
+
+        extra = whole_params.volume_data(
+            int(args.params), args.dp, args.optimizer, args.matrices, data["itemsize"]
+        )
+        data = {**data, "whole_params": extra}
+        lines += ["", whole_params.format_volume(extra)]
     _emit(args, data, "\n".join(lines))
     if args.plot:
         bars = {s: {p: row[p] for p in phases} for s, row in data["stages"].items()}
@@ -202,6 +211,17 @@ def _run_on_world(args: argparse.Namespace, fn: Any, *fn_args: Any) -> tuple[Any
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from zerosim.report import compare, plots
+
+    if args.optimizer != "adam":  # LAMB's or Muon's extra collectives, measured vs formulas
+        from zerosim.report import whole_params
+
+        result, rank = _run_on_world(
+            args, whole_params.compare, args.optimizer, args.model, args.steps
+        )
+        report = result[0] if isinstance(result, list) else result
+        if rank == 0:
+            _emit(args, report, whole_params.format_report(report))
+        return 0 if report["ok"] else 1
 
     stages = _stages(args.stage, tuple(STAGES))
     if args.precision != "fp32" and args.dtype != "float32":
@@ -289,10 +309,12 @@ def _common(p: argparse.ArgumentParser, plot: bool = True) -> None:
 
 
 def _memory_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", type=float, default=7.5e9, help="parameters Ψ (default 7.5e9)")
+    p.add_argument(
+        "--params", type=parameter_count, default=7.5e9, help="parameters Ψ (default 7.5e9)"
+    )
     p.add_argument(
         "--dp",
-        type=int,
+        type=int_at_least(1),
         nargs="+",
         default=[1, 4, 16, 64, 256, 1024],
         metavar="N",
@@ -318,8 +340,12 @@ def _memory_options(p: argparse.ArgumentParser) -> None:
 
 
 def _volume_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", type=float, required=True, help="parameters Ψ (before padding)")
-    p.add_argument("--dp", type=int, required=True, metavar="N", help="data-parallel ranks")
+    p.add_argument(
+        "--params", type=parameter_count, required=True, help="parameters Ψ (before padding)"
+    )
+    p.add_argument(
+        "--dp", type=int_at_least(1), required=True, metavar="N", help="data-parallel ranks"
+    )
     p.add_argument(
         "--accumulation", type=int, default=1, metavar="K", help="micro-steps per optimizer step"
     )
@@ -338,6 +364,16 @@ def _volume_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stage 3: every parameter kept from forward to backward (no backward all-gather)",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=["adam", "lamb", "muon"],
+        default="adam",
+        help="lamb or muon: also what that optimizer adds per step, Ψ laid out as --matrices "
+        "equal square matrices (default adam: nothing added)",
+    )
+    p.add_argument(
+        "--matrices", type=int, default=16, metavar="M", help="with --optimizer (default 16)"
+    )
 
 
 def _world_options(p: argparse.ArgumentParser, steps: int) -> None:
@@ -345,12 +381,14 @@ def _world_options(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument(
         "-n",
         "--local",
-        type=int,
+        type=int_at_least(1),
         default=None,
         metavar="N",
         help="ranks of the in-process world when not under mpirun (default 4)",
     )
-    p.add_argument("--steps", type=int, default=steps, help=f"optimizer steps (default {steps})")
+    p.add_argument(
+        "--steps", type=int_at_least(1), default=steps, help=f"optimizer steps (default {steps})"
+    )
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
@@ -397,7 +435,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "--cluster", required=True, help="cluster JSON, e.g. examples/cluster_64gpu.json"
     )
     size = project.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", type=float, help="parameters Ψ")
+    size.add_argument("--params", type=parameter_count, help="parameters Ψ")
     size.add_argument(
         "--model",
         help="a GPT: a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-7b, gpt-13b) or "
@@ -439,6 +477,13 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "float32); memory against analysis.zero_model_states with 2-byte params (default fp32)",
     )
     comp.add_argument("--accumulation", type=int, default=1, metavar="K")
+    comp.add_argument(
+        "--optimizer",
+        choices=["adam", "lamb", "muon"],
+        default="adam",
+        help="lamb or muon: train that optimizer at stages 0-3 and check its extra collectives "
+        "(LAMB's norm all-reduce; Muon's every phase) against zerosim.analysis.whole_params",
+    )
     comp.add_argument(
         "--schedule",
         nargs="+",

@@ -11,9 +11,7 @@ and each rank's memory next to ``analysis.full_precision_model_states``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,8 +74,13 @@ def _gather_rows(comm: Communicator, values: list[int]) -> np.ndarray:
     return every.reshape(comm.size, mine.size)
 
 
+class UsageError(ValueError):
+    """A command-line value that does not fit the run (raised alike on every rank)."""
+
+
 def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
-    config = json.loads(Path(args.config).read_text()) if args.config else DEFAULT_CONFIG
+    # a path goes to initialize as it is: load_config reads it (JSON or hjson, no repeated key)
+    config = args.config or DEFAULT_CONFIG
     model, data = build(args)
     from zerosim.report.compare import gradient_order
 
@@ -85,6 +88,12 @@ def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
     engine, _, loader, _ = initialize(model, config, comm=comm, training_data=data)
     if getattr(args, "resume", None):  # weights, optimizer, scheduler, RNG and data position
         load_checkpoint(engine, args.resume, loader=loader)
+        if args.steps <= engine.global_steps:
+            raise UsageError(
+                f"--steps {args.steps}: the checkpoint in {args.resume} is at step "
+                f"{engine.global_steps} and --steps counts from the start of training; "
+                f"pass a number > {engine.global_steps} to train more"
+            )
     show = comm.rank == 0 and not args.quiet
     bar = None
     if show:

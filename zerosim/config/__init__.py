@@ -24,6 +24,7 @@ import json
 import numbers
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,11 @@ from typing import Any
 from zerosim.backend import PRECISION_DTYPES
 from zerosim.config.features import DeepSpeedFeatures, check_features
 from zerosim.config.optimizer import (
+    DEEPSPEED_SCHEDULERS,
     ZERO_SUPPORTED_OPTIMIZERS,
     OptimizerConfig,
     SchedulerConfig,
+    check_whole_parameter_rules,
 )
 from zerosim.config.sections import (
     BF16Config,
@@ -80,6 +83,7 @@ __all__ = [
     "ZeroConfig",
     "ZerosimConfig",
     "load_config",
+    "read_config_file",
     "resolve_batch_size",
 ]
 
@@ -294,6 +298,7 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError("bf16.enabled", True, "false when fp16.enabled is true (one 16-bit mode)")
     _check_deepspeed_engine_rules(cfg)
     check_features(cfg)
+    check_whole_parameter_rules(cfg)
     if sim.layout == "megatron" and zero.stage != 1:
         raise ConfigError(
             "zero_optimization.stage",
@@ -357,8 +362,8 @@ def _check_deepspeed_engine_rules(cfg: Config) -> None:
         raise ConfigError(
             "scheduler.type",
             sched.type,
-            "a DeepSpeed scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle) with ZeRO "
-            "stage >= 1 or fp16/bf16: DeepSpeed gives torch schedulers its optimizer wrapper, "
+            f"a DeepSpeed scheduler ({', '.join(DEEPSPEED_SCHEDULERS)}) with ZeRO stage >= 1 "
+            "or fp16/bf16: DeepSpeed gives torch schedulers its optimizer wrapper, "
             "which is then not a torch.optim.Optimizer, and fails",
         )
     if not zero.compute_grad_norm and cfg.gradient_clipping > 0:
@@ -368,12 +373,14 @@ def _check_deepspeed_engine_rules(cfg: Config) -> None:
             f"true while gradient_clipping is {cfg.gradient_clipping} (clipping needs the norm; "
             "DeepSpeed refuses false unless gradient_clipping is 0)",
         )
-    if cfg.gradient_allreduce_op == "sum" and zero.stage == 3:
+    # DeepSpeed 0.19.8 sums gradients unscaled ('sum') only at stages 0-2 without DeepCompile
+    if cfg.gradient_allreduce_op == "sum" and (zero.stage == 3 or cfg.compile.deepcompile):
+        where = "at ZeRO stage 3" if zero.stage == 3 else "with compile.deepcompile"
         raise ConfigError(
             "gradient_allreduce_op",
             "sum",
-            "'mean' at ZeRO stage 3 (DeepSpeed 0.19.8 refuses 'sum' with stage 3); 'sum' at "
-            "stages 0-2",
+            f"'mean' {where} (DeepSpeed 0.19.8 refuses 'sum' with stage 3 and with "
+            "DeepCompile); 'sum' at stages 0-2 without DeepCompile",
         )
     if zero.stage >= 2 and zero.reduce_scatter and cfg.gradient_allreduce_op == "mean":
         for key, value, fine in (
@@ -389,10 +396,16 @@ def _check_deepspeed_engine_rules(cfg: Config) -> None:
                 )
 
 
-def _read_json_file(path: str | os.PathLike) -> Any:
-    """The JSON in ``path``; a missing file, bad JSON or a repeated key is a ConfigError."""
+def read_config_file(path: str | os.PathLike) -> Any:
+    """The object in a config file, read as DeepSpeed reads one (runtime/config.py:
+    ``hjson.load(f, object_pairs_hook=dict_raise_error_on_duplicate_keys)``): JSON, or hjson
+    (comments, quoteless keys and strings, optional commas), a repeated key refused. Every
+    problem is a ConfigError naming the file. hjson reads ``1.0`` and ``5e8`` as integers, as
+    DeepSpeed sees them."""
+    import hjson  # DeepSpeed's reader; pure Python, imported only when a file is read
+
     name = os.fspath(path)
-    allowed = "a readable file holding one JSON object without repeated keys"
+    allowed = "a readable JSON or hjson file holding one object without repeated keys"
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         keys = [key for key, _ in pairs]
@@ -404,11 +417,17 @@ def _read_json_file(path: str | os.PathLike) -> Any:
     try:
         content = Path(name).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(name, name, allowed, got=f"cannot read the file ({err})") from err
+        why = err.strerror if isinstance(err, OSError) and err.strerror else err
+        raise ConfigError(name, name, allowed, got=f"cannot read the file ({why})") from err
     try:
-        return json.loads(content, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as err:
-        got = f"not JSON ({err.msg} at line {err.lineno} column {err.colno})"
+        return hjson.loads(content, object_pairs_hook=no_duplicates)
+    except ConfigError:
+        raise
+    except hjson.HjsonDecodeError as err:
+        got = f"neither JSON nor hjson ({err.msg} at line {err.lineno} column {err.colno})"
+        raise ConfigError(name, name, allowed, got=got) from err
+    except (ValueError, OverflowError, RecursionError) as err:  # 1e400, nesting too deep
+        got = f"not readable as hjson ({type(err).__name__}: {err})"
         raise ConfigError(name, name, allowed, got=got) from err
 
 
@@ -480,12 +499,38 @@ def _unbuilt(cfg: Config) -> list[tuple[str, Any, bool, str]]:
 def _check_inert(cfg: Config, raw: dict) -> None:
     """One UserWarning for each DeepSpeed key written with a value zerosim does not act on;
     a ConfigError for one that would change the numbers (``refuse``)."""
-    for key, value, why, refuse in inert_keys_given(Config, raw, cfg, ""):
+    for key, value, allowed, why, refuse in inert_keys_given(Config, raw, cfg, ""):
         value = to_plain(value)
-        text = json.dumps(value)
         if refuse:
-            raise ConfigError(key, value, f"{text} is not built: {why}")
-        warnings.warn(f"{key}={text} is ignored: {why}", UserWarning, stacklevel=3)
+            raise ConfigError(key, value, f"{allowed} ({why})")
+        warnings.warn(f"{key}={json.dumps(value)} is ignored: {why}", UserWarning, stacklevel=3)
+
+
+def _check_data_parallel_size(cfg: Config, raw: Mapping[str, Any]) -> None:
+    """``deepspeed.initialize`` reads ``data_parallel_size`` only where ``sequence_parallel_size``
+    is written too: it then builds a (data_parallel, sequence_parallel) device mesh over every
+    rank (torch's ``init_device_mesh``: the product must be the world size), and the
+    data-parallel world is the mesh's first side. Alone, DeepSpeed never reads it."""
+    size = cfg.data_parallel_size
+    if size is None:
+        return
+    if "sequence_parallel_size" not in raw:
+        warnings.warn(
+            f"data_parallel_size={size} is ignored: deepspeed.initialize reads it only together "
+            "with sequence_parallel_size (to build their device mesh)",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    sequence = cfg.sequence_parallel_size  # 1: a larger one is refused (_check_inert)
+    if size * sequence != cfg.world_size:
+        raise ConfigError(
+            "data_parallel_size",
+            size,
+            f"{cfg.world_size // sequence} (world size {cfg.world_size} / sequence_parallel_size "
+            f"{sequence}: deepspeed.initialize lays every rank out in a (data_parallel, "
+            "sequence_parallel) device mesh)",
+        )
 
 
 def _check_sum_scaling(cfg: Config) -> None:
@@ -514,7 +559,8 @@ def reject_unbuilt(cfg: Config) -> None:
 
 
 def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> Config:
-    """Read and validate a DeepSpeed config (a dict, or a path to a JSON file) for ``world_size``.
+    """Read and validate a DeepSpeed config (a dict, or a path to a JSON or hjson file, read by
+    ``read_config_file``) for ``world_size``.
 
     Unknown keys produce one UserWarning listing their key paths, except inside the sections
     DeepSpeed validates strictly (zero_optimization, its offload sections, fp16, bf16), where
@@ -529,7 +575,7 @@ def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> C
     if isinstance(config, Config):
         config = config.to_dict()
     elif isinstance(config, str | os.PathLike):
-        config = _read_json_file(config)
+        config = read_config_file(config)
     raw = as_mapping(config, "")
     for key in REMOVED_TOP_LEVEL_KEYS:
         if key in raw:
@@ -554,6 +600,7 @@ def load_config(config: dict | str | os.PathLike | Config, world_size: int) -> C
     cfg = Config(world_size=world_size, **values)
     _check_consistency(cfg)
     _check_inert(cfg, raw)
+    _check_data_parallel_size(cfg, raw)
     _check_sum_scaling(cfg)
     zero = cfg.zero_optimization
     hpz = min(zero.zero_hpz_partition_size, world_size)  # DeepSpeed's effective size

@@ -464,6 +464,13 @@ class DeepSpeedFeatures:
         reproduces=(True,),
         refuse=True,
     )
+    data_parallel_size: int | None = knob(
+        None,
+        optional(integer(1)),
+        "read by deepspeed.initialize beside sequence_parallel_size: the data-parallel side of "
+        "its (data_parallel, sequence_parallel) device mesh, so world size / "
+        "sequence_parallel_size (checked in load_config; warned about without the other)",
+    )
     sequence_parallel_size: int = knob(
         1,
         integer(1),
@@ -510,7 +517,8 @@ class DeepSpeedFeatures:
     disable_python_gc: bool = knob(
         False,
         flag(),
-        "turn Python's cyclic garbage collector off (engine.collect_python_gc() collects)",
+        "turn Python's cyclic garbage collector off (DeepSpeed's engine.collect_python_gc() "
+        "then collects; zerosim's engine has no such method)",
         inert=_GC,
         reproduces=(False,),
     )
@@ -599,6 +607,7 @@ class DeepSpeedFeatures:
         "the autotuner is not built (with autotuning.enabled DeepSpeed's engine profiles "
         "some steps, writes its metrics and ends the job)",
         refuse=True,
+        off="enabled false or absent",
     )
     data_efficiency: Any = whole_section(
         "curriculum learning, dynamic batching, random-LTD",
@@ -606,19 +615,22 @@ class DeepSpeedFeatures:
         "DeepSpeed's data efficiency library is not built: any of its 'enabled' switches would "
         "change which samples or tokens each step trains on",
         refuse=True,
+        off="every 'enabled' switch in it false or absent",
     )
     expert_parallel: Any = whole_section(
         "AutoEP: expert parallelism for MoE models",
         lambda value: _truthy(value, "enabled"),
-        f"{_MOE}",
+        "expert parallelism (MoE) is not built",
         refuse=True,
+        off="enabled false or absent",
         null=None,  # DeepSpeed reads a null section as the defaults
     )
     tensor_parallel: Any = whole_section(
         "AutoTP: tensor parallelism",
         _tensor_parallel_on,
-        "tensor parallelism is not built (autotp_size or tp.tp_size > 1)",
+        "tensor parallelism is not built",
         refuse=True,
+        off="autotp_size and tp.tp_size (alias tensor_parallel.tp_size) <= 1 or absent",
     )
     weight_quantization: Any = whole_section(
         "weight quantization at initialisation (quantized_initialization) or after it",
@@ -627,6 +639,7 @@ class DeepSpeedFeatures:
         ),
         "weight quantization is not built (zerosim would train unquantized weights)",
         refuse=True,
+        off="quantized_initialization and post_init_quant false or absent",
     )
     pipeline: Any = whole_section(
         "pipeline parallelism's settings",
@@ -663,9 +676,3 @@ def check_features(cfg: Any) -> None:
                 name,
                 f"null or a name of the model dtype {cfg.model_dtype} ({why})",
             )
-    if cfg.gradient_allreduce_op == "sum" and cfg.compile.deepcompile:
-        raise ConfigError(
-            "gradient_allreduce_op",
-            "sum",
-            "'mean' with compile.deepcompile (DeepSpeed 0.19.8 refuses 'sum' with DeepCompile)",
-        )

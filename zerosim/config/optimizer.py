@@ -1,6 +1,7 @@
 """The ``optimizer`` and ``scheduler`` sections: a type name and its parameters.
 
-Type names follow DeepSpeed's lookup: its own optimizers (Adam, AdamW, Adagrad, Lion) match in
+Type names follow DeepSpeed's lookup: its own optimizers (Adam, AdamW, Adagrad, Lion, Lamb,
+Muon) match in
 any case, because DeepSpeed lower-cases those names; every other optimizer name, and every
 scheduler name, is looked up in ``torch.optim`` / DeepSpeed's ``lr_schedules`` as written, so
 it must match exactly ('sgd' and 'warmuplr' fail in DeepSpeed, and here).
@@ -14,6 +15,13 @@ torch.optim constructors that ``zerosim.optim`` mirrors, plus DeepSpeed's two Ad
 - ``torch_adam`` (default false): DeepSpeed's choice between torch's Adam and FusedAdam. The
   only difference zerosim keeps is the default ``weight_decay``: FusedAdam's is 0.0 even in
   AdamW mode, torch.optim.AdamW's is 0.01.
+
+- ``Lamb``: FusedLamb's arguments; ``amsgrad`` must be false.
+- ``Muon``: the keys DeepSpeed's engine reads for its two halves (``param_groups``): lr,
+  momentum, weight_decay, ns_method for Muon; lr, betas, eps, weight_decay for the auxiliary
+  Adam; muon_lr / adam_lr override lr per half; adam_w_mode and torch_adam as for Adam
+  (torch_adam only picks DeepSpeed's Adam class, the same arithmetic here). DeepSpeed ignores
+  any other key of a Muon section; zerosim refuses it.
 
 Scheduler parameters are checked by the scheduler builder; here only the section's shape.
 """
@@ -40,12 +48,13 @@ from zerosim.config.values import (
 )
 
 # DeepSpeed's own optimizer names (matched in any case) and torch.optim names (matched exactly).
-DEEPSPEED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion")
+DEEPSPEED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion", "Lamb", "Muon")
 TORCH_OPTIMIZERS = ("SGD", "RMSprop", "Adamax", "NAdam", "RAdam")
 OPTIMIZER_TYPES = DEEPSPEED_OPTIMIZERS + TORCH_OPTIMIZERS
 # DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS among zerosim's: any other type at ZeRO stage >= 1
-# needs "zero_allow_untested_optimizer": true (deepspeed/runtime/zero/utils.py).
-ZERO_SUPPORTED_OPTIMIZERS = DEEPSPEED_OPTIMIZERS
+# needs "zero_allow_untested_optimizer": true (deepspeed/runtime/zero/utils.py; FusedLamb is not
+# on the list, MuonWithAuxAdam is added to it when Muon is imported).
+ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion", "Muon")
 # Defaults of DeepSpeed's Lion (FusedLion / DeepSpeedCPULion), which a config section builds.
 DEEPSPEED_LION_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999)}
 DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
@@ -65,6 +74,13 @@ TORCH_SCHEDULERS = (
 # torch schedulers whose arguments are Python callables or other schedulers: not JSON.
 PYTHON_ONLY_SCHEDULERS = ("LambdaLR", "MultiplicativeLR", "SequentialLR", "ChainedScheduler")
 DEEPSPEED_ONLY_KEYS = ("adam_w_mode", "torch_adam")
+# DeepSpeed's Muon config (engine._muon_param_groups): the keys each half of the split reads,
+# and the per-half learning rates that override "lr".
+MUON_HALF_KEYS = ("lr", "momentum", "weight_decay", "ns_method")
+ADAM_HALF_KEYS = ("lr", "betas", "eps", "weight_decay")
+MUON_LR_KEYS = {True: "muon_lr", False: "adam_lr"}
+# Name parts that keep a matrix out of Muon (deepspeed.set_optimizer_flags).
+NOT_MUON = ("embed", "lm_head")
 
 
 def _betas() -> Parser:
@@ -136,6 +152,32 @@ HYPERPARAMETERS: dict[str, dict[str, Parser]] = {
     "NAdam": {**_ADAM_FAMILY, "momentum_decay": _NONNEGATIVE, "decoupled_weight_decay": _FLAG},
     "RAdam": {**_ADAM_FAMILY, "decoupled_weight_decay": _FLAG},
     "Lion": {"lr": _NONNEGATIVE, "betas": _betas(), "weight_decay": _NONNEGATIVE},
+    # FusedLamb's arguments (max_grad_norm is refused for every type, amsgrad below)
+    "Lamb": {
+        "lr": _NONNEGATIVE,
+        "bias_correction": _FLAG,
+        "betas": _betas(),
+        "eps": _NONNEGATIVE,
+        "eps_inside_sqrt": _FLAG,
+        "weight_decay": _NONNEGATIVE,
+        "max_coeff": _NONNEGATIVE,
+        "min_coeff": _NONNEGATIVE,
+        "amsgrad": _FLAG,
+    },
+    # what DeepSpeed reads for Muon: both halves' keys, the per-half lr, its Adam switches
+    "Muon": {
+        "lr": _NONNEGATIVE,
+        "momentum": _NONNEGATIVE,
+        "weight_decay": _NONNEGATIVE,
+        "ns_method": choice("gram", "standard", any_case=False),
+        "betas": _betas(),
+        "eps": _NONNEGATIVE,
+        "muon_lr": _NONNEGATIVE,
+        "adam_lr": _NONNEGATIVE,
+        "adam_w_mode": _SWITCH,
+        "torch_adam": _SWITCH,
+        "per_head_muon": _SWITCH,
+    },
 }
 
 
@@ -153,6 +195,17 @@ def check_hyperparameters(kind: str, params: Mapping[str, Any], path: str) -> di
             allowed = f"a hyperparameter of {kind}: {sorted(known)}"
             raise ConfigError(join(path, name), value, allowed)
     parsed = {name: known[name](value, join(path, name)) for name, value in params.items()}
+    if kind == "Lamb" and parsed.get("amsgrad", False):
+        raise ConfigError(
+            join(path, "amsgrad"), True, "false (DeepSpeed's FusedLamb raises on AMSGrad)"
+        )
+    if kind == "Muon" and parsed.get("per_head_muon", False):
+        raise ConfigError(
+            join(path, "per_head_muon"),
+            True,
+            "false: zerosim orthogonalizes each Muon matrix whole (DeepSpeed's per-head "
+            "Newton-Schulz of attention projections is not built)",
+        )
     if kind == "SGD" and parsed.get("nesterov", False):
         if parsed.get("momentum", 0.0) <= 0 or parsed.get("dampening", 0.0) != 0:
             raise ConfigError(
@@ -257,6 +310,34 @@ class OptimizerConfig(Section):
             return "AdamW" if self.adam_w_mode else "Adam"
         return self.type
 
+    def param_groups(self, named: list[tuple[str, Any]]) -> list[tuple[list, dict[str, Any]]]:
+        """[(named parameters, hyperparameters)] of the groups the optimizer is built with.
+
+        One group for every type but Muon, which DeepSpeed splits into two
+        (``engine._muon_param_groups``): the matrices whose name holds neither "embed" nor
+        "lm_head" (``use_muon``), in the order MuonWithAuxAdam sorts them (shapes compared as
+        tuples, largest first; so DeepSpeed lays them out in its flat buffers), with lr (or
+        muon_lr), momentum, weight_decay and ns_method;
+        then the others, for the auxiliary Adam, with lr (or adam_lr), betas, eps,
+        weight_decay and adam_w_mode. A half without parameters is left out.
+        """
+        if self.type != "Muon":
+            return [(named, self.kwargs())]
+        groups = []
+        for use_muon, keys in ((True, MUON_HALF_KEYS), (False, ADAM_HALF_KEYS)):
+            half = [(n, p) for n, p in named if uses_muon(n, p.shape) is use_muon]
+            if use_muon:  # MuonWithAuxAdam sorts its matrices, largest shape first
+                half = sorted(half, key=lambda item: tuple(item[1].shape), reverse=True)
+            if not half:
+                continue
+            hyper = {k: self.params[k] for k in keys if k in self.params}
+            if MUON_LR_KEYS[use_muon] in self.params:
+                hyper["lr"] = self.params[MUON_LR_KEYS[use_muon]]
+            if not use_muon:
+                hyper["adam_w_mode"] = bool(self.params.get("adam_w_mode", True))
+            groups.append((half, {"use_muon": use_muon, **hyper}))
+        return groups
+
     def kwargs(self) -> dict[str, Any]:
         """Constructor arguments for ``class_name``: params without DeepSpeed's switches.
 
@@ -265,6 +346,8 @@ class OptimizerConfig(Section):
         (0.9, 0.999) unless given.
         """
         kwargs = {k: v for k, v in self.params.items() if k not in DEEPSPEED_ONLY_KEYS}
+        if self.type == "Lamb":
+            kwargs.pop("amsgrad", None)  # false (true is refused): FusedLamb's check only
         if self.type in ("Adam", "AdamW") and not self.params.get("torch_adam", False):
             kwargs.setdefault("weight_decay", 0.0)
         if self.type == "Lion":  # DeepSpeed's defaults, not lion-pytorch's (zerosim.optim.Lion)
@@ -321,3 +404,82 @@ class SchedulerConfig(Section):
         """A torch.optim.lr_scheduler class: DeepSpeed hands it its optimizer wrapper, which
         under ZeRO or fp16/bf16 is not a torch Optimizer (DeepSpeed's own schedulers unwrap it)."""
         return self.type in TORCH_SCHEDULERS
+
+
+def uses_muon(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether DeepSpeed puts a parameter in Muon's half (``set_optimizer_flags``): a matrix
+    (2 or more axes) whose name holds neither "embed" nor "lm_head", in any case."""
+    return len(shape) >= 2 and not any(part in name.lower() for part in NOT_MUON)
+
+
+def check_whole_parameter_rules(cfg: Any) -> None:
+    """LAMB and Muon across sections: what DeepSpeed refuses, and what zerosim does not build.
+
+    DeepSpeed refuses LAMB without dynamic loss scaling (``fp16.loss_scale`` 0, its default,
+    whether or not fp16 is on: ``engine._do_sanity_check``), Muon with ``reduce_scatter`` at
+    stage 3 and Muon with ZeRO++'s quantized gradients (their all-to-all group;
+    ``stage3.py``). zerosim builds neither optimizer with optimizer offload to NVMe (its tile
+    swapper steps part of a shard at a time, where these need every slice of a parameter at
+    once), nor Muon with fp16/bf16, any optimizer offload, Megatron's layout, the paper's
+    schedule or ZeRO++ (DeepSpeed's Muon for those has paths of its own, not built here).
+    """
+    opt, zero, sim = cfg.optimizer, cfg.zero_optimization, cfg.zerosim
+    if opt is None or opt.type not in ("Lamb", "Muon"):
+        return
+    if opt.type == "Lamb" and cfg.fp16.loss_scale != 0:
+        raise ConfigError(
+            "fp16.loss_scale",
+            cfg.fp16.loss_scale,
+            "0 (dynamic loss scaling) with Lamb: DeepSpeed's engine requires it for LAMB",
+        )
+    if opt.type == "Lamb":
+        if zero.offload_optimizer.device == "nvme":
+            raise ConfigError(
+                "zero_optimization.offload_optimizer.device",
+                "nvme",
+                "'none' or 'cpu' with Lamb (zerosim's NVMe swapper steps a shard part by part; "
+                "the trust ratio needs every slice of a parameter at once)",
+            )
+        return
+    if zero.stage == 3 and zero.reduce_scatter:
+        raise ConfigError(
+            "zero_optimization.reduce_scatter",
+            True,
+            "false with Muon at ZeRO stage 3 (DeepSpeed: 'Muon and reduce scatter cannot be "
+            "used together')",
+        )
+    if zero.stage == 3 and zero.zero_quantized_gradients:
+        raise ConfigError(
+            "zero_optimization.zero_quantized_gradients",
+            True,
+            "false with Muon (DeepSpeed: 'Muon and all2all process group cannot be used together')",
+        )
+    if cfg.mixed_precision is not None:
+        section = cfg.mixed_precision
+        raise ConfigError(
+            f"{section}.enabled",
+            True,
+            f"false with Muon (zerosim builds Muon for float32/float64 training; DeepSpeed's "
+            f"Muon under {section} keeps its momentum in the gradient dtype and scales updates "
+            "back by the loss scale, a path not built here)",
+        )
+    not_built = (
+        ("zero_optimization.offload_optimizer.device", zero.offload_optimizer.device, "none"),
+        ("zerosim.layout", sim.layout, "deepspeed"),
+        ("zerosim.schedule", sim.schedule, "deepspeed"),
+    )
+    for key, value, allowed in not_built:
+        if value != allowed:
+            raise ConfigError(
+                key,
+                value,
+                f"{allowed!r} with Muon (zerosim builds DeepSpeed's Muon for ZeRO stages 0-3 "
+                "without offload, in DeepSpeed's layout and schedule)",
+            )
+    if zero.stage == 3 and (zero.zero_quantized_weights or zero.zero_hpz_partition_size > 1):
+        key = "zero_quantized_weights" if zero.zero_quantized_weights else "zero_hpz_partition_size"
+        raise ConfigError(
+            f"zero_optimization.{key}",
+            getattr(zero, key),
+            "off with Muon (zerosim does not build Muon with ZeRO++)",
+        )

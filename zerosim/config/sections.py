@@ -427,7 +427,10 @@ class ZeroConfig(Section):
         inert="zerosim's invariants are checked by its tests",
     )
     save_muon_momentum_buffer_in_memory: bool = _flag(
-        False, "Muon with nvme offload", inert="zerosim has no Muon optimizer"
+        False,
+        _stage3("Muon: keep its momentum in memory when optimizer states swap to NVMe"),
+        inert="zerosim's Muon never swaps its momentum (it refuses optimizer offload)",
+        reproduces=(False, True),
     )
     leaf_module: LeafModuleConfig = knob(
         LeafModuleConfig(), section(LeafModuleConfig), _stage3("leaf modules; null: defaults")

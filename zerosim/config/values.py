@@ -23,6 +23,7 @@ sizes as ``5e8``.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import re
@@ -297,6 +298,7 @@ def knob(
     null: str | None = None,
     inert: str | None = None,
     reproduces: tuple[Any, ...] | Callable[[Any], bool] = (),
+    reproduces_text: str | None = None,
     refuse: bool = False,
 ) -> Any:
     """Declare a config key: dataclass field named as the JSON key, its default and parser.
@@ -307,7 +309,8 @@ def knob(
     but does not act on, saying why; writing it with a value outside ``reproduces`` (the values
     whose DeepSpeed behaviour zerosim has anyway, or a predicate saying so of a value) is warned
     about at load, or rejected with ``refuse`` (DeepSpeed would compute something zerosim does
-    not build).
+    not build). ``reproduces_text`` says in words what a predicate ``reproduces`` allows (the
+    message of a refused value names it; a tuple is written out as JSON).
     """
     metadata = {
         "parser": parser,
@@ -316,6 +319,7 @@ def knob(
         "null": null,
         "inert": inert,
         "reproduces": reproduces,
+        "reproduces text": reproduces_text,
         "refuse": refuse,
     }
     return field(default=default, metadata=metadata)
@@ -329,11 +333,12 @@ def whole_section(
     refuse: bool,
     objects_only: bool = True,
     null: str | None = "DeepSpeed reads keys of it and fails on null",
+    off: str | None = None,
 ) -> Any:
     """A DeepSpeed section zerosim reads as a whole: a JSON object, kept read-only (any JSON
     value without ``objects_only``); ``on(value)`` says whether DeepSpeed would act on it, and
-    then the section is refused or warned about. Absent: not given; null as ``null`` says (see
-    ``knob``)."""
+    then the section is refused or warned about; ``off`` says in words what ``on`` is false for.
+    Absent: not given; null as ``null`` says (see ``knob``)."""
     allowed = "a JSON object" if objects_only else "any JSON value"
 
     def convert(value: Any, path: str) -> Any:
@@ -347,6 +352,7 @@ def whole_section(
         doc,
         inert=why,
         reproduces=lambda value: not on(value),
+        reproduces_text=off,
         refuse=refuse,
         null=null,
     )
@@ -413,10 +419,12 @@ def find_unknown_keys(cls: type, raw: Any, path: str) -> list[tuple[str, bool]]:
     return unknown
 
 
-def inert_keys_given(cls: type, raw: Any, obj: Any, path: str) -> list[tuple[str, Any, str, bool]]:
-    """(key path as written, value, why, refuse) for each inert knob written in ``raw`` with a
-    value whose DeepSpeed behaviour zerosim does not have (see ``knob``); ``obj`` is the parsed
-    section."""
+def inert_keys_given(
+    cls: type, raw: Any, obj: Any, path: str
+) -> list[tuple[str, Any, str, str, bool]]:
+    """(key path as written, value, the values zerosim reproduces in words, why, refuse) for each
+    inert knob written in ``raw`` with a value whose DeepSpeed behaviour zerosim does not have
+    (see ``knob``); ``obj`` is the parsed section."""
     if not isinstance(raw, Mapping) or obj is None:
         return []
     found = []
@@ -429,8 +437,10 @@ def inert_keys_given(cls: type, raw: Any, obj: Any, path: str) -> list[tuple[str
             if nested is not None:
                 found += inert_keys_given(nested, raw[name], value, join(path, name))
             elif f.metadata["inert"] is not None and not reproduced(f, value):
-                inert = (join(path, name), value, f.metadata["inert"], f.metadata["refuse"])
-                found.append(inert)
+                meta = f.metadata
+                found.append(
+                    (join(path, name), value, reproduced_text(f), meta["inert"], meta["refuse"])
+                )
     return found
 
 
@@ -439,6 +449,16 @@ def reproduced(f: Field, value: Any) -> bool:
     ``reproduces`` is a tuple of such values, or a predicate of the value."""
     rule = f.metadata["reproduces"]
     return rule(value) if callable(rule) else value in rule
+
+
+def reproduced_text(f: Field) -> str:
+    """In words, the values of inert knob ``f`` whose DeepSpeed behaviour zerosim has."""
+    text, rule = f.metadata["reproduces text"], f.metadata["reproduces"]
+    if text is not None:
+        return text
+    if callable(rule):
+        return "any value" if rule is any_value else "a value DeepSpeed does not act on"
+    return " or ".join(json.dumps(to_plain(v)) for v in rule) or "none (leave it out)"
 
 
 def known_key_paths(cls: type, path: str = "") -> list[str]:

@@ -30,11 +30,19 @@ class DataLoader:
     to the next epoch (new permutation), so ``for epoch in range(E): for x, y
     in loader: ...`` needs no `set_epoch` call.
 
-    Checkpoint state is ``{"epoch": e, "position": p}``, where ``p`` is the
-    number of samples of epoch ``e``'s global order that all ranks together
-    have consumed (micro-steps done × ``micro_batch_size · world_size``). It
-    counts samples, not this rank's batches, so a run can resume with another
-    world size as long as ``p`` is a whole number of its micro-steps.
+    Checkpoint state (`state_dict`) counts samples, not this rank's batches, so
+    that a run can resume with another world size, micro-batch or accumulation:
+
+    - ``epoch``, ``position``: the number of samples of epoch ``e``'s global
+      order that all ranks together have consumed;
+    - ``batch_start``: the position where the global batch in progress began
+      (equal to ``position`` at an accumulation boundary, where the engine saves);
+    - ``dataset_len``, ``shuffle``, ``seed``: what the epoch order is made of; a
+      loader with other values would read another order, so it refuses the state.
+
+    A resumed loader lays its global batches from ``batch_start`` with its own
+    sizes (`DistributedBatchSampler`: "Resuming at another position"), so no
+    sample is read twice or skipped whatever the new world size.
 
     ``backend`` (a `zerosim.backend.Backend` or its name) moves every batch to
     that backend's arrays (cupy on a GPU); ``None`` yields the dataset's arrays
@@ -56,7 +64,8 @@ class DataLoader:
         self.sampler = sampler
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.epoch = sampler.epoch
-        self.position = 0
+        self.position = 0  # samples of this epoch consumed, all ranks together
+        self.batch_start = 0  # where the global batch in progress began
 
     def __len__(self) -> int:
         """Micro-batches this rank reads in a whole epoch."""
@@ -69,43 +78,76 @@ class DataLoader:
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first sample (discards the current position)."""
         self.epoch = _check_int("epoch", epoch, 0)
-        self.position = 0
+        self.position = self.batch_start = 0
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        width = self.sampler.micro_step_width
-        if self.position >= self.sampler.steps_per_epoch * self.sampler.global_batch_size:
-            self.epoch, self.position = self.epoch + 1, 0  # the last epoch was read to its end
-        self.sampler.set_epoch(self.epoch)
-        batches = self.sampler.rank_batches(self.epoch)
-        for row in range(self.position // width, len(batches)):
+        sampler = self.sampler
+        width, k = sampler.micro_step_width, sampler.gradient_accumulation_steps
+        if self.position == self.batch_start and sampler.steps_from(self.batch_start) == 0:
+            self.set_epoch(self.epoch + 1)  # the last epoch was read to its end
+        sampler.set_epoch(self.epoch)
+        start = self.batch_start  # global batches are laid from here (docstring)
+        batches = sampler.rank_batches(self.epoch, start)
+        for row in range((self.position - start) // width, len(batches)):
             x, y = self.dataset[batches[row]]
             if self.backend is not None:
                 x, y = self.backend.asarray(x), self.backend.asarray(y)
-            self.position = (row + 1) * width
+            self.position = start + (row + 1) * width
+            if (row + 1) % k == 0:  # this micro-step ends a global batch
+                self.batch_start = self.position
             yield x, y
-        self.epoch += 1
-        self.position = 0
+        self.set_epoch(self.epoch + 1)
 
     # -- checkpoint state ----------------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
-        """``{"epoch": e, "position": samples of epoch e already consumed}``."""
-        return {"epoch": self.epoch, "position": self.position}
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is in the global sample stream (class docstring)."""
+        sampler = self.sampler
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "batch_start": self.batch_start,
+            "dataset_len": sampler.dataset_len,
+            "shuffle": sampler.shuffle,
+            "seed": sampler.seed,
+        }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at ``state``; the next micro-batch is the one after ``position``."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state``: the next micro-batch is the one after ``position``.
+
+        ``batch_start`` may be missing (a state saved before it existed, always at an
+        accumulation boundary): it is then ``position``. Raises naming the key, the value and
+        what is allowed before anything changes.
+        """
         missing = {"epoch", "position"} - set(state)
         if missing:
             raise KeyError(f"loader state is missing {sorted(missing)}; got keys {sorted(state)}")
+        sampler = self.sampler
+        for key in ("dataset_len", "shuffle", "seed"):
+            mine = getattr(sampler, key)
+            if key in state and state[key] != mine:
+                raise ValueError(
+                    f"state[{key!r}]={state[key]!r}, but this loader's {key} is {mine!r}: it "
+                    "would read another order of the samples, so the saved position would "
+                    "repeat some and skip others; load with the same dataset, shuffle and seed"
+                )
         epoch = _check_int("state['epoch']", state["epoch"], 0)
         position = _check_int("state['position']", state["position"], 0)
-        width = self.sampler.micro_step_width
-        total = self.sampler.steps_per_epoch * self.sampler.global_batch_size
-        if position % width or position > total:
+        start = _check_int("state['batch_start']", state.get("batch_start", position), 0)
+        done = position - start
+        width, size = sampler.micro_step_width, sampler.global_batch_size
+        if done < 0:
             raise ValueError(
-                f"state['position']={position} must be a multiple of "
-                f"micro_batch_size·world_size={width} and at most the epoch length {total}"
+                f"state['batch_start']={start} must be at most state['position']={position}"
             )
-        self.epoch, self.position = epoch, position
+        if done and (done % width or done >= size or sampler.steps_from(start) == 0):
+            raise ValueError(
+                f"state['position']={position} is {done} samples into the global batch that "
+                f"began at {start}; this loader can continue it only if that is a whole number "
+                f"of its micro-steps (micro_batch_size·world_size = {width}) less than its "
+                f"global batch ({size}) and the batch fits in the epoch; resume from a state "
+                "taken at an accumulation boundary (as engine checkpoints are)"
+            )
+        self.epoch, self.position, self.batch_start = epoch, position, start
 
 
 def build_loader(

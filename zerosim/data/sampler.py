@@ -61,6 +61,15 @@ class DistributedBatchSampler:
       ``torch.utils.data.DistributedSampler``; an epoch has
       ``ceil(dataset_len / G)`` steps and a few samples are read twice.
 
+    Resuming at another position (``start``): a run resumed from a checkpoint
+    continues an epoch at position ``s``, the number of samples already read,
+    which need not be a multiple of ``G`` when the world size changed. Its
+    global steps are laid from ``s``: step ``t`` of the rest of the epoch reads
+    positions ``[s + t·G, s + (t+1)·G)``, with the same per-rank split as above,
+    and the epoch ends when fewer than ``G`` positions remain (drop_last) or its
+    last global batch is padded by wrapping around. Nothing before ``s`` is read
+    again and nothing after it is skipped. ``start=0`` is the whole epoch.
+
     Iterating yields this rank's ``k·steps_per_epoch`` index arrays (int64,
     length ``m``) for the current epoch, in micro-step order.
     """
@@ -97,7 +106,7 @@ class DistributedBatchSampler:
             )
         self.epoch = 0
         self._cached_epoch: int | None = None
-        self._cached_order: np.ndarray | None = None
+        self._cached_perm: np.ndarray | None = None
 
     # -- sizes ---------------------------------------------------------------
     @property
@@ -113,7 +122,16 @@ class DistributedBatchSampler:
     @property
     def steps_per_epoch(self) -> int:
         """Global steps per epoch: ``floor(len/G)`` with drop_last, else ``ceil(len/G)``."""
-        full, rest = divmod(self.dataset_len, self.global_batch_size)
+        return self.steps_from(0)
+
+    def steps_from(self, start: int) -> int:
+        """Global steps in the rest of an epoch laid from position ``start``.
+
+        ``floor((len − start)/G)`` with drop_last, else ``ceil((len − start)/G)``; 0 once
+        ``start ≥ len`` (the epoch was read to its end).
+        """
+        start = _check_int("start", start, 0)
+        full, rest = divmod(max(self.dataset_len - start, 0), self.global_batch_size)
         return full if (self.drop_last or rest == 0) else full + 1
 
     def __len__(self) -> int:
@@ -125,10 +143,10 @@ class DistributedBatchSampler:
         """Select the epoch whose permutation the next iteration uses."""
         self.epoch = _check_int("epoch", epoch, 0)
 
-    def epoch_order(self, epoch: int | None = None) -> np.ndarray:
-        """The dataset indices read in ``epoch``, global position by position.
+    def epoch_order(self, epoch: int | None = None, start: int = 0) -> np.ndarray:
+        """The dataset indices read in ``epoch`` from position ``start`` on, position by position.
 
-        Length ``steps_per_epoch · G``: the permutation, truncated (drop_last)
+        Length ``steps_from(start) · G``: the permutation from ``start``, truncated (drop_last)
         or wrapped around (no drop_last). The same on every rank.
         """
         epoch = self.epoch if epoch is None else _check_int("epoch", epoch, 0)
@@ -137,11 +155,11 @@ class DistributedBatchSampler:
                 perm = np.random.default_rng((self.seed, epoch)).permutation(self.dataset_len)
             else:
                 perm = np.arange(self.dataset_len)
-            positions = np.arange(self.steps_per_epoch * self.global_batch_size)
-            self._cached_order = perm[positions % self.dataset_len].astype(np.int64)
+            self._cached_perm = perm.astype(np.int64)
             self._cached_epoch = epoch
-        assert self._cached_order is not None
-        return self._cached_order
+        assert self._cached_perm is not None
+        positions = start + np.arange(self.steps_from(start) * self.global_batch_size)
+        return self._cached_perm[positions % self.dataset_len]
 
     def global_batch(self, step: int, epoch: int | None = None) -> np.ndarray:
         """The ``G`` dataset indices of global step ``step`` of ``epoch`` (all ranks)."""
@@ -151,14 +169,15 @@ class DistributedBatchSampler:
         g = self.global_batch_size
         return self.epoch_order(epoch)[step * g : (step + 1) * g]
 
-    def rank_batches(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's micro-batches of ``epoch``, shape ``(steps_per_epoch·k, m)``.
+    def rank_batches(self, epoch: int | None = None, start: int = 0) -> np.ndarray:
+        """This rank's micro-batches of ``epoch`` from position ``start``, shape
+        ``(steps_from(start)·k, m)``.
 
-        Row ``s·k + j`` is micro-step ``j`` of global step ``s``: the epoch order
-        seen as ``(step, micro_step, rank, m)`` and sliced at this rank.
+        Row ``s·k + j`` is micro-step ``j`` of global step ``s`` (counted from ``start``): the
+        epoch order seen as ``(step, micro_step, rank, m)`` and sliced at this rank.
         """
-        order = self.epoch_order(epoch).reshape(
-            self.steps_per_epoch,
+        order = self.epoch_order(epoch, start).reshape(
+            -1,
             self.gradient_accumulation_steps,
             self.world_size,
             self.micro_batch_size,

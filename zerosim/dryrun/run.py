@@ -46,19 +46,22 @@ class ModelRecipe:
     gpt: Any = None  # the GPTShape, for GPT models
 
 
-def recipe(spec: str) -> ModelRecipe:
-    """``gpt``/``mlp`` (``zerosim train``'s models), a preset or ``gpt:L,H,V,S[,HEADS]``."""
+def recipe(spec: Any, name: str | None = None) -> ModelRecipe:
+    """``gpt``/``mlp`` (``zerosim train``'s models), a preset, ``gpt:L,H,V,S[,HEADS]`` or a
+    ``GPTShape`` (then ``name`` names it; a shape's ``tied`` is kept, as ``gpt:…`` cannot say)."""
     from zerosim.analysis.presets import GPTShape, gpt_shape
 
     xp = meta.NAMESPACE
-    if spec == "mlp":  # report.workloads' MLP
+    if isinstance(spec, GPTShape):
+        shape, spec = spec, name or repr(spec)
+    elif spec == "mlp":  # report.workloads' MLP
         sizes = [32, 256, 256, 10]
         return ModelRecipe(
             spec,
             lambda: MLP(sizes),
             lambda b: (xp.zeros((b, sizes[0]), np.float32), xp.zeros((b,), np.int64)),
         )
-    if spec == "gpt":  # report.workloads' character-level GPT on the shipped corpus
+    elif spec == "gpt":  # report.workloads' character-level GPT on the shipped corpus
         from zerosim.data import CharDataset
 
         shape = GPTShape(2, 64, 4, CharDataset(block_size=64).vocab_size, 64, tied=False)

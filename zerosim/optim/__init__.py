@@ -9,7 +9,9 @@ from zerosim.optim import functional, lr_scheduler, swa_utils
 from zerosim.optim.adagrad import Adagrad
 from zerosim.optim.adam import Adam, AdamW
 from zerosim.optim.adamax import Adamax
+from zerosim.optim.lamb import Lamb
 from zerosim.optim.lion import Lion
+from zerosim.optim.muon import Muon
 from zerosim.optim.nadam import NAdam
 from zerosim.optim.optimizer import Optimizer
 from zerosim.optim.radam import RAdam
@@ -22,7 +24,9 @@ __all__ = [
     "Adam",
     "AdamW",
     "Adamax",
+    "Lamb",
     "Lion",
+    "Muon",
     "NAdam",
     "Optimizer",
     "RAdam",

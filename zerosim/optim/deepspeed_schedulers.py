@@ -9,7 +9,8 @@ each against DeepSpeed's own class over thousands of steps on a grid of paramete
 
 Deviations from DeepSpeed, all in the direction of failing fast: an unknown ``warmup_type``
 raises ValueError (DeepSpeed logs a warning and uses 'log'), negative learning rates, ratios,
-rates, momenta or step counts raise ValueError (DeepSpeed writes them into the optimizer), and
+rates, momenta or step counts raise ValueError (DeepSpeed writes them into the optimizer), so
+do ones that are not finite real numbers (a string, a bool, NaN, infinity), and
 LRRangeTest's ``lr_range_test_staircase`` must be true/false or 0/1 (DeepSpeed tests any
 value for truth, so the string 'false' turns it on).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -40,14 +42,15 @@ def per_group(name: str, optimizer: Any, value: Any) -> list[Any]:
     return [value] * n_groups
 
 
-def _check_non_negative(**values: float) -> None:
+def _check_non_negative(**values: Any) -> None:
+    """Each value (or each of a per-group list) is a finite real number >= 0, not a bool."""
     for name, value in values.items():
-        if isinstance(value, (list, tuple)):
-            bad = [v for v in value if v < 0]
-        else:
-            bad = [value] if value < 0 else []
-        if bad:
-            raise ValueError(f"{name} must be >= 0; got {value}")
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            number = isinstance(v, numbers.Real) and not isinstance(v, bool)
+            if not number or not math.isfinite(v) or v < 0:
+                raise ValueError(
+                    f"{name} must be a finite number >= 0 (or one per param group); got {value!r}"
+                )
 
 
 def _check_steps(minimum: int = 0, **values: Any) -> None:
@@ -133,7 +136,9 @@ class LRRangeTest(_BatchScheduler):
         _check_steps(1, lr_range_test_step_size=lr_range_test_step_size)
         staircase = lr_range_test_staircase
         if not isinstance(staircase, int) or staircase not in (0, 1):
-            raise ValueError(f"lr_range_test_staircase must be true or false; got {staircase!r}")
+            raise ValueError(
+                f"lr_range_test_staircase must be true, false, 0 or 1; got {staircase!r}"
+            )
         self.step_size = lr_range_test_step_size
         self.step_rate = lr_range_test_step_rate
         self.staircase = bool(staircase)

@@ -142,6 +142,11 @@ class Optimizer(ABC):
         With ``counts_steps``, ``state['step']`` already counts this update (1 on the first).
         """
 
+    def group_defaults(self, param_group: Mapping[str, Any], owner: str) -> dict[str, Any]:
+        """The hyperparameters a new group starts from (``defaults``; an optimizer whose groups
+        are of several kinds, such as Muon's, picks them by the group)."""
+        return self.defaults
+
     def _init_state(self, param: Any, group: dict[str, Any]) -> dict[str, Any]:
         """The state of a parameter before its first update: step 0 and zero arrays."""
         state: dict[str, Any] = {"step": 0.0} if self.counts_steps else {}
@@ -159,7 +164,8 @@ class Optimizer(ABC):
             raise TypeError(f"{owner}: must be a dict; got {type(param_group).__name__}")
         if "params" not in param_group:
             raise ValueError(f"{owner}: has no 'params' key; keys given: {sorted(param_group)}")
-        allowed = set(self.defaults) | set(GROUP_BOOKKEEPING_KEYS)
+        defaults = self.group_defaults(param_group, owner)
+        allowed = set(defaults) | set(GROUP_BOOKKEEPING_KEYS)
         unknown = sorted(set(param_group) - allowed)
         if unknown:
             raise ValueError(f"{owner}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
@@ -168,7 +174,7 @@ class Optimizer(ABC):
             raise TypeError(f"{owner}: params must be an ordered collection, not a set")
         params = [params] if _is_parameter(params) else list(params)
         self._check_params(params, owner)
-        group = {**self.defaults, **param_group, "params": params}
+        group = {**defaults, **param_group, "params": params}
         self._check_group(group, owner)
         self.param_groups.append(group)
 

@@ -10,7 +10,6 @@ collectives in ``analysis.collective_schedule``.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 from zerosim import analysis
 from zerosim.analysis.stages import STAGES, stage_info
 from zerosim.backend import resolve_dtype
+from zerosim.config import read_config_file
 from zerosim.zero.partition import padded_size
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
@@ -184,8 +184,13 @@ CLUSTER_KEYS = (
 
 
 def load_cluster(path: str | Path) -> analysis.Cluster:
-    """A ``Cluster`` from JSON with its seven fields (a ``name`` or ``comment`` key is allowed)."""
-    spec = json.loads(Path(path).read_text())
+    """A ``Cluster`` from JSON with its seven fields (a ``name`` or ``comment`` key is allowed).
+
+    Read as configs are (``read_config_file``): errors name the file; a repeated key is one.
+    """
+    spec = read_config_file(path)
+    if not isinstance(spec, dict):
+        raise ValueError(f"cluster file {path}: holds a {type(spec).__name__}, not an object")
     unknown = sorted(set(spec) - set(CLUSTER_KEYS) - {"name", "comment"})
     missing = [k for k in CLUSTER_KEYS if k not in spec]
     if unknown or missing:

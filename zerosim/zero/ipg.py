@@ -42,22 +42,27 @@ from zerosim.zero.buckets import MAX_IN_FLIGHT
 
 
 class Entry(NamedTuple):
-    """A parameter in a bucket: its group and where it starts in the group's flat buffer."""
+    """A parameter in a bucket: its group and where it starts in the group's flat buffer;
+    ``copy_ranks`` the ranks that receive every slice of it (a split Muon matrix's owners,
+    ``zerosim/zero/muon.py``), None for a parameter whose slices go to their owners only."""
 
     group: int
     flat_start: int
     numel: int
+    copy_ranks: frozenset[int] | None = None
 
 
 class Piece(NamedTuple):
     """A run of one parameter that one partition owns: ``size`` elements at ``bucket_start`` of
-    the bucket, which are elements ``flat_start`` … of group ``group``'s flat buffer."""
+    the bucket, which are elements ``flat_start`` … of group ``group``'s flat buffer, for the
+    ranks ``copy_ranks`` (the owner alone, or every owner of a split Muon matrix)."""
 
     owner: int
     bucket_start: int
     size: int
     group: int
     flat_start: int
+    copy_ranks: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,10 @@ class Slice:
     bucket_start: int
     size: int
     pieces: tuple[Piece, ...]
+
+    @property
+    def copy_ranks(self) -> frozenset[int]:
+        return self.pieces[0].copy_ranks
 
 
 @dataclass(frozen=True)
@@ -93,17 +102,21 @@ def bucket_pieces(entries: list[Entry], partition_sizes: list[int]) -> list[Piec
         while start < stop:
             owner = start // size
             end = min((owner + 1) * size, stop)
-            pieces.append(Piece(owner, at + start - e.flat_start, end - start, e.group, start))
+            copy = e.copy_ranks or frozenset((owner,))
+            pieces.append(
+                Piece(owner, at + start - e.flat_start, end - start, e.group, start, copy)
+            )
             start = end
         at += e.numel
     return pieces
 
 
 def merge_slices(pieces: list[Piece]) -> list[Slice]:
-    """Consecutive pieces of one owner become one slice (DeepSpeed merges them)."""
+    """Consecutive pieces of one owner, for the same ranks, become one slice (DeepSpeed merges
+    them)."""
     slices: list[Slice] = []
     for p in pieces:
-        if slices and slices[-1].owner == p.owner:
+        if slices and slices[-1].owner == p.owner and slices[-1].copy_ranks == p.copy_ranks:
             last = slices[-1]
             slices[-1] = Slice(last.owner, last.bucket_start, last.size + p.size, (*last.pieces, p))
         else:
@@ -143,11 +156,16 @@ def plan_bucket(
         return [Reduction("all_reduce", None, tuple(slices))]
     if use_multi_rank_bucket_allreduce:
         return [Reduction("all_reduce", None, run) for run in _runs(slices, reduce_bucket_size)]
-    owners = list(dict.fromkeys(s.owner for s in slices))
+
+    # per owner a reduce to it; the slices of split Muon matrices, which every owner of the
+    # matrix needs, are all-reduced together; in the order each first appears in the bucket
+    def key(s: Slice) -> int | None:
+        return None if len(s.copy_ranks) > 1 else s.owner
+
     return [
-        Reduction("reduce", owner, run)
-        for owner in owners
-        for run in _runs([s for s in slices if s.owner == owner], reduce_bucket_size)
+        Reduction("all_reduce" if root is None else "reduce", root, run)
+        for root in dict.fromkeys(key(s) for s in slices)
+        for run in _runs([s for s in slices if key(s) == root], reduce_bucket_size)
     ]
 
 
@@ -181,6 +199,7 @@ class IpgBuckets:
             contiguous_gradients=bool(zero.contiguous_gradients),
         )
         self.overlap = bool(zero.overlap_comm)
+        self.muon = getattr(strategy, "muon", None)  # split Muon matrices go to all their owners
         self.entries: list[Entry] = []  # the bucket being filled
         self.grads: list[Any] = []  # their gradients (flattened views), until the bucket goes
         self.numel = 0
@@ -193,7 +212,8 @@ class IpgBuckets:
             return
         if self.numel + numel > self.limit:
             self.reduce()
-        self.entries.append(Entry(group, self.flat_starts[group][index], numel))
+        copy = None if self.muon is None else self.muon.copy_ranks(group, index)
+        self.entries.append(Entry(group, self.flat_starts[group][index], numel, copy))
         self.grads.append(flat(grad))
         self.numel += numel
 
@@ -246,13 +266,15 @@ class IpgBuckets:
             handle, message, r, views = self.pending.pop(0)
             if handle is not None:
                 handle.wait()
-            if r.root is None or r.root == self.comm.rank:
+            rank = self.comm.rank
+            if r.root is None or r.root == rank:
                 at = 0
                 for sl in r.slices:
-                    if sl.owner == self.comm.rank:
+                    if rank in sl.copy_ranks:  # its owner, or a Muon matrix's other owners
+                        deliver = self.deliver if sl.owner == rank else self.muon.receive
                         for p in sl.pieces:
                             start = at + p.bucket_start - sl.bucket_start
-                            self.deliver(p.group, p.flat_start, message[start : start + p.size])
+                            deliver(p.group, p.flat_start, message[start : start + p.size])
                     at += sl.size
             for view in views:
                 self.strategy.give_buffer(view)

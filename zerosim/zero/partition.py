@@ -24,6 +24,7 @@ first during backward.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -269,3 +270,19 @@ def per_param_partition(
         tuple(offsets),
         world_size,
     )
+
+
+def deepspeed_sub_groups(chunks: Sequence[int], sub_group_size: int) -> list[list[int]]:
+    """Stage 3: DeepSpeed's sub-groups of one parameter group (``_create_fp16_sub_groups``):
+    parameter indices taken in order until their chunks hold ``sub_group_size`` elements or
+    more; the whole group when it fits. Each is stepped, and its norm all-reduced, on its own."""
+    if sub_group_size >= sum(chunks):
+        return [list(range(len(chunks)))]
+    groups, current, size = [], [], 0
+    for i, chunk in enumerate(chunks):
+        current.append(i)
+        size += chunk
+        if size >= sub_group_size or i == len(chunks) - 1:
+            groups.append(current)
+            current, size = [], 0
+    return groups

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.backend import assign, nbytes, np_dtype
+from zerosim.backend import assign, flat, nbytes, np_dtype
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.buckets import (
     MAX_IN_FLIGHT,
@@ -61,13 +61,16 @@ class Stage0(Strategy):
         self.queues: list[BucketQueue] = []  # paper: per group, its buckets during backward
         self.messages: list[tuple[FlatGroup, list[Range]]] = []  # deepspeed: after backward
         self.owner_of: dict[int, int] = {}  # id(param) -> its group
+        # deepspeed, several groups (Muon's two): one flat message over all of them
+        self.across = self.schedule == "deepspeed" and len(self.groups) > 1
         for gi, g in enumerate(self.groups):
             g.flat_grad = g.xp.zeros_like(g.flat_param)
             for i, (_, p) in enumerate(g.named_params):
                 p.grad = g.param_view(i, g.flat_grad)
                 self.owner_of[id(p)] = gi
             if self.schedule == "deepspeed":
-                self.messages.append((g, allreduce_messages([s.range.size for s in g.slots])))
+                if not self.across:
+                    self.messages.append((g, allreduce_messages([s.range.size for s in g.slots])))
                 continue
             buckets = reduction_buckets(g.layout, self.zero.reduce_bucket_size, self.comm.size)
             members = bucket_members(g.named_params, g.slots, buckets)
@@ -120,6 +123,8 @@ class Stage0(Strategy):
             launch = self._launcher(g, runs)
             for i in range(len(runs)):
                 launch(i)
+        if self.across:
+            self._reduce_across_groups()
         for h in self.handles:
             h.wait()
         self.handles.clear()
@@ -127,6 +132,26 @@ class Stage0(Strategy):
         self.reducing = False
         for g in self.groups:
             self.average(g.flat_grad)
+
+    def _reduce_across_groups(self) -> None:
+        """DeepSpeed flattens every gradient of the model into its messages
+        (``buffered_allreduce_fallback``), so with several groups one message holds parameters
+        of each: their gradients are copied into a pooled buffer, all-reduced, copied back."""
+        views = [g.param_view(i, g.flat_grad) for g in self.groups for i in range(len(g.slots))]
+        at = 0
+        for run in allreduce_messages([v.size for v in views]):
+            buf = self.take_buffer(run.size, self.wire_dtype(self.dtype))
+            members, offset = [], 0
+            while at < len(views) and offset < run.size:
+                members.append((views[at], offset))
+                assign(buf[offset : offset + views[at].size], flat(views[at]))
+                offset += views[at].size
+                at += 1
+            self.before_reduction(buf)
+            self.comm.all_reduce(buf)
+            for view, start in members:
+                assign(flat(view), buf[start : start + view.size])
+            self.give_buffer(buf)
 
     def grad_view(self, group: FlatGroup, rng: Range) -> Any:
         return group.flat_grad[rng.start : rng.stop]

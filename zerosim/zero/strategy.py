@@ -11,13 +11,18 @@ The engine drives a strategy through a few calls. Once, after construction: ``at
 (stages that act during forward or backward install their module hooks). Every micro-step:
 ``before_forward()``, the model's forward, ``before_backward(boundary)``, the model's backward,
 ``after_backward(boundary)``. At the accumulation boundary: ``overflow()`` and
-``grad_norm_sq(inv_scale)`` when the schedule's checks ask for them (``schedule.py``; the engine
-all-reduces them), ``unscale_grads(inv_scale)``, ``clip(coef)``,
+``grad_norm_sq(inv_scale)`` (or ``grad_norm_sq_parts``, one per norm group) when the schedule's
+checks ask for them (``schedule.py``; the engine all-reduces them), ``unscale_grads(inv_scale)``,
+``clip(coef)``,
 ``optimizer.step()``, ``master_to_params()``, ``gather()``, ``zero_grad()``. Subclasses (one per
 stage, in this package) decide where gradients live, how they are reduced and what is gathered;
 the bucket machinery that stages 0, 2 and 3 share is ``zerosim/zero/buckets.py``, DeepSpeed's
 gradient buckets of stages 1-2 are ``zerosim/zero/ipg.py``. ``schedule`` ("deepspeed" or "paper",
 ``zerosim/zero/schedule.py``) says whose collectives a stage issues.
+
+Optimizers that need whole parameters get what a shard lacks here: LAMB's per-parameter norms
+(``zerosim/zero/lamb.py``) and Muon's whole matrices (``zerosim/zero/muon.py``, whose updates are
+made when the norm is first asked for: DeepSpeed takes the norm over them).
 
 Offload (``zero.offload_optimizer`` / ``offload_param``, ``zerosim/zero/offload.py``): whenever
 anything is offloaded the optimizer steps a separate master copy (of the model dtype in fp32/fp64
@@ -37,8 +42,16 @@ from zerosim.backend import item, move_like, nbytes, np_dtype, to_host, xp_of
 from zerosim.comm import Communicator
 from zerosim.nn import Parameter
 from zerosim.zero.buckets import BufferPool, PendingReductions
+from zerosim.zero.lamb import LambNorms
+from zerosim.zero.muon import MuonUpdates, muon_groups
 from zerosim.zero.offload import Offload
-from zerosim.zero.partition import DEEPSPEED_ALIGNMENT, Layout, Range, deepspeed_layout
+from zerosim.zero.partition import (
+    DEEPSPEED_ALIGNMENT,
+    Layout,
+    Range,
+    deepspeed_layout,
+    deepspeed_sub_groups,
+)
 from zerosim.zero.schedule import SCHEDULES
 
 
@@ -169,6 +182,8 @@ class Strategy(ABC):
         self.master_dtype = master if separate else None
         self.layout_kind = layout
         self.groups = [self.make_group(named, hyper) for named, hyper in groups]
+        # Muon's matrices (zero/muon.py): before the gradients, whose reduction they change
+        self.muon = MuonUpdates(self) if muon_groups(self) else None
         self.offload.params_to_files(self.groups)
         self.live_transient = 0
         self._transient_grads: list[Any] = []  # unscale_grads's fp32 copies, until the step ends
@@ -196,6 +211,10 @@ class Strategy(ABC):
             self.tile_ranges.append(cut)
             param_groups.append({"params": shards, **g.hyper})
         self.optimizer = optimizer_cls(param_groups)
+        if hasattr(self.optimizer, "piece_map"):  # LAMB: each parameter's norms (zero/lamb.py)
+            self.optimizer.piece_map = LambNorms(self)
+        if self.muon is not None and self.stage == 0:  # whole matrices: made in the step
+            self.optimizer.before_step = self.muon.before_step
         self.offload.attach_optimizer(self)
 
     # -- what a stage decides ------------------------------------------------------------------
@@ -290,7 +309,10 @@ class Strategy(ABC):
 
     def grad_norm_sq(self, inv_scale: float = 1.0, whole: bool = False) -> float:
         """This rank's partial sum of squared (unscaled) gradients over its owned ranges (with
-        ``whole``: over every range it steps, which at stage 0 is the whole reduced gradient)."""
+        ``whole``: over every range it steps, which at stage 0 is the whole reduced gradient).
+        Muon's matrices hold their updates by then (stages 1-3, DeepSpeed's norm)."""
+        if self.muon is not None:
+            self.muon.make_updates(inv_scale)
         total = 0.0
         for g in self.groups:
             for rng in self.step_ranges(g) if whole else g.owned:
@@ -299,6 +321,30 @@ class Strategy(ABC):
                     v = g.xp.astype(v, self.master_dtype)
                 total += sum_sq(v)
         return total * inv_scale * inv_scale
+
+    def grad_norm_sq_parts(self, inv_scale: float = 1.0) -> list[float]:
+        """This rank's partial Σg² (unscaled) per DeepSpeed norm group: DeepSpeed's ZeRO takes
+        each group's norm with an all-reduce of its own (``get_grad_norm_direct``), a group
+        being a parameter group at stages 1-2 and a sub-group of one at stage 3
+        (``deepspeed_sub_groups``). The paper's schedule sums them all in one message."""
+        if self.schedule == "paper":
+            return [self.grad_norm_sq(inv_scale)]
+        if self.muon is not None:
+            self.muon.make_updates(inv_scale)
+        parts = []
+        for g in self.groups:
+            if not hasattr(g, "partition"):  # stages 1-2: the group's owned ranges
+                parts.append(sum(sum_sq(self._norm_view(g, rng)) for rng in g.owned))
+                continue
+            for sub in deepspeed_sub_groups(g.partition.chunks, self.zero.sub_group_size):
+                lo = g.partition.offsets[sub[0]]
+                hi = g.partition.offsets[sub[-1]] + g.partition.chunks[sub[-1]]
+                parts.append(sum_sq(self._norm_view(g, Range(lo, hi))))
+        return [part * inv_scale * inv_scale for part in parts]
+
+    def _norm_view(self, g: Any, rng: Range) -> Any:
+        v = self.grad_view(g, rng)
+        return v if self.master_dtype is None else g.xp.astype(v, self.master_dtype)
 
     def overflow(self, whole: bool = False) -> float:
         """1.0 when this rank's owned reduced gradients (with ``whole``: all it steps) hold an
@@ -310,6 +356,9 @@ class Strategy(ABC):
 
     def unscale_grads(self, inv_scale: float) -> None:
         """Give the optimizer unscaled gradients (fp32 copies under mixed precision)."""
+        if self.muon is not None:  # Muon's updates, if no norm was taken (then: next step)
+            self.muon.make_updates(inv_scale)
+            self.muon.step_done()
         if self.master_dtype is None:
             if inv_scale != 1.0:
                 for shards in self.shards:
@@ -460,6 +509,9 @@ class Strategy(ABC):
                 )
                 name = f"optimizer_state.{key}"
                 report[name] = report.get(name, 0) + total
+        if self.muon is not None:  # whole matrices' momentum (stages 0-2), copied gradients
+            for key, value in self.muon.memory().items():
+                report[key] = report.get(key, 0) + value
         report["peak_transient"] = self.peak_transient
         report["bucket_buffers"] = self.pool.nbytes
         report["swap_buffers"] = self.offload.swap_nbytes()

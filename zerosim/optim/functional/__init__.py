@@ -3,7 +3,7 @@
 The torch-like classes (``zerosim.optim.Adam`` …) call these on whole parameters; the
 ZeRO engine calls them on its flat float32 shards. Every function updates ``param`` and
 its named state arrays **in place** and returns nothing (``nadam`` returns its running
-momentum product). Arguments follow one pattern::
+momentum product, ``lamb`` its trust ratio). Arguments follow one pattern::
 
     rule(param, grad, *state_arrays, step=t, lr=…, <hyperparameters>, scratch=None)
 
@@ -16,6 +16,11 @@ momentum product). Arguments follow one pattern::
 - ``scratch``: optional reusable work buffer from ``make_scratch(param)``. The rules walk
   the arrays in cache-sized blocks, so the work buffers are a few blocks, never
   full-size; without ``scratch`` they are allocated on each call.
+
+Two rules need whole parameters and do not fit the pattern: ``lamb`` (a trust ratio of
+whole-parameter norms; split into ``lamb_moments``, ``trust_ratio`` and ``lamb_apply`` for
+ZeRO) and ``muon_update`` (Newton–Schulz on a whole matrix; returns the update, which
+``muon_apply`` steps).
 
 The formulas, with their sources, are in each function's docstring; docs/optim.md
 compares them with torch.optim and Keras.
@@ -32,7 +37,15 @@ from zerosim.optim.functional.common import (
     state_dtype,
     zeros_state,
 )
+from zerosim.optim.functional.lamb import (
+    lamb,
+    lamb_apply,
+    lamb_moments,
+    lamb_step_size,
+    trust_ratio,
+)
 from zerosim.optim.functional.lion import lion
+from zerosim.optim.functional.muon import muon, muon_apply, muon_update
 from zerosim.optim.functional.nadam import nadam
 from zerosim.optim.functional.radam import radam
 from zerosim.optim.functional.rmsprop import rmsprop
@@ -45,12 +58,20 @@ __all__ = [
     "adam",
     "adamax",
     "block_length",
+    "lamb",
+    "lamb_apply",
+    "lamb_moments",
+    "lamb_step_size",
     "lion",
     "make_scratch",
+    "muon",
+    "muon_apply",
+    "muon_update",
     "nadam",
     "radam",
     "rmsprop",
     "sgd",
     "state_dtype",
+    "trust_ratio",
     "zeros_state",
 ]

@@ -1,0 +1,71 @@
+"""benchmarks/dryrun.py's published runs: the ZeRO++ configs and how each figure is predicted."""
+
+from __future__ import annotations
+
+import zerosim.dryrun
+from benchmarks import dryrun as bench
+from zerosim.analysis.presets import GPTShape
+from zerosim.config import load_config
+
+
+def test_zeropp_and_its_baseline_differ_only_in_the_three_switches():
+    base, plus = bench.zeropp_config(2, False), bench.zeropp_config(2, True)
+    extra = {
+        k: v for k, v in plus["zero_optimization"].items() if k not in base["zero_optimization"]
+    }
+    assert extra == {
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": 16,
+        "zero_quantized_gradients": True,
+    }
+    assert {**plus, "zero_optimization": base["zero_optimization"]} == base
+    for cfg in (base, plus):  # both are configs zerosim accepts for 384 ranks, 16 per node
+        loaded = load_config({**cfg, "zerosim": {**cfg["zerosim"], "backend": "meta"}}, 384)
+        assert loaded.zerosim.ranks_per_node == 16 and loaded.model_dtype == "float16"
+
+
+def test_every_figure_is_listed_and_predicted_only_where_its_shape_is_known(monkeypatch):
+    tiny = GPTShape(2, 32, 2, vocab=64, seq=16)
+    monkeypatch.setattr(bench, "zeropp_shapes", lambda: {"18B": tiny})
+    monkeypatch.setattr(bench, "ZEROPP_GPUS", 32)  # two nodes of 16
+    monkeypatch.setattr(
+        bench,
+        "ZEROPP_PUBLISHED",
+        [
+            ("8", 200, 32, "18B", 37, 50),
+            ("8", 800, 32, "18B", 47, 54),
+            ("8", 200, 32, "138B", 32, 48),
+        ],
+    )
+    runs = []
+    original = zerosim.dryrun.run_world
+
+    def counting(*args, **kwargs):  # zeropp_rows imports run_world when it runs
+        runs.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(zerosim.dryrun, "run_world", counting)
+    rows = bench.zeropp_rows()
+    assert [(r["model"], r["scheme"], r["published_tflops"]) for r in rows] == [
+        ("18B", "ZeRO-3", 37),
+        ("18B", "ZeRO++", 50),
+        ("18B", "ZeRO-3", 47),
+        ("18B", "ZeRO++", 54),
+        ("138B", "ZeRO-3", 32),
+        ("138B", "ZeRO++", 48),
+    ]
+    assert len(runs) == 2  # one dry run per scheme, simulated at both bandwidths
+    assert all(r["micro_batch"] == 2 for r in rows[:4])  # 32 tokens of 16
+    assert [r["predicted_tflops"] for r in rows[4:]] == [None, None]
+    slow, fast = rows[0:2], rows[2:4]
+    for at_200, at_800 in zip(slow, fast, strict=True):  # more bandwidth is never slower
+        assert at_800["predicted_tflops"] >= at_200["predicted_tflops"] > 0
+        assert at_800["step_s"] <= at_200["step_s"]
+    assert all(not r["fitted"] for r in rows)
+
+
+def test_the_18b_shape_is_18b_and_every_published_token_count_is_whole_sequences():
+    (shape,) = bench.zeropp_shapes().values()
+    assert round(shape.formula_params() / 1e9) == 18  # the figures' "18B"
+    assert {tokens for _, _, tokens, *_ in bench.ZEROPP_PUBLISHED} == {1024, 2048}
+    assert all(tokens % shape.seq == 0 for _, _, tokens, *_ in bench.ZEROPP_PUBLISHED)

@@ -1,0 +1,246 @@
+"""What sharding costs an optimizer whose update needs whole parameters: LAMB's norms, Muon's
+matrices. Closed forms, held to the ledger by tests/test_analysis_whole_params.py.
+
+ZeRO cuts the flat buffer anywhere, because Adam's update of an element needs that element
+only. LAMB needs two norms of each whole parameter; Muon needs each whole matrix. A parameter
+that more than one rank holds a piece of is *split* (``split_parameters``): at stage 0 none,
+at stages 1-2 those a partition boundary cuts (at most N − 1 per flat buffer), at stage 3 every
+parameter of two or more elements (each is cut into N chunks).
+
+**LAMB** (``zerosim/zero/lamb.py``): one all-reduce per step of 2 float64 sums per split
+parameter S, phase ``lamb_norms``: 2(N−1)/N · 16·S bytes sent per rank (``lamb_norm_bytes``).
+Tiny next to the gradients, but a latency on the step's critical path.
+
+**Muon** (``zerosim/zero/muon.py``, DeepSpeed 0.19.8's semantics). The model is laid out as
+two groups (Muon's matrices sorted by shape, then the rest for Adam; ``muon_layout``), each a
+flat buffer of its own, and each with a norm all-reduce of its own. Then, per step:
+
+- stage 0: nothing more (each rank holds every matrix);
+- stages 1-2: with DeepSpeed's default ``use_multi_rank_bucket_allreduce: true`` every slice is
+  all-reduced anyway: nothing more but the second group's norm scalar and padding. With it
+  false, a split matrix's slices, which would be reduced to their owner (≈ c bytes from every
+  rank but the root), are all-reduced to all its owners (≈ 2(N−1)/N · c);
+- stage 3: the step's sub-group loop, phase ``muon`` (``muon_stage3_messages``): for each run
+  of matrices, all-gathers of the gradient chunks and of the momentum chunks, then per round of
+  N matrices all-gathers of the updates and of the momentums: about 4(N−1)/N · Ψ_muon elements
+  sent per rank (``muon_stage3_bytes``), two more all-gathers of the matrices than Adam's step.
+
+``muon_step_bytes`` gives every phase of a Muon step, ``muon_extra_bytes`` the difference from
+the same model trained with Adam (one group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from zerosim.analysis.volume import (
+    boundary_messages,
+    clip_bytes,
+    deepspeed_padded_numel,
+    norm_messages,
+    step_bytes,
+)
+
+
+def _prod(shape: Sequence[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def split_parameters(numels: Sequence[int], world_size: int, stage: int) -> list[int]:
+    """Indices of the parameters that more than one rank holds a piece of.
+
+    ``numels`` in flat-buffer order (one DeepSpeed flat buffer at stages 1-2: padded to a
+    multiple of 2N, partition r = [r·P, (r+1)·P)); at stage 3 each parameter is cut into N
+    chunks of ⌈numel/N⌉, so those of 2 or more elements are split.
+    """
+    n = world_size
+    if stage == 0 or n == 1:
+        return []
+    if stage == 3:
+        return [i for i, m in enumerate(numels) if m >= 2]
+    part = deepspeed_padded_numel(sum(numels), n) // n
+    out, start = [], 0
+    for i, m in enumerate(numels):
+        if m and -(-(start + m) // part) - start // part > 1:
+            out.append(i)
+        start += m
+    return out
+
+
+def lamb_norm_bytes(split: int, world_size: int, rank: int) -> int:
+    """Bytes ``rank`` sends per step for LAMB's norms: a ring all-reduce of 2·split float64."""
+    from zerosim.comm.ring import model_bytes
+
+    return model_bytes("all_reduce", 2 * split, world_size, rank, 8)[0] if split else 0
+
+
+def muon_layout(shapes: Sequence[Sequence[int]], is_muon: Sequence[bool]) -> list[int]:
+    """DeepSpeed's flat order of a Muon model, as model indices: the Muon matrices sorted by
+    shape (as tuples, largest first, ties in model order: MuonWithAuxAdam's sort), then the
+    others in model order."""
+    muon = [i for i, m in enumerate(is_muon) if m]
+    muon.sort(key=lambda i: tuple(shapes[i]), reverse=True)
+    return muon + [i for i, m in enumerate(is_muon) if not m]
+
+
+def muon_stage3_messages(
+    numels: Sequence[int],
+    world_size: int,
+    reduce_bucket_size: int = 500_000_000,
+    sub_group_size: int = 1_000_000_000,
+) -> list[int]:
+    """Elements of each all-gather buffer (N × what each rank contributes) of stage 3's Muon
+    step, for the Muon group's matrices ``numels`` in flat order.
+
+    Sub-groups as ``norm_messages`` cuts them; each into runs of matrices that stay within
+    ``reduce_bucket_size`` elements (at least one a run). A run of chunks L = Σ ⌈numel/N⌉: two
+    all-gathers of N·L (gradient, momentum chunks); then per round of up to N of its matrices,
+    two of N·w, w the round's largest matrix (updates, momentums; padded where they differ).
+    """
+    n = world_size
+    chunks = [-(-m // n) for m in numels]
+    subs: list[list[int]] = []
+    if sub_group_size >= sum(chunks):
+        subs = [list(range(len(numels)))]
+    else:
+        current, size = [], 0
+        for i, c in enumerate(chunks):
+            current.append(i)
+            size += c
+            if size >= sub_group_size or i == len(chunks) - 1:
+                subs.append(current)
+                current, size = [], 0
+    out = []
+    for sub in subs:
+        start = 0
+        while start < len(sub):
+            end, held = start, 0
+            while end < len(sub) and (
+                end == start or held + numels[sub[end]] <= reduce_bucket_size
+            ):
+                held += numels[sub[end]]
+                end += 1
+            run = sub[start:end]
+            out += [n * sum(chunks[i] for i in run)] * 2
+            for base in range(0, len(run), n):
+                width = max(numels[i] for i in run[base : base + n])
+                out += [n * width] * 2
+            start = end
+    return out
+
+
+def muon_stage3_bytes(numels: Sequence[int], world_size: int, itemsize: int, **cuts: int) -> int:
+    """Bytes each rank sends in stage 3's Muon step (phase ``muon``): (N−1)/N of each buffer of
+    ``muon_stage3_messages``; ≈ 4(N−1)/N · Ψ_muon · itemsize."""
+    n = world_size
+    return sum((n - 1) * (m // n) * itemsize for m in muon_stage3_messages(numels, n, **cuts))
+
+
+def muon_step_bytes(
+    stage: int,
+    shapes: Sequence[Sequence[int]],
+    is_muon: Sequence[bool],
+    world_size: int,
+    rank: int,
+    itemsize: int,
+    *,
+    accumulation: int = 1,
+    order: Sequence[int] | None = None,
+    clip: float = 1.0,
+    float64: bool = False,
+    reduce_bucket_size: int = 500_000_000,
+    sub_group_size: int = 1_000_000_000,
+    **switches: object,
+) -> dict[str, int]:
+    """{phase: bytes ``rank`` sends} in one step of a Muon model under DeepSpeed's schedule.
+
+    Stages 0-2: ``step_bytes`` of the two groups in ``muon_layout`` order, the Muon matrices'
+    slices ``copied`` to all their owners; ``order`` is the order backward finishes gradients,
+    as model indices. Stage 3: only "muon" (the sub-group loop) and "clip"; the other phases
+    are those of the same model under Adam (per-parameter chunks: the split changes nothing
+    there). "clip": one norm all-reduce per (sub-)group (``norm_messages``).
+    """
+    flat = muon_layout(shapes, is_muon)
+    numels = [_prod(shapes[i]) for i in flat]
+    groups = [0 if is_muon[i] else 1 for i in flat]
+    where = {model: at for at, model in enumerate(flat)}
+    per_group = [[m for m, g in zip(numels, groups, strict=True) if g == h] for h in (0, 1)]
+    per_group = [g for g in per_group if g]
+    checks = boundary_messages(stage, schedule="deepspeed", clip=clip, float64=float64)
+    norms = norm_messages(stage, per_group, world_size, sub_group_size=sub_group_size)
+    out = {"clip": norms * clip_bytes(world_size, rank, checks["clip"]) if "clip" in checks else 0}
+    if stage == 3:
+        muon = [m for m, g in zip(numels, groups, strict=True) if g == 0]
+        out["muon"] = muon_stage3_bytes(
+            muon,
+            world_size,
+            itemsize,
+            reduce_bucket_size=reduce_bucket_size,
+            sub_group_size=sub_group_size,
+        )
+        return out
+    flat_order = None if order is None else [where[i] for i in order]
+    copied = {at for at, g in enumerate(groups) if g == 0}
+    out.update(
+        step_bytes(
+            stage,
+            world_size,
+            0,
+            itemsize,
+            accumulation,
+            schedule="deepspeed",
+            numels=numels,
+            rank=rank,
+            order=flat_order,
+            reduce_bucket_size=reduce_bucket_size,
+            groups=groups,
+            copied=copied,
+            **switches,
+        )
+    )
+    out["muon"] = 0
+    return out
+
+
+def muon_extra_bytes(
+    stage: int,
+    shapes: Sequence[Sequence[int]],
+    is_muon: Sequence[bool],
+    world_size: int,
+    rank: int,
+    itemsize: int,
+    **kwargs: object,
+) -> dict[str, int]:
+    """{phase: bytes} a Muon step sends beyond the same model's Adam step (one group, no
+    copies), per rank: ``muon_step_bytes`` less ``step_bytes``' Adam (stages 0-2); at stage 3
+    the ``muon`` phase and the extra norm scalars."""
+    muon = muon_step_bytes(stage, shapes, is_muon, world_size, rank, itemsize, **kwargs)
+    order = kwargs.pop("order", None)
+    clip = kwargs.pop("clip", 1.0)
+    float64 = kwargs.pop("float64", False)
+    sub_group_size = kwargs.get("sub_group_size", 1_000_000_000)
+    numels = [_prod(s) for s in shapes]
+    checks = boundary_messages(stage, schedule="deepspeed", clip=clip, float64=float64)
+    norms = norm_messages(stage, [numels], world_size, sub_group_size=sub_group_size)  # type: ignore[arg-type]
+    adam = {"clip": norms * clip_bytes(world_size, rank, checks["clip"]) if "clip" in checks else 0}
+    if stage < 3:
+        accumulation = kwargs.pop("accumulation", 1)
+        kwargs.pop("sub_group_size", None)
+        adam.update(
+            step_bytes(
+                stage,
+                world_size,
+                0,
+                itemsize,
+                accumulation,  # type: ignore[arg-type]
+                schedule="deepspeed",
+                numels=numels,
+                rank=rank,
+                order=order,
+                **kwargs,
+            )
+        )
+    return {phase: value - adam.get(phase, 0) for phase, value in muon.items()}

@@ -1,0 +1,288 @@
+"""Muon under ZeRO, as DeepSpeed 0.19.8 runs it: the update of a matrix needs the whole matrix.
+
+Muon's update (``zerosim.optim.functional.muon_update``) runs Newton–Schulz on a parameter's
+whole gradient matrix. ZeRO's flat partitions cut matrices anywhere, so a rank that owns a slice
+must first get the rest. DeepSpeed does it two ways, and so does ``MuonUpdates``:
+
+**Stages 1-2** (``stage_1_and_2.py``: ``average_tensor``, ``get_flat_partition``). A matrix cut
+by a partition boundary is *split*; the slices of its gradient in an IPG bucket go to every rank
+that owns a piece of it (its "copy ranks"), by all-reduce, even where DeepSpeed would otherwise
+reduce each slice to its one owner (``use_multi_rank_bucket_allreduce: false``; with the
+default, true, every slice is all-reduced anyway and splitting costs no extra byte). Each of
+those ranks then holds the whole reduced gradient, keeps the whole matrix's momentum (a
+partition's momentum buffer is as long as the matrices that overlap it, not the partition),
+orthogonalizes the whole matrix, and keeps the slice of the update it owns. The bucket plan is
+``zerosim/zero/ipg.py``'s (``copy_ranks``); ``receive`` takes the copied slices.
+
+**Stage 3** (``stage3.py``: ``_apply_muon_to_accumulated_grads``, ``_muon_update_sub_group``).
+Every parameter is cut into N chunks, so every matrix is split. At the step, per sub-group and
+per run of parameters up to ``reduce_bucket_size`` elements: one all-gather of the gradient
+chunks and one of the momentum chunks (every rank now holds the run's whole gradients and
+momentums); then, N matrices at a time, rank r orthogonalizes matrix r of the round and two
+all-gathers share the updates and momentums; each rank keeps its chunks. DeepSpeed refuses
+Muon with ``reduce_scatter`` here.
+
+**Stage 0** (no ZeRO: DeepSpeed's ``MuonWithAuxAdam`` on whole matrices). Every rank holds
+every matrix; the update is made in the optimizer's step, after clipping (``before_step``).
+
+At stages 1-3 the update is made when the engine first asks for the gradient norm (or, without
+one, unscales): DeepSpeed takes the norm, and clips, over the *updates* of the Muon matrices.
+The update is written into the gradient storage times the loss scale, as DeepSpeed scales it
+back ("lacks loss scale"), and the optimizer steps θ ← θ·(1 − lr·λ) − lr·update. Collectives
+made here are in the ledger under phase ``muon``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from zerosim.backend import flat, nbytes
+from zerosim.optim.functional.common import state_dtype
+from zerosim.optim.functional.muon import muon_update
+from zerosim.zero.partition import deepspeed_sub_groups
+
+PHASE = "muon"
+
+
+@dataclass
+class Matrix:
+    """A parameter of a Muon group: where it is, who owns pieces of it, and what this rank keeps."""
+
+    name: str
+    group: int
+    index: int
+    shape: tuple[int, ...]
+    owners: frozenset[int]  # stages 1-2: the ranks whose partition overlaps it
+    momentum: Any = None  # stages 0-2: the whole matrix's momentum, on every owner
+    copies: Any = None  # stages 1-2, split matrices: the reduced slices other ranks own
+    start: int = 0  # stages 0-2: where it starts in its group's flat buffer
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def split(self) -> bool:
+        """More than one rank owns a piece of it (stage 0: every rank holds it whole)."""
+        return len(self.owners) > 1
+
+
+def muon_groups(strategy: Any) -> list[int]:
+    """Indices of the strategy's parameter groups that use Muon."""
+    return [gi for gi, g in enumerate(strategy.groups) if g.hyper.get("use_muon")]
+
+
+class MuonUpdates:
+    """One strategy's Muon matrices, their momentum, and how their updates are made."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.comm = strategy.comm
+        self.stage = strategy.stage
+        self.made = False  # this step's updates are in the gradient storage
+        self.groups = muon_groups(strategy)
+        self.matrices: list[Matrix] = []
+        self.where: dict[tuple[int, int], Matrix] = {}
+        n, rank = self.comm.size, self.comm.rank
+        for gi in self.groups:
+            g = strategy.groups[gi]
+            for i, (name, p) in enumerate(g.named_params):
+                owners = frozenset(range(n))
+                start = 0
+                if self.stage in (1, 2):
+                    slot = g.slots[i]
+                    start = slot.range.start
+                    owners = frozenset(
+                        r
+                        for r in range(n)
+                        if any(slot.range.intersect(o) for o in g.layout.owned_ranges(r))
+                    )
+                m = Matrix(name, gi, i, tuple(p.shape), owners, start=start)
+                if self.stage < 3 and rank in owners:
+                    m.momentum = g.xp.zeros(m.shape, dtype=state_dtype(strategy.dtype))
+                    if m.split and self.stage > 0:
+                        m.copies = g.xp.zeros(m.numel, dtype=strategy.dtype)
+                self.matrices.append(m)
+                self.where[(gi, i)] = m
+        # stage 3: each rank keeps the momentum of its chunks, laid out as its gradient shard
+        self.momentum3 = {
+            gi: strategy.groups[gi].xp.zeros(
+                strategy.groups[gi].partition.shard_numel, dtype=state_dtype(strategy.dtype)
+            )
+            for gi in self.groups
+            if self.stage == 3
+        }
+
+    # -- stages 1-2: the bucket plan's copy ranks and the copied slices --------------------------
+    def copy_ranks(self, group: int, index: int) -> frozenset[int] | None:
+        """The ranks that receive every slice of parameter ``index`` of ``group``: the owners
+        of a split Muon matrix; None for any other parameter (each slice to its owner)."""
+        m = self.where.get((group, index))
+        return m.owners if m is not None and m.split and self.stage in (1, 2) else None
+
+    def receive(self, group: int, flat_start: int, values: Any) -> None:
+        """A reduced slice of a split Muon matrix that another rank owns: keep it (summed over
+        micro-steps, as the owner sums its own)."""
+        for m in self.matrices:
+            if m.group == group and m.start <= flat_start < m.start + m.numel:
+                at = flat_start - m.start
+                m.copies[at : at + values.size] += values
+                return
+        raise AssertionError(f"no Muon matrix of group {group} holds element {flat_start}")
+
+    # -- making the updates ---------------------------------------------------------------------
+    def make_updates(self, inv_scale: float) -> None:
+        """Stages 1-3: replace each Muon matrix's owned gradient by its update (× loss scale)."""
+        if self.made or self.stage == 0:
+            return
+        self.made = True
+        scale = 1.0 / inv_scale
+        if self.stage == 3:
+            self._stage3(scale)
+            return
+        s = self.strategy
+        for m in self.matrices:
+            if m.momentum is None:
+                continue
+            g = s.groups[m.group]
+            full = g.xp.zeros(m.numel, dtype=s.dtype)
+            if m.split:
+                s.average(m.copies)
+                full[...] = m.copies
+                m.copies[...] = 0
+            owned = self.owned_parts(m)
+            for part in owned:
+                full[part.start - m.start : part.stop - m.start] = s.grad_view(g, part)
+            update = self._update(m.group, full.reshape(m.shape), m.momentum)
+            update = flat(update) * update.dtype.type(scale) if scale != 1.0 else flat(update)
+            for part in owned:
+                s.grad_view(g, part)[...] = update[part.start - m.start : part.stop - m.start]
+
+    def step_done(self) -> None:
+        """After the optimizer step (or a skipped one): the next step makes its own updates."""
+        self.made = False
+
+    def before_step(self, optimizer: Any) -> None:
+        """Stage 0: each matrix's update from its whole (clipped, unscaled) gradient, written
+        into the optimizer's shards' gradients (DeepSpeed's MuonWithAuxAdam on whole matrices)."""
+        s = self.strategy
+        pieces: dict[str, list] = {}
+        for seg in s.segments("stepped"):
+            pieces.setdefault(seg.name, []).append(seg)
+        for m in self.matrices:
+            g = s.groups[m.group]
+            full = None
+            for seg in pieces.get(m.name, []):
+                grad = s.shards[seg.group][seg.shard].grad
+                if full is None:
+                    full = g.xp.zeros(m.numel, dtype=grad.dtype)
+                full[seg.param_range.start : seg.param_range.stop] = grad[
+                    seg.offset : seg.offset + seg.size
+                ]
+            if full is None:
+                continue
+            update = flat(self._update(m.group, full.reshape(m.shape), m.momentum))
+            for seg in pieces[m.name]:
+                grad = s.shards[seg.group][seg.shard].grad
+                grad[seg.offset : seg.offset + seg.size] = update[
+                    seg.param_range.start : seg.param_range.stop
+                ]
+
+    def _update(self, group: int, grad: Any, momentum: Any) -> Any:
+        hyper = self.strategy.optimizer.param_groups[group]
+        return muon_update(grad, momentum, beta=hyper["momentum"], ns_method=hyper["ns_method"])
+
+    def owned_parts(self, m: Matrix) -> list[Any]:
+        """Stages 1-2: the flat ranges of matrix ``m`` this rank owns."""
+        g = self.strategy.groups[m.group]
+        slot = g.slots[m.index].range
+        return [x for own in g.owned if (x := slot.intersect(own)) is not None]
+
+    # -- stage 3: DeepSpeed's sub-group loop ----------------------------------------------------
+    def _stage3(self, scale: float) -> None:
+        s, comm = self.strategy, self.comm
+        for gi in self.groups:
+            g = s.groups[gi]
+            for run in self.stage3_runs(g):
+                with comm.phase(PHASE):
+                    grads = self._gather_chunks(g, run, g.grad_shard)
+                    moms = self._gather_chunks(g, run, self.momentum3[gi])
+                    for base in range(0, len(run), comm.size):
+                        self._round(gi, run[base : base + comm.size], grads, moms, base)
+                for k, i in enumerate(run):
+                    part = g.partition
+                    lo, n = comm.rank * part.chunks[i], part.valid(i, comm.rank)
+                    at = part.offsets[i]
+                    update = flat(grads[k])
+                    if scale != 1.0:
+                        update = update * update.dtype.type(scale)
+                    g.grad_shard[at : at + n] = update[lo : lo + n]
+                    self.momentum3[gi][at : at + n] = flat(moms[k])[lo : lo + n]
+
+    def stage3_runs(self, g: Any) -> list[list[int]]:
+        """Parameter indices of each all-gather run: DeepSpeed's sub-groups (parameters taken
+        until their chunks reach ``sub_group_size``), each cut into runs of parameters whose
+        elements stay within ``reduce_bucket_size`` (at least one parameter a run)."""
+        zero, part = self.strategy.zero, g.partition
+        sub_groups = deepspeed_sub_groups(part.chunks, zero.sub_group_size)
+        runs = []
+        for sub in sub_groups:
+            start = 0
+            while start < len(sub):
+                end, numel = start, 0
+                while end < len(sub) and (
+                    end == start or numel + part.numels[sub[end]] <= zero.reduce_bucket_size
+                ):
+                    numel += part.numels[sub[end]]
+                    end += 1
+                runs.append(sub[start:end])
+                start = end
+        return runs
+
+    def _gather_chunks(self, g: Any, run: list[int], shard: Any) -> list[Any]:
+        """One all-gather of this rank's chunks of the run's parameters; the whole matrices."""
+        part, n = g.partition, self.comm.size
+        local = g.xp.concat(
+            [shard[part.offsets[i] : part.offsets[i] + part.chunks[i]] for i in run]
+        )
+        out = g.xp.empty(n * local.size, dtype=local.dtype)
+        self.comm.all_gather(out, local)
+        whole, at = [], 0
+        for i in run:
+            c = part.chunks[i]
+            pieces = [out[r * local.size + at : r * local.size + at + c] for r in range(n)]
+            whole.append(g.xp.concat(pieces)[: part.numels[i]].reshape(part.shapes[i]))
+            at += c
+        return whole
+
+    def _round(self, gi: int, members: list[int], grads: list, moms: list, base: int) -> None:
+        """Rank r orthogonalizes member r; two all-gathers give every rank every update and
+        momentum (padded to the largest member when the shapes differ or the round is short)."""
+        comm, g = self.comm, self.strategy.groups[gi]
+        n, rank = comm.size, comm.rank
+        if rank < len(members):
+            k = base + rank
+            grads[k] = self._update(gi, grads[k], moms[k])
+        shapes = [grads[base + j].shape for j in range(len(members))]
+        width = max(int(np.prod(sh)) for sh in shapes)  # the size of each when they are alike
+        for arrays in (grads, moms):
+            local = g.xp.zeros(width, dtype=arrays[base].dtype)
+            if rank < len(members):
+                mine = flat(arrays[base + rank])
+                local[: mine.size] = mine
+            out = g.xp.empty(n * width, dtype=local.dtype)
+            comm.all_gather(out, local)
+            for j in range(len(members)):
+                numel = int(np.prod(shapes[j]))
+                arrays[base + j] = out[j * width : j * width + numel].reshape(shapes[j])
+
+    # -- memory -----------------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """{optimizer_state.momentum_buffer, muon_gradient_copies}: bytes this rank keeps."""
+        momentum = sum(nbytes(m.momentum) for m in self.matrices if m.momentum is not None)
+        momentum += sum(nbytes(b) for b in self.momentum3.values())
+        copies = sum(nbytes(m.copies) for m in self.matrices if m.copies is not None)
+        return {"optimizer_state.momentum_buffer": momentum, "muon_gradient_copies": copies}
