@@ -43,7 +43,7 @@ def one_frame_class():
     from zerosim.comm.agreement import disagreement, dtype_code
     from zerosim.comm.call import cached_dtype_name
     from zerosim.comm.checks import OPS, SUPPORTED
-    from zerosim.comm.mpi import _mpi_op, _spec
+    from zerosim.comm.mpi import buffer_spec, mpi_op
     from zerosim.comm.record import Record
 
     current = watchdog._CURRENT
@@ -79,7 +79,7 @@ def one_frame_class():
                 self.waiting = (seq, record, "cross-rank argument check")
                 watchdog.poll(self, token)
                 if not self._check.all_equal():
-                    every = self._agree(signature)
+                    every = self.gather_ints(signature)
                     raise disagreement(
                         self.group, self.rank, "reduce_scatter", dtype, signature, every
                     )
@@ -90,7 +90,7 @@ def one_frame_class():
             row = watchdog.ROW  # this rank's row of the progress table (set by the first MPIComm)
             row[watchdog.WAITING] = seq
             try:
-                self.mpi.Reduce_scatter_block(_spec(inp), _spec(out), _mpi_op(dtype, op))
+                self.mpi.Reduce_scatter_block(buffer_spec(inp), buffer_spec(out), mpi_op(dtype, op))
             finally:
                 row[watchdog.WAITING] = watchdog.NOT_WAITING
             self.waiting = None

@@ -2,9 +2,9 @@
 size and root (a mismatch would otherwise hang or corrupt memory).
 
 Each rank sends a signature of a few int64 (``SIGNATURE_FIELDS``) in one tiny exchange that the
-world provides in two halves (``Communicator._post_agree`` sends, ``_agreed`` waits and says
-whether every rank's is equal), so that the message travels while this rank writes its ledger
-record. When they differ, ``disagreement`` builds the error every rank raises.
+world provides in two halves (``Communicator.post_signature`` sends, ``signatures_agree`` waits
+and says whether every rank's is equal), so that the message travels while this rank writes its
+ledger record. When they differ, ``disagreement`` builds the error every rank raises.
 """
 
 from __future__ import annotations

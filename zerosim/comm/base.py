@@ -13,9 +13,9 @@ ledger. Every public collective reads the same way, in three steps:
    ``comm/ring.py``); leaving ``Bookkeeping`` times the call, splits its bytes into bytes sent
    within this rank's node and to other nodes (``set_ranks_per_node``) and appends the record.
 
-Subclasses provide the native collectives (``_native_*``), the point-to-point ``send``, ``recv``
-and ``sendrecv`` the ring algorithms use, the cross-rank exchange (``_post_agree``, ``_agreed``,
-``_agree``) and ``split``.
+Subclasses provide the native collectives (``_native_*``, hooks called only from this class), the
+point-to-point ``send``, ``recv`` and ``sendrecv`` the ring algorithms use, the cross-rank
+exchange (``post_signature``, ``signatures_agree``, ``gather_ints``) and ``split``.
 """
 
 from __future__ import annotations
@@ -56,13 +56,15 @@ class Communicator(ABC):
         self.group = group
         self.validate = validate
         self.collectives = collectives
-        self._node_of: tuple[int, ...] | None = None
+        # the node of each rank of this group, in rank order; None when unknown (one node). A
+        # sub-group learns it at its first collective after the parent's map was set.
+        self.node_of: tuple[int, ...] | None = None
         self.route_now = "host"  # how the current call's data travels (Record.transport)
         self.node_version = 0  # the ledger's node_version this group's map was learnt at
         self.timeout = default_timeout()  # seconds a wait may last (0: forever); the watchdog's
         # (call number, record, stage) of the call this rank may be waiting in, for the watchdog
         self.waiting: tuple[int, Record | None, str] | None = None
-        self._splits = 0  # sub-groups split off so far (every rank splits in the same order)
+        self.splits = 0  # sub-groups split off so far (every rank splits in the same order)
         self._child_names: set[str] = set()  # their names, so that no two share one
 
     # -- configuration --------------------------------------------------------------------------
@@ -115,14 +117,6 @@ class Communicator(ABC):
         return f"{type(self).__name__}(rank={self.rank}, size={self.size}, group={self.group!r})"
 
     # -- nodes ----------------------------------------------------------------------------------
-    @property
-    def node_of(self) -> tuple[int, ...] | None:
-        """The node of each rank of this group, in rank order; None when unknown (one node).
-
-        A sub-group learns it at its first collective after the parent's map was set.
-        """
-        return self._node_of
-
     def set_ranks_per_node(self, ranks_per_node: int | None) -> None:
         """Place rank r of this group on node r // ranks_per_node, for the ledger's split.
 
@@ -133,7 +127,7 @@ class Communicator(ABC):
         """
         if ranks_per_node is None:
             node = self._shared_memory_node()
-            nodes = None if node is None else tuple(s[0] for s in self._agree((node,)))
+            nodes = None if node is None else tuple(s[0] for s in self.gather_ints((node,)))
         elif (
             isinstance(ranks_per_node, bool)
             or not isinstance(ranks_per_node, (int, np.integer))
@@ -144,7 +138,7 @@ class Communicator(ABC):
             nodes = tuple(r // int(ranks_per_node) for r in range(self.size))
             node = nodes[self.rank]
         self.ledger.set_node(node)
-        self._node_of, self.node_version = nodes, self.ledger.node_version
+        self.node_of, self.node_version = nodes, self.ledger.node_version
 
     def _shared_memory_node(self) -> int | None:
         """MPI worlds: the lowest rank of this rank's shared-memory node; other worlds: None."""
@@ -155,7 +149,7 @@ class Communicator(ABC):
         if self.node_version == self.ledger.node_version:
             return
         node = self.ledger.node
-        self._node_of = None if node is None else tuple(s[0] for s in self._agree((node,)))
+        self.node_of = None if node is None else tuple(s[0] for s in self.gather_ints((node,)))
         self.node_version = self.ledger.node_version
 
     # -- collectives ------------------------------------------------------------------------------
@@ -316,13 +310,13 @@ class Communicator(ABC):
         color, key = rule(self.rank)
         return self.split(color, key, name)
 
-    def _check_split(self, color: int, key: int, name: str | None) -> str:
-        """Check ``split``'s arguments; return the new group's unique name."""
+    def name_split(self, color: int, key: int, name: str | None) -> str:
+        """Check ``split``'s arguments, count the split; return the new group's unique name."""
         checks.split(color, key, name)
-        self._splits += 1
-        child = f"{self.group}/{name or f'split{self._splits}'}.{int(color)}"
+        self.splits += 1
+        child = f"{self.group}/{name or f'split{self.splits}'}.{int(color)}"
         if child in self._child_names:  # a name given twice: number the second
-            child = f"{child}#{self._splits}"
+            child = f"{child}#{self.splits}"
         self._child_names.add(child)
         return child
 
@@ -371,16 +365,16 @@ class Communicator(ABC):
         """Send ``sendbuf`` to ``dest`` while receiving ``recvbuf`` from ``source``."""
 
     @abstractmethod
-    def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:
-        """Every rank's signature, in rank order (a tiny all-gather)."""
+    def gather_ints(self, values: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Every rank's ``values``, in rank order (a tiny all-gather, watched)."""
 
     # The cross-rank check in two halves, so that its message travels while this rank writes the
-    # ledger record: ``_post_agree`` sends this rank's signature and returns a token,
-    # ``_agreed`` waits for every rank's and says whether they are all equal (the same answer on
-    # every rank). Worlds override them with something cheaper than ``_agree``'s all-gather.
-    def _post_agree(self, signature: tuple[int, ...]) -> Any:
+    # ledger record (``comm/call.py``). Worlds override them with something cheaper.
+    def post_signature(self, signature: tuple[int, ...]) -> Any:
+        """Send this rank's ``signature``; return the token ``signatures_agree`` waits on."""
         return signature
 
-    def _agreed(self, token: Any) -> bool:
-        every = self._agree(token)
+    def signatures_agree(self, token: Any) -> bool:
+        """Wait for every rank's signature: are they all equal (the same answer on every rank)?"""
+        every = self.gather_ints(token)
         return all(s == every[0] for s in every)

@@ -117,7 +117,7 @@ class Bookkeeping:
         checking = comm.validate and comm.size > 1
         if checking:
             mine = agreement.signature(self.op, dtype, count, self.root, self.counts)
-            token = comm._post_agree(mine)
+            token = comm.post_signature(mine)
         if self.ring:
             sent = recv = 0
         else:
@@ -142,9 +142,9 @@ class Bookkeeping:
         self.seq = seq = ledger.flight.begin(record)
         if checking:
             comm.waiting = (seq, record, "cross-rank argument check")
-            if not comm._agreed(token):
+            if not comm.signatures_agree(token):
                 comm.waiting = None
-                every = comm._agree(mine)  # every rank learnt the same answer: the details
+                every = comm.gather_ints(mine)  # every rank learnt the same answer: the details
                 raise agreement.disagreement(comm.group, comm.rank, self.op, dtype, mine, every)
         comm.waiting = (seq, record, "data exchange")
         comm.route_now = "host"

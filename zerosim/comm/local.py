@@ -261,13 +261,13 @@ class LocalComm(Communicator):
     def _native_barrier(self) -> None:
         self._exchange("barrier", None)
 
-    def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:
-        return self._exchange("argument check", signature)
+    def gather_ints(self, values: tuple[int, ...]) -> list[tuple[int, ...]]:
+        return self._exchange("argument check", values)
 
-    def _post_agree(self, signature: tuple[int, ...]) -> Any:
+    def post_signature(self, signature: tuple[int, ...]) -> Any:
         return self._post("argument check", signature)
 
-    def _agreed(self, token: Any) -> bool:
+    def signatures_agree(self, token: Any) -> bool:
         every = self._collect(token)
         return all(s == every[0] for s in every)
 
@@ -302,14 +302,14 @@ class LocalComm(Communicator):
 
     # -- sub-groups --------------------------------------------------------------------------
     def split(self, color: int, key: int = 0, name: str | None = None) -> LocalComm:
-        group = self._check_split(color, key, name)
+        group = self.name_split(color, key, name)
         self.waiting = (self.ledger.flight.calls, None, f"split of group {self.group!r}")
         pairs = self._exchange("split", (int(color), int(key)))
         self.waiting = None
         chosen = sorted((k, g) for g, (c, k) in enumerate(pairs) if c == color)
         members = tuple(self._members[g] for _, g in chosen)
         rank = [g for _, g in chosen].index(self.rank)
-        ctx = (self._ctx, self._splits, int(color))
+        ctx = (self._ctx, self.splits, int(color))
         child = LocalComm(
             self._state,
             members,

@@ -109,7 +109,7 @@ class VirtualComm(Communicator):
         events = self.root._events
         if events is not None:
             events.append(("issue", len(self.calls)))
-        self.calls.append(Call(record, self, int(root), counts, self._node_of is not None))
+        self.calls.append(Call(record, self, int(root), counts, self.node_of is not None))
 
     def record_events(self, events: list | None) -> None:
         """Append this rank's ("issue", i) and ("wait", i) events, i its index in ``calls``, to
@@ -145,10 +145,9 @@ class VirtualComm(Communicator):
     def _native_barrier(self) -> None:
         """No rank to wait for."""
 
-    def _done(self, fn: Callable[..., None], *args: Any) -> Callable[[], None]:
-        """Complete a non-blocking call now; what ``wait()`` runs notes the wait (the call's
-        index is the next one: its record is written after this returns)."""
-        fn(*args)
+    def _completion(self) -> Callable[[], None]:
+        """What ``wait()`` runs for a non-blocking call completed at once: it notes the wait when
+        events are asked for (the call's index is the next one: its record is written after)."""
         events = self.root._events
         if events is None:
             return _nothing
@@ -156,29 +155,31 @@ class VirtualComm(Communicator):
         return lambda: events.append(("wait", index))
 
     def _native_iall_gather(self, out: Any, inp: Any, in_place: bool) -> Callable[[], None]:
-        return self._done(self._native_all_gather, out, inp, in_place)
+        self._native_all_gather(out, inp, in_place)
+        return self._completion()
 
     def _native_ireduce_scatter(
         self, out: Any, inp: Any, op: str, in_place: bool
     ) -> Callable[[], None]:
-        return self._done(self._native_reduce_scatter, out, inp, op, in_place)
+        self._native_reduce_scatter(out, inp, op, in_place)
+        return self._completion()
 
     def _native_iall_reduce(self, buf: Any, op: str) -> Callable[[], None]:
-        return self._done(self._native_all_reduce, buf, op)
+        self._native_all_reduce(buf, op)
+        return self._completion()
 
     def _native_ireduce(self, buf: Any, root: int, op: str) -> Callable[[], None]:
-        return self._done(self._native_reduce, buf, root, op)
+        self._native_reduce(buf, root, op)
+        return self._completion()
 
     def _native_ireduce_scatter_v(
         self, out: Any, inp: Any, counts: tuple[int, ...], op: str
     ) -> Callable[[], None]:
-        return self._done(self._reduce_scatter_v, out, inp, counts, op)
-
-    def _reduce_scatter_v(self, out: Any, inp: Any, counts: tuple[int, ...], op: str) -> None:
         if isinstance(out, np.ndarray):
             start = sum(counts[: self.rank])
             out.reshape(-1)[...] = np.reshape(inp, -1)[start : start + counts[self.rank]]
             _symmetric(op, out, self.size)
+        return self._completion()
 
     # point to point (our ring algorithms): the ring counts its own bytes; nothing to carry
     def send(self, buf: Any, dest: int) -> None:
@@ -190,21 +191,21 @@ class VirtualComm(Communicator):
     def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
         pass
 
-    def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:
-        return [signature] * self.size
+    def gather_ints(self, values: tuple[int, ...]) -> list[tuple[int, ...]]:
+        return [values] * self.size
 
-    def _agreed(self, token: Any) -> bool:
+    def signatures_agree(self, token: Any) -> bool:
         return True  # every virtual rank makes this rank's call
 
     # -- nodes -------------------------------------------------------------------------------
     def set_ranks_per_node(self, ranks_per_node: int | None) -> None:
         super().set_ranks_per_node(ranks_per_node)
         if self.origin is None:  # the world's map, which every sub-group reads
-            self.world.nodes = self._node_of
+            self.world.nodes = self.node_of
 
     def sync_nodes(self) -> None:
         nodes = self.world.nodes
-        self._node_of = None if nodes is None else tuple(nodes[m] for m in self.members)
+        self.node_of = None if nodes is None else tuple(nodes[m] for m in self.members)
         self.node_version = self.ledger.node_version
 
     # -- sub-groups --------------------------------------------------------------------------
@@ -218,10 +219,10 @@ class VirtualComm(Communicator):
         self, rule: Callable[[int], tuple[int, int]], name: str | None = None
     ) -> VirtualComm:
         color, key = rule(self.rank)
-        group = self._check_split(color, key, name)
+        group = self.name_split(color, key, name)
         members, rank = _members_of(rule, self.size, self.rank, self._colours)
         numbered = "#" in group.rsplit("/", 1)[-1]
-        base = name or f"split{self._splits}"
+        base = name or f"split{self.splits}"
         child = VirtualComm(
             self.world,
             tuple(self.members[g] for g in members),
