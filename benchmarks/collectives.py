@@ -178,7 +178,7 @@ def worker(max_mib: float, repeats: int) -> None:
     from mpi4py import MPI
 
     from zerosim.comm import MPIComm
-    from zerosim.comm.base import SIGNATURE_FIELDS
+    from zerosim.comm.agreement import SIGNATURE_FIELDS
 
     mpi = MPI.COMM_WORLD
     n, rank = mpi.Get_size(), mpi.Get_rank()

@@ -40,9 +40,11 @@ def one_frame_class():
     from mpi4py import MPI  # noqa: F401  (MPI is initialised before the communicator)
 
     from zerosim.comm import MPIComm, watchdog
-    from zerosim.comm.base import _SUPPORTED, OPS, _dtype_code, _dtype_name
-    from zerosim.comm.ledger import Record
-    from zerosim.comm.mpi import _mpi_op, _spec
+    from zerosim.comm.agreement import disagreement, dtype_code
+    from zerosim.comm.call import cached_dtype_name
+    from zerosim.comm.checks import OPS, SUPPORTED
+    from zerosim.comm.mpi import buffer_spec, mpi_op
+    from zerosim.comm.record import Record
 
     current = watchdog._CURRENT
     clock = time.perf_counter
@@ -54,7 +56,7 @@ def one_frame_class():
                 and type(out) is np.ndarray
                 and op in OPS
                 and inp.dtype is out.dtype
-                and inp.dtype in _SUPPORTED
+                and inp.dtype in SUPPORTED
                 and inp.flags.c_contiguous
                 and out.flags.c_contiguous
                 and out.flags.writeable
@@ -63,32 +65,35 @@ def one_frame_class():
             ):
                 return MPIComm.reduce_scatter(self, out, inp, op)
             ledger, dtype, count, size = self.ledger, inp.dtype, inp.size, self.size
-            signature = (2, _dtype_code(dtype), count, 0, 0)
+            signature = (2, dtype_code(dtype), count, 0, 0)
             if self.validate:
                 token = self._check.start(signature)
             moved = (size - 1) * (count // size) * dtype.itemsize
             record = Record(
-                "reduce_scatter", ledger.current_phase, self.group, _dtype_name(dtype), count,
+                "reduce_scatter", ledger.current_phase, self.group, cached_dtype_name(dtype), count,
                 count * dtype.itemsize, moved, moved, size, ledger.step, "model", True,
                 clock() - ledger._t0,
             )  # fmt: skip
             seq = ledger.flight.begin(record)
             if self.validate:
-                self._pending = (seq, record, "cross-rank argument check")
+                self.waiting = (seq, record, "cross-rank argument check")
                 watchdog.poll(self, token)
                 if not self._check.all_equal():
-                    raise self._disagreement("reduce_scatter", dtype, signature)
-            self._pending = pending = (seq, record, "data exchange")
+                    every = self.gather_ints(signature)
+                    raise disagreement(
+                        self.group, self.rank, "reduce_scatter", dtype, signature, every
+                    )
+            self.waiting = pending = (seq, record, "data exchange")
             start = clock()
             record.start = start - ledger._t0
             current[0] = (self, pending, time.monotonic())
             row = watchdog.ROW  # this rank's row of the progress table (set by the first MPIComm)
             row[watchdog.WAITING] = seq
             try:
-                self.mpi.Reduce_scatter_block(_spec(inp), _spec(out), _mpi_op(dtype, op))
+                self.mpi.Reduce_scatter_block(buffer_spec(inp), buffer_spec(out), mpi_op(dtype, op))
             finally:
                 row[watchdog.WAITING] = watchdog.NOT_WAITING
-            self._pending = None
+            self.waiting = None
             record.intra_bytes = moved
             record.wall_time = clock() - start
             ledger.append(record)
@@ -123,7 +128,7 @@ def worker(mibs: list[float], repeats: int) -> None:
     from mpi4py import MPI
 
     from zerosim.comm import MPIComm
-    from zerosim.comm.base import SIGNATURE_FIELDS
+    from zerosim.comm.agreement import SIGNATURE_FIELDS
 
     mpi = MPI.COMM_WORLD
     n = mpi.Get_size()

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import zerosim as zs
-from zerosim.comm.ledger import Ledger, Record
+from zerosim.comm.ledger import Ledger
+from zerosim.comm.record import Record
 
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 

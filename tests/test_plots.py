@@ -8,7 +8,7 @@ import pytest
 from mpi_helpers import ROOT
 
 import zerosim as zs
-from zerosim.comm.ledger import Record
+from zerosim.comm.record import Record
 from zerosim.report import plots
 from zerosim.zero import deepspeed_layout, megatron_layout
 

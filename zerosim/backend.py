@@ -105,7 +105,7 @@ def is_half(dtype: np.dtype | type) -> bool:
 
 
 @functools.cache
-def _cupy_or_none() -> ModuleType | None:
+def cupy_or_none() -> ModuleType | None:
     """CuPy if it imports, else None (cached: a failed import is not retried on every call)."""
     try:
         import cupy  # noqa: PLC0415  (optional dependency, imported on demand)
@@ -116,7 +116,7 @@ def _cupy_or_none() -> ModuleType | None:
 
 def gpu_available() -> bool:
     """True when CuPy is installed and sees at least one CUDA device."""
-    cupy = _cupy_or_none()
+    cupy = cupy_or_none()
     if cupy is None:
         return False
     try:
@@ -521,7 +521,7 @@ def get_backend(name: str | None = None) -> Backend:
         from zerosim.meta import NAMESPACE  # noqa: PLC0415  (only the dry run needs it)
 
         return Backend("meta", NAMESPACE)
-    cupy = _cupy_or_none()
+    cupy = cupy_or_none()
     if cupy is None:
         raise RuntimeError(
             f"{source} 'cupy' was requested but CuPy is not installed; "

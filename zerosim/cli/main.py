@@ -17,7 +17,7 @@ import numpy as np
 from zerosim.checkpoint import CheckpointError
 from zerosim.cli.arguments import int_at_least
 from zerosim.comm import Communicator, LocalWorld, world_size_from_env
-from zerosim.comm.ledger import busbw_factor
+from zerosim.comm.record import busbw_factor
 from zerosim.config import ConfigError
 
 

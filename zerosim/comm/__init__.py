@@ -6,9 +6,11 @@ initialise MPI.
 
 from typing import Any
 
-from zerosim.comm.base import Communicator, Handle
-from zerosim.comm.ledger import Ledger, Record
+from zerosim.comm.base import Communicator
+from zerosim.comm.call import Handle
+from zerosim.comm.ledger import Ledger
 from zerosim.comm.local import LocalComm, LocalWorld, WorldAborted
+from zerosim.comm.record import Record
 
 __all__ = [
     "Communicator",

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from zerosim.comm.ledger import Record
+    from zerosim.comm.record import Record
 
 NAMES = {
     "all_gather": "all_gather_into_tensor",

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from zerosim.comm.ledger import Record
+    from zerosim.comm.record import Record
 
 ENV_TIMEOUT = "ZEROSIM_TIMEOUT"
 ENV_FLIGHT_DIR = "ZEROSIM_FLIGHT_DIR"

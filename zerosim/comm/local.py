@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import array_module, flat
-from zerosim.comm.base import Communicator, check_collectives
+from zerosim.comm import checks
+from zerosim.comm.base import Communicator
 from zerosim.comm.flight import check_timeout, default_timeout, describe
 from zerosim.comm.ledger import Ledger
 
@@ -140,7 +141,7 @@ class LocalComm(Communicator):
     ) -> None:
         """``_WorldState.wait_until`` naming the call this rank waits in; on a timeout, the
         error carries this rank's flight record (and it is written out when a folder is set)."""
-        pending = self._pending
+        pending = self.waiting
         what = fallback if pending is None else describe(*pending) + f" on group {self.group!r}"
         try:
             self._state.wait_until(ready, self.world_rank, missing, what, self.timeout)
@@ -236,7 +237,7 @@ class LocalComm(Communicator):
         self._native_iall_gather(out, inp, in_place)()
 
     def _native_reduce_scatter(self, out: Any, inp: Any, op: str, in_place: bool) -> None:
-        self._native_ireduce_scatter(out, inp, op, in_place)()
+        self._native_ireduce_scatter_v(out, inp, (out.size,) * self.size, op)()
 
     def _native_all_reduce(self, buf: Any, op: str) -> None:
         self._native_iall_reduce(buf, op)()
@@ -260,25 +261,25 @@ class LocalComm(Communicator):
     def _native_barrier(self) -> None:
         self._exchange("barrier", None)
 
-    def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:
-        return self._exchange("argument check", signature)
+    def gather_ints(self, values: tuple[int, ...]) -> list[tuple[int, ...]]:
+        return self._exchange("argument check", values)
 
-    def _post_agree(self, signature: tuple[int, ...]) -> Any:
+    def post_signature(self, signature: tuple[int, ...]) -> Any:
         return self._post("argument check", signature)
 
-    def _agreed(self, token: Any) -> bool:
+    def signatures_agree(self, token: Any) -> bool:
         every = self._collect(token)
         return all(s == every[0] for s in every)
 
     # -- point to point ----------------------------------------------------------------------
-    def _send(self, buf: Any, dest: int) -> None:
+    def send(self, buf: Any, dest: int) -> None:
         st = self._state
         with st.cond:
             box = st.mailboxes.setdefault((self._ctx, self.rank, dest), deque())
             box.append(_snapshot(buf))
             st.cond.notify_all()
 
-    def _recv(self, buf: Any, source: int) -> None:
+    def recv(self, buf: Any, source: int) -> None:
         st = self._state
         with st.cond:
             box = st.mailboxes.setdefault((self._ctx, source, self.rank), deque())
@@ -295,20 +296,20 @@ class LocalComm(Communicator):
             )
         buf[...] = message
 
-    def _sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
-        self._send(sendbuf, dest)
-        self._recv(recvbuf, source)
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
+        self.send(sendbuf, dest)
+        self.recv(recvbuf, source)
 
     # -- sub-groups --------------------------------------------------------------------------
     def split(self, color: int, key: int = 0, name: str | None = None) -> LocalComm:
-        group = self._check_split(color, key, name)
-        self._pending = (self.ledger.flight.calls, None, f"split of group {self.group!r}")
+        group = self.name_split(color, key, name)
+        self.waiting = (self.ledger.flight.calls, None, f"split of group {self.group!r}")
         pairs = self._exchange("split", (int(color), int(key)))
-        self._pending = None
+        self.waiting = None
         chosen = sorted((k, g) for g, (c, k) in enumerate(pairs) if c == color)
         members = tuple(self._members[g] for _, g in chosen)
         rank = [g for _, g in chosen].index(self.rank)
-        ctx = (self._ctx, self._splits, int(color))
+        ctx = (self._ctx, self.splits, int(color))
         child = LocalComm(
             self._state,
             members,
@@ -340,7 +341,7 @@ class LocalWorld:
     ) -> None:
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
             raise ValueError(f"size must be a positive int, got {size!r}")
-        check_collectives(collectives)
+        checks.collectives(collectives)
         self.size = int(size)
         self.collectives = collectives
         self.timeout = default_timeout() if timeout is None else check_timeout(timeout)

@@ -37,9 +37,19 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from zerosim.backend import DTYPES, from_host, is_cupy, is_half, move_like, np_dtype, to_host
+from zerosim.backend import (
+    DTYPES,
+    cupy_or_none,
+    from_host,
+    is_cupy,
+    is_half,
+    move_like,
+    np_dtype,
+    to_host,
+)
 from zerosim.comm import cuda, watchdog
-from zerosim.comm.base import SIGNATURE_FIELDS, Communicator
+from zerosim.comm.agreement import SIGNATURE_FIELDS
+from zerosim.comm.base import Communicator
 from zerosim.comm.ledger import Ledger
 
 _MPI_TYPES = {
@@ -68,7 +78,7 @@ def _half_op(dtype: np.dtype, op: str) -> MPI.Op:
     return MPI.Op.Create(reduce_half, commute=True)
 
 
-def _mpi_op(dtype: np.dtype, op: str) -> MPI.Op:
+def mpi_op(dtype: np.dtype, op: str) -> MPI.Op:
     """MPI's reduction for ``op`` on ``dtype`` (a user-defined one for 16-bit floats), cached:
     every reducing collective asks."""
     if not isinstance(dtype, np.dtype):  # another namespace's dtype (a staged device array)
@@ -86,7 +96,7 @@ _WIRE = {
 }
 
 
-def _spec(x: np.ndarray) -> list:
+def buffer_spec(x: np.ndarray) -> list:
     """[buffer, MPI datatype] for a contiguous numpy array (16-bit floats as raw words)."""
     view, mpi_type = _WIRE[x.dtype]
     return [x if view is None else x.view(view), mpi_type]
@@ -106,14 +116,6 @@ def _result_to_own_chunk(rank: int, out: Any, host: np.ndarray) -> None:
         out[...] = move_like(result, out)
     elif rank:
         out[...] = result
-
-
-def _cupy_installed() -> bool:
-    """Whether CuPy imports here (every rank of a job is assumed to share one installation, so
-    the NCCL set-up's agreement all-reduce runs on all ranks or on none)."""
-    from zerosim.backend import _cupy_or_none  # noqa: PLC0415
-
-    return _cupy_or_none() is not None
 
 
 _NOT_YET = object()  # an MPIComm's NCCL communicator before its first CuPy collective
@@ -189,10 +191,11 @@ class MPIComm(Communicator):
         """How this call's data travels; written into its ledger record. ``nccl=False``: a call
         NCCL has no form of (uneven reduce-scatter, all-to-all, point to point)."""
         if type(x) is np.ndarray:  # the common case, decided without a call
-            return "host"  # (_call set _route_now to "host" before the data moves)
+            return "host"  # (Bookkeeping set route_now to "host" before the data moves)
         if nccl and self._nccl is _NOT_YET and is_cupy(x):
-            self._nccl = cuda.Nccl.maybe(self.mpi) if _cupy_installed() else None
-        self._route_now = route = cuda.transport(x, self._nccl if nccl else None, self._cuda_aware)
+            # every rank of a job shares one installation: NCCL's set-up runs on all or none
+            self._nccl = cuda.Nccl.maybe(self.mpi) if cupy_or_none() is not None else None
+        self.route_now = route = cuda.transport(x, self._nccl if nccl else None, self._cuda_aware)
         if route == "cuda-aware":  # MPI reads the memory now: finish the work queued on it
             import cupy  # noqa: PLC0415
 
@@ -202,7 +205,7 @@ class MPIComm(Communicator):
     def _host(self, x: Any) -> Any:
         """What MPI is given for ``x``: itself (NumPy, or CuPy under CUDA-aware MPI), else a
         host copy (staging, counted by the backend)."""
-        return x if type(x) is np.ndarray or self._route_now == "cuda-aware" else to_host(x)
+        return x if type(x) is np.ndarray or self.route_now == "cuda-aware" else to_host(x)
 
     def world_ranks(self) -> list[int]:
         """The COMM_WORLD rank of each rank of this group, in group order."""
@@ -222,21 +225,25 @@ class MPIComm(Communicator):
             self._nccl.all_gather(out, inp)
             return
         host = self._host(out)
-        send = MPI.IN_PLACE if in_place else _spec(self._host(inp))
-        self._blocking(self.mpi.Allgather, send, _spec(host))
+        send = MPI.IN_PLACE if in_place else buffer_spec(self._host(inp))
+        self._blocking(self.mpi.Allgather, send, buffer_spec(host))
         _back(out, host)
 
     def _native_reduce_scatter(self, out: Any, inp: Any, op: str, in_place: bool) -> None:
         if self._route(inp) == "nccl":
             self._nccl.reduce_scatter(out, inp, op)
             return
-        host, mpi_op = self._host(inp), _mpi_op(inp.dtype, op)
+        host, reduction = self._host(inp), mpi_op(inp.dtype, op)
         if in_place:
-            self._blocking(self.mpi.Reduce_scatter_block, MPI.IN_PLACE, _spec(host), mpi_op)
+            self._blocking(
+                self.mpi.Reduce_scatter_block, MPI.IN_PLACE, buffer_spec(host), reduction
+            )
             _result_to_own_chunk(self.rank, out, host)
         else:
             result = self._host(out)
-            self._blocking(self.mpi.Reduce_scatter_block, _spec(host), _spec(result), mpi_op)
+            self._blocking(
+                self.mpi.Reduce_scatter_block, buffer_spec(host), buffer_spec(result), reduction
+            )
             _back(out, result)
 
     def _native_all_reduce(self, buf: Any, op: str) -> None:
@@ -244,7 +251,7 @@ class MPIComm(Communicator):
             self._nccl.all_reduce(buf, op)
             return
         host = self._host(buf)
-        self._blocking(self.mpi.Allreduce, MPI.IN_PLACE, _spec(host), _mpi_op(buf.dtype, op))
+        self._blocking(self.mpi.Allreduce, MPI.IN_PLACE, buffer_spec(host), mpi_op(buf.dtype, op))
         _back(buf, host)
 
     def _native_reduce(self, buf: Any, root: int, op: str) -> None:
@@ -253,25 +260,25 @@ class MPIComm(Communicator):
             return
         host = self._host(buf)
         send, recv = self._reduce_specs(host, root)
-        self._blocking(self.mpi.Reduce, send, recv, _mpi_op(buf.dtype, op), root)
+        self._blocking(self.mpi.Reduce, send, recv, mpi_op(buf.dtype, op), root)
         _back(buf, host)
 
     def _reduce_specs(self, host: np.ndarray, root: int) -> tuple[Any, Any]:
         """(send, receive) buffers of a reduce in place on the root; no receive buffer elsewhere."""
-        return (MPI.IN_PLACE, _spec(host)) if self.rank == root else (_spec(host), None)
+        return (MPI.IN_PLACE, buffer_spec(host)) if self.rank == root else (buffer_spec(host), None)
 
     def _native_broadcast(self, buf: Any, root: int) -> None:
         if self._route(buf) == "nccl":
             self._nccl.broadcast(buf, root)
             return
         host = self._host(buf)
-        self._blocking(self.mpi.Bcast, _spec(host), root)
+        self._blocking(self.mpi.Bcast, buffer_spec(host), root)
         _back(buf, host)
 
     def _native_all_to_all(self, out: Any, inp: Any) -> None:
         self._route(out, nccl=False)
         host = self._host(out)
-        self._blocking(self.mpi.Alltoall, _spec(self._host(inp)), _spec(host))
+        self._blocking(self.mpi.Alltoall, buffer_spec(self._host(inp)), buffer_spec(host))
         _back(out, host)
 
     def _native_barrier(self) -> None:
@@ -290,8 +297,8 @@ class MPIComm(Communicator):
         if self._route(out) == "nccl":
             return self._nccl.all_gather(out, inp, blocking=False)
         host = self._host(out)
-        send = MPI.IN_PLACE if in_place else _spec(self._host(inp))
-        request = self.mpi.Iallgather(send, _spec(host))
+        send = MPI.IN_PLACE if in_place else buffer_spec(self._host(inp))
+        request = self.mpi.Iallgather(send, buffer_spec(host))
         return self._finisher(request, None if host is out else lambda: _back(out, host))
 
     def _native_ireduce_scatter(
@@ -299,12 +306,12 @@ class MPIComm(Communicator):
     ) -> Callable[[], None]:
         if self._route(inp) == "nccl":
             return self._nccl.reduce_scatter(out, inp, op, blocking=False)
-        host, mpi_op = self._host(inp), _mpi_op(inp.dtype, op)
+        host, reduction = self._host(inp), mpi_op(inp.dtype, op)
         if in_place:  # MPI leaves the result at the front of the buffer: moved at the wait
-            request = self.mpi.Ireduce_scatter_block(MPI.IN_PLACE, _spec(host), mpi_op)
+            request = self.mpi.Ireduce_scatter_block(MPI.IN_PLACE, buffer_spec(host), reduction)
             return self._finisher(request, lambda: _result_to_own_chunk(self.rank, out, host))
         result = self._host(out)
-        request = self.mpi.Ireduce_scatter_block(_spec(host), _spec(result), mpi_op)
+        request = self.mpi.Ireduce_scatter_block(buffer_spec(host), buffer_spec(result), reduction)
         return self._finisher(request, None if result is out else lambda: _back(out, result))
 
     def _native_ireduce_scatter_v(
@@ -313,7 +320,7 @@ class MPIComm(Communicator):
         self._route(out, nccl=False)
         result = self._host(out)
         request = self.mpi.Ireduce_scatter(
-            _spec(self._host(inp)), _spec(result), list(counts), _mpi_op(inp.dtype, op)
+            buffer_spec(self._host(inp)), buffer_spec(result), list(counts), mpi_op(inp.dtype, op)
         )
         return self._finisher(request, None if result is out else lambda: _back(out, result))
 
@@ -322,68 +329,81 @@ class MPIComm(Communicator):
             return self._nccl.reduce(buf, root, op, blocking=False)
         host = self._host(buf)
         send, recv = self._reduce_specs(host, root)
-        request = self.mpi.Ireduce(send, recv, _mpi_op(buf.dtype, op), root=root)
+        request = self.mpi.Ireduce(send, recv, mpi_op(buf.dtype, op), root=root)
         return self._finisher(request, None if host is buf else lambda: _back(buf, host))
 
     def _native_iall_reduce(self, buf: Any, op: str) -> Callable[[], None]:
         if self._route(buf) == "nccl":
             return self._nccl.all_reduce(buf, op, blocking=False)
         host = self._host(buf)
-        request = self.mpi.Iallreduce(MPI.IN_PLACE, _spec(host), _mpi_op(buf.dtype, op))
+        request = self.mpi.Iallreduce(MPI.IN_PLACE, buffer_spec(host), mpi_op(buf.dtype, op))
         return self._finisher(request, None if host is buf else lambda: _back(buf, host))
 
     # -- point to point and checks ------------------------------------------------------------
     _RING_TAG = 7071
 
-    def _sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
+    # MPI's blocking call under the watchdog, written out here rather than through ``_blocking``:
+    # the ring algorithms call these, and MPI's call stays two frames below the public collective.
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
         self._route(recvbuf, nccl=False)
-        host = self._host(recvbuf)
-        tag = self._RING_TAG
-        send = _spec(self._host(sendbuf))
-        self._blocking(self.mpi.Sendrecv, send, dest, tag, _spec(host), source, tag)
+        host, tag = self._host(recvbuf), self._RING_TAG
+        send = buffer_spec(self._host(sendbuf))
+        watchdog.enter(self)
+        try:
+            self.mpi.Sendrecv(send, dest, tag, buffer_spec(host), source, tag)
+        finally:
+            watchdog.leave()
         _back(recvbuf, host)
 
-    def _send(self, buf: Any, dest: int) -> None:
+    def send(self, buf: Any, dest: int) -> None:
         self._route(buf, nccl=False)
-        watchdog.wait(self, self.mpi.Isend(_spec(self._host(buf)), dest, self._RING_TAG))
+        watchdog.enter(self)
+        try:
+            self.mpi.Send(buffer_spec(self._host(buf)), dest, self._RING_TAG)
+        finally:
+            watchdog.leave()
 
-    def _recv(self, buf: Any, source: int) -> None:
+    def recv(self, buf: Any, source: int) -> None:
         self._route(buf, nccl=False)
         host = self._host(buf)
-        watchdog.wait(self, self.mpi.Irecv(_spec(host), source, self._RING_TAG))
+        watchdog.enter(self)
+        try:
+            self.mpi.Recv(buffer_spec(host), source, self._RING_TAG)
+        finally:
+            watchdog.leave()
         _back(buf, host)
 
-    def _post_agree(self, signature: tuple[int, ...]) -> MPI.Request:
+    def post_signature(self, signature: tuple[int, ...]) -> MPI.Request:
         return self._check.start(signature)
 
-    def _agreed(self, request: MPI.Request) -> bool:
+    def signatures_agree(self, request: MPI.Request) -> bool:
         # Where a rank waits for the others to arrive at a collective: polled without holding a
         # core. Equal bytes mean equal signatures.
         watchdog.poll(self, request)
         return self._check.all_equal()
 
-    def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:
-        mine = np.asarray(signature, dtype=np.int64)
+    def gather_ints(self, values: tuple[int, ...]) -> list[tuple[int, ...]]:
+        mine = np.asarray(values, dtype=np.int64)
         every = np.empty(self.size * mine.size, dtype=np.int64)
         watchdog.poll(self, self.mpi.Iallgather([mine, MPI.INT64_T], [every, MPI.INT64_T]))
         return [tuple(int(v) for v in row) for row in every.reshape(self.size, -1)]
 
     def _shared_memory_node(self) -> int | None:
         """The lowest rank of this rank's shared-memory node (a collective, watched)."""
-        self._pending = (self.ledger.flight.calls, None, "node discovery")
+        self.waiting = (self.ledger.flight.calls, None, "node discovery")
         watchdog.poll(self, self.mpi.Ibarrier())  # every rank is here: the split cannot hang
         shared = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
         lowest = np.array([self.rank], dtype=np.int64)
         watchdog.wait(self, shared.Iallreduce(MPI.IN_PLACE, [lowest, MPI.INT64_T], op=MPI.MIN))
         shared.Free()
-        self._pending = None
+        self.waiting = None
         return int(lowest[0])
 
     def split(self, color: int, key: int = 0, name: str | None = None) -> MPIComm:
-        group = self._check_split(color, key, name)
-        self._pending = (self.ledger.flight.calls, None, f"split of group {self.group!r}")
+        group = self.name_split(color, key, name)
+        self.waiting = (self.ledger.flight.calls, None, f"split of group {self.group!r}")
         watchdog.poll(self, self.mpi.Ibarrier())  # every rank is here: the split cannot hang
-        self._pending = None
+        self.waiting = None
         child = MPIComm(
             self.mpi.Split(int(color), int(key)),
             self.collectives,

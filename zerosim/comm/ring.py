@@ -34,12 +34,22 @@ rank r + s and receives block (r − s) from rank r − s. Each rank sends and r
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from zerosim.backend import array_module, flat, nbytes, np_dtype
+from zerosim.comm.checks import is_own_slice
 
-if TYPE_CHECKING:
-    from zerosim.comm.base import Communicator
+
+class PointToPoint(Protocol):
+    """What the ring algorithms need of a communicator: its rank, size and public point-to-point
+    calls (every ``Communicator`` has them)."""
+
+    rank: int
+    size: int
+
+    def send(self, buf: Any, dest: int) -> None: ...
+    def recv(self, buf: Any, source: int) -> None: ...
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None: ...
 
 
 def chunk_bounds(count: int, n: int) -> list[tuple[int, int]]:
@@ -89,104 +99,134 @@ def model_bytes(
     raise ValueError(f"no byte model for op {op!r}")
 
 
+def split_by_node(
+    nodes: tuple[int, ...] | None, rank: int, op: str, sent: int, count: int, itemsize: int
+) -> tuple[int, int]:
+    """(intra, inter) bytes of the ``sent`` bytes of ``rank`` (``nodes``: the node of each rank
+    of the group, None for one node): ring ops and broadcast send all to rank + 1, reduce to
+    rank − 1, all-to-all block j to rank j."""
+    if nodes is None or sent == 0:
+        return sent, 0
+    size, mine = len(nodes), nodes[rank]
+    if op == "all_to_all":
+        block = count // size * itemsize
+        local = sum(1 for q, n in enumerate(nodes) if q != rank and n == mine)
+        return local * block, sent - local * block
+    step = -1 if op == "reduce" else 1  # a reduce's chain runs towards the root
+    return (sent, 0) if nodes[(rank + step) % size] == mine else (0, sent)
+
+
 def _reduce_into(acc: Any, other: Any, op: str) -> None:
     xp = array_module(acc)
     {"sum": xp.add, "max": xp.maximum, "min": xp.minimum}[op](acc, other, out=acc)
 
 
-def _ring_reduce_scatter(
-    comm: Communicator, work: Any, bounds: list[tuple[int, int]], op: str
-) -> tuple[int, int]:
-    """Reduce-scatter in place over ``work`` so that rank r ends with the full chunk r."""
-    n, r = comm.size, comm.rank
-    right, left = (r + 1) % n, (r - 1) % n
-    xp = array_module(work)
-    scratch = xp.empty(max(stop - start for start, stop in bounds), dtype=work.dtype)
-    sent = recv = 0
-    for s in range(n - 1):
-        a0, a1 = bounds[(r - s - 1) % n]
-        b0, b1 = bounds[(r - s - 2) % n]
-        incoming = scratch[: b1 - b0]
-        comm._sendrecv(work[a0:a1], right, incoming, left)
-        _reduce_into(work[b0:b1], incoming, op)
-        sent += (a1 - a0) * np_dtype(work.dtype).itemsize
-        recv += (b1 - b0) * np_dtype(work.dtype).itemsize
-    return sent, recv
+Step = tuple[tuple[int, int], tuple[int, int]]  # ([start, stop) sent, [start, stop) received)
 
 
-def _ring_all_gather(
-    comm: Communicator, work: Any, bounds: list[tuple[int, int]]
-) -> tuple[int, int]:
-    """All-gather in place over ``work``, where rank r starts with its chunk r complete."""
-    n, r = comm.size, comm.rank
-    right, left = (r + 1) % n, (r - 1) % n
-    sent = recv = 0
-    for s in range(n - 1):
-        a0, a1 = bounds[(r - s) % n]
-        b0, b1 = bounds[(r - s - 1) % n]
-        comm._sendrecv(work[a0:a1], right, work[b0:b1], left)
-        sent += (a1 - a0) * np_dtype(work.dtype).itemsize
-        recv += (b1 - b0) * np_dtype(work.dtype).itemsize
-    return sent, recv
+def reduce_scatter_plan(rank: int, bounds: list[tuple[int, int]]) -> list[Step]:
+    """The ring reduce-scatter's steps on ``rank`` over chunks ``bounds``: at step s it sends
+    its partial sum of chunk (rank − s − 1) and receives chunk (rank − s − 2) to add to its own,
+    so that after N − 1 steps it holds the full sum of chunk ``rank``."""
+    n = len(bounds)
+    return [(bounds[(rank - s - 1) % n], bounds[(rank - s - 2) % n]) for s in range(n - 1)]
 
 
-def all_gather(comm: Communicator, out: Any, inp: Any) -> tuple[int, int]:
+def all_gather_plan(rank: int, bounds: list[tuple[int, int]]) -> list[Step]:
+    """The ring all-gather's steps on ``rank``, which starts with chunk ``rank`` complete: at step
+    s it sends chunk (rank − s) and receives chunk (rank − s − 1)."""
+    n = len(bounds)
+    return [(bounds[(rank - s) % n], bounds[(rank - s - 1) % n]) for s in range(n - 1)]
+
+
+def plan_bytes(plan: list[Step], itemsize: int) -> tuple[int, int]:
+    """(bytes sent, bytes received) by the steps of ``plan``."""
+    sent = sum(stop - start for (start, stop), _ in plan)
+    recv = sum(stop - start for _, (start, stop) in plan)
+    return sent * itemsize, recv * itemsize
+
+
+# The algorithms below call the communicator's ``sendrecv`` (or ``send``/``recv``) from their own
+# frame, so that the transfer is two Python frames below the public collective that runs them.
+def all_gather(comm: PointToPoint, out: Any, inp: Any) -> tuple[int, int]:
     """Ring all-gather; returns (bytes sent, bytes received) by this rank."""
-    bounds = chunk_bounds(out.size, comm.size)
+    n, r = comm.size, comm.rank
+    bounds = chunk_bounds(out.size, n)
     whole = flat(out)
-    start, stop = bounds[comm.rank]
-    if not comm._is_own_slice(out, inp):
+    if not is_own_slice(out, inp, r):
+        start, stop = bounds[r]
         whole[start:stop] = flat(inp)
-    return _ring_all_gather(comm, whole, bounds)
+    plan = all_gather_plan(r, bounds)
+    for (a0, a1), (b0, b1) in plan:
+        comm.sendrecv(whole[a0:a1], (r + 1) % n, whole[b0:b1], (r - 1) % n)
+    return plan_bytes(plan, np_dtype(out.dtype).itemsize)
 
 
 def reduce_scatter(
-    comm: Communicator, out: Any, inp: Any, op: str, counts: tuple[int, ...] | None
+    comm: PointToPoint, out: Any, inp: Any, op: str, counts: tuple[int, ...] | None
 ) -> tuple[int, int]:
     """Ring reduce-scatter; returns (bytes sent, bytes received).
 
     Equal chunks unless ``counts`` gives each rank's piece. When ``out`` is this rank's own chunk
     of ``inp`` the reduction runs in place and the rest of ``inp`` is left holding partial sums.
     """
+    n, r = comm.size, comm.rank
     if counts is None:
-        bounds = chunk_bounds(inp.size, comm.size)
+        bounds = chunk_bounds(inp.size, n)
     else:
         edges = [0, *itertools.accumulate(counts)]
         bounds = list(zip(edges[:-1], edges[1:], strict=True))
-    in_place = counts is None and comm._is_own_slice(inp, out)
-    work = flat(inp) if in_place else array_module(inp).asarray(flat(inp), copy=True)
-    moved = _ring_reduce_scatter(comm, work, bounds, op)
+    in_place = counts is None and is_own_slice(inp, out, r)
+    xp = array_module(inp)
+    work = flat(inp) if in_place else xp.asarray(flat(inp), copy=True)
+    scratch = xp.empty(max(stop - start for start, stop in bounds), dtype=work.dtype)
+    plan = reduce_scatter_plan(r, bounds)
+    for (a0, a1), (b0, b1) in plan:
+        incoming = scratch[: b1 - b0]
+        comm.sendrecv(work[a0:a1], (r + 1) % n, incoming, (r - 1) % n)
+        _reduce_into(work[b0:b1], incoming, op)
     if not in_place:
-        start, stop = bounds[comm.rank]
+        start, stop = bounds[r]
         flat(out)[...] = work[start:stop]
-    return moved
+    return plan_bytes(plan, np_dtype(inp.dtype).itemsize)
 
 
-def all_reduce(comm: Communicator, buf: Any, op: str) -> tuple[int, int]:
-    """Ring all-reduce in place (reduce-scatter then all-gather); returns (sent, received)."""
-    bounds = chunk_bounds(buf.size, comm.size)
+def all_reduce(comm: PointToPoint, buf: Any, op: str) -> tuple[int, int]:
+    """Ring all-reduce in place: the reduce-scatter's steps, then the all-gather's, over the same
+    chunks; returns (bytes sent, bytes received)."""
+    n, r = comm.size, comm.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    bounds = chunk_bounds(buf.size, n)
     whole = flat(buf)
-    sent1, recv1 = _ring_reduce_scatter(comm, whole, bounds, op)
-    sent2, recv2 = _ring_all_gather(comm, whole, bounds)
+    scratch = array_module(buf).empty(bounds[0][1], dtype=whole.dtype)  # chunk 0 is the longest
+    first, second = reduce_scatter_plan(r, bounds), all_gather_plan(r, bounds)
+    for (a0, a1), (b0, b1) in first:  # rank r ends with the full sum of chunk r …
+        incoming = scratch[: b1 - b0]
+        comm.sendrecv(whole[a0:a1], right, incoming, left)
+        _reduce_into(whole[b0:b1], incoming, op)
+    for (a0, a1), (b0, b1) in second:  # … which the all-gather starts from
+        comm.sendrecv(whole[a0:a1], right, whole[b0:b1], left)
+    sent1, recv1 = plan_bytes(first, np_dtype(buf.dtype).itemsize)
+    sent2, recv2 = plan_bytes(second, np_dtype(buf.dtype).itemsize)
     return sent1 + sent2, recv1 + recv2
 
 
-def broadcast(comm: Communicator, buf: Any, root: int) -> tuple[int, int]:
+def broadcast(comm: PointToPoint, buf: Any, root: int) -> tuple[int, int]:
     """Chain broadcast from ``root``; returns (bytes sent, bytes received)."""
     n = comm.size
     position = (comm.rank - root) % n
     whole = flat(buf)
     sent = recv = 0
     if position > 0:
-        comm._recv(whole, (comm.rank - 1) % n)
+        comm.recv(whole, (comm.rank - 1) % n)
         recv = nbytes(whole)
     if position < n - 1:
-        comm._send(whole, (comm.rank + 1) % n)
+        comm.send(whole, (comm.rank + 1) % n)
         sent = nbytes(whole)
     return sent, recv
 
 
-def reduce(comm: Communicator, buf: Any, root: int, op: str) -> tuple[int, int]:
+def reduce(comm: PointToPoint, buf: Any, root: int, op: str) -> tuple[int, int]:
     """Chain reduce towards ``root`` (broadcast's chain backwards); returns (sent, received).
 
     Only the root's ``buf`` changes: a rank in the middle adds its buffer to the partial sum it
@@ -199,7 +239,7 @@ def reduce(comm: Communicator, buf: Any, root: int, op: str) -> tuple[int, int]:
     partial = whole
     if position < n - 1:
         incoming = array_module(whole).empty_like(whole)
-        comm._recv(incoming, (comm.rank + 1) % n)
+        comm.recv(incoming, (comm.rank + 1) % n)
         recv = nbytes(whole)
         if position == 0:
             _reduce_into(whole, incoming, op)
@@ -207,12 +247,12 @@ def reduce(comm: Communicator, buf: Any, root: int, op: str) -> tuple[int, int]:
             _reduce_into(incoming, whole, op)
             partial = incoming
     if position > 0:
-        comm._send(partial, (comm.rank - 1) % n)
+        comm.send(partial, (comm.rank - 1) % n)
         sent = nbytes(whole)
     return sent, recv
 
 
-def all_to_all(comm: Communicator, out: Any, inp: Any) -> tuple[int, int]:
+def all_to_all(comm: PointToPoint, out: Any, inp: Any) -> tuple[int, int]:
     """Pairwise all-to-all (block j of ``inp`` to rank j); returns (bytes sent, bytes received)."""
     n, r = comm.size, comm.rank
     block = inp.size // n
@@ -221,6 +261,6 @@ def all_to_all(comm: Communicator, out: Any, inp: Any) -> tuple[int, int]:
     for s in range(1, n):
         to, source = (r + s) % n, (r - s) % n
         outgoing = src[to * block : (to + 1) * block]
-        comm._sendrecv(outgoing, to, dst[source * block : (source + 1) * block], source)
+        comm.sendrecv(outgoing, to, dst[source * block : (source + 1) * block], source)
     moved = (n - 1) * block * np_dtype(inp.dtype).itemsize
     return moved, moved

@@ -21,7 +21,7 @@ without asking them. ``split(color, key)``, which names only this rank's colour,
 the same calls; only the bytes of a call depend on the rank (an all-reduce's uneven chunks, a
 broadcast's root, the neighbour's node) and so does a sub-group's name and size. ``as_rank(m)``
 rewrites this rank's records as rank m's: the same calls, with m's sub-groups and m's bytes from
-the same byte model (``ring.model_bytes``, ``Communicator._split_sent``).
+the same byte model (``ring.model_bytes``, ``ring.split_by_node``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import numpy as np
 
 from zerosim.comm import ring
 from zerosim.comm.base import Communicator
-from zerosim.comm.ledger import Ledger, Record
+from zerosim.comm.ledger import Ledger
+from zerosim.comm.record import Record
 
 
 @dataclass(frozen=True)
@@ -103,13 +104,12 @@ class VirtualComm(Communicator):
         return self.members[self.rank]
 
     # -- the record, and what it leaves out --------------------------------------------------
-    def _call(self, op, dtype, count, native, ring_fn, root, counts, blocking):  # noqa: ANN001
-        found = super()._call(op, dtype, count, native, ring_fn, root, counts, blocking)
+    def after_record(self, record: Record, root: int, counts: tuple[int, ...] | None) -> None:
+        """Log the call in the world's ``calls`` (and its issue in the events, when asked)."""
         events = self.root._events
         if events is not None:
             events.append(("issue", len(self.calls)))
-        self.calls.append(Call(found[0], self, int(root), counts, self._node_of is not None))
-        return found
+        self.calls.append(Call(record, self, int(root), counts, self.node_of is not None))
 
     def record_events(self, events: list | None) -> None:
         """Append this rank's ("issue", i) and ("wait", i) events, i its index in ``calls``, to
@@ -145,10 +145,9 @@ class VirtualComm(Communicator):
     def _native_barrier(self) -> None:
         """No rank to wait for."""
 
-    def _done(self, fn: Callable[..., None], *args: Any) -> Callable[[], None]:
-        """Complete a non-blocking call now; what ``wait()`` runs notes the wait (the call's
-        index is the next one: its record is written after this returns)."""
-        fn(*args)
+    def _completion(self) -> Callable[[], None]:
+        """What ``wait()`` runs for a non-blocking call completed at once: it notes the wait when
+        events are asked for (the call's index is the next one: its record is written after)."""
         events = self.root._events
         if events is None:
             return _nothing
@@ -156,56 +155,58 @@ class VirtualComm(Communicator):
         return lambda: events.append(("wait", index))
 
     def _native_iall_gather(self, out: Any, inp: Any, in_place: bool) -> Callable[[], None]:
-        return self._done(self._native_all_gather, out, inp, in_place)
+        self._native_all_gather(out, inp, in_place)
+        return self._completion()
 
     def _native_ireduce_scatter(
         self, out: Any, inp: Any, op: str, in_place: bool
     ) -> Callable[[], None]:
-        return self._done(self._native_reduce_scatter, out, inp, op, in_place)
+        self._native_reduce_scatter(out, inp, op, in_place)
+        return self._completion()
 
     def _native_iall_reduce(self, buf: Any, op: str) -> Callable[[], None]:
-        return self._done(self._native_all_reduce, buf, op)
+        self._native_all_reduce(buf, op)
+        return self._completion()
 
     def _native_ireduce(self, buf: Any, root: int, op: str) -> Callable[[], None]:
-        return self._done(self._native_reduce, buf, root, op)
+        self._native_reduce(buf, root, op)
+        return self._completion()
 
     def _native_ireduce_scatter_v(
         self, out: Any, inp: Any, counts: tuple[int, ...], op: str
     ) -> Callable[[], None]:
-        return self._done(self._reduce_scatter_v, out, inp, counts, op)
-
-    def _reduce_scatter_v(self, out: Any, inp: Any, counts: tuple[int, ...], op: str) -> None:
         if isinstance(out, np.ndarray):
             start = sum(counts[: self.rank])
             out.reshape(-1)[...] = np.reshape(inp, -1)[start : start + counts[self.rank]]
             _symmetric(op, out, self.size)
+        return self._completion()
 
     # point to point (our ring algorithms): the ring counts its own bytes; nothing to carry
-    def _send(self, buf: Any, dest: int) -> None:
+    def send(self, buf: Any, dest: int) -> None:
         pass
 
-    def _recv(self, buf: Any, source: int) -> None:
+    def recv(self, buf: Any, source: int) -> None:
         pass
 
-    def _sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
+    def sendrecv(self, sendbuf: Any, dest: int, recvbuf: Any, source: int) -> None:
         pass
 
-    def _agree(self, signature: tuple[int, ...]) -> list[tuple[int, ...]]:
-        return [signature] * self.size
+    def gather_ints(self, values: tuple[int, ...]) -> list[tuple[int, ...]]:
+        return [values] * self.size
 
-    def _agreed(self, token: Any) -> bool:
+    def signatures_agree(self, token: Any) -> bool:
         return True  # every virtual rank makes this rank's call
 
     # -- nodes -------------------------------------------------------------------------------
     def set_ranks_per_node(self, ranks_per_node: int | None) -> None:
         super().set_ranks_per_node(ranks_per_node)
         if self.origin is None:  # the world's map, which every sub-group reads
-            self.world.nodes = self._node_of
+            self.world.nodes = self.node_of
 
-    def _sync_nodes(self) -> None:
+    def sync_nodes(self) -> None:
         nodes = self.world.nodes
-        self._node_of = None if nodes is None else tuple(nodes[m] for m in self.members)
-        self._node_version = self.ledger.node_version
+        self.node_of = None if nodes is None else tuple(nodes[m] for m in self.members)
+        self.node_version = self.ledger.node_version
 
     # -- sub-groups --------------------------------------------------------------------------
     def split(self, color: int, key: int = 0, name: str | None = None) -> VirtualComm:
@@ -218,10 +219,10 @@ class VirtualComm(Communicator):
         self, rule: Callable[[int], tuple[int, int]], name: str | None = None
     ) -> VirtualComm:
         color, key = rule(self.rank)
-        group = self._check_split(color, key, name)
+        group = self.name_split(color, key, name)
         members, rank = _members_of(rule, self.size, self.rank, self._colours)
         numbered = "#" in group.rsplit("/", 1)[-1]
-        base = name or f"split{self._splits}"
+        base = name or f"split{self.splits}"
         child = VirtualComm(
             self.world,
             tuple(self.members[g] for g in members),
@@ -260,7 +261,7 @@ class VirtualComm(Communicator):
             group,
             self.origin,
         )
-        view._node_version = -1  # learn its nodes from the world's map at first use
+        view.node_version = -1  # learn its nodes from the world's map at first use
         return view
 
     def bytes_by_phase(self, world_rank: int, step: int | None = None) -> dict[str, dict]:
@@ -292,8 +293,8 @@ class VirtualComm(Communicator):
         """``call``'s record as rank ``world_rank`` writes it."""
         r = call.record
         theirs = call.comm.view_of(world_rank)
-        if theirs._node_version != self.ledger.node_version:
-            theirs._sync_nodes()
+        if theirs.node_version != self.ledger.node_version:
+            theirs.sync_nodes()
         size = theirs.size
         itemsize = r.size_bytes // r.elements if r.elements else 1
         sent, recv = ring.model_bytes(
@@ -303,8 +304,8 @@ class VirtualComm(Communicator):
         if theirs.node_of is None or not call.nodes_known:
             mine.intra_bytes, mine.inter_bytes = sent, 0
         else:
-            mine.intra_bytes, mine.inter_bytes = theirs._split_sent(
-                r.op, sent, r.elements, itemsize
+            mine.intra_bytes, mine.inter_bytes = ring.split_by_node(
+                theirs.node_of, theirs.rank, r.op, sent, r.elements, itemsize
             )
         return mine
 

@@ -56,11 +56,11 @@ from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
-from zerosim.comm.base import OP_CODES
+from zerosim.comm.agreement import OP_CODES
 from zerosim.comm.flight import describe, diagnose, live_recorders, rank_state
 
 if TYPE_CHECKING:
-    from zerosim.comm.mpi import MPIComm
+    from zerosim.comm.base import Communicator  # an MPIComm (comm/mpi.py imports this module)
 
 _OP_NAMES = {code: op for op, code in OP_CODES.items()}
 # poll: spin this long on Test(), … (longer costs where cores are shared: a spinning rank holds
@@ -73,7 +73,7 @@ MAX_SLEEP_S = 1e-3  # … up to this
 LOOK_EVERY_S = 0.25  # how often the watchdog thread looks at the wait in progress
 
 
-# what of a call a rank waits for, by the stage its ``_pending`` names (0: a set-up step)
+# what of a call a rank waits for, by the stage its ``waiting`` names (0: a set-up step)
 _STAGES = {"cross-rank argument check": 1, "data exchange": 2, "wait()": 3}
 _STAGE_NAMES = {
     0: "a split, node discovery or an MPIComm's set-up",
@@ -150,7 +150,7 @@ _ENDING = threading.Lock()
 EXIT_GRACE_S = 10.0  # how long a normal exit waits for an abort begun by the watchdog thread
 
 
-def start(comm: MPIComm) -> None:
+def start(comm: Communicator) -> None:
     """Once per process, under mpirun: the exception hook, the exit guard, the node's progress
     table (when ``comm`` is over COMM_WORLD: a collective, preceded by a barrier under the
     watchdog, so that a rank that never creates its MPIComm is reported, not waited for; its
@@ -165,9 +165,9 @@ def start(comm: MPIComm) -> None:
         threading.Thread(target=_watch, name="zerosim-watchdog", daemon=True).start()
         _started = True
     if PROGRESS is None and comm.mpi == world:
-        comm._pending = (comm.ledger.flight.calls, None, "MPIComm() set-up over COMM_WORLD")
+        comm.waiting = (comm.ledger.flight.calls, None, "MPIComm() set-up over COMM_WORLD")
         poll(comm, comm.mpi.Ibarrier())
-        comm._pending = None
+        comm.waiting = None
         PROGRESS = Progress(world)
         PROGRESS.mine[:] = ROW  # what the private row holds so far
         ROW = PROGRESS.mine
@@ -175,11 +175,11 @@ def start(comm: MPIComm) -> None:
         comm.ledger.flight.count_in(ROW[CALLS : CALLS + 1])
 
 
-def enter(comm: MPIComm, _clock: Any = time.monotonic) -> None:
+def enter(comm: Communicator, _clock: Any = time.monotonic) -> None:
     """A wait begins: note it for the watchdog thread, then (the thread relies on this order)
     the call it is in for the other ranks (on every wait of every collective: a tuple and a
     store)."""
-    pending = comm._pending or (comm.ledger.flight.calls, None, "set-up")
+    pending = comm.waiting or (comm.ledger.flight.calls, None, "set-up")
     _CURRENT[0] = (comm, pending, _clock())
     ROW[WAITING] = pending[0]
 
@@ -205,7 +205,7 @@ def publish() -> None:
     row[SEEN] = call
 
 
-def poll(comm: MPIComm, request: MPI.Request) -> None:
+def poll(comm: Communicator, request: MPI.Request) -> None:
     """Complete ``request`` without holding a core: spin on Test() briefly, then sleep between
     polls (50 µs doubling to 1 ms); watched like any wait (one that is already complete is no
     wait, and is not noted)."""
@@ -229,7 +229,7 @@ def poll(comm: MPIComm, request: MPI.Request) -> None:
         leave()
 
 
-def wait(comm: MPIComm, request: MPI.Request) -> None:
+def wait(comm: Communicator, request: MPI.Request) -> None:
     """Complete ``request`` with MPI's blocking Wait (full speed), watched."""
     enter(comm)
     try:
@@ -255,7 +255,7 @@ def _watch() -> None:
             expire(comm, pending, waited)
 
 
-def report(comm: MPIComm, pending: tuple | None, waited: float) -> tuple[str, dict[str, Any]]:
+def report(comm: Communicator, pending: tuple | None, waited: float) -> tuple[str, dict[str, Any]]:
     """What the watchdog prints after ``waited`` seconds, and the summary for the flight file:
     where every rank of the group on this node is, and which of them hold the call up."""
     seq, record, stage = pending or (comm.ledger.flight.calls, None, "wait")
@@ -309,7 +309,7 @@ def report(comm: MPIComm, pending: tuple | None, waited: float) -> tuple[str, di
     return "\n".join(lines), waiting
 
 
-def expire(comm: MPIComm, pending: tuple | None, waited: float) -> None:
+def expire(comm: Communicator, pending: tuple | None, waited: float) -> None:
     """Give up: say what this rank waits for and who is missing, print the record, abort. Once
     it has begun, the process ends here whatever its other threads do (``_ENDING``)."""
     if not _ENDING.acquire(blocking=False):

@@ -29,7 +29,7 @@ import numpy as np
 
 from zerosim import meta
 from zerosim.backend import shape_only_init
-from zerosim.comm.ledger import Record
+from zerosim.comm.record import Record
 from zerosim.comm.virtual import VirtualComm, VirtualWorld
 from zerosim.config import load_config
 from zerosim.engine import Engine, initialize
