@@ -41,7 +41,7 @@ from zerosim.config.optimizer import ZERO_SUPPORTED_OPTIMIZERS
 from zerosim.data import build_loader
 from zerosim.nn import Module
 from zerosim.optim.lr_scheduler import build_scheduler
-from zerosim.zero import STRATEGIES, Strategy
+from zerosim.zero import Strategy, strategy_class
 from zerosim.zero.init import is_partitioned
 from zerosim.zero.loss_scaler import build_loss_scaler
 from zerosim.zero.offload import check_nvme_paths
@@ -277,7 +277,7 @@ class Engine:
             )
         except ValueError as err:
             raise ConfigError(str(err)) from err
-        strategy_cls = STRATEGIES[zero.stage]
+        strategy_cls = strategy_class(zero.stage, cfg.zerosim.schedule, cfg.zerosim.layout)
         self.strategy: Strategy = strategy_cls(
             groups=groups,
             comm=comm,
