@@ -324,9 +324,10 @@ TARGETS: list[tuple[str, str, Check, str]] = [
         "With fp32 parameters the peak is a layer's working memory (a linear layer's weight "
         "gradient, stage 3's gathered parameters up to stage3_max_live_parameters). Under "
         "bf16/fp16 the optimizer step also reads an fp32 copy of the rank's gradient partition "
-        "(strategy.py, unscale_grads), made at each step and freed after it, as DeepSpeed's ZeRO "
-        "optimizer does: 4Ψ/N bytes, the whole model's Ψ·b at stage 0 (every rank steps "
-        "everything) and half of it at N = 2 for stages 1-3. A persistent fp32 gradient buffer "
+        "(precision.py, MasterWeights.unscale), made at each step and freed after it, as "
+        "DeepSpeed's ZeRO optimizer does: 4Ψ/N bytes, the whole model's Ψ·b at stage 0 (every "
+        "rank steps everything) and half of it at N = 2 for stages 1-3. A persistent fp32 "
+        "gradient buffer "
         "would remove the allocation but add 4Ψ/N bytes to the model states, beyond the ZeRO "
         "paper's formula that memory_report() equals (the Megatron layout keeps one, and its "
         "table counts it); the copy is reported as peak_transient instead.",

@@ -2,7 +2,8 @@
 
 One entry per name: the DeepSpeed ``zero_optimization.stage`` it runs, the ``zerosim.layout`` of
 its flat buffers, and its name in the ZeRO paper (Rajbhandari et al. 2020, Figure 1). The engine's
-strategy classes are keyed by the same stage numbers (``zerosim.zero.STRATEGIES``).
+strategy classes are keyed by the same stage numbers and layouts, with the schedule
+(``zerosim.zero.registry``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from zerosim.engine.consistency import check_same_config, check_same_model
 from zerosim.engine.engine import Engine
 from zerosim.nn import Module
 from zerosim.optim.lr_scheduler import build_scheduler
-from zerosim.zero import STRATEGIES, Strategy
+from zerosim.zero import Strategy, strategy_class
 from zerosim.zero.init import is_partitioned
 from zerosim.zero.loss_scaler import build_loss_scaler
 from zerosim.zero.offload import check_nvme_paths
@@ -76,7 +76,7 @@ def build_engine(
     backend = get_backend(cfg.zerosim.backend)
     crossings_at_start = crossings().as_dict()
     zero = cfg.zero_optimization
-    strategy_cls = STRATEGIES[zero.stage]
+    strategy_cls = strategy_class(zero.stage, cfg.zerosim.schedule, cfg.zerosim.layout)
     if not strategy_cls.partitions_params and is_partitioned(model):
         raise ConfigError(
             f"zero_optimization.stage = {zero.stage}: the model was built "

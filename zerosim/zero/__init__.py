@@ -1,5 +1,6 @@
-"""ZeRO strategies (stages 0-3, Megatron's layout), the partition math they share, and
-``Init`` / ``GatheredParameters`` for models built partitioned."""
+"""ZeRO strategies (stages 0-3 and DeepSpeed's schedule of each, Megatron's layout), the registry
+that picks one, the partition math they share, and ``Init`` / ``GatheredParameters`` for models
+built partitioned."""
 
 from zerosim.zero.init import GatheredParameters, Init, ParamChunk, is_partitioned
 from zerosim.zero.partition import (
@@ -11,13 +12,17 @@ from zerosim.zero.partition import (
     piece_counts,
     reduction_buckets,
 )
+from zerosim.zero.registry import STRATEGIES, strategy_class
+from zerosim.zero.segments import Segment
 from zerosim.zero.stage0 import Stage0
+from zerosim.zero.stage0_deepspeed import Stage0DeepSpeed
 from zerosim.zero.stage1 import Stage1
+from zerosim.zero.stage1_deepspeed import Stage1DeepSpeed
+from zerosim.zero.stage1_megatron import Stage1Megatron, Stage1MegatronDeepSpeed
 from zerosim.zero.stage2 import Stage2
+from zerosim.zero.stage2_deepspeed import Stage2DeepSpeed
 from zerosim.zero.stage3 import Stage3
-from zerosim.zero.strategy import Segment, Shard, Strategy
-
-STRATEGIES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
+from zerosim.zero.strategy import Shard, Strategy
 
 __all__ = [
     "GatheredParameters",
@@ -30,8 +35,13 @@ __all__ = [
     "Range",
     "Shard",
     "Stage0",
+    "Stage0DeepSpeed",
     "Stage1",
+    "Stage1DeepSpeed",
+    "Stage1Megatron",
+    "Stage1MegatronDeepSpeed",
     "Stage2",
+    "Stage2DeepSpeed",
     "Stage3",
     "Strategy",
     "deepspeed_layout",
@@ -39,4 +49,5 @@ __all__ = [
     "megatron_range_maps",
     "piece_counts",
     "reduction_buckets",
+    "strategy_class",
 ]

@@ -1,4 +1,5 @@
-"""Gradient buckets, shared by the stages that reduce during backward (0, 2 and 3).
+"""Gradient buckets, shared by the stages that reduce during backward (0, 2 and 3, and the IPG
+buckets of DeepSpeed's schedule).
 
 A stage's backward path, hop by hop:
 
@@ -81,8 +82,10 @@ class PendingReductions:
     """Launched bucket reductions, oldest first: (handle, out, dest, pooled views) each.
 
     ``complete`` waits for a reduction (``handle`` None: already done), adds ``out`` into
-    ``dest`` (this rank's gradient shard; None when the bucket holds nothing of it) and gives the
-    bucket's pooled ``views`` back through ``give``.
+    ``dest`` (this rank's gradient shard, or an object that takes ``+=`` and places the pieces:
+    stage 3's ``ShardSlices``, ``ipg.Delivery``; None when the bucket holds nothing for this rank)
+    and gives the bucket's pooled ``views`` back through ``give``. Every stage's and
+    ``IpgBuckets``' reductions in flight go through one of these.
     """
 
     def __init__(self, give: Callable[[Any], None]) -> None:

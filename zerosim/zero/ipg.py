@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from zerosim.backend import assign, flat
-from zerosim.zero.buckets import MAX_IN_FLIGHT
+from zerosim.zero.buckets import MAX_IN_FLIGHT, PendingReductions
 
 
 class Entry(NamedTuple):
@@ -175,8 +175,9 @@ class IpgBuckets:
     owns (values are the sum over ranks, in the bucket's dtype).
 
     ``strategy`` lends pooled buffers (``take_buffer``/``give_buffer``), the communicator, the
-    wire dtype and the pre-reduction scaling; ``flat_starts[g][i]`` is where parameter i of group
-    g starts in its flat buffer; ``partition_sizes[g]`` is P of group g.
+    wire dtype, the pre-reduction scaling and overlap-or-block (``launch``);
+    ``flat_starts[g][i]`` is where parameter i of group g starts in its flat buffer;
+    ``partition_sizes[g]`` is P of group g.
     """
 
     def __init__(
@@ -198,12 +199,11 @@ class IpgBuckets:
             use_multi_rank_bucket_allreduce=bool(zero.use_multi_rank_bucket_allreduce),
             contiguous_gradients=bool(zero.contiguous_gradients),
         )
-        self.overlap = bool(zero.overlap_comm)
         self.muon = getattr(strategy, "muon", None)  # split Muon matrices go to all their owners
         self.entries: list[Entry] = []  # the bucket being filled
         self.grads: list[Any] = []  # their gradients (flattened views), until the bucket goes
         self.numel = 0
-        self.pending: list[tuple[Any, Any, Reduction, tuple]] = []  # launched, oldest first
+        self.pending = PendingReductions(strategy.give_buffer)  # launched, oldest first
 
     def add(self, group: int, index: int, grad: Any) -> None:
         """Parameter ``index`` of ``group`` joins the bucket (which is reduced first if full)."""
@@ -238,7 +238,7 @@ class IpgBuckets:
     def _launch(self, r: Reduction, bucket: Any, last: bool) -> None:
         """Start one collective of a bucket; the bucket buffer is given back with its last."""
         s = self.strategy
-        self.complete(leave=MAX_IN_FLIGHT - 1)
+        self.pending.complete(leave=MAX_IN_FLIGHT - 1)
         first, stop = r.slices[0].bucket_start, r.slices[-1].bucket_start + r.slices[-1].size
         if stop - first == r.numel:  # contiguous in the bucket: reduce it in place
             message, extra = bucket[first:stop], ()
@@ -252,34 +252,34 @@ class IpgBuckets:
         views = extra + ((bucket,) if last else ())
         comm = self.comm
         if r.op == "all_reduce":
-            handle = comm.iall_reduce(message) if self.overlap else comm.all_reduce(message)
+            handle = s.launch(comm.iall_reduce, comm.all_reduce, message)
         else:
-            handle = comm.ireduce(message, r.root) if self.overlap else comm.reduce(message, r.root)
-        self.pending.append((handle, message, r, views))
-        if handle is None:
-            self.complete()
-
-    def complete(self, leave: int = 0) -> None:
-        """Finish launched collectives, oldest first, until ``leave`` remain: hand this rank's
-        pieces to ``deliver``, give the buffers back."""
-        while len(self.pending) > leave:
-            handle, message, r, views = self.pending.pop(0)
-            if handle is not None:
-                handle.wait()
-            rank = self.comm.rank
-            if r.root is None or r.root == rank:
-                at = 0
-                for sl in r.slices:
-                    if rank in sl.copy_ranks:  # its owner, or a Muon matrix's other owners
-                        deliver = self.deliver if sl.owner == rank else self.muon.receive
-                        for p in sl.pieces:
-                            start = at + p.bucket_start - sl.bucket_start
-                            deliver(p.group, p.flat_start, message[start : start + p.size])
-                    at += sl.size
-            for view in views:
-                self.strategy.give_buffer(view)
+            handle = s.launch(comm.ireduce, comm.reduce, message, r.root)
+        mine = r.root is None or r.root == comm.rank  # a reduce leaves nothing on other ranks
+        self.pending.add(handle, message, Delivery(self, r) if mine else None, views)
 
     def finish(self) -> None:
         """End of backward: reduce the last bucket and wait for every collective."""
         self.reduce()
-        self.complete()
+        self.pending.complete()
+
+
+class Delivery:
+    """Where a reduced message of ``IpgBuckets`` goes on this rank: ``delivery += message`` (what
+    ``PendingReductions`` does once it completes) hands each piece of it this rank receives to
+    the stage's ``deliver`` (the piece's owner) or to Muon (a split matrix's other owners)."""
+
+    def __init__(self, ipg: IpgBuckets, reduction: Reduction) -> None:
+        self.ipg = ipg
+        self.reduction = reduction
+
+    def __iadd__(self, message: Any) -> Delivery:
+        rank, at = self.ipg.comm.rank, 0
+        for sl in self.reduction.slices:
+            if rank in sl.copy_ranks:  # its owner, or a Muon matrix's other owners
+                deliver = self.ipg.deliver if sl.owner == rank else self.ipg.muon.receive
+                for p in sl.pieces:
+                    start = at + p.bucket_start - sl.bucket_start
+                    deliver(p.group, p.flat_start, message[start : start + p.size])
+            at += sl.size
+        return self

@@ -337,7 +337,8 @@ class Offload:
 def optimizer_arrays(strategy: Any) -> list[Any]:
     """The arrays an optimizer offload moves: master params and grads, optimizer states."""
     out = [g.master for g in strategy.groups if g.master is not None]
-    out += [g.master_grads for g in strategy.groups if g.master_grads is not None]
+    grads = [strategy.master_grad_shard(g) for g in strategy.groups]
+    out += [grad for grad in grads if grad is not None]
     opt = strategy.optimizer
     for group, shards in zip(opt.param_groups, strategy.shards, strict=True):
         keys = opt.state_keys(group)

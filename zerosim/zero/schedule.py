@@ -4,8 +4,8 @@
 
 - ``"deepspeed"`` (the default): the collectives DeepSpeed 0.19.8 issues for the same config.
   Stage 0 all-reduces the unpadded gradients at the boundary in messages of at most 5e8 elements
-  (``stage0.py``); stages 1-2 pad flat buffers to a multiple of 2·N and reduce gradient buckets
-  as its switches say (``ipg.py``: all-reduces by default); stage 3 fetches as DeepSpeed's
+  (``stage0_deepspeed.py``); stages 1-2 pad flat buffers to a multiple of 2·N and reduce gradient
+  buckets as its switches say (``ipg.py``: all-reduces by default); stage 3 fetches as DeepSpeed's
   coordinator does (``ds_coordinator.py``: one coalesced all-gather per module fetch and per
   prefetch, which follow the module trace) and buckets gradients in its hook order.
 - ``"paper"``: the ZeRO paper's schedule: flat buffers padded to a multiple of N, gradients

@@ -9,132 +9,123 @@ Ownership is DeepSpeed's contiguous [r·P, (r+1)·P), so a bucket's parts are un
 true reduce-scatter with uneven pieces (MPI_Reduce_scatter). Over a step's buckets rank r sends
 Σ_b (|b| − c_{b,r}) = Ψ_pad − P = (N−1)/N · Ψ_pad, the same as one even reduce-scatter.
 
-That is the ``paper`` schedule. With accumulation k every micro-step reduces, so a step sends
-k·(N−1)/N · Ψ_pad in reduce-scatters plus (N−1)/N · Ψ_pad in the all-gather: (k+1)(N−1)/N · Ψ_pad.
+With accumulation k every micro-step reduces, so a step sends k·(N−1)/N · Ψ_pad in
+reduce-scatters plus (N−1)/N · Ψ_pad in the all-gather: (k+1)(N−1)/N · Ψ_pad.
 
-The ``deepspeed`` schedule (the default) reduces as DeepSpeed 0.19.8 does (``zerosim/zero/ipg.py``):
-gradients join IPG buckets in the order backward finishes them, and with DeepSpeed's default
-switches each bucket is *all-reduced*, after which every rank keeps the part it owns
-(``use_multi_rank_bucket_allreduce: false`` reduces each owner's part to it instead). The flat
-buffer pads to a multiple of 2·N. A step then sends k·2(N−1)/N · Ψ + (N−1)/N · Ψ_pad: about
-3(N−1)/N · Ψ at k = 1, 1.5× the paper's.
+DeepSpeed 0.19.8 all-reduces IPG buckets instead, about 1.5× the bytes: ``stage2_deepspeed.py``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from zerosim.backend import assign, flat, nbytes
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, bucket_members
-from zerosim.zero.ipg import IpgBuckets
 from zerosim.zero.partition import Range, piece_counts, reduction_buckets
 from zerosim.zero.strategy import FlatGroup, Strategy
 
 
+class Stage2Group(FlatGroup):
+    """A parameter group at stage 2: its flat parameters and the gradient of its owned shard."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.grad_shard: Any = None  # setup_gradients: the reduced gradient of the owned shard
+
+
+@dataclass
+class GroupBuckets:
+    """The reduction buckets of one group's flat buffer (cut at parameter starts)."""
+
+    ranges: list[Range]  # bucket -> its range of the flat buffer
+    counts: list[list[int]]  # bucket -> each rank's piece of it
+    of_param: list[int]  # parameter index -> its bucket
+    params: list[list[int]]  # bucket -> its parameter indices
+    filling: dict[int, Any] = field(default_factory=dict)  # bucket -> its buffer while filled
+
+    @classmethod
+    def plan(cls, g: FlatGroup, bucket_size: int) -> GroupBuckets:
+        ranges = reduction_buckets(g.layout, bucket_size)
+        of_param = [
+            next(b for b, r in enumerate(ranges) if r.start <= slot.range.start < r.stop)
+            for slot in g.slots
+        ]
+        params = [[i for i, b in enumerate(of_param) if b == k] for k in range(len(ranges))]
+        return cls(ranges, [piece_counts(b, g.layout) for b in ranges], of_param, params)
+
+
 class Stage2(Strategy):
-    """Partitioned gradients: bucketed reduction during every backward."""
+    """Partitioned gradients: bucketed reduce-scatter during every backward."""
 
     stage = 2
     partitions_optimizer_states = True
     reported_norm = "before_scale_update"  # DeepSpeed's stage_1_and_2.py
+    group_cls = Stage2Group
 
     def setup_gradients(self) -> None:
-        self.queues: list[BucketQueue] = []  # paper: per group, its buckets in order
-        self.ipg: IpgBuckets | None = None  # deepspeed: DeepSpeed's IPG bucket
-        self.added: set[int] = set()  # deepspeed: id(param) of gradients added this backward
-        self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (group, index)
-        for gi, g in enumerate(self.groups):
+        for g in self.groups:
             (own,) = g.owned
             g.grad_shard = g.xp.zeros(own.size, dtype=self.dtype)
-            for i, (_, p) in enumerate(g.named_params):
+            for _, p in g.named_params:
                 p.grad = None
-                self.where[id(p)] = (gi, i)
-        if self.schedule == "deepspeed":
-            starts = [[slot.range.start for slot in g.slots] for g in self.groups]
-            sizes = [g.layout.shard_numel for g in self.groups]
-            self.ipg = IpgBuckets(self, starts, sizes, self._deliver)
-            return
+        self.setup_reduction()
+
+    def setup_reduction(self) -> None:
+        """Per group, its buckets, launched in order as backward finishes their parameters."""
+        self.buckets: list[GroupBuckets] = []
+        self.queues: list[BucketQueue] = []
         for g in self.groups:
-            g.buckets = reduction_buckets(g.layout, self.zero.reduce_bucket_size)
-            g.bucket_counts = [piece_counts(b, g.layout) for b in g.buckets]
-            g.bucket_of = [  # parameter index -> its bucket (buckets cut at parameter starts)
-                next(b for b, r in enumerate(g.buckets) if r.start <= slot.range.start < r.stop)
-                for slot in g.slots
-            ]
-            g.bucket_params = [
-                [i for i, b in enumerate(g.bucket_of) if b == k] for k in range(len(g.buckets))
-            ]
-            members = bucket_members(g.named_params, g.slots, g.buckets)
-            self.queues.append(BucketQueue(members, self._launcher(g)))
+            plan = GroupBuckets.plan(g, self.zero.reduce_bucket_size)
+            members = bucket_members(g.named_params, g.slots, plan.ranges)
+            self.buckets.append(plan)
+            self.queues.append(BucketQueue(members, partial(self._launch, g, plan)))
 
     def attach(self, model: Any) -> None:
         self.tracker = GradReadyTracker(model, self._ready)
 
-    def _buffer(self, g: FlatGroup, b: int) -> Any:
-        if b not in g.buffers:
-            g.buffers[b] = self.take_buffer(g.buckets[b].size, self.wire_dtype(self.dtype))
-        return g.buffers[b]
+    def _ready(self, p: Parameter) -> None:
+        self._move_grad(p)
+        self.queues[self.where[id(p)][0]].ready(p)
+
+    def _buffer(self, plan: GroupBuckets, b: int) -> Any:
+        if b not in plan.filling:
+            plan.filling[b] = self.take_buffer(plan.ranges[b].size, self.wire_dtype(self.dtype))
+        return plan.filling[b]
 
     def _move_grad(self, p: Parameter) -> None:
         """Copy a finished module gradient into its bucket buffer and drop it."""
         if p.grad is None:
             return
         gi, i = self.where[id(p)]
-        g = self.groups[gi]
-        b = g.bucket_of[i]
-        slot = g.slots[i].range
-        start = slot.start - g.buckets[b].start
-        assign(self._buffer(g, b)[start : start + slot.size], flat(p.grad))
+        plan = self.buckets[gi]
+        b = plan.of_param[i]
+        slot = self.groups[gi].slots[i].range
+        start = slot.start - plan.ranges[b].start
+        assign(self._buffer(plan, b)[start : start + slot.size], flat(p.grad))
         p.grad = None
 
-    def _ready(self, p: Parameter) -> None:
-        if self.ipg is not None:
-            self._add(p)
-            return
-        self._move_grad(p)
-        self.queues[self.where[id(p)][0]].ready(p)
-
-    def _add(self, p: Parameter) -> None:
-        """DeepSpeed's schedule: the gradient joins the IPG bucket; the module's copy goes."""
-        if p.grad is None:
-            return
-        gi, i = self.where[id(p)]
-        self.ipg.add(gi, i, p.grad)
-        self.added.add(id(p))
-        p.grad = None
-
-    def _deliver(self, gi: int, flat_start: int, values: Any) -> None:
-        """A reduced piece this rank owns: add it into the gradient shard."""
-        g = self.groups[gi]
+    def _launch(self, g: Stage2Group, plan: GroupBuckets, b: int) -> None:
+        """Reduce-scatter bucket ``b``: this rank's piece is added into its gradient shard."""
+        bucket, counts = plan.ranges[b], plan.counts[b]
         (own,) = g.owned
-        g.grad_shard[flat_start - own.start : flat_start - own.start + values.size] += values
-
-    def _launcher(self, g: FlatGroup) -> Any:
-        def launch(b: int) -> None:
-            bucket, counts = g.buckets[b], g.bucket_counts[b]
-            (own,) = g.owned
-            for i in g.bucket_params[b]:  # parameters whose uses never completed
-                self._move_grad(g.named_params[i][1])
-            buf = self._buffer(g, b)
-            self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-            self.before_reduction(buf)
-            out = self.take_buffer(counts[self.comm.rank], buf.dtype)
-            part = bucket.intersect(own)
-            dest = (
-                None
-                if part is None
-                else g.grad_shard[part.start - own.start : part.stop - own.start]
-            )
-            if self.zero.overlap_comm:
-                handle = self.comm.ireduce_scatter_v(out, buf, counts)
-            else:
-                self.comm.reduce_scatter_v(out, buf, counts)
-                handle = None
-            del g.buffers[b]  # given back to the pool once the reduction completes
-            self.pending.add(handle, out, dest, (buf, out))
-
-        return launch
+        for i in plan.params[b]:  # parameters whose uses never completed
+            self._move_grad(g.named_params[i][1])
+        buf = self._buffer(plan, b)
+        self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
+        self.before_reduction(buf)
+        out = self.take_buffer(counts[self.comm.rank], buf.dtype)
+        part = bucket.intersect(own)
+        dest = (
+            None if part is None else g.grad_shard[part.start - own.start : part.stop - own.start]
+        )
+        handle = self.launch(
+            self.comm.ireduce_scatter_v, self.comm.reduce_scatter_v, out, buf, counts
+        )
+        del plan.filling[b]  # given back to the pool once the reduction completes
+        self.pending.add(handle, out, dest, (buf, out))
 
     def before_backward(self, boundary: bool) -> None:
         for q in self.queues:
@@ -142,15 +133,12 @@ class Stage2(Strategy):
 
     def after_backward(self, boundary: bool) -> None:
         self.tracker.reset()
-        if self.ipg is not None:
-            for g in self.groups:  # parameters whose uses never completed, last first
-                for _, p in reversed(g.named_params):
-                    if id(p) not in self.added:
-                        self._add(p)
-            self.added.clear()
-            self.ipg.finish()
         for q in self.queues:
             q.flush()
+        self.finish_reduction(boundary)
+
+    def finish_reduction(self, boundary: bool) -> None:
+        """Wait for every launched reduction; at the boundary the sums become means."""
         self.pending.complete()
         if boundary:
             for g in self.groups:

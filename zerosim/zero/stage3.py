@@ -45,7 +45,8 @@ from zerosim.zero.ds_coordinator import DeepSpeedCoordinator
 from zerosim.zero.init import ParamChunk
 from zerosim.zero.offload import read_param_chunk
 from zerosim.zero.partition import Range, per_param_partition
-from zerosim.zero.strategy import Segment, Strategy
+from zerosim.zero.segments import Segment
+from zerosim.zero.strategy import Strategy
 from zerosim.zero.zeropp import HierarchicalReducer, QuantizedGather, SecondaryPartition
 
 

@@ -14,11 +14,16 @@ The engine drives a strategy through a few calls. Once, after construction: ``at
 ``grad_norm_sq(inv_scale)`` (or ``grad_norm_sq_parts``, one per norm group) when the schedule's
 checks ask for them (``schedule.py``; the engine all-reduces them), ``unscale_grads(inv_scale)``,
 ``clip(coef)``,
-``optimizer.step()``, ``master_to_params()``, ``gather()``, ``zero_grad()``. Subclasses (one per
-stage, in this package) decide where gradients live, how they are reduced and what is gathered;
-the bucket machinery that stages 0, 2 and 3 share is ``zerosim/zero/buckets.py``, DeepSpeed's
-gradient buckets of stages 1-2 are ``zerosim/zero/ipg.py``. ``schedule`` ("deepspeed" or "paper",
-``zerosim/zero/schedule.py``) says whose collectives a stage issues.
+``optimizer.step()``, ``master_to_params()``, ``gather()``, ``zero_grad()``. Subclasses decide
+where gradients live (each declares its per-group state in a ``FlatGroup`` subclass), how they are
+reduced and what is gathered: the paper's stages in ``stage0.py`` … ``stage3.py``, DeepSpeed's
+schedule and Megatron's layout as subclasses beside them, and ``registry.py`` picks one for a
+config. The bucket machinery that reducing stages share is ``zerosim/zero/buckets.py``,
+DeepSpeed's gradient buckets of stages 1-2 ``zerosim/zero/ipg.py``.
+
+Beside the flat buffers: the optimizer's master copy under mixed precision or offload
+(``zerosim/zero/precision.py``) and the layout-free segments checkpoints are made of
+(``zerosim/zero/segments.py``).
 
 Optimizers that need whole parameters get what a shard lacks here: LAMB's per-parameter norms
 (``zerosim/zero/lamb.py``) and Muon's whole matrices (``zerosim/zero/muon.py``, whose updates are
@@ -32,48 +37,24 @@ training), which lives in host memory or in swap files; ``master_to_params`` cop
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from zerosim.backend import item, move_like, nbytes, np_dtype, to_host, xp_of
+from zerosim.backend import item, nbytes, np_dtype, to_host, xp_of
 from zerosim.comm import Communicator
 from zerosim.nn import Parameter
 from zerosim.zero.buckets import BufferPool, PendingReductions
+from zerosim.zero.ds_schedule import norm_parts
 from zerosim.zero.lamb import LambNorms
 from zerosim.zero.muon import MuonUpdates, muon_groups
 from zerosim.zero.offload import Offload
-from zerosim.zero.partition import (
-    DEEPSPEED_ALIGNMENT,
-    Layout,
-    Range,
-    deepspeed_layout,
-    deepspeed_sub_groups,
-)
+from zerosim.zero.partition import Layout, Range, deepspeed_layout
+from zerosim.zero.precision import MasterWeights
 from zerosim.zero.schedule import SCHEDULES
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A run of one parameter's elements held in one optimizer shard.
-
-    ``param_range`` counts elements of the flattened parameter (``name``); they sit at
-    ``offset`` … ``offset + size`` of ``strategy.shards[group][shard]`` (its ``.data`` and every
-    optimizer state array). Segments are the layout-free view that checkpoints use: a checkpoint
-    written by any stage and world size is a set of (name, range) → arrays.
-    """
-
-    name: str
-    param_range: Range
-    group: int
-    shard: int
-    offset: int
-
-    @property
-    def size(self) -> int:
-        return self.param_range.size
+from zerosim.zero.segments import Segment, flat_segments
 
 
 @dataclass(eq=False)
@@ -87,7 +68,8 @@ class Shard:
 class FlatGroup:
     """One parameter group laid end to end in a flat buffer; module params become views of it.
 
-    Every field a stage may fill is declared here (None or empty where a stage has no such thing).
+    The fields every flat-buffer stage has; a stage's subclass (``Stage0Group`` …) adds its
+    gradient storage.
     """
 
     def __init__(
@@ -111,15 +93,7 @@ class FlatGroup:
             view[...] = self.xp.reshape(p.data, (-1,))
             p.data = self.xp.reshape(view, p.shape)
         self.owned = layout.owned_ranges(rank)  # the flat ranges this rank owns
-        self.flat_grad: Any = None  # stages 0-1: gradients laid out like flat_param
-        self.grad_shard: Any = None  # stage 2: the reduced gradient of the owned shard
-        self.master: Any = None  # fp32 master of the stepped ranges (mixed precision, offload)
-        self.master_grads: Any = None  # Megatron's fp16 recipe: a persistent fp32 gradient shard
-        self.buckets: list[Range] = []  # stage 2: the reduction buckets of the flat buffer
-        self.bucket_counts: list[list[int]] = []  # stage 2: per bucket, each rank's piece of it
-        self.bucket_of: list[int] = []  # stage 2: parameter index -> its bucket
-        self.bucket_params: list[list[int]] = []  # stage 2: bucket -> its parameter indices
-        self.buffers: dict[int, Any] = {}  # stage 2: bucket -> its buffer while being filled
+        self.master: Any = None  # the optimizer's master copy of them (zerosim/zero/precision.py)
 
     def param_view(self, index: int, flat: Any) -> Any:
         """Parameter ``index``'s piece of a flat buffer laid out like the parameters."""
@@ -132,6 +106,13 @@ def sum_sq(v: Any) -> float:
     if isinstance(v, np.ndarray):
         return float(np.vdot(v, v))
     return item(xp_of(v).vecdot(v, v))
+
+
+def param_positions(groups: Sequence[Any]) -> dict[int, tuple[int, int]]:
+    """id(parameter) -> (its group, its index in the group): where a hook's parameter lives."""
+    return {
+        id(p): (gi, i) for gi, g in enumerate(groups) for i, (_, p) in enumerate(g.named_params)
+    }
 
 
 def tiles(ranges: Sequence[Range], tile: int) -> list[Range]:
@@ -150,6 +131,9 @@ class Strategy(ABC):
     partitions_optimizer_states = False  # stages 1-3: each rank keeps the states of its shard
     partitions_params = False  # stage 3: each rank holds a chunk of every parameter (swaps .data)
     reported_norm = "after_scale_update"  # get_global_grad_norm()'s, see engine/reporting.py
+    alignment = 1  # flat buffers pad to a multiple of this times N (the paper: N)
+    round_robin = False  # parameters in definition order (DeepSpeed's may lay them round robin)
+    group_cls: type = FlatGroup  # what a stage keeps per parameter group
 
     def __init__(
         self,
@@ -183,66 +167,53 @@ class Strategy(ABC):
         master = np.dtype(master_dtype) if master_dtype is not None else self.dtype
         separate = master != self.dtype or self.offload.active  # mixed precision or offload
         self.master_dtype = master if separate else None
+        self.master_weights = MasterWeights(self, master) if separate else None
         self.layout_kind = layout
         self.groups = [self.make_group(named, hyper) for named, hyper in groups]
+        self.where = param_positions(self.groups)  # id(param) -> (group, index)
         # Muon's matrices (zero/muon.py): before the gradients, whose reduction they change
         self.muon = MuonUpdates(self) if muon_groups(self) else None
         self.offload.params_to_files(self.groups)
         self.live_transient = 0
-        self._transient_grads: list[Any] = []  # unscale_grads's fp32 copies, until the step ends
         self.peak_transient = 0
         xp = self.groups[0].xp if self.groups else np
         self.pool = BufferPool(xp, self.dtype)  # gradient bucket buffers (stages 0, 2 and 3)
         self.pending = PendingReductions(self.give_buffer)  # launched bucket reductions
         self.setup_gradients()
+        self.optimizer = self.build_optimizer(optimizer_cls)
+        self.offload.attach_optimizer(self)
+
+    def build_optimizer(self, optimizer_cls: type) -> Any:
+        """Cut each group's stepped ranges into ``sub_group_size`` tiles (``Shard``: a view of
+        the flat parameters and of the reduced gradient, or of the master copy) and build the
+        optimizer over them."""
         param_groups = []
         self.shards: list[list[Shard]] = []
         self.tile_ranges: list[list[Range]] = []
         for gi, g in enumerate(self.groups):
-            cut = tiles(self.step_ranges(g), zero.sub_group_size)
-            if self.master_dtype is None:  # the stepped parameters are their own master
+            cut = tiles(self.step_ranges(g), self.zero.sub_group_size)
+            if self.master_weights is None:  # the stepped parameters are their own master
                 shards = [Shard(g.flat_param[t.start : t.stop], self.grad_view(g, t)) for t in cut]
-            else:  # an fp32 master copy of the stepped ranges; fp32 gradients made at step time
-                numel = sum(t.size for t in cut)
-                g.master = self.offload.new_master(gi, numel, self.master_dtype, g.xp)
-                shards, at = [], 0
-                for t in cut:
-                    g.master[at : at + t.size] = move_like(g.flat_param[t.start : t.stop], g.master)
-                    shards.append(Shard(g.master[at : at + t.size], None))
-                    at += t.size
+            else:  # a master copy of the stepped ranges; its gradients made at step time
+                shards = [Shard(view, None) for view in self.master_weights.allocate(gi, g, cut)]
             self.shards.append(shards)
             self.tile_ranges.append(cut)
             param_groups.append({"params": shards, **g.hyper})
-        self.optimizer = optimizer_cls(param_groups)
-        if hasattr(self.optimizer, "piece_map"):  # LAMB: each parameter's norms (zero/lamb.py)
-            self.optimizer.piece_map = LambNorms(self)
+        optimizer = optimizer_cls(param_groups)
+        if hasattr(optimizer, "piece_map"):  # LAMB: each parameter's norms (zero/lamb.py)
+            optimizer.piece_map = LambNorms(self)
         if self.muon is not None and self.stage == 0:  # whole matrices: made in the step
-            self.optimizer.before_step = self.muon.before_step
-        self.offload.attach_optimizer(self)
+            optimizer.before_step = self.muon.before_step
+        return optimizer
 
     # -- what a stage decides ------------------------------------------------------------------
     def make_group(self, named: list[tuple[str, Parameter]], hyper: dict[str, Any]) -> Any:
         """Lay one parameter group out (stages 0-2: a FlatGroup of the whole group)."""
-        return FlatGroup(named, self.make_layout(named), self.dtype, self.comm.rank, hyper)
+        return self.group_cls(named, self.make_layout(named), self.dtype, self.comm.rank, hyper)
 
     def make_layout(self, named: list[tuple[str, Parameter]]) -> Layout:
         shapes = [(n, p.shape) for n, p in named]
         return deepspeed_layout(shapes, self.comm.size, self.alignment, self.round_robin)
-
-    @property
-    def round_robin(self) -> bool:
-        """``round_robin_gradients`` (DeepSpeed's stages 1-2): parameters laid out round robin."""
-        return (
-            self.stage in (1, 2)
-            and self.schedule == "deepspeed"
-            and bool(self.zero.round_robin_gradients)
-        )
-
-    @property
-    def alignment(self) -> int:
-        """Flat buffers pad to a multiple of this times N: DeepSpeed's 2 (``deepspeed``
-        schedule) or 1 (``paper``)."""
-        return DEEPSPEED_ALIGNMENT if self.schedule == "deepspeed" else 1
 
     def attach(self, model: Any) -> None:  # noqa: B027 (a no-op by default)
         """Once, after construction: install module hooks (stages that reduce or gather
@@ -285,30 +256,9 @@ class Strategy(ABC):
 
     # -- shared ---------------------------------------------------------------------------------
     def segments(self, which: str = "owned") -> list[Segment]:
-        """The parameter element runs this rank holds in its optimizer shards.
-
-        ``which="owned"``: the elements this rank owns (each element of the model appears on
-        exactly one rank: what a checkpoint saves). ``which="stepped"``: every element this rank's
-        optimizer updates (the same except at stage 0, where every rank steps everything: what
-        a checkpoint load must fill).
-        """
-        if which not in ("owned", "stepped"):
-            raise ValueError(f"which must be 'owned' or 'stepped', got {which!r}")
-        out = []
-        for gi, g in enumerate(self.groups):
-            wanted = g.owned if which == "owned" else self.step_ranges(g)
-            tile_ranges = self.tile_ranges[gi]
-            for want in wanted:
-                for k, tile in enumerate(tile_ranges):
-                    part = tile.intersect(want)
-                    if part is None:
-                        continue
-                    for slot in g.slots:
-                        x = slot.range.intersect(part)
-                        if x is not None:
-                            rng = Range(x.start - slot.range.start, x.stop - slot.range.start)
-                            out.append(Segment(slot.name, rng, gi, k, x.start - tile.start))
-        return out
+        """The parameter element runs this rank holds in its optimizer shards
+        (``zerosim/zero/segments.py``: ``which`` is "owned" or "stepped")."""
+        return flat_segments(self, which)
 
     def grad_norm_sq(self, inv_scale: float = 1.0, whole: bool = False) -> float:
         """This rank's partial sum of squared (unscaled) gradients over its owned ranges (with
@@ -326,28 +276,16 @@ class Strategy(ABC):
         return total * inv_scale * inv_scale
 
     def grad_norm_sq_parts(self, inv_scale: float = 1.0) -> list[float]:
-        """This rank's partial Σg² (unscaled) per DeepSpeed norm group: DeepSpeed's ZeRO takes
-        each group's norm with an all-reduce of its own (``get_grad_norm_direct``), a group
-        being a parameter group at stages 1-2 and a sub-group of one at stage 3
-        (``deepspeed_sub_groups``). The paper's schedule sums them all in one message."""
-        if self.schedule == "paper":
-            return [self.grad_norm_sq(inv_scale)]
-        if self.muon is not None:
-            self.muon.make_updates(inv_scale)
-        parts = []
-        for g in self.groups:
-            if not hasattr(g, "partition"):  # stages 1-2: the group's owned ranges
-                parts.append(sum(sum_sq(self._norm_view(g, rng)) for rng in g.owned))
-                continue
-            for sub in deepspeed_sub_groups(g.partition.chunks, self.zero.sub_group_size):
-                lo = g.partition.offsets[sub[0]]
-                hi = g.partition.offsets[sub[-1]] + g.partition.chunks[sub[-1]]
-                parts.append(sum_sq(self._norm_view(g, Range(lo, hi))))
-        return [part * inv_scale * inv_scale for part in parts]
+        """This rank's partial Σg² (unscaled) per norm message: the paper's schedule sums every
+        group in one. DeepSpeed's sends one per norm group (``ds_schedule.py``)."""
+        if self.schedule == "deepspeed":  # stage 3 (both schedules one class, stage3.py)
+            return norm_parts(self, inv_scale)
+        return [self.grad_norm_sq(inv_scale)]
 
-    def _norm_view(self, g: Any, rng: Range) -> Any:
+    def range_sum_sq(self, g: Any, rng: Range) -> float:
+        """Σg² of the reduced gradient of flat range ``rng`` (in the master dtype, if any)."""
         v = self.grad_view(g, rng)
-        return v if self.master_dtype is None else g.xp.astype(v, self.master_dtype)
+        return sum_sq(v if self.master_dtype is None else g.xp.astype(v, self.master_dtype))
 
     def overflow(self, whole: bool = False) -> float:
         """1.0 when this rank's owned reduced gradients (with ``whole``: all it steps) hold an
@@ -358,59 +296,32 @@ class Strategy(ABC):
         return overflow_flag([self.grad_view(g, r) for g, r in ranges])
 
     def unscale_grads(self, inv_scale: float) -> None:
-        """Give the optimizer unscaled gradients (fp32 copies under mixed precision)."""
+        """Give the optimizer unscaled gradients (in the master dtype when there is a master)."""
         if self.muon is not None:  # Muon's updates, if no norm was taken (then: next step)
             self.muon.make_updates(inv_scale)
             self.muon.step_done()
-        if self.master_dtype is None:
-            if inv_scale != 1.0:
-                for shards in self.shards:
-                    for s in shards:
-                        s.grad *= inv_scale
-            return
-        on_host = self.offload.optimizer != "none"  # the step runs in host memory
-        self._transient_grads = []
-        for g, shards, cut in zip(self.groups, self.shards, self.tile_ranges, strict=True):
-            at = 0
-            for s, t in zip(shards, cut, strict=True):
-                view = self.grad_view(g, t)
-                if np_dtype(view.dtype) == self.master_dtype and xp_of(view) is xp_of(s.data):
-                    s.grad = view  # fp32 gradient storage next to the master: use it in place
-                elif g.master_grads is not None:  # a persistent fp32 gradient shard
-                    s.grad = g.master_grads[at : at + t.size]
-                    s.grad[...] = view
-                else:  # a transient fp32 copy, freed after the step (DeepSpeed's way)
-                    source = to_host(view) if on_host else view
-                    s.grad = xp_of(source).astype(source, self.master_dtype)
-                    self._transient_grads.append(s.grad)
-                    self.track_transient(nbytes(s.grad))
-                s.grad *= inv_scale
-                at += t.size
+        if self.master_weights is not None:
+            self.master_weights.unscale(inv_scale)
+        elif inv_scale != 1.0:
+            for shards in self.shards:
+                for s in shards:
+                    s.grad *= inv_scale
 
     def master_to_params(self) -> None:
-        """After the update: round the fp32 master into the model-dtype parameters."""
-        if self.master_dtype is None:
-            return
-        self.params_from_master()
-        for grad in self._transient_grads:  # the fp32 copies unscale_grads made
-            self.track_transient(-nbytes(grad))
-        self._transient_grads = []
-        for shards in self.shards:
-            for s in shards:
-                s.grad = None
+        """After the update: round the master (if any) into the model-dtype parameters."""
+        if self.master_weights is not None:
+            self.master_weights.to_params()
 
     def params_from_master(self) -> None:
-        """Copy (round) the master into the stepped ranges of the model-dtype parameters.
+        """Copy (round) the master into the stepped ranges of the parameters: also after a
+        checkpoint load has written the master, before ``gather()``."""
+        if self.master_weights is not None:
+            self.master_weights.copy_to_params()
 
-        After every step (``master_to_params``), and after a checkpoint load has written the
-        master: then the parameters must follow before ``gather()``.
-        """
-        if self.master_dtype is None:
-            return
-        for g, shards, cut in zip(self.groups, self.shards, self.tile_ranges, strict=True):
-            for s, t in zip(shards, cut, strict=True):
-                g.flat_param[t.start : t.stop] = move_like(s.data, g.flat_param)
-        self.offload.after_update()
+    def master_grad_shard(self, group: Any) -> Any:
+        """A persistent gradient shard in the master dtype, if the stage keeps one (Megatron's
+        fp16 recipe, ``stage1_megatron.py``); None: gradients are cast at step time."""
+        return None
 
     def clip(self, coef: float) -> None:
         """Multiply every gradient this rank steps by ``coef``."""
@@ -443,6 +354,14 @@ class Strategy(ABC):
     def wire_dtype(self, grads: Any) -> np.dtype:
         """The dtype gradients of this dtype are reduced in (communication_data_type)."""
         return np_dtype(grads) if self.comm_dtype is None else self.comm_dtype
+
+    def launch(self, start: Callable[..., Any], run: Callable[..., None], *args: Any) -> Any:
+        """Overlap or block: with ``overlap_comm`` start the collective (``start``, non-blocking)
+        and return its handle; without, run it to completion (``run``) and return None."""
+        if self.zero.overlap_comm:
+            return start(*args)
+        run(*args)
+        return None
 
     def take_buffer(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
         """A zero-filled bucket buffer from the pool (zerosim/zero/buckets.py); its bytes are
@@ -501,8 +420,9 @@ class Strategy(ABC):
             "grads": self.grad_bytes(),
             "master_params": sum(nbytes(g.master) for g in self.groups if g.master is not None),
         }
-        if any(g.master_grads is not None for g in self.groups):
-            report["master_grads"] = sum(nbytes(g.master_grads) for g in self.groups)
+        master_grads = [self.master_grad_shard(g) for g in self.groups]
+        if any(m is not None for m in master_grads):
+            report["master_grads"] = sum(nbytes(m) for m in master_grads if m is not None)
         for group, shards in zip(self.optimizer.param_groups, self.shards, strict=True):
             for key in self.optimizer.state_keys(group):
                 total = sum(

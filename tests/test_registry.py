@@ -1,0 +1,82 @@
+"""The strategy registry (zerosim/zero/registry.py): which class runs each (stage, schedule,
+layout), and that the paper's stage files hold the paper's schedule only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import zerosim.zero as zero
+from zerosim.comm import LocalWorld
+from zerosim.engine import initialize
+from zerosim.nn import MLP
+from zerosim.zero.registry import STRATEGIES, strategy_class
+
+PAPER = {0: zero.Stage0, 1: zero.Stage1, 2: zero.Stage2}
+DEEPSPEED = {0: zero.Stage0DeepSpeed, 1: zero.Stage1DeepSpeed, 2: zero.Stage2DeepSpeed}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_each_schedule_has_its_own_class_and_deepspeeds_extends_the_papers(stage):
+    paper = strategy_class(stage, "paper", "deepspeed")
+    deepspeed = strategy_class(stage, "deepspeed", "deepspeed")
+    assert (paper, deepspeed) == (PAPER[stage], DEEPSPEED[stage])
+    assert issubclass(deepspeed, paper) and deepspeed is not paper
+    assert paper.stage == deepspeed.stage == stage
+
+
+def test_megatrons_layout_is_a_stage_1_class_in_both_schedules():
+    paper = strategy_class(1, "paper", "megatron")
+    deepspeed = strategy_class(1, "deepspeed", "megatron")
+    assert paper is zero.Stage1Megatron and issubclass(deepspeed, paper)
+    assert issubclass(paper, zero.Stage1) and not issubclass(paper, zero.Stage1DeepSpeed)
+
+
+def test_every_registered_class_runs_the_stage_it_is_keyed_by():
+    assert {key[0] for key in STRATEGIES} == {0, 1, 2, 3}
+    for (stage, _, _), cls in STRATEGIES.items():
+        assert cls.stage == stage
+
+
+@pytest.mark.parametrize(
+    "stage, schedule, layout",
+    [(4, "paper", "deepspeed"), (2, "ring", "deepspeed"), (2, "paper", "megatron")],
+)
+def test_an_unknown_combination_is_named_in_the_error(stage, schedule, layout):
+    with pytest.raises(ValueError) as err:
+        strategy_class(stage, schedule, layout)
+    for value in (repr(stage), repr(schedule), repr(layout)):
+        assert value in str(err.value)
+
+
+@pytest.mark.parametrize("schedule", ["paper", "deepspeed"])
+def test_the_engine_builds_the_registered_class(schedule):
+    def build(comm):
+        engine, *_ = initialize(
+            MLP([6, 9, 4], seed=3),
+            {
+                "train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "zero_allow_untested_optimizer": True,
+                "zero_optimization": {"stage": 2},
+                "zerosim": {"schedule": schedule},
+            },
+            comm=comm,
+        )
+        return type(engine.strategy)
+
+    want = zero.Stage2 if schedule == "paper" else zero.Stage2DeepSpeed
+    assert LocalWorld(2).run(build) == [want, want]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_the_papers_stage_file_never_reads_the_schedule(stage):
+    """No ``self.schedule`` and no ``schedule ==`` in stage0-2.py: DeepSpeed's variant is a
+    subclass in a file of its own."""
+    path = Path(zero.__file__).parent / f"stage{stage}.py"
+    tree = ast.parse(path.read_text())
+    names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert not {"schedule", "layout_kind"} & names

@@ -1,0 +1,58 @@
+"""What DeepSpeed's schedule changes in the paper's flat buffers and norm at stages 1-2.
+
+The paper's stage files (``stage1.py``, ``stage2.py``) pad each flat buffer to a multiple of N,
+lay parameters out in definition order and send the boundary's gradient norm as one partial
+Σg² per rank. DeepSpeed 0.19.8 (``deepspeed/runtime/zero/stage_1_and_2.py``) differs in three
+ways that do not depend on how gradients are reduced, so they live here, mixed into each
+DeepSpeed-schedule class (``stage1_deepspeed.py``, ``stage2_deepspeed.py``):
+
+- ``alignment``: flat buffers pad to a multiple of 2·N (``nccl_start_alignment_factor = 2`` in
+  ``DeepSpeedZeroOptimizer.__init__``: every fp16 shard then starts on a 4-byte boundary).
+- ``round_robin``: with ``round_robin_gradients`` the parameters are laid out round robin over
+  the ranks (``_round_robin_reorder``), so each rank's partition holds every N-th parameter.
+- ``grad_norm_sq_parts``: the norm is all-reduced once per parameter group
+  (``get_grad_norm_direct``, called per group by ``scaled_global_norm``), not once in all; at
+  stage 3 (``stage3.py``) a norm group is a ``sub_group_size`` sub-group of a parameter group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerosim.zero.partition import DEEPSPEED_ALIGNMENT, Range, deepspeed_sub_groups
+
+
+def norm_parts(strategy: Any, inv_scale: float = 1.0) -> list[float]:
+    """This rank's partial Σg² (unscaled) per DeepSpeed norm group: a parameter group at stages
+    1-2 (its owned ranges), a ``sub_group_size`` sub-group of one at stage 3
+    (``deepspeed_sub_groups``). Muon's matrices hold their updates first (its norm is theirs)."""
+    if strategy.muon is not None:
+        strategy.muon.make_updates(inv_scale)
+    parts = []
+    for g in strategy.groups:
+        if not hasattr(g, "partition"):  # stages 1-2: the group's owned ranges
+            parts.append(sum(strategy.range_sum_sq(g, rng) for rng in g.owned))
+            continue
+        for sub in deepspeed_sub_groups(g.partition.chunks, strategy.zero.sub_group_size):
+            lo = g.partition.offsets[sub[0]]
+            hi = g.partition.offsets[sub[-1]] + g.partition.chunks[sub[-1]]
+            parts.append(strategy.range_sum_sq(g, Range(lo, hi)))
+    return [part * inv_scale * inv_scale for part in parts]
+
+
+class DeepSpeedNormGroups:
+    """Mixin: one norm all-reduce per DeepSpeed norm group (``get_grad_norm_direct``)."""
+
+    def grad_norm_sq_parts(self, inv_scale: float = 1.0) -> list[float]:
+        return norm_parts(self, inv_scale)
+
+
+class DeepSpeedFlatBuffers(DeepSpeedNormGroups):
+    """Mixin for stages 1-2: DeepSpeed's padding (2·N) and ``round_robin_gradients`` layout."""
+
+    alignment = DEEPSPEED_ALIGNMENT
+
+    @property
+    def round_robin(self) -> bool:
+        """``round_robin_gradients``: parameters laid out round robin over the ranks."""
+        return bool(self.zero.round_robin_gradients)

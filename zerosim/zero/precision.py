@@ -1,0 +1,86 @@
+"""Master weights: the optimizer's own copy of the elements a rank steps, and its gradients.
+
+Under mixed precision (fp16/bf16 model, fp32 optimizer) and whenever anything is offloaded, the
+optimizer does not step the model-dtype flat parameters. It steps a separate master copy of the
+ranges this rank updates, in ``master_dtype`` (fp32, or the model dtype under offload), which
+lives where ``zerosim/zero/offload.py`` puts it (device, host memory or swap files). Per step:
+
+1. ``unscale``: each shard's ``.grad`` becomes the unscaled gradient in the master dtype: the
+   gradient storage itself where it already has that dtype (Megatron's fp32 buffers), a stage's
+   persistent fp32 gradient shard where it keeps one (Megatron's fp16 recipe), else a transient
+   fp32 copy freed after the step, as DeepSpeed's ZeRO makes (``unscale_and_clip_grads`` over
+   ``single_partition_of_fp32_groups``' gradients in ``stage_1_and_2.py``).
+2. the optimizer steps the master.
+3. ``to_params``: the master is rounded into the model-dtype parameters (``copy_to_params``, also
+   after a checkpoint load has written the master) and the transient gradients are freed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from zerosim.backend import move_like, nbytes, np_dtype, to_host, xp_of
+from zerosim.zero.partition import Range
+
+
+class MasterWeights:
+    """The master copy of one strategy's stepped ranges; see the module docstring."""
+
+    def __init__(self, strategy: Any, dtype: Any) -> None:
+        self.strategy = strategy
+        self.dtype = dtype
+        self.transient: list[Any] = []  # unscale's fp32 gradient copies, until the step ends
+
+    def allocate(self, gi: int, g: Any, cut: Sequence[Range]) -> list[Any]:
+        """Allocate group ``gi``'s master (``g.master``) holding the model's values of the
+        tiles ``cut``; one view of it per tile (their gradients come at step time)."""
+        s = self.strategy
+        g.master = s.offload.new_master(gi, sum(t.size for t in cut), self.dtype, g.xp)
+        views, at = [], 0
+        for t in cut:
+            g.master[at : at + t.size] = move_like(g.flat_param[t.start : t.stop], g.master)
+            views.append(g.master[at : at + t.size])
+            at += t.size
+        return views
+
+    def unscale(self, inv_scale: float) -> None:
+        """Give each shard the unscaled gradient of its tile in the master dtype."""
+        s = self.strategy
+        on_host = s.offload.optimizer != "none"  # the step runs in host memory
+        self.transient = []
+        for g, shards, cut in zip(s.groups, s.shards, s.tile_ranges, strict=True):
+            persistent = s.master_grad_shard(g)
+            at = 0
+            for shard, t in zip(shards, cut, strict=True):
+                view = s.grad_view(g, t)
+                if np_dtype(view.dtype) == self.dtype and xp_of(view) is xp_of(shard.data):
+                    shard.grad = view  # gradient storage of the master dtype: use it in place
+                elif persistent is not None:  # a persistent fp32 gradient shard
+                    shard.grad = persistent[at : at + t.size]
+                    shard.grad[...] = view
+                else:  # a transient fp32 copy, freed after the step (DeepSpeed's way)
+                    source = to_host(view) if on_host else view
+                    shard.grad = xp_of(source).astype(source, self.dtype)
+                    self.transient.append(shard.grad)
+                    s.track_transient(nbytes(shard.grad))
+                shard.grad *= inv_scale
+                at += t.size
+
+    def to_params(self) -> None:
+        """After the update: round the master into the parameters; free the gradients."""
+        self.copy_to_params()
+        for grad in self.transient:
+            self.strategy.track_transient(-nbytes(grad))
+        self.transient = []
+        for shards in self.strategy.shards:
+            for shard in shards:
+                shard.grad = None
+
+    def copy_to_params(self) -> None:
+        """Copy (round) the master into the stepped ranges of the model-dtype parameters."""
+        s = self.strategy
+        for g, shards, cut in zip(s.groups, s.shards, s.tile_ranges, strict=True):
+            for shard, t in zip(shards, cut, strict=True):
+                g.flat_param[t.start : t.stop] = move_like(shard.data, g.flat_param)
+        s.offload.after_update()
