@@ -15,7 +15,8 @@ import zerosim as zs
 from zerosim.analysis.volume import zeropp_step_bytes
 from zerosim.engine import initialize
 from zerosim.nn import GPT
-from zerosim.zero.zeropp import HierarchicalReducer, dequantize, pack_int4, quantize, unpack_int4
+from zerosim.zero.stage3_zeropp import HierarchicalReducer
+from zerosim.zero.zeropp import dequantize, pack_int4, quantize, unpack_int4
 
 QMAX = {8: 127, 4: 7}
 ALL_THREE = {

@@ -15,9 +15,10 @@ from zerosim.zero.stage0 import Stage0
 from zerosim.zero.stage1 import Stage1
 from zerosim.zero.stage2 import Stage2
 from zerosim.zero.stage3 import Stage3
+from zerosim.zero.stage3_select import make_stage3
 from zerosim.zero.strategy import Segment, Shard, Strategy
 
-STRATEGIES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
+STRATEGIES = {0: Stage0, 1: Stage1, 2: Stage2, 3: make_stage3}
 
 __all__ = [
     "GatheredParameters",
