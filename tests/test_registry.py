@@ -14,11 +14,16 @@ from zerosim.engine import initialize
 from zerosim.nn import MLP
 from zerosim.zero.registry import STRATEGIES, strategy_class
 
-PAPER = {0: zero.Stage0, 1: zero.Stage1, 2: zero.Stage2}
-DEEPSPEED = {0: zero.Stage0DeepSpeed, 1: zero.Stage1DeepSpeed, 2: zero.Stage2DeepSpeed}
+PAPER = {0: zero.Stage0, 1: zero.Stage1, 2: zero.Stage2, 3: zero.Stage3}
+DEEPSPEED = {
+    0: zero.Stage0DeepSpeed,
+    1: zero.Stage1DeepSpeed,
+    2: zero.Stage2DeepSpeed,
+    3: zero.Stage3DeepSpeed,
+}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_each_schedule_has_its_own_class_and_deepspeeds_extends_the_papers(stage):
     paper = strategy_class(stage, "paper", "deepspeed")
     deepspeed = strategy_class(stage, "deepspeed", "deepspeed")
@@ -32,6 +37,23 @@ def test_megatrons_layout_is_a_stage_1_class_in_both_schedules():
     deepspeed = strategy_class(1, "deepspeed", "megatron")
     assert paper is zero.Stage1Megatron and issubclass(deepspeed, paper)
     assert issubclass(paper, zero.Stage1) and not issubclass(paper, zero.Stage1DeepSpeed)
+
+
+@pytest.mark.parametrize("schedule", ["paper", "deepspeed"])
+def test_zeropp_extends_the_papers_stage_3_under_either_schedule(schedule):
+    cls = strategy_class(3, schedule, "deepspeed", zeropp=True)
+    assert issubclass(cls, zero.Stage3ZeroPP) and issubclass(zero.Stage3ZeroPP, zero.Stage3)
+    assert not issubclass(cls, zero.Stage3DeepSpeed)
+    assert strategy_class(2, schedule, "deepspeed", zeropp=True) is strategy_class(2, schedule)
+
+
+def test_deepspeeds_schedule_alone_sends_one_norm_message_per_group():
+    from zerosim.zero.ds_schedule import DeepSpeedNormGroups
+
+    ds = {strategy_class(3, "deepspeed"), strategy_class(3, "deepspeed", zeropp=True)}
+    paper = {strategy_class(3, "paper"), strategy_class(3, "paper", zeropp=True)}
+    assert all(issubclass(cls, DeepSpeedNormGroups) for cls in ds)
+    assert not any(issubclass(cls, DeepSpeedNormGroups) for cls in paper)
 
 
 def test_every_registered_class_runs_the_stage_it_is_keyed_by():
@@ -71,9 +93,9 @@ def test_the_engine_builds_the_registered_class(schedule):
     assert LocalWorld(2).run(build) == [want, want]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_papers_stage_file_never_reads_the_schedule(stage):
-    """No ``self.schedule`` and no ``schedule ==`` in stage0-2.py: DeepSpeed's variant is a
+    """No ``self.schedule`` and no ``schedule ==`` in stage0-3.py: DeepSpeed's variant is a
     subclass in a file of its own."""
     path = Path(zero.__file__).parent / f"stage{stage}.py"
     tree = ast.parse(path.read_text())

@@ -14,8 +14,9 @@ from mpi_helpers import run_mpi
 import zerosim as zs
 from zerosim.analysis.volume import zeropp_step_bytes
 from zerosim.engine import initialize
-from zerosim.nn import GPT
-from zerosim.zero.zeropp import HierarchicalReducer, dequantize, pack_int4, quantize, unpack_int4
+from zerosim.nn import GPT, MLP
+from zerosim.zero.stage3_zeropp import HierarchicalReducer
+from zerosim.zero.zeropp import dequantize, pack_int4, quantize, unpack_int4
 
 QMAX = {8: 127, 4: 7}
 ALL_THREE = {
@@ -303,6 +304,33 @@ def test_hpz_secondary_partition_is_reported_and_sized_numel_over_g():
         report = zs.LocalWorld(4).run(fn, g)[0]
         assert report["hpz_secondary_params"] == 2 * sum(math.ceil(m / g) for m in numels)
     assert "hpz_secondary_params" not in zs.LocalWorld(2).run(fn, 1)[0]
+
+
+def test_zeropp_gathers_each_parameter_in_its_own_call_under_either_schedule():
+    """With ZeRO++ on, stage 3 keeps the paper's per-parameter gathers whatever
+    ``zerosim.schedule`` says; DeepSpeed's schedule without it coalesces a module's gathers."""
+
+    def fn(comm, schedule, extra):
+        cfg = zeropp_config(extra, False, 2, 10**9)
+        cfg["zerosim"]["schedule"] = schedule
+        engine, *_ = initialize(MLP([6, 9, 5, 4], seed=3), cfg, comm=comm)
+        x = np.random.default_rng(comm.rank).standard_normal((2, 6))
+        for _ in range(2):  # the second micro-step follows the recorded trace
+            comm.ledger.reset()
+            engine.backward(engine(x, np.array([0, 3])))
+            engine.step()
+        gathers = [r for r in comm.ledger.records if r.op == "all_gather"]
+        return [(r.phase, r.peers) for r in gathers]
+
+    params = 6  # three Linear layers, each a weight and a bias, each gathered on its own
+    hpz = {"zero_hpz_partition_size": 2}
+    for schedule in ("deepspeed", "paper"):
+        calls = zs.LocalWorld(4).run(fn, schedule, hpz)[0]
+        assert calls.count(("forward", 4)) == params  # every rank's chunks
+        assert calls.count(("backward", 2)) == params  # hpZ: the secondary chunks of the pair
+        assert len(calls) == 2 * params
+    coalesced = zs.LocalWorld(4).run(fn, "deepspeed", {})[0]
+    assert 0 < len(coalesced) < params
 
 
 # -- numerics -------------------------------------------------------------------------------------

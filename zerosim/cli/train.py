@@ -27,6 +27,7 @@ from zerosim.comm import Communicator
 from zerosim.engine import initialize
 from zerosim.report import workloads
 from zerosim.zero.schedule import stage3_backward_gathers
+from zerosim.zero.stage3_deepspeed import Stage3DeepSpeed
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 4,
@@ -181,7 +182,7 @@ def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[i
         else:
             regather = True
             if strategy.stage == 3:
-                coordinator = "deepspeed" if getattr(strategy, "deepspeed", False) else "paper"
+                coordinator = "deepspeed" if isinstance(strategy, Stage3DeepSpeed) else "paper"
                 gathered = strategy.padded_numel - persistent
                 regather = stage3_backward_gathers(coordinator, zero, gathered)
                 if regather is None:  # DeepSpeed's module trace decides

@@ -29,6 +29,7 @@ from zerosim.zero.init import is_partitioned
 from zerosim.zero.loss_scaler import build_loss_scaler
 from zerosim.zero.offload import check_nvme_paths
 from zerosim.zero.schedule import BoundaryChecks, boundary_checks
+from zerosim.zero.zeropp import zeropp_enabled
 
 
 def initialize(
@@ -76,7 +77,9 @@ def build_engine(
     backend = get_backend(cfg.zerosim.backend)
     crossings_at_start = crossings().as_dict()
     zero = cfg.zero_optimization
-    strategy_cls = strategy_class(zero.stage, cfg.zerosim.schedule, cfg.zerosim.layout)
+    strategy_cls = strategy_class(
+        zero.stage, cfg.zerosim.schedule, cfg.zerosim.layout, zeropp_enabled(zero)
+    )
     if not strategy_cls.partitions_params and is_partitioned(model):
         raise ConfigError(
             f"zero_optimization.stage = {zero.stage}: the model was built "

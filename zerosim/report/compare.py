@@ -51,6 +51,7 @@ from zerosim.engine import initialize
 from zerosim.report import workloads
 from zerosim.report.tables import element_bytes, model_states
 from zerosim.zero.schedule import stage3_backward_gathers
+from zerosim.zero.stage3_deepspeed import Stage3DeepSpeed
 
 PHASES = ("forward", "backward", "step", "clip")
 MEMORY = ("params", "grads", "master_params", "optimizer_states")
@@ -268,7 +269,7 @@ def _predicted(
         persistent = persistent_numel(net, n, knobs["stage3_param_persistence_threshold"])
     # the last step's backward: are the non-persistent parameters gathered again? (None:
     # DeepSpeed's module trace decides, and the formula is the paper's regathering one)
-    coordinator = "deepspeed" if getattr(strategy, "deepspeed", False) else "paper"
+    coordinator = "deepspeed" if isinstance(strategy, Stage3DeepSpeed) else "paper"
     gather = stage3_backward_gathers(coordinator, knobs, pad - persistent, steps >= 2)
     gather = True if gather is None else gather
     if schedule == "deepspeed" and strategy.stage < 3 and name != "megatron":

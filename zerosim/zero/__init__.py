@@ -1,6 +1,6 @@
-"""ZeRO strategies (stages 0-3 and DeepSpeed's schedule of each, Megatron's layout), the registry
-that picks one, the partition math they share, and ``Init`` / ``GatheredParameters`` for models
-built partitioned."""
+"""ZeRO strategies (stages 0-3 and DeepSpeed's schedule of each, Megatron's layout, ZeRO++),
+the registry that picks one, the partition math they share, and ``Init`` /
+``GatheredParameters`` for models built partitioned."""
 
 from zerosim.zero.init import GatheredParameters, Init, ParamChunk, is_partitioned
 from zerosim.zero.partition import (
@@ -22,6 +22,8 @@ from zerosim.zero.stage1_megatron import Stage1Megatron, Stage1MegatronDeepSpeed
 from zerosim.zero.stage2 import Stage2
 from zerosim.zero.stage2_deepspeed import Stage2DeepSpeed
 from zerosim.zero.stage3 import Stage3
+from zerosim.zero.stage3_deepspeed import Stage3DeepSpeed
+from zerosim.zero.stage3_zeropp import Stage3ZeroPP, Stage3ZeroPPDeepSpeed
 from zerosim.zero.strategy import Shard, Strategy
 
 __all__ = [
@@ -43,6 +45,9 @@ __all__ = [
     "Stage2",
     "Stage2DeepSpeed",
     "Stage3",
+    "Stage3DeepSpeed",
+    "Stage3ZeroPP",
+    "Stage3ZeroPPDeepSpeed",
     "Strategy",
     "deepspeed_layout",
     "megatron_layout",

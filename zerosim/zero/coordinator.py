@@ -1,4 +1,5 @@
-"""Stage 3's parameter coordinator: gather a module's parameters before it runs, free them after.
+"""Stage 3's parameter coordinator under the paper's schedule (``Stage3``, and ``Stage3ZeroPP``
+whatever the schedule): gather a module's parameters before it runs, free them after.
 
 Every module that owns parameters gets four hooks. Before its forward and before its backward the
 coordinator *fetches* its parameters (an all-gather of each parameter's chunks straight into the

@@ -1,10 +1,11 @@
 """DeepSpeed's stage-3 parameter coordinator: coalesced fetches, prefetch by trace, reuse.
 
 This is what DeepSpeed 0.19.8's ``PartitionedParameterCoordinator``
-(``runtime/zero/partitioned_param_coordinator.py``) does, and so what zerosim's stage 3 issues
-under ``zerosim.schedule: "deepspeed"``; the paper's schedule keeps ``coordinator.py``. Every
-module gets the four hooks, parameters or not (DeepSpeed hooks every module; a module without
-parameters still counts as a step of the trace and still starts a prefetch).
+(``runtime/zero/partitioned_param_coordinator.py``) does, and so what ``Stage3DeepSpeed``
+(``stage3_deepspeed.py``) issues under ``zerosim.schedule: "deepspeed"``; the paper's stage 3
+and ZeRO++ keep ``coordinator.py``. Every module gets the four hooks, parameters or not
+(DeepSpeed hooks every module; a module without parameters still counts as a step of the trace
+and still starts a prefetch).
 
 * **fetch** (before a module's forward or backward): the module's parameters that are released
   are all-gathered in ONE call (``all_gather_coalesced``: each rank's chunks end to end, a single

@@ -47,7 +47,6 @@ from zerosim.backend import item, nbytes, np_dtype, to_host, xp_of
 from zerosim.comm import Communicator
 from zerosim.nn import Parameter
 from zerosim.zero.buckets import BufferPool, PendingReductions
-from zerosim.zero.ds_schedule import norm_parts
 from zerosim.zero.lamb import LambNorms
 from zerosim.zero.muon import MuonUpdates, muon_groups
 from zerosim.zero.offload import Offload
@@ -277,9 +276,7 @@ class Strategy(ABC):
 
     def grad_norm_sq_parts(self, inv_scale: float = 1.0) -> list[float]:
         """This rank's partial Σg² (unscaled) per norm message: the paper's schedule sums every
-        group in one. DeepSpeed's sends one per norm group (``ds_schedule.py``)."""
-        if self.schedule == "deepspeed":  # stage 3 (both schedules one class, stage3.py)
-            return norm_parts(self, inv_scale)
+        group in one. DeepSpeed's sends one per norm group (``ds_schedule.DeepSpeedNormGroups``)."""
         return [self.grad_norm_sq(inv_scale)]
 
     def range_sum_sq(self, g: Any, rng: Range) -> float:

@@ -1,20 +1,12 @@
-"""ZeRO++ on top of stage 3: block quantizers, hpZ's secondary partition, qgZ's two-hop reduction.
+"""ZeRO++'s pure part: which switches turn it on, and the block quantizers its collectives use.
 
 ZeRO++ (Wang et al. 2023, "ZeRO++: Extremely Efficient Collective Communication for Giant Model
 Training", arXiv:2306.10209) cuts stage 3's cross-node traffic (3M per step: forward all-gather,
-backward all-gather, gradient reduce-scatter) to 0.75M with three independent changes:
-
-* **qwZ** (``zero_quantized_weights``): each rank quantizes its chunk of a parameter to int8 in
-  blocks of ``WEIGHT_BLOCK_SIZE`` elements, one float32 scale per block, before the forward
-  all-gather; the int8 codes and the scales travel in two all-gathers and every rank dequantizes
-  the whole parameter. 1 byte per element (+ 4 bytes per block) instead of b.
-* **hpZ** (``zero_hpz_partition_size`` = g): besides its primary chunk (1/N of each parameter)
-  each rank keeps a *secondary* chunk, 1/g of the parameter, cut within its group of g
-  consecutive ranks (a node when g = ranks per node). The backward all-gather runs inside the
-  group, on the secondary chunks: no backward byte crosses a node.
-* **qgZ** (``zero_quantized_gradients``): the gradient reduce-scatter becomes a hierarchical
-  all-to-all of int4 codes: quantize, all-to-all within the node, dequantize and sum, quantize
-  again, all-to-all across nodes (between ranks with the same local index), dequantize and sum.
+backward all-gather, gradient reduce-scatter) to 0.75M with three independent changes, run by
+``zerosim/zero/stage3_zeropp.py``: qwZ (``zero_quantized_weights``) all-gathers the forward's
+weights as int8 codes, hpZ (``zero_hpz_partition_size``) runs the backward all-gather inside
+groups of ranks on secondary chunks, qgZ (``zero_quantized_gradients``) reduces gradients by a
+two-hop all-to-all of int4 codes.
 
 Symmetric block quantization (the paper's and DeepSpeed's scheme, written here afresh): for a
 block x of at most B elements and q_max = 2^(bits−1) − 1 (127 for int8, 7 for int4),
@@ -33,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import array_module, flat, nbytes
+from zerosim.backend import array_module
 
 WEIGHT_BITS = 8
 GRADIENT_BITS = 4
@@ -42,16 +34,20 @@ GRADIENT_BLOCK_SIZE = 256  # elements per scale for qgZ
 SCALE_DTYPE = np.dtype(np.float32)
 
 
+def zeropp_enabled(zero: Any) -> bool:
+    """Whether a ``zero_optimization`` section turns any of qwZ, qgZ or hpZ on."""
+    return bool(
+        zero.zero_quantized_weights
+        or zero.zero_quantized_gradients
+        or zero.zero_hpz_partition_size > 1
+    )
+
+
 def q_max(bits: int) -> int:
     """Largest code of a symmetric ``bits``-bit quantizer: 2^(bits−1) − 1."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     return 2 ** (bits - 1) - 1
-
-
-def code_width(width: int, bits: int) -> int:
-    """Bytes of codes for a row of ``width`` values: ceil(width · bits / 8)."""
-    return math.ceil(width * bits / 8)
 
 
 def pack_int4(q: Any) -> Any:
@@ -115,122 +111,3 @@ def dequantize(codes: Any, scales: Any, width: int, bits: int, block_size: int) 
     q = xp.reshape(q, (-1, width))
     blocks = _blocks(q, block_size) * xp.reshape(scales, (q.shape[0], -1, 1))
     return xp.reshape(blocks, (q.shape[0], -1))[:, :width]
-
-
-class QuantizedGather:
-    """qwZ: all-gather one parameter's chunks as int8 codes plus float32 scales (two
-    all-gathers), then dequantize every rank's chunk into ``out`` (N · chunk elements)."""
-
-    def __init__(self, comm: Any, out: Any, chunk: Any, overlap: bool, block_size: int) -> None:
-        xp = array_module(chunk)
-        self.out, self.width, self.block = out, chunk.size, block_size
-        codes, scales = quantize(chunk, WEIGHT_BITS, block_size)
-        self.codes = xp.empty((comm.size, codes.shape[1]), dtype=codes.dtype)
-        self.scales = xp.empty((comm.size, scales.shape[1]), dtype=SCALE_DTYPE)
-        start = comm.iall_gather if overlap else comm.all_gather
-        self.handles = [start(self.codes, flat(codes)), start(self.scales, scales)]
-        self.nbytes = nbytes(self.codes) + nbytes(self.scales)
-
-    def wait(self) -> None:
-        for h in self.handles:
-            if h is not None:
-                h.wait()
-        rows = dequantize(self.codes, self.scales, self.width, WEIGHT_BITS, self.block)
-        self.out[...] = array_module(rows).astype(flat(rows), self.out.dtype)
-
-
-class SecondaryPartition:
-    """hpZ: this rank's secondary chunks (1/g of each gathered parameter) and their group.
-
-    Parameter i is zero-padded to g · chunk'_i, chunk'_i = ceil(numel_i / g); group rank j keeps
-    elements [j · chunk'_i, (j + 1) · chunk'_i). A chunk is *fresh* once it has been cut from a
-    full gather of the current parameters; the optimizer step makes every chunk stale, and the
-    next forward all-gather (dequantized under qwZ, as in DeepSpeed) refreshes it. Persistent
-    parameters are never gathered and get an empty chunk.
-    """
-
-    def __init__(
-        self, comm: Any, numels: list[int], gathered: list[bool], dtype: Any, xp: Any
-    ) -> None:
-        self.comm = comm
-        g = comm.size
-        self.chunks = [
-            max(1, math.ceil(n / g)) if keep else 0
-            for n, keep in zip(numels, gathered, strict=True)
-        ]
-        self.numels = numels
-        self.offsets = [sum(self.chunks[:i]) for i in range(len(numels))]
-        self.buffer = xp.zeros(sum(self.chunks), dtype=dtype)
-        self.fresh = [False] * len(numels)
-
-    def chunk(self, i: int) -> Any:
-        return self.buffer[self.offsets[i] : self.offsets[i] + self.chunks[i]]
-
-    def store(self, i: int, full: Any) -> None:
-        """Cut this rank's secondary chunk of parameter i from its gathered ``full`` buffer."""
-        lo = self.comm.rank * self.chunks[i]
-        valid = max(0, min(self.chunks[i], self.numels[i] - lo))
-        mine = self.chunk(i)
-        if valid:  # a chunk past the parameter's end is padding only
-            mine[:valid] = full[lo : lo + valid]
-        mine[valid:] = 0
-        self.fresh[i] = True
-
-    def invalidate(self) -> None:
-        self.fresh = [False] * len(self.fresh)
-
-
-class HierarchicalReducer:
-    """qgZ: the reduce-scatter of a rank-major gradient bucket as a two-hop quantized all-to-all.
-
-    Nodes come from ``comm.node_of`` (every rank on one node when unknown) and must have equal
-    sizes: n nodes of L ranks, node a holding ranks m_a[0] < … < m_a[L−1]. Hop 1 runs on the
-    ranks of one node: rank (a, j) sends local rank i the rows m_0[i], …, m_{n−1}[i] and gets back
-    the node's n partial sums of rows m_0[j], …, m_{n−1}[j]. Hop 2 runs on the ranks with local
-    index j, one per node: row m_b[j] goes to node b. Each rank ends with the sum of its own row,
-    as a reduce-scatter would leave it (the paper's "tensor slice reordering" is the row order of
-    hop 1). Codes are int4 in blocks of ``GRADIENT_BLOCK_SIZE`` per row; sums are float32.
-
-    Bytes one rank sends for rows of w elements, Q(w) = ceil(w / 2) + 4 · ceil(w / B):
-        hop 1 (intra-node)  (L − 1) · n · Q(w)        hop 2 (inter-node)  (n − 1) · Q(w)
-    in all (N − 1) · Q(w): ≈ 1/4 of a 16-bit reduce-scatter's (N − 1) · 2w.
-    """
-
-    def __init__(self, comm: Any, bits: int = GRADIENT_BITS, block_size: int = GRADIENT_BLOCK_SIZE):
-        nodes = comm.node_of or (0,) * comm.size
-        labels = sorted(set(nodes))
-        members = [[r for r in range(comm.size) if nodes[r] == label] for label in labels]
-        sizes = sorted({len(m) for m in members})
-        if len(sizes) != 1:
-            raise ValueError(
-                "zero_quantized_gradients needs the same number of ranks on every node; got "
-                f"node sizes {[len(m) for m in members]} (set zerosim.ranks_per_node)"
-            )
-        self.bits, self.block = bits, block_size
-        self.nodes, self.local = len(members), sizes[0]
-        node = [labels.index(nodes[r]) for r in range(comm.size)]  # node index of each rank
-        local = [members[node[r]].index(r) for r in range(comm.size)]  # index within it
-        self.intra = comm.split_by(lambda r: (node[r], r))
-        self.inter = comm.split_by(lambda r: (local[r], node[r]))
-        self.order = [members[b][i] for i in range(self.local) for b in range(self.nodes)]
-
-    def reduce(self, rows: Any) -> Any:
-        """rows: (N, w), row q is what rank q owns; returns the float32 sum of this rank's row."""
-        xp, width = array_module(rows), rows.shape[1]
-        ordered = (
-            rows[self.order]
-            if xp is np
-            else xp.take(rows, xp.asarray(self.order, dtype=np.int64), axis=0)
-        )
-        codes, scales = quantize(ordered, self.bits, self.block)
-        parts = self._hop(self.intra, codes, scales, width)
-        partial = xp.sum(xp.reshape(parts, (self.local, self.nodes, width)), axis=0)
-        codes, scales = quantize(partial, self.bits, self.block)
-        return xp.sum(self._hop(self.inter, codes, scales, width), axis=0)
-
-    def _hop(self, comm: Any, codes: Any, scales: Any, width: int) -> Any:
-        xp = array_module(codes)
-        got_codes, got_scales = xp.empty_like(codes), xp.empty_like(scales)
-        comm.all_to_all(got_codes, codes)
-        comm.all_to_all(got_scales, scales)
-        return dequantize(got_codes, got_scales, width, self.bits, self.block)

@@ -1,0 +1,227 @@
+"""Stage 3 under DeepSpeed 0.19.8's schedule (``zerosim.schedule: "deepspeed"``, the default): what
+it changes in the paper's stage 3 (``stage3.py``), and why.
+
+The paper gathers each parameter in a call of its own around every module and reduce-scatters
+gradients in buckets fixed at start-up. DeepSpeed issues other collectives for the same config,
+and zerosim issues DeepSpeed's, call for call, so that DeepSpeed can be its oracle (tests/peer/
+hold the two to DeepSpeed's comms logger). Four things change; the partition (chunk_i =
+ceil(numel_i / N) of every parameter, end to end in one shard buffer) does not.
+
+* **Fetches are coalesced and follow a trace** (``runtime/zero/partitioned_param_coordinator.py``:
+  ``fetch_sub_module``, ``__params_to_release``; ``partition_parameters.py``:
+  ``all_gather_coalesced``). A module's released parameters are gathered in ONE all-gather of
+  each rank's chunks end to end; once the module order is recorded, the next uses are prefetched
+  in one more call and parameters reused soon stay gathered. ``DeepSpeedCoordinator``
+  (``ds_coordinator.py``) decides; ``start_coalesced_gather`` and ``finish_coalesced_gather``
+  below move the bytes.
+* **Gradient buckets are open, in hook order** (``runtime/zero/stage3.py``:
+  ``reduce_independent_p_g_buckets_and_remove_grads``, ``__reduce_and_partition_ipg_grads``). A
+  gradient joins the open bucket as soon as it is final; the bucket is reduced first when the
+  gradient would take it past ``reduce_bucket_size`` elements (unpadded). At reduction the bucket
+  is sorted by parameter (DeepSpeed's ``ds_id``) and each gradient padded to chunk_i · N, rank-major
+  (``reduce_scatter_coalesced``). With ``reduce_scatter: false`` and contiguous gradients the
+  bucket is all-reduced unpadded instead (``__avg_scatter_contiguous_grads``).
+* **Hook order**: a Linear's weight gradient is final before its bias (DeepSpeed's zero.Init swaps
+  in ``LinearFunctionForZeroStage3``, ``runtime/zero/linear.py``): ``deepspeed_grad_order``.
+* **Persistent parameters** (``ds_persist``) are partitioned at start-up like the others
+  (``partition_parameters.py``), so the coordinator fetches them with their module until the
+  trace is complete; after each step DeepSpeed gathers them whole again (``stage3.py``:
+  ``_post_step``). zerosim's whole copy stays their home: a gather writes into it, a release
+  keeps it.
+
+Bytes per micro-step with the defaults (prefetch bucket 5e7 ≥ Ψ, reuse distance 1e9, nothing
+persistent), once the first micro-step has recorded the trace: one all-gather of the whole model
+at the first module's fetch, nothing gathered in backward, and the reduce-scatters:
+
+    (N−1)/N·Ψ_pad·b gathered + (N−1)/N·Ψ_pad·b reduce-scattered = 2(N−1)/N·Ψ_pad·b,
+
+against the paper's 3(N−1)/N·Ψ_pad·b (docs/formulas.md has the general case).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerosim.backend import assign, flat, xp_of
+from zerosim.nn import GradReadyTracker, Linear, Parameter
+from zerosim.zero.buckets import MAX_IN_FLIGHT
+from zerosim.zero.ds_coordinator import DeepSpeedCoordinator
+from zerosim.zero.ds_schedule import DeepSpeedNormGroups
+from zerosim.zero.offload import read_param_chunk
+from zerosim.zero.stage3 import Stage3, pack_rank_major
+
+
+class CoalescedGather:
+    """One coalesced all-gather in flight: its parameters, their chunk sizes, both buffers."""
+
+    def __init__(
+        self, params: list[Parameter], chunks: list[int], send: Any, buf: Any, handle: Any
+    ) -> None:
+        self.params = params  # in the order their chunks sit in each rank's segment
+        self.chunks = chunks  # each parameter's chunk, elements
+        self.send = send  # this rank's chunks end to end (kept alive while in flight)
+        self.buf = buf  # N segments, one per rank
+        self.handle = handle  # the non-blocking all-gather, or None once complete
+
+
+class ShardSlices:
+    """The destination of one DeepSpeed bucket: ``+= out`` adds each parameter's reduced chunk
+    (``out[column : column + chunk]``) into its group's gradient shard."""
+
+    def __init__(self, slots: list[tuple[Any, int, int, int]]) -> None:
+        self.slots = slots  # (grad_shard, start, chunk, column)
+
+    def __iadd__(self, out: Any) -> ShardSlices:
+        for shard, start, chunk, column in self.slots:
+            shard[start : start + chunk] += out[column : column + chunk]
+        return self
+
+
+def deepspeed_grad_order(module: Any) -> tuple[str, ...]:
+    """The order DeepSpeed's stage 3 finishes a module's gradients: a Linear's weight before its
+    bias (its zero.Init swaps in ``LinearFunctionForZeroStage3``); other modules as in torch."""
+    if isinstance(module, Linear):
+        return ("weight", "bias")
+    return tuple(getattr(module, "grad_ready_order", ()))
+
+
+class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
+    """Stage 3 with DeepSpeed's coalesced fetches and its open gradient bucket."""
+
+    def setup_schedule(self) -> None:
+        """DeepSpeed's state: one open gradient bucket for every group, in ready order."""
+        self.open_bucket: list[Parameter] = []  # parameters whose gradients it holds
+        self.open_numel = 0  # their elements, unpadded
+
+    def attach(self, model: Any) -> None:
+        self.coordinator = DeepSpeedCoordinator(self, model, self.zero)
+        self.tracker = GradReadyTracker(model, self._ready, order=deepspeed_grad_order)
+
+    # -- gathering (called by the coordinator) ---------------------------------------------------
+    def start_coalesced_gather(self, params: list[Parameter]) -> CoalescedGather:
+        """Start ONE all-gather of several parameters (DeepSpeed's ``all_gather_coalesced``):
+        each rank sends its chunks of them end to end, S = Σ chunk_i elements, and receives
+        N·S, rank-major. One parameter alone is a call of its own chunk, as in DeepSpeed."""
+        chunks = []
+        for p in params:
+            gi, i = self.where[id(p)]
+            chunks.append(read_param_chunk(self, self.groups[gi], i))
+        xp = xp_of(chunks[0])
+        send = chunks[0] if len(chunks) == 1 else xp.concat(chunks)
+        buf = xp.empty(send.size * self.comm.size, dtype=self.dtype)
+        handle = None
+        if self.zero.overlap_comm:
+            handle = self.comm.iall_gather(buf, send)
+        else:
+            self.comm.all_gather(buf, send)
+        return CoalescedGather(params, [c.size for c in chunks], send, buf, handle)
+
+    def finish_coalesced_gather(self, gather: CoalescedGather) -> None:
+        """Wait for a coalesced gather and give each of its parameters its whole value."""
+        if gather.handle is not None:
+            gather.handle.wait()
+            gather.handle = None
+        xp = xp_of(gather.buf)
+        rows = xp.reshape(gather.buf, (self.comm.size, gather.send.size))
+        column = 0
+        for p, chunk in zip(gather.params, gather.chunks, strict=True):
+            full = xp.reshape(rows[:, column : column + chunk], (-1,))  # a copy unless alone
+            home = self._persistent_buffer(p)
+            if home is not None:  # persistent: the gathered value lands in its whole copy
+                home[...] = full
+                full = home
+            p.data = xp.reshape(full[: p.numel], p.shape)
+            column += chunk
+
+    def free(self, p: Parameter) -> None:
+        if self._persistent_buffer(p) is None:  # a persistent one keeps its whole copy
+            p.data = self.released
+
+    def _persistent_buffer(self, p: Parameter) -> Any:
+        """p's whole copy if p is persistent, else None."""
+        gi, _ = self.where[id(p)]
+        return self.groups[gi].persistent_buffers.get(id(p))
+
+    # -- gradients -------------------------------------------------------------------------------
+    def _ready(self, p: Parameter) -> None:
+        """DeepSpeed's bucket rule (stage3.py, ``reduce_independent_p_g_buckets_and_remove_grads``):
+        in the order gradients become ready, reduce the open bucket first if this gradient
+        would take it past ``reduce_bucket_size`` elements (unpadded numel), then add it."""
+        if p.grad is None:
+            return
+        full = self.open_numel + p.numel > self.zero.reduce_bucket_size
+        if full and self.open_numel > 0:
+            self.flush_buckets()
+        self.open_bucket.append(p)
+        self.open_numel += p.numel
+
+    def flush_buckets(self) -> None:
+        """Reduce the open bucket (also DeepSpeed's backward epilogue, for the last one): one
+        reduce-scatter of each parameter's gradient padded to chunk_i·N and laid out rank-major
+        (``reduce_scatter_coalesced``), Σ chunk_i·N elements; or the all-reduce below."""
+        members, self.open_bucket, self.open_numel = self.open_bucket, [], 0
+        if not members:
+            return
+        zero = self.zero
+        numel = sum(p.numel for p in members)
+        contiguous = zero.contiguous_gradients and numel <= zero.reduce_bucket_size
+        if not zero.reduce_scatter and contiguous:
+            self._all_reduce_bucket(members, numel)
+            return
+        members.sort(key=lambda p: self.where[id(p)])  # DeepSpeed sorts a bucket by ds_id
+        slots = []  # (grad_shard, chunk offset in the shard, chunk, column in the bucket)
+        width = 0
+        for p in members:
+            gi, i = self.where[id(p)]
+            g = self.groups[gi]
+            slots.append((g.grad_shard, g.partition.offsets[i], g.partition.chunks[i], width))
+            width += g.partition.chunks[i]
+        self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
+        buf = self.take_buffer((self.comm.size, width), self.wire_dtype(self.dtype))
+        for p, (_, _, chunk, column) in zip(members, slots, strict=True):
+            pack_rank_major(buf[:, column : column + chunk], flat(p.grad))
+            p.grad = None
+        self.before_reduction(buf)
+        out = self.take_buffer(width, buf.dtype)
+        handle = self.reduce_bucket(out, buf)
+        self.pending.add(handle, out, ShardSlices(slots), (buf, out))
+
+    def _all_reduce_bucket(self, members: list[Parameter], numel: int) -> None:
+        """``reduce_scatter: false`` with contiguous gradients (DeepSpeed's
+        ``__avg_scatter_contiguous_grads``): one all-reduce of the bucket's gradients end to end,
+        unpadded, in the order they were added; each rank then keeps its chunk of each,
+        elements [r·chunk_i, min((r + 1)·chunk_i, numel_i)) of parameter i."""
+        self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
+        buf = self.take_buffer(numel, self.wire_dtype(self.dtype))
+        slots, at = [], 0  # (grad_shard, chunk offset in the shard, valid elements, bucket at)
+        for p in members:
+            gi, i = self.where[id(p)]
+            g = self.groups[gi]
+            assign(buf[at : at + p.numel], flat(p.grad))
+            p.grad = None
+            chunk = g.partition.chunks[i]
+            lo = self.comm.rank * chunk
+            valid = max(0, min(chunk, p.numel - lo))
+            if valid:
+                slots.append((g.grad_shard, g.partition.offsets[i], valid, at + lo))
+            at += p.numel
+        self.before_reduction(buf)
+        handle = None
+        if self.zero.overlap_comm:
+            handle = self.comm.iall_reduce(buf)
+        else:
+            self.comm.all_reduce(buf)
+        self.pending.add(handle, buf, ShardSlices(slots), (buf,))
+
+    # -- the engine's calls ----------------------------------------------------------------------
+    def before_backward(self, boundary: bool) -> None:
+        """Nothing to start: the open bucket fills as gradients arrive."""
+
+    def gather(self) -> None:
+        """After the step, as the paper's; and the coordinator learns that every persistent
+        parameter is whole again (DeepSpeed's ``_post_step``)."""
+        super().gather()
+        self.coordinator.persistent_gathered()
+
+    def step_skipped(self) -> None:
+        self.coordinator.persistent_released()

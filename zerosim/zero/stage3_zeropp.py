@@ -1,0 +1,269 @@
+"""Stage 3 with ZeRO++ (``zero_quantized_weights``, ``zero_hpz_partition_size``,
+``zero_quantized_gradients``): what it changes in the paper's stage 3 (``stage3.py``), and why.
+
+ZeRO++ (Wang et al. 2023, arXiv:2306.10209) keeps ZeRO-3's partition and memory and cuts its
+cross-node traffic, 3M per step (forward all-gather, backward all-gather, gradient
+reduce-scatter), to 0.75M by changing those three collectives, each independently:
+
+* **qwZ** (``zero_quantized_weights``): each rank quantizes its chunk of a parameter to int8 in
+  blocks of ``quantization_block_size`` elements, one float32 scale per block, before the forward
+  all-gather; the int8 codes and the scales travel in two all-gathers and every rank dequantizes
+  the whole parameter (``QuantizedGather``). 1 byte per element (+ 4 bytes per block) instead of
+  b. DeepSpeed 0.19.8: ``partition_parameters.py``, ``all_gather_coalesced(..., quantize=True)``.
+* **hpZ** (``zero_hpz_partition_size`` = g): besides its primary chunk (1/N of each parameter)
+  each rank keeps a *secondary* chunk, 1/g of the parameter, cut within its group of g
+  consecutive ranks (a node when g = ranks per node) from the forward gather
+  (``SecondaryPartition``). The backward all-gather runs inside the group, on the secondary
+  chunks: no backward byte crosses a node. DeepSpeed: ``partition_parameters.py``,
+  ``ds_secondary_tensor``.
+* **qgZ** (``zero_quantized_gradients``): each gradient bucket's reduce-scatter becomes a
+  hierarchical all-to-all of int4 codes: quantize, all-to-all within the node, dequantize and
+  sum, quantize again, all-to-all across nodes (between ranks with the same local index),
+  dequantize and sum (``HierarchicalReducer``). DeepSpeed: ``stage3.py``, ``__avg_scatter_grads``
+  → ``runtime/comm/coalesced_collectives.py``, ``all_to_all_quant_reduce``.
+
+Everything else is the paper's stage 3, whatever ``zerosim.schedule`` says: per-parameter
+gathers around each use (``coordinator.py``) and static gradient buckets (DeepSpeed's coordinator
+coalesces a module's gathers instead; docs/zeropp.md lists what differs). The quantizers are
+``zeropp.py``; the byte formulas ``zerosim.analysis.volume.zeropp_step_bytes``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from zerosim.backend import array_module, flat, nbytes
+from zerosim.nn import Parameter
+from zerosim.zero.ds_schedule import DeepSpeedNormGroups
+from zerosim.zero.offload import read_param_chunk
+from zerosim.zero.stage3 import Stage3
+from zerosim.zero.zeropp import (
+    GRADIENT_BITS,
+    GRADIENT_BLOCK_SIZE,
+    SCALE_DTYPE,
+    WEIGHT_BITS,
+    WEIGHT_BLOCK_SIZE,
+    dequantize,
+    quantize,
+)
+
+
+class QuantizedGather:
+    """qwZ: all-gather one parameter's chunks as int8 codes plus float32 scales (two
+    all-gathers), then dequantize every rank's chunk into ``out`` (N · chunk elements)."""
+
+    def __init__(self, comm: Any, out: Any, chunk: Any, overlap: bool, block_size: int) -> None:
+        xp = array_module(chunk)
+        self.out, self.width, self.block = out, chunk.size, block_size
+        codes, scales = quantize(chunk, WEIGHT_BITS, block_size)
+        self.codes = xp.empty((comm.size, codes.shape[1]), dtype=codes.dtype)
+        self.scales = xp.empty((comm.size, scales.shape[1]), dtype=SCALE_DTYPE)
+        start = comm.iall_gather if overlap else comm.all_gather
+        self.handles = [start(self.codes, flat(codes)), start(self.scales, scales)]
+        self.nbytes = nbytes(self.codes) + nbytes(self.scales)
+
+    def wait(self) -> None:
+        for h in self.handles:
+            if h is not None:
+                h.wait()
+        rows = dequantize(self.codes, self.scales, self.width, WEIGHT_BITS, self.block)
+        self.out[...] = array_module(rows).astype(flat(rows), self.out.dtype)
+
+
+class SecondaryPartition:
+    """hpZ: this rank's secondary chunks (1/g of each gathered parameter) and their group.
+
+    Parameter i is zero-padded to g · chunk'_i, chunk'_i = ceil(numel_i / g); group rank j keeps
+    elements [j · chunk'_i, (j + 1) · chunk'_i). A chunk is *fresh* once it has been cut from a
+    full gather of the current parameters; the optimizer step makes every chunk stale, and the
+    next forward all-gather (dequantized under qwZ, as in DeepSpeed) refreshes it. Persistent
+    parameters are never gathered and get an empty chunk.
+    """
+
+    def __init__(
+        self, comm: Any, numels: list[int], gathered: list[bool], dtype: Any, xp: Any
+    ) -> None:
+        self.comm = comm
+        g = comm.size
+        self.chunks = [
+            max(1, math.ceil(n / g)) if keep else 0
+            for n, keep in zip(numels, gathered, strict=True)
+        ]
+        self.numels = numels
+        self.offsets = [sum(self.chunks[:i]) for i in range(len(numels))]
+        self.buffer = xp.zeros(sum(self.chunks), dtype=dtype)
+        self.fresh = [False] * len(numels)
+
+    def chunk(self, i: int) -> Any:
+        return self.buffer[self.offsets[i] : self.offsets[i] + self.chunks[i]]
+
+    def store(self, i: int, full: Any) -> None:
+        """Cut this rank's secondary chunk of parameter i from its gathered ``full`` buffer."""
+        lo = self.comm.rank * self.chunks[i]
+        valid = max(0, min(self.chunks[i], self.numels[i] - lo))
+        mine = self.chunk(i)
+        if valid:  # a chunk past the parameter's end is padding only
+            mine[:valid] = full[lo : lo + valid]
+        mine[valid:] = 0
+        self.fresh[i] = True
+
+    def invalidate(self) -> None:
+        self.fresh = [False] * len(self.fresh)
+
+
+class HierarchicalReducer:
+    """qgZ: the reduce-scatter of a rank-major gradient bucket as a two-hop quantized all-to-all.
+
+    Nodes come from ``comm.node_of`` (every rank on one node when unknown) and must have equal
+    sizes: n nodes of L ranks, node a holding ranks m_a[0] < … < m_a[L−1]. Hop 1 runs on the
+    ranks of one node: rank (a, j) sends local rank i the rows m_0[i], …, m_{n−1}[i] and gets back
+    the node's n partial sums of rows m_0[j], …, m_{n−1}[j]. Hop 2 runs on the ranks with local
+    index j, one per node: row m_b[j] goes to node b. Each rank ends with the sum of its own row,
+    as a reduce-scatter would leave it (the paper's "tensor slice reordering" is the row order of
+    hop 1). Codes are int4 in blocks of ``GRADIENT_BLOCK_SIZE`` per row; sums are float32.
+
+    Bytes one rank sends for rows of w elements, Q(w) = ceil(w / 2) + 4 · ceil(w / B):
+        hop 1 (intra-node)  (L − 1) · n · Q(w)        hop 2 (inter-node)  (n − 1) · Q(w)
+    in all (N − 1) · Q(w): ≈ 1/4 of a 16-bit reduce-scatter's (N − 1) · 2w.
+    """
+
+    def __init__(self, comm: Any, bits: int = GRADIENT_BITS, block_size: int = GRADIENT_BLOCK_SIZE):
+        nodes = comm.node_of or (0,) * comm.size
+        labels = sorted(set(nodes))
+        members = [[r for r in range(comm.size) if nodes[r] == label] for label in labels]
+        sizes = sorted({len(m) for m in members})
+        if len(sizes) != 1:
+            raise ValueError(
+                "zero_quantized_gradients needs the same number of ranks on every node; got "
+                f"node sizes {[len(m) for m in members]} (set zerosim.ranks_per_node)"
+            )
+        self.bits, self.block = bits, block_size
+        self.nodes, self.local = len(members), sizes[0]
+        node = [labels.index(nodes[r]) for r in range(comm.size)]  # node index of each rank
+        local = [members[node[r]].index(r) for r in range(comm.size)]  # index within it
+        self.intra = comm.split_by(lambda r: (node[r], r))
+        self.inter = comm.split_by(lambda r: (local[r], node[r]))
+        self.order = [members[b][i] for i in range(self.local) for b in range(self.nodes)]
+
+    def reduce(self, rows: Any) -> Any:
+        """rows: (N, w), row q is what rank q owns; returns the float32 sum of this rank's row."""
+        xp, width = array_module(rows), rows.shape[1]
+        ordered = (
+            rows[self.order]
+            if xp is np
+            else xp.take(rows, xp.asarray(self.order, dtype=np.int64), axis=0)
+        )
+        codes, scales = quantize(ordered, self.bits, self.block)
+        parts = self._hop(self.intra, codes, scales, width)
+        partial = xp.sum(xp.reshape(parts, (self.local, self.nodes, width)), axis=0)
+        codes, scales = quantize(partial, self.bits, self.block)
+        return xp.sum(self._hop(self.inter, codes, scales, width), axis=0)
+
+    def _hop(self, comm: Any, codes: Any, scales: Any, width: int) -> Any:
+        xp = array_module(codes)
+        got_codes, got_scales = xp.empty_like(codes), xp.empty_like(scales)
+        comm.all_to_all(got_codes, codes)
+        comm.all_to_all(got_scales, scales)
+        return dequantize(got_codes, got_scales, width, self.bits, self.block)
+
+
+class Stage3ZeroPP(Stage3):
+    """The paper's stage 3 with ZeRO++'s quantized and hierarchical collectives."""
+
+    def __init__(self, *, quantization_block_size: int = WEIGHT_BLOCK_SIZE, **kwargs: Any) -> None:
+        self.quantization_block_size = quantization_block_size  # elements per scale, qwZ and qgZ
+        super().__init__(**kwargs)
+
+    def setup_schedule(self) -> None:
+        """The paper's state, and ZeRO++'s: hpZ's groups and secondary chunks, qgZ's reducer."""
+        super().setup_schedule()
+        self.in_backward = False  # hpZ gathers secondary chunks in backward; qwZ only forward
+        size = self.zero.zero_hpz_partition_size
+        self.hpz_comm = None  # hpZ: this rank's group of `size` consecutive ranks
+        self.secondary: list[SecondaryPartition | None] = [None] * len(self.groups)  # per group
+        if size > 1:
+            self.hpz_comm = self.comm.split_by(lambda r: (r // size, r))
+            for gi, g in enumerate(self.groups):
+                numels = [p.numel for _, p in g.named_params]
+                gathered = [not self.is_persistent(p) for _, p in g.named_params]
+                self.secondary[gi] = SecondaryPartition(
+                    self.hpz_comm, numels, gathered, self.dtype, g.xp
+                )
+        self.grad_reducer = None  # qgZ: the two-hop quantized all-to-all
+        if self.zero.zero_quantized_gradients:
+            self.grad_reducer = HierarchicalReducer(
+                self.comm, GRADIENT_BITS, self.quantization_block_size
+            )
+
+    def start_gather(self, p: Parameter) -> Any:
+        """Start gathering p: the primary chunks over every rank (int8 codes in forward under
+        qwZ), or in backward under hpZ the fresh secondary chunks over the hpZ group."""
+        gi, i = self.where[id(p)]
+        g, secondary = self.groups[gi], self.secondary[gi]
+        if self.in_backward and secondary is not None and secondary.fresh[i]:
+            comm, chunk = secondary.comm, secondary.chunk(i)
+        else:
+            comm, chunk = self.comm, read_param_chunk(self, g, i)  # a file read under nvme
+        buf = g.xp.empty(chunk.size * comm.size, dtype=self.dtype)
+        self.gathered[id(p)] = buf
+        if comm is self.comm and self.zero.zero_quantized_weights and not self.in_backward:
+            pending = QuantizedGather(
+                comm, buf, chunk, self.zero.overlap_comm, self.quantization_block_size
+            )
+            self.track_transient(pending.nbytes)
+            return pending
+        if self.zero.overlap_comm:
+            return comm.iall_gather(buf, chunk)
+        comm.all_gather(buf, chunk)
+        return None
+
+    def finish_gather(self, p: Parameter, handle: Any) -> None:
+        """The paper's, after which a full gather's parameter gives hpZ its secondary chunk."""
+        super().finish_gather(p, handle)
+        if isinstance(handle, QuantizedGather):
+            self.track_transient(-handle.nbytes)
+        gi, i = self.where[id(p)]
+        secondary = self.secondary[gi]
+        if secondary is not None and not secondary.fresh[i]:  # a full gather: cut the chunk
+            secondary.store(i, self.gathered[id(p)])
+
+    def reduce_bucket(self, out: Any, buf: Any) -> Any:
+        """qgZ: the bucket's reduce-scatter as a blocking two-hop quantized all-to-all."""
+        if self.grad_reducer is None:
+            return super().reduce_bucket(out, buf)
+        out[...] = array_module(out).astype(self.grad_reducer.reduce(buf), out.dtype)
+        return None
+
+    def before_forward(self) -> None:
+        self.in_backward = False
+        super().before_forward()
+
+    def before_backward(self, boundary: bool) -> None:
+        self.in_backward = True
+        super().before_backward(boundary)
+
+    def after_backward(self, boundary: bool) -> None:
+        super().after_backward(boundary)
+        self.in_backward = False
+
+    def gather(self) -> None:
+        """hpZ's secondary chunks are stale after the step, until the next forward gather cuts
+        them again; then the paper's refresh of the persistent parameters."""
+        for secondary in self.secondary:
+            if secondary is not None:
+                secondary.invalidate()
+        super().gather()
+
+    def memory_report(self) -> dict[str, int]:
+        report = super().memory_report()
+        if self.hpz_comm is not None:
+            report["hpz_secondary_params"] = sum(nbytes(s.buffer) for s in self.secondary)
+        return report
+
+
+class Stage3ZeroPPDeepSpeed(DeepSpeedNormGroups, Stage3ZeroPP):
+    """ZeRO++ under DeepSpeed's schedule: the same gathers and reductions, and the gradient norm
+    all-reduced once per sub-group, as DeepSpeed's stage 3 does (``ds_schedule.py``)."""
