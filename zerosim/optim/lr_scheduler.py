@@ -979,7 +979,7 @@ def build_scheduler(name: str, optimizer: Any, params: dict[str, Any] | None = N
     unknown params and missing required params raise ValueError naming them and listing what
     is allowed.
     """
-    registry = {cls.__name__: cls for cls in _BUILDABLE}
+    registry = {cls.__name__: cls for cls in BUILDABLE}
     if name not in registry:
         raise ValueError(f"scheduler type {name!r} is unknown; allowed: {sorted(registry)}")
     params = {} if params is None else params
@@ -999,7 +999,8 @@ def build_scheduler(name: str, optimizer: Any, params: dict[str, Any] | None = N
     return cls(optimizer=optimizer, **params)
 
 
-_BUILDABLE = (
+# The schedulers build_scheduler makes from a config's "scheduler" type, by class name.
+BUILDABLE = (
     StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LambdaLR, MultiplicativeLR, LinearLR,
     ConstantLR, PolynomialLR, CosineAnnealingWarmRestarts, CyclicLR, SequentialLR,
     ChainedScheduler, OneCycleLR, ReduceLROnPlateau, LRRangeTest, WarmupLR, WarmupDecayLR,
