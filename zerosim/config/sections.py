@@ -41,6 +41,7 @@ from zerosim.config.values import (
     text,
     whole_section,
 )
+from zerosim.zero.loss_scaler import LossScaleSettings
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ZEROPP_KEYS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
@@ -512,19 +513,6 @@ class ZeroConfig(Section):
                     f"{default!r} unless stage is 3 (stage is {stage}): ZeRO++ is built on ZeRO-3",
                 )
         return values
-
-
-@dataclass(frozen=True)
-class LossScaleSettings:
-    """The numbers a loss scaler starts from: what DeepSpeed's scaler would be built with."""
-
-    dynamic: bool
-    init_scale: float
-    scale_window: int
-    min_scale: float
-    hysteresis: int
-    consecutive_hysteresis: bool
-    raise_error_at_min_scale: bool = True
 
 
 def _fp16_integer() -> Parser:
