@@ -47,7 +47,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-SCHEDULES = ("deepspeed", "paper")
+from zerosim.analysis.stages import ZERO_STAGES
+
+SCHEDULES = ("deepspeed", "paper")  # whose collectives a stage issues: the one definition
 DEEPSPEED_ALIGNMENT = 2  # DeepSpeed pads stage 1-2 flat buffers to a multiple of 2·N
 DEEPSPEED_STAGE0_MESSAGE = 500_000_000  # DeepSpeed's stage-0 all-reduce size (elements)
 DEEPSPEED_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size's default
@@ -217,7 +219,7 @@ def collective_schedule(
     the paper's, stages 0-2 as ``deepspeed_schedule`` lists them, which needs ``numels`` (the
     parameters' sizes in definition order) and ``world_size`` and does not use ``padded_numel``.
     """
-    if stage not in (0, 1, 2, 3):
+    if stage not in ZERO_STAGES:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if accumulation < 1:
         raise ValueError(f"accumulation must be ≥ 1, got {accumulation}")

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from zerosim.analysis.volume import SCHEDULES
 from zerosim.config.values import (
     ConfigError,
     Parser,
@@ -745,7 +746,7 @@ class ZerosimConfig(Section):
     layout: str = knob("deepspeed", choice("deepspeed", "megatron"), "flat buffer layout")
     schedule: str = knob(
         "deepspeed",
-        choice("deepspeed", "paper"),
+        choice(*SCHEDULES),
         "whose collectives: DeepSpeed 0.19.8's for these switches, or the ZeRO paper's "
         "reduce-scatter schedule (zerosim/zero/schedule.py)",
     )
