@@ -50,7 +50,7 @@ class Key:
 Path = tuple[str, ...]
 
 
-class _Walk:
+class KeyWalk:
     """The shared state of one walk: the keys found and the functions already walked."""
 
     def __init__(self) -> None:
@@ -86,7 +86,7 @@ class _Walk:
             tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
         except (OSError, TypeError, SyntaxError):
             return set()
-        body = _Body(self, fn, env, keys)
+        body = FunctionBody(self, fn, env, keys)
         body.block(tree.body)
         return body.returned
 
@@ -115,10 +115,10 @@ def _models_in(annotation: Any) -> list[type]:
     return [m for arg in getattr(annotation, "__args__", ()) or () for m in _models_in(arg)]
 
 
-class _Body:
+class FunctionBody:
     """One function body: which variables hold which key paths, which hold key names."""
 
-    def __init__(self, walk: _Walk, fn: Any, env: dict, keys: dict) -> None:
+    def __init__(self, walk: KeyWalk, fn: Any, env: dict, keys: dict) -> None:
         self.walk, self.fn = walk, fn
         self.env: dict[str, set] = {k: set(v) for k, v in env.items()}
         self.keyvars: dict[str, list[str]] = dict(keys)
@@ -366,7 +366,7 @@ def deepspeed_keys() -> dict[Path, Key]:
     import deepspeed
     from deepspeed.runtime import config as ds_config
 
-    walk = _Walk()
+    walk = KeyWalk()
     root = frozenset({()})
     cls = ds_config.DeepSpeedConfig
     env = {"param_dict": root, "config": root, "self._param_dict": root}

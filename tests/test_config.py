@@ -783,9 +783,9 @@ def test_scheduler_names_are_deepspeeds_and_torchs_written_exactly():
 
 
 def test_every_torch_scheduler_name_accepted_is_buildable():
-    from zerosim.optim.lr_scheduler import _BUILDABLE
+    from zerosim.optim.lr_scheduler import BUILDABLE
 
-    assert set(TORCH_SCHEDULERS) <= {cls.__name__ for cls in _BUILDABLE}
+    assert set(TORCH_SCHEDULERS) <= {cls.__name__ for cls in BUILDABLE}
 
 
 @pytest.mark.parametrize(

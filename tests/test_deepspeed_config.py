@@ -1139,10 +1139,12 @@ def test_the_key_walk_evaluates_names_attributes_and_literals_only():
     (a call there would run DeepSpeed's, or anyone's, code at test time)."""
     import ast
 
-    from deepspeed_keys import _Body, _Walk
+    from deepspeed_keys import FunctionBody, KeyWalk
 
     ran = []
-    body = _Body(_Walk(), test_the_key_walk_evaluates_names_attributes_and_literals_only, {}, {})
+    body = FunctionBody(
+        KeyWalk(), test_the_key_walk_evaluates_names_attributes_and_literals_only, {}, {}
+    )
     body.names.update(run=lambda: ran.append(1) or "KEY", consts=re, KEY="train_batch_size")
 
     def value(source: str):

@@ -248,61 +248,13 @@ def compare_with_exact(
         ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(psi, g, m, cpu_offload, f)
         base_cpu = estimate_zero2_model_states_mem_needs(psi, g, m, cpu_offload, 1.0)[0]
 
-    gpu_terms = []
-    if stage == 3:
-        gpu_terms.append(
-            Difference(
-                "largest layer",
-                4 * big,
-                "4·L: the gathered 16-bit params "
-                "and grads of the largest layer, working memory that is "
-                "not a model state",
-            )
-        )
-    if cpu_offload:
-        gpu_terms.append(
-            Difference(
-                "gradient partition",
-                -2 * psi / n,
-                "DeepSpeed's offload "
-                "streams gradients to the host; the exact model keeps the "
-                "16-bit gradient partition 2Ψ/N on the device",
-            )
-        )
-    else:
-        fp32_grads = 2 * psi / n if stage == 3 else 4 * psi / n
-        gpu_terms.append(
-            Difference(
-                "fp32 gradients",
-                fp32_grads,
-                "DeepSpeed counts 18 bytes per "
-                "partitioned parameter (fp32 grads); the paper 16Ψ/N (stage 3)"
-                " or 14Ψ/N (stage 2) with 16-bit grads",
-            )
-        )
+    gpu_terms = _device_terms(stage, psi, big, n, cpu_offload)
     truncation = ds_gpu - exact["device"] - sum(t.bytes for t in gpu_terms)
     if truncation:
         gpu_terms.append(Difference("truncation", truncation, "DeepSpeed's int()"))
 
     exact_host = g * exact["host"]
-    if not cpu_offload:
-        what = "the largest layer" if (stage == 3 and zero_init) else "the whole model"
-        why = (
-            f"initialisation: each of the {g} processes of a node builds {what} in fp32 on "
-            "the host (4 bytes/param) before moving it; the exact model keeps no host states"
-        )
-    elif stage == 2:
-        why = (
-            "Ψ·max(4N, 16): the whole model's fp32 param, grad and Adam states (16Ψ), or N fp32 "
-            "copies while loading, per node; the exact model holds 12Ψ/N per rank (12Ψ/M per "
-            "node)"
-        )
-    else:
-        why = (
-            "DeepSpeed counts fp32 param, grad, momentum, variance (16 bytes) for the node's "
-            "share Ψ/M, plus 2 for 16-bit params when they are offloaded; the exact model has "
-            "no fp32 grad copy (12, +2). Without zero.Init: max(4g, …), the g fp32 loads"
-        )
+    why = _host_difference(stage, g, cpu_offload, zero_init)
     cpu_terms = (
         Difference("host content", base_cpu - exact_host, why),
         Difference(
@@ -315,6 +267,67 @@ def compare_with_exact(
         Comparison("gpu bytes per device", ds_gpu, exact["device"], tuple(gpu_terms)),
         Comparison("cpu bytes per node", ds_cpu, exact_host, cpu_terms),
     ]
+
+
+def _device_terms(
+    stage: int, psi: float, big: float, n: int, cpu_offload: bool
+) -> list[Difference]:
+    """What DeepSpeed counts on the device beyond the exact model: the largest layer's working
+    memory (stage 3) and the fp32 gradients, or less: the gradients its offload streams away."""
+    terms = []
+    if stage == 3:
+        terms.append(
+            Difference(
+                "largest layer",
+                4 * big,
+                "4·L: the gathered 16-bit params "
+                "and grads of the largest layer, working memory that is "
+                "not a model state",
+            )
+        )
+    if cpu_offload:
+        terms.append(
+            Difference(
+                "gradient partition",
+                -2 * psi / n,
+                "DeepSpeed's offload "
+                "streams gradients to the host; the exact model keeps the "
+                "16-bit gradient partition 2Ψ/N on the device",
+            )
+        )
+    else:
+        fp32_grads = 2 * psi / n if stage == 3 else 4 * psi / n
+        terms.append(
+            Difference(
+                "fp32 gradients",
+                fp32_grads,
+                "DeepSpeed counts 18 bytes per "
+                "partitioned parameter (fp32 grads); the paper 16Ψ/N (stage 3)"
+                " or 14Ψ/N (stage 2) with 16-bit grads",
+            )
+        )
+    return terms
+
+
+def _host_difference(stage: int, g: int, cpu_offload: bool, zero_init: bool) -> str:
+    """Why DeepSpeed's host bytes per node differ from the exact model's."""
+    if not cpu_offload:
+        what = "the largest layer" if (stage == 3 and zero_init) else "the whole model"
+        return (
+            f"initialisation: each of the {g} processes of a node builds {what} in fp32 on "
+            "the host (4 bytes/param) before moving it; the exact model keeps no host states"
+        )
+    if stage == 2:
+        return (
+            "Ψ·max(4N, 16): the whole model's fp32 param, grad and Adam states (16Ψ), or N fp32 "
+            "copies while loading, per node; the exact model holds 12Ψ/N per rank (12Ψ/M per "
+            "node)"
+        )
+    return (
+        "DeepSpeed counts fp32 param, grad, momentum, variance (16 bytes) for the node's "
+        "share Ψ/M, plus 2 for 16-bit params when they are offloaded; the exact model has "
+        "no fp32 grad copy (12, +2). Without zero.Init: max(4g, …), the g fp32 loads"
+    )
 
 
 def format_comparison(comparisons: list[Comparison]) -> str:

@@ -45,9 +45,11 @@ c on every rank but the root). Its norm and overflow all-reduces are ``boundary_
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-SCHEDULES = ("deepspeed", "paper")
+from zerosim.analysis.stages import ZERO_STAGES
+
+SCHEDULES = ("deepspeed", "paper")  # whose collectives a stage issues: the one definition
 DEEPSPEED_ALIGNMENT = 2  # DeepSpeed pads stage 1-2 flat buffers to a multiple of 2·N
 DEEPSPEED_STAGE0_MESSAGE = 500_000_000  # DeepSpeed's stage-0 all-reduce size (elements)
 DEEPSPEED_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size's default
@@ -79,6 +81,51 @@ def _runs(sizes: list[int], limit: int) -> list[int]:
             runs.append(total)
             total = 0
     return runs + ([total] if total else [])
+
+
+def deepspeed_buckets(numels: list[int], order: list[int], limit: int) -> list[list[int]]:
+    """The parameters (indices, in ``order``) of each gradient bucket: a bucket is reduced
+    before a parameter that would take it past ``limit`` elements; empty parameters skipped."""
+    buckets: list[list[int]] = [[]]
+    held = 0
+    for i in order:
+        if numels[i] == 0:
+            continue
+        if held + numels[i] > limit and buckets[-1]:
+            buckets.append([])
+            held = 0
+        buckets[-1].append(i)
+        held += numels[i]
+    return [b for b in buckets if b]
+
+
+def _owner_runs(start: int, numel: int, part: int) -> list[tuple[int, int]]:
+    """(owner, elements) of the pieces of [start, start + numel) that each partition of
+    ``part`` elements holds."""
+    runs = []
+    at, stop = start, start + numel
+    while at < stop:
+        owner = at // part
+        end = min((owner + 1) * part, stop)
+        runs.append((owner, end - at))
+        at = end
+    return runs
+
+
+def _group_partitions(
+    numels: list[int], groups: list[int], n: int
+) -> tuple[list[int], dict[int, int], list[range]]:
+    """Each parameter's start in its group's flat buffer, each group's partition size
+    (Ψ_pad / N, DeepSpeed's padding) and the partitions each parameter touches."""
+    totals = {g: sum(m for m, h in zip(numels, groups, strict=True) if h == g) for g in groups}
+    parts = {g: deepspeed_padded_numel(total, n) // n for g, total in totals.items()}
+    starts = [sum(m for m, h in zip(numels[:i], groups, strict=False) if h == groups[i])
+              for i in range(len(numels))]  # fmt: skip
+    touched = [
+        range(starts[i] // parts[groups[i]], -(-(starts[i] + numels[i]) // parts[groups[i]]))
+        for i in range(len(numels))
+    ]
+    return starts, parts, touched
 
 
 def deepspeed_gradient_messages(
@@ -113,44 +160,22 @@ def deepspeed_gradient_messages(
     n = world_size
     groups = [0] * len(numels) if groups is None else list(groups)
     copied = set() if copied is None else copied
-    totals = {g: sum(m for m, h in zip(numels, groups, strict=True) if h == g) for g in groups}
-    parts = {g: deepspeed_padded_numel(total, n) // n for g, total in totals.items()}
-    starts = [sum(m for m, h in zip(numels[:i], groups, strict=False) if h == groups[i])
-              for i in range(len(numels))]  # fmt: skip
-    touched = [  # the partitions a parameter touches
-        range(starts[i] // parts[groups[i]], -(-(starts[i] + numels[i]) // parts[groups[i]]))
-        for i in range(len(numels))
-    ]
+    starts, parts, touched = _group_partitions(numels, groups, n)
     order = list(range(len(numels)))[::-1] if order is None else list(order)
-    buckets: list[list[int]] = [[]]
-    held = 0
-    for i in order:
-        if numels[i] == 0:
-            continue
-        if held + numels[i] > reduce_bucket_size and buckets[-1]:
-            buckets.append([])
-            held = 0
-        buckets[-1].append(i)
-        held += numels[i]
     out: list[tuple[str, int, int | None]] = []
-    for bucket in (b for b in buckets if b):
+    for bucket in deepspeed_buckets(numels, order, reduce_bucket_size):
         if not (contiguous_gradients and reduce_scatter):
             out.append(("all_reduce", sum(numels[i] for i in bucket), None))
             continue
-        owned: list[list] = []  # [owner, elements, split copied?], like ones merged
+        owned: list[list] = []  # [(owner, the partitions of a split copied parameter), elements]
         for i in bucket:
-            part = parts[groups[i]]
             shared = i in copied and len(touched[i]) > 1
-            at, stop = starts[i], starts[i] + numels[i]
-            while at < stop:
-                owner = at // part
-                end = min((owner + 1) * part, stop)
+            for owner, elements in _owner_runs(starts[i], numels[i], parts[groups[i]]):
                 key = (owner, touched[i] if shared else None)
-                if owned and owned[-1][0] == key:
-                    owned[-1][1] += end - at
+                if owned and owned[-1][0] == key:  # consecutive runs of one owner merge
+                    owned[-1][1] += elements
                 else:
-                    owned.append([key, end - at])
-                at = end
+                    owned.append([key, elements])
         if use_multi_rank_bucket_allreduce:
             sizes = [size for _, size in owned]
             out += [("all_reduce", m, None) for m in _runs(sizes, reduce_bucket_size)]
@@ -189,64 +214,51 @@ def collective_schedule(
     groups: list[int] | None = None,
     copied: set[int] | None = None,
 ) -> list[Collective]:
-    """The collectives of one optimizer step (the clip and overflow all-reduces are apart).
-
-    ``schedule="paper"``: one entry per kind of collective per micro-step (buckets are not
-    modelled: a stage's buckets together cover its buffer once). Stage 0: one all-reduce of the
-    gradients at the boundary. Stage 1 (and megatron): a reduce-scatter of the gradients at the
-    boundary, an all-gather of the parameters after the step; stage 2 reduce-scatters every
-    micro-step. Stage 3, every micro-step: an all-gather of the non-persistent parameters in
-    forward, another in backward (unless reuse keeps them), a reduce-scatter of all gradients;
-    after the step, an all-gather of the persistent parameters.
-
-    ``schedule="deepspeed"``: stage 3 as the paper's; stages 0-2 need ``numels`` (the
-    parameters' sizes in definition order) and ``world_size``, and ``padded_numel`` is not used
-    for them: stage 0 all-reduces ``deepspeed_stage0_messages``; stage 1 issues
-    ``deepspeed_gradient_messages`` once at the boundary, in definition order (in ``order``,
-    the order backward finishes gradients, with ``overlap_comm``), stage 2 every micro-step in
-    ``order``; both then all-gather Ψ_pad (``deepspeed_padded_numel``) in one call, one per
-    parameter group (``groups`` and ``copied`` as in ``deepspeed_gradient_messages``).
+    """The collectives of one optimizer step (the clip and overflow all-reduces are apart):
+    ``schedule="paper"`` as ``paper_schedule`` lists them; ``schedule="deepspeed"``: stage 3 as
+    the paper's, stages 0-2 as ``deepspeed_schedule`` lists them, which needs ``numels`` (the
+    parameters' sizes in definition order) and ``world_size`` and does not use ``padded_numel``.
     """
-    if stage not in (0, 1, 2, 3):
+    if stage not in ZERO_STAGES:
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if accumulation < 1:
         raise ValueError(f"accumulation must be ≥ 1, got {accumulation}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule == "paper" or stage == 3:
+        return paper_schedule(stage, padded_numel, accumulation, persistent_numel, backward_gather)
+    if numels is None or world_size is None:
+        raise ValueError("schedule='deepspeed' needs numels and world_size at stages 0-2")
+    switches = dict(
+        reduce_bucket_size=reduce_bucket_size,
+        reduce_scatter=reduce_scatter,
+        use_multi_rank_bucket_allreduce=use_multi_rank_bucket_allreduce,
+        contiguous_gradients=contiguous_gradients,
+        groups=groups,
+        copied=copied,
+    )
+    return deepspeed_schedule(
+        stage, accumulation, numels, world_size, order, overlap_comm, switches
+    )
+
+
+def paper_schedule(
+    stage: int,
+    padded_numel: int,
+    accumulation: int = 1,
+    persistent_numel: int = 0,
+    backward_gather: bool = True,
+) -> list[Collective]:
+    """The ZeRO paper's collectives of one step: one entry per kind of collective per
+    micro-step (buckets are not modelled: a stage's buckets together cover its buffer once).
+
+    Stage 0: one all-reduce of the gradients at the boundary. Stage 1 (and megatron): a
+    reduce-scatter of the gradients at the boundary, an all-gather of the parameters after the
+    step; stage 2 reduce-scatters every micro-step. Stage 3, every micro-step: an all-gather of
+    the non-persistent parameters in forward, another in backward (unless reuse keeps them), a
+    reduce-scatter of all gradients; after the step, an all-gather of the persistent parameters.
+    """
     k = accumulation
-    if schedule == "deepspeed" and stage < 3:
-        if numels is None or world_size is None:
-            raise ValueError("schedule='deepspeed' needs numels and world_size at stages 0-2")
-        if stage == 0:
-            return [
-                Collective("backward", "all_reduce", "grads", m)
-                for m in deepspeed_stage0_messages(numels)
-            ]
-        switches = dict(
-            reduce_bucket_size=reduce_bucket_size,
-            reduce_scatter=reduce_scatter,
-            use_multi_rank_bucket_allreduce=use_multi_rank_bucket_allreduce,
-            contiguous_gradients=contiguous_gradients,
-            groups=groups,
-            copied=copied,
-        )
-        definition = list(range(len(numels)))
-        grad_order = order if stage == 2 or overlap_comm else definition
-        once = [
-            Collective("backward", op, "grads", m, root)
-            for op, m, root in deepspeed_gradient_messages(
-                numels, world_size, grad_order, **switches
-            )
-        ]
-        member = [0] * len(numels) if groups is None else groups
-        gathers = [
-            Collective("step", "all_gather", "params", deepspeed_padded_numel(total, world_size))
-            for total in (
-                sum(m for m, h in zip(numels, member, strict=True) if h == g)
-                for g in dict.fromkeys(member)
-            )
-        ]
-        return once * (k if stage == 2 else 1) + gathers
     if stage == 0:
         return [Collective("backward", "all_reduce", "grads", padded_numel)]
     if stage == 1:
@@ -266,6 +278,47 @@ def collective_schedule(
         micro.append(Collective("backward", "all_gather", "params", gathered))
     micro.append(Collective("backward", "reduce_scatter", "grads", padded_numel))
     return micro * k + [Collective("step", "all_gather", "params", persistent_numel)]
+
+
+def deepspeed_schedule(
+    stage: int,
+    accumulation: int,
+    numels: list[int],
+    world_size: int,
+    order: list[int] | None,
+    overlap_comm: bool,
+    switches: dict[str, Any],
+) -> list[Collective]:
+    """DeepSpeed 0.19.8's collectives of one step at stages 0-2.
+
+    Stage 0 all-reduces ``deepspeed_stage0_messages``; stage 1 issues
+    ``deepspeed_gradient_messages`` once at the boundary, in definition order (in ``order``,
+    the order backward finishes gradients, with ``overlap_comm``), stage 2 every micro-step in
+    ``order``; both then all-gather Ψ_pad (``deepspeed_padded_numel``) in one call, one per
+    parameter group. ``switches``: the keyword arguments of ``deepspeed_gradient_messages``
+    from ``reduce_bucket_size`` on (``groups`` and ``copied`` among them).
+    """
+    if stage == 0:
+        return [
+            Collective("backward", "all_reduce", "grads", m)
+            for m in deepspeed_stage0_messages(numels)
+        ]
+    definition = list(range(len(numels)))
+    grad_order = order if stage == 2 or overlap_comm else definition
+    once = [
+        Collective("backward", op, "grads", m, root)
+        for op, m, root in deepspeed_gradient_messages(numels, world_size, grad_order, **switches)
+    ]
+    groups = switches.get("groups")
+    member = [0] * len(numels) if groups is None else groups
+    gathers = [
+        Collective("step", "all_gather", "params", deepspeed_padded_numel(total, world_size))
+        for total in (
+            sum(m for m, h in zip(numels, member, strict=True) if h == g)
+            for g in dict.fromkeys(member)
+        )
+    ]
+    return once * (accumulation if stage == 2 else 1) + gathers
 
 
 def step_bytes(

@@ -139,6 +139,27 @@ def muon_stage3_bytes(numels: Sequence[int], world_size: int, itemsize: int, **c
     return sum((n - 1) * (m // n) * itemsize for m in muon_stage3_messages(numels, n, **cuts))
 
 
+def _muon_clip_bytes(
+    stage: int,
+    numels: list[int],
+    groups: list[int],
+    world_size: int,
+    rank: int,
+    clip: float,
+    float64: bool,
+    sub_group_size: int,
+) -> int:
+    """Bytes of the gradient-norm all-reduces: one per (sub-)group of the Muon and the other
+    parameters (``norm_messages``), none when nothing clips."""
+    per_group = [[m for m, g in zip(numels, groups, strict=True) if g == h] for h in (0, 1)]
+    per_group = [g for g in per_group if g]
+    checks = boundary_messages(stage, schedule="deepspeed", clip=clip, float64=float64)
+    if "clip" not in checks:
+        return 0
+    norms = norm_messages(stage, per_group, world_size, sub_group_size=sub_group_size)
+    return norms * clip_bytes(world_size, rank, checks["clip"])
+
+
 def muon_step_bytes(
     stage: int,
     shapes: Sequence[Sequence[int]],
@@ -167,42 +188,31 @@ def muon_step_bytes(
     numels = [_prod(shapes[i]) for i in flat]
     groups = [0 if is_muon[i] else 1 for i in flat]
     where = {model: at for at, model in enumerate(flat)}
-    per_group = [[m for m, g in zip(numels, groups, strict=True) if g == h] for h in (0, 1)]
-    per_group = [g for g in per_group if g]
-    checks = boundary_messages(stage, schedule="deepspeed", clip=clip, float64=float64)
-    norms = norm_messages(stage, per_group, world_size, sub_group_size=sub_group_size)
-    out = {"clip": norms * clip_bytes(world_size, rank, checks["clip"]) if "clip" in checks else 0}
+    clip_sent = _muon_clip_bytes(
+        stage, numels, groups, world_size, rank, clip, float64, sub_group_size
+    )
     if stage == 3:
         muon = [m for m, g in zip(numels, groups, strict=True) if g == 0]
-        out["muon"] = muon_stage3_bytes(
-            muon,
-            world_size,
-            itemsize,
-            reduce_bucket_size=reduce_bucket_size,
-            sub_group_size=sub_group_size,
-        )
-        return out
+        cuts = {"reduce_bucket_size": reduce_bucket_size, "sub_group_size": sub_group_size}
+        return {"clip": clip_sent, "muon": muon_stage3_bytes(muon, world_size, itemsize, **cuts)}
     flat_order = None if order is None else [where[i] for i in order]
     copied = {at for at, g in enumerate(groups) if g == 0}
-    out.update(
-        step_bytes(
-            stage,
-            world_size,
-            0,
-            itemsize,
-            accumulation,
-            schedule="deepspeed",
-            numels=numels,
-            rank=rank,
-            order=flat_order,
-            reduce_bucket_size=reduce_bucket_size,
-            groups=groups,
-            copied=copied,
-            **switches,
-        )
+    phases = step_bytes(
+        stage,
+        world_size,
+        0,
+        itemsize,
+        accumulation,
+        schedule="deepspeed",
+        numels=numels,
+        rank=rank,
+        order=flat_order,
+        reduce_bucket_size=reduce_bucket_size,
+        groups=groups,
+        copied=copied,
+        **switches,
     )
-    out["muon"] = 0
-    return out
+    return {"clip": clip_sent, **phases, "muon": 0}
 
 
 def muon_extra_bytes(

@@ -374,18 +374,7 @@ def _read_and_check(
     tag_dir = resolve_tag(load_dir, tag)
     meta = read_metadata(tag_dir)
     where = tag_dir / METADATA
-    missing = sorted(n for n in meta["files"] if not (tag_dir / n).is_file())
-    ranks = sorted({int(n[4:9]) for n in missing if n.startswith("rank")})
-    if missing:
-        which = f"rank(s) {ranks} " if ranks else ""
-        raise CheckpointNotFoundError(f"{tag_dir}: files of {which}are missing: {missing}")
-    for name, entry in meta["files"].items():
-        size = (tag_dir / name).stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointError(
-                f"{tag_dir / name}: {size} bytes, the metadata records {entry['bytes']} "
-                "(truncated or replaced)"
-            )
+    _check_files(tag_dir, meta)
     mine = {p["name"]: p for p in _engine_params(engine)}
     saved = {p["name"]: p for p in meta["params"]}
     diffs = sorted(set(mine) ^ set(saved))
@@ -396,20 +385,9 @@ def _read_and_check(
             f"another shape or in another param group: {diffs}"
         )
     SavedIndex(meta).check_tiling(meta, where)
-    opt, (load_opt, load_sched) = engine.optimizer, flags
+    load_opt, load_sched = flags
     if load_opt:
-        if meta["optimizer"] != type(opt).__name__:
-            raise CheckpointError(
-                f"{where}: saved with optimizer {meta['optimizer']}; this engine's is "
-                f"{type(opt).__name__} (pass load_optimizer_states=False to load weights only)"
-            )
-        for g, group in enumerate(meta["groups"]):
-            want = list(opt.state_keys({**opt.param_groups[g], **from_json(group["hyper"])}))
-            if group["has_state"] and group["state_keys"] != want:
-                raise CheckpointError(
-                    f"{where}: param group {g} saved states {group['state_keys']}; "
-                    f"{type(opt).__name__} with these settings keeps {want}"
-                )
+        _check_optimizer(engine.optimizer, meta, where)
     rng = meta["ranks"][engine.comm.rank % meta["world_size"]]["rng"]
     here = sorted(_random_modules(engine.module))
     if sorted(rng) != here:
@@ -429,6 +407,38 @@ def _read_and_check(
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{where}: the saved data position does not fit: {err}") from err
     return tag_dir, meta
+
+
+def _check_files(tag_dir: Path, meta: dict) -> None:
+    """Every file the metadata lists is there, with the size it records."""
+    missing = sorted(n for n in meta["files"] if not (tag_dir / n).is_file())
+    ranks = sorted({int(n[4:9]) for n in missing if n.startswith("rank")})
+    if missing:
+        which = f"rank(s) {ranks} " if ranks else ""
+        raise CheckpointNotFoundError(f"{tag_dir}: files of {which}are missing: {missing}")
+    for name, entry in meta["files"].items():
+        size = (tag_dir / name).stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(
+                f"{tag_dir / name}: {size} bytes, the metadata records {entry['bytes']} "
+                "(truncated or replaced)"
+            )
+
+
+def _check_optimizer(opt: Any, meta: dict, where: Path) -> None:
+    """The saved optimizer is this engine's, keeping the same states in every param group."""
+    if meta["optimizer"] != type(opt).__name__:
+        raise CheckpointError(
+            f"{where}: saved with optimizer {meta['optimizer']}; this engine's is "
+            f"{type(opt).__name__} (pass load_optimizer_states=False to load weights only)"
+        )
+    for g, group in enumerate(meta["groups"]):
+        want = list(opt.state_keys({**opt.param_groups[g], **from_json(group["hyper"])}))
+        if group["has_state"] and group["state_keys"] != want:
+            raise CheckpointError(
+                f"{where}: param group {g} saved states {group['state_keys']}; "
+                f"{type(opt).__name__} with these settings keeps {want}"
+            )
 
 
 def _apply(

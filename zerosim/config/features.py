@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from zerosim.backend import PRECISION_DTYPES
 from zerosim.config.values import (
     ConfigError,
     Parser,
@@ -481,7 +482,7 @@ class DeepSpeedFeatures:
     )
     seq_parallel_communication_data_type: str | None = knob(
         "fp32",
-        optional(choice("fp32", "fp16", "bf16")),
+        optional(choice(*PRECISION_DTYPES)),
         "dtype of sequence parallelism's all-to-alls",
         inert="no effect without sequence parallelism, as in DeepSpeed",
         reproduces=any_value,

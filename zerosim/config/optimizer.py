@@ -423,24 +423,33 @@ def check_whole_parameter_rules(cfg: Any) -> None:
     once), nor Muon with fp16/bf16, any optimizer offload, Megatron's layout, the paper's
     schedule or ZeRO++ (DeepSpeed's Muon for those has paths of its own, not built here).
     """
-    opt, zero, sim = cfg.optimizer, cfg.zero_optimization, cfg.zerosim
-    if opt is None or opt.type not in ("Lamb", "Muon"):
-        return
-    if opt.type == "Lamb" and cfg.fp16.loss_scale != 0:
+    opt = cfg.optimizer
+    if opt is not None and opt.type == "Lamb":
+        _check_lamb(cfg)
+    elif opt is not None and opt.type == "Muon":
+        _check_muon_refused_by_deepspeed(cfg.zero_optimization)
+        _check_muon_built(cfg)
+
+
+def _check_lamb(cfg: Any) -> None:
+    """LAMB needs dynamic loss scaling (DeepSpeed) and no NVMe offload (zerosim)."""
+    if cfg.fp16.loss_scale != 0:
         raise ConfigError(
             "fp16.loss_scale",
             cfg.fp16.loss_scale,
             "0 (dynamic loss scaling) with Lamb: DeepSpeed's engine requires it for LAMB",
         )
-    if opt.type == "Lamb":
-        if zero.offload_optimizer.device == "nvme":
-            raise ConfigError(
-                "zero_optimization.offload_optimizer.device",
-                "nvme",
-                "'none' or 'cpu' with Lamb (zerosim's NVMe swapper steps a shard part by part; "
-                "the trust ratio needs every slice of a parameter at once)",
-            )
-        return
+    if cfg.zero_optimization.offload_optimizer.device == "nvme":
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.device",
+            "nvme",
+            "'none' or 'cpu' with Lamb (zerosim's NVMe swapper steps a shard part by part; "
+            "the trust ratio needs every slice of a parameter at once)",
+        )
+
+
+def _check_muon_refused_by_deepspeed(zero: Any) -> None:
+    """What DeepSpeed's stage 3 refuses with Muon: reduce_scatter and quantized gradients."""
     if zero.stage == 3 and zero.reduce_scatter:
         raise ConfigError(
             "zero_optimization.reduce_scatter",
@@ -454,6 +463,12 @@ def check_whole_parameter_rules(cfg: Any) -> None:
             True,
             "false with Muon (DeepSpeed: 'Muon and all2all process group cannot be used together')",
         )
+
+
+def _check_muon_built(cfg: Any) -> None:
+    """Muon as zerosim builds it: DeepSpeed's, without fp16/bf16, offload, Megatron's layout,
+    the paper's schedule or ZeRO++."""
+    zero, sim = cfg.zero_optimization, cfg.zerosim
     if cfg.mixed_precision is not None:
         section = cfg.mixed_precision
         raise ConfigError(

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from zerosim.analysis.volume import SCHEDULES
 from zerosim.config.values import (
     ConfigError,
     Parser,
@@ -41,6 +42,7 @@ from zerosim.config.values import (
     text,
     whole_section,
 )
+from zerosim.zero.loss_scaler import LossScaleSettings
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ZEROPP_KEYS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
@@ -514,19 +516,6 @@ class ZeroConfig(Section):
         return values
 
 
-@dataclass(frozen=True)
-class LossScaleSettings:
-    """The numbers a loss scaler starts from: what DeepSpeed's scaler would be built with."""
-
-    dynamic: bool
-    init_scale: float
-    scale_window: int
-    min_scale: float
-    hysteresis: int
-    consecutive_hysteresis: bool
-    raise_error_at_min_scale: bool = True
-
-
 def _fp16_integer() -> Parser:
     """DeepSpeed's fp16 loss_scale_window / min_loss_scale: an integer, never a bool, never
     a decimal string (its validator calls int() first)."""
@@ -757,7 +746,7 @@ class ZerosimConfig(Section):
     layout: str = knob("deepspeed", choice("deepspeed", "megatron"), "flat buffer layout")
     schedule: str = knob(
         "deepspeed",
-        choice("deepspeed", "paper"),
+        choice(*SCHEDULES),
         "whose collectives: DeepSpeed 0.19.8's for these switches, or the ZeRO paper's "
         "reduce-scatter schedule (zerosim/zero/schedule.py)",
     )

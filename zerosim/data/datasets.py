@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import array_module, resolve_dtype
-from zerosim.data.sampler import _check_int
+from zerosim.data.sampler import check_int
 
 
 def check_indices(idx: Any, length: int) -> None:
@@ -70,12 +70,12 @@ def make_classification(
     ``range(n_classes)`` (int64); features ``x_i = c_{y_i} + ε_i``,
     ``ε_i ~ N(0, I)``. Everything comes from ``numpy.random.default_rng(seed)``.
     """
-    n_samples = _check_int("n_samples", n_samples, 1)
-    n_features = _check_int("n_features", n_features, 1)
-    n_classes = _check_int("n_classes", n_classes, 2)
+    n_samples = check_int("n_samples", n_samples, 1)
+    n_features = check_int("n_features", n_features, 1)
+    n_classes = check_int("n_classes", n_classes, 2)
     if not class_sep > 0:
         raise ValueError(f"class_sep must be > 0, got {class_sep}")
-    rng = np.random.default_rng(_check_int("seed", seed, 0))
+    rng = np.random.default_rng(check_int("seed", seed, 0))
     centres = rng.normal(scale=class_sep, size=(n_classes, n_features))
     y = rng.integers(0, n_classes, size=n_samples, dtype=np.int64)
     x = centres[y] + rng.normal(size=(n_samples, n_features))
@@ -97,12 +97,12 @@ def make_regression(
     ``b ~ N(0, 1)``; ``ε ~ N(0, I)``. ``y`` is always 2-D, (n_samples, n_targets),
     to match an MSE loss on a (batch, n_targets) model output.
     """
-    n_samples = _check_int("n_samples", n_samples, 1)
-    n_features = _check_int("n_features", n_features, 1)
-    n_targets = _check_int("n_targets", n_targets, 1)
+    n_samples = check_int("n_samples", n_samples, 1)
+    n_features = check_int("n_features", n_features, 1)
+    n_targets = check_int("n_targets", n_targets, 1)
     if not noise >= 0:
         raise ValueError(f"noise must be >= 0, got {noise}")
-    rng = np.random.default_rng(_check_int("seed", seed, 0))
+    rng = np.random.default_rng(check_int("seed", seed, 0))
     weight = rng.normal(scale=1.0 / np.sqrt(n_features), size=(n_features, n_targets))
     bias = rng.normal(size=n_targets)
     x = rng.normal(size=(n_samples, n_features))

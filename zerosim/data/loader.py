@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from zerosim.backend import Backend, get_backend
-from zerosim.data.sampler import DistributedBatchSampler, _check_int
+from zerosim.data.sampler import DistributedBatchSampler, check_int
 
 
 class BatchDataset(Protocol):
@@ -77,7 +77,7 @@ class DataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first sample (discards the current position)."""
-        self.epoch = _check_int("epoch", epoch, 0)
+        self.epoch = check_int("epoch", epoch, 0)
         self.position = self.batch_start = 0
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
@@ -130,9 +130,9 @@ class DataLoader:
                     "would read another order of the samples, so the saved position would "
                     "repeat some and skip others; load with the same dataset, shuffle and seed"
                 )
-        epoch = _check_int("state['epoch']", state["epoch"], 0)
-        position = _check_int("state['position']", state["position"], 0)
-        start = _check_int("state['batch_start']", state.get("batch_start", position), 0)
+        epoch = check_int("state['epoch']", state["epoch"], 0)
+        position = check_int("state['position']", state["position"], 0)
+        start = check_int("state['batch_start']", state.get("batch_start", position), 0)
         done = position - start
         width, size = sampler.micro_step_width, sampler.global_batch_size
         if done < 0:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+def check_int(name: str, value: object, minimum: int) -> int:
     """Return ``value`` as an int, or raise naming the argument and what is allowed."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -85,16 +85,16 @@ class DistributedBatchSampler:
         seed: int = 0,
         drop_last: bool = True,
     ) -> None:
-        self.dataset_len = _check_int("dataset_len", dataset_len, 1)
-        self.micro_batch_size = _check_int("micro_batch_size", micro_batch_size, 1)
-        self.world_size = _check_int("world_size", world_size, 1)
-        self.rank = _check_int("rank", rank, 0)
+        self.dataset_len = check_int("dataset_len", dataset_len, 1)
+        self.micro_batch_size = check_int("micro_batch_size", micro_batch_size, 1)
+        self.world_size = check_int("world_size", world_size, 1)
+        self.rank = check_int("rank", rank, 0)
         if self.rank >= self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
-        self.gradient_accumulation_steps = _check_int(
+        self.gradient_accumulation_steps = check_int(
             "gradient_accumulation_steps", gradient_accumulation_steps, 1
         )
-        self.seed = _check_int("seed", seed, 0)
+        self.seed = check_int("seed", seed, 0)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         if self.drop_last and self.dataset_len < self.global_batch_size:
@@ -130,7 +130,7 @@ class DistributedBatchSampler:
         ``floor((len − start)/G)`` with drop_last, else ``ceil((len − start)/G)``; 0 once
         ``start ≥ len`` (the epoch was read to its end).
         """
-        start = _check_int("start", start, 0)
+        start = check_int("start", start, 0)
         full, rest = divmod(max(self.dataset_len - start, 0), self.global_batch_size)
         return full if (self.drop_last or rest == 0) else full + 1
 
@@ -141,7 +141,7 @@ class DistributedBatchSampler:
     # -- epoch order -----------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose permutation the next iteration uses."""
-        self.epoch = _check_int("epoch", epoch, 0)
+        self.epoch = check_int("epoch", epoch, 0)
 
     def epoch_order(self, epoch: int | None = None, start: int = 0) -> np.ndarray:
         """The dataset indices read in ``epoch`` from position ``start`` on, position by position.
@@ -149,7 +149,7 @@ class DistributedBatchSampler:
         Length ``steps_from(start) · G``: the permutation from ``start``, truncated (drop_last)
         or wrapped around (no drop_last). The same on every rank.
         """
-        epoch = self.epoch if epoch is None else _check_int("epoch", epoch, 0)
+        epoch = self.epoch if epoch is None else check_int("epoch", epoch, 0)
         if epoch != self._cached_epoch:
             if self.shuffle:
                 perm = np.random.default_rng((self.seed, epoch)).permutation(self.dataset_len)
@@ -163,7 +163,7 @@ class DistributedBatchSampler:
 
     def global_batch(self, step: int, epoch: int | None = None) -> np.ndarray:
         """The ``G`` dataset indices of global step ``step`` of ``epoch`` (all ranks)."""
-        step = _check_int("step", step, 0)
+        step = check_int("step", step, 0)
         if step >= self.steps_per_epoch:
             raise IndexError(f"step must be in [0, {self.steps_per_epoch}), got {step}")
         g = self.global_batch_size
@@ -187,7 +187,7 @@ class DistributedBatchSampler:
     def micro_batch(self, step: int, micro_step: int, epoch: int | None = None) -> np.ndarray:
         """This rank's ``m`` indices at ``micro_step`` of global ``step``."""
         k = self.gradient_accumulation_steps
-        micro_step = _check_int("micro_step", micro_step, 0)
+        micro_step = check_int("micro_step", micro_step, 0)
         if micro_step >= k:
             raise IndexError(
                 f"micro_step must be in [0, gradient_accumulation_steps={k}), got {micro_step}"

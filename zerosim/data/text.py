@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.data.datasets import check_indices
-from zerosim.data.sampler import _check_int
+from zerosim.data.sampler import check_int
 
 CORPUS_FILE = "corpus.txt"
 
@@ -63,7 +63,7 @@ class CharDataset:
             raise TypeError(
                 f"text must be a str, an os.PathLike or None, got {type(text).__name__}"
             )
-        self.block_size = _check_int("block_size", block_size, 1)
+        self.block_size = check_int("block_size", block_size, 1)
         if len(text) < self.block_size + 1:
             raise ValueError(
                 f"text has {len(text)} characters; block_size={self.block_size} needs at "

@@ -6,13 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
-
 from zerosim import analysis
 from zerosim.analysis.presets import narayanan_flops
 from zerosim.dryrun.run import ModelRecipe, RankRun, host_peak_rss_bytes
 from zerosim.dryrun.timeline import ClusterModel, StepTime, simulate
-from zerosim.engine import Engine
 from zerosim.zero.schedule import stage3_backward_gathers
 
 # memory_report() entries that are model states (the rest are buffers, peaks and the like)
@@ -31,33 +28,6 @@ def model_states_bytes(report: dict[str, int]) -> int:
     optimizer states: what ZeRO partitions."""
     states = sum(v for k, v in report.items() if k.startswith("optimizer_state."))
     return states + sum(report.get(k, 0) for k in MODEL_STATES)
-
-
-def engine_facts(engine: Engine) -> dict[str, Any]:
-    """What the formulas need, read from an initialized engine (rank 0's)."""
-    cfg, strategy, model = engine.config, engine.strategy, engine.module
-    zero = cfg.zero_optimization
-    params = sum(p.numel for p in model.parameters())
-    largest = max(sum(p.numel for p in m._parameters.values() if p) for m in model.modules())
-    report = strategy.memory_report()
-    persistent = getattr(strategy, "persistent_padded_numel", lambda: 0)()
-    return {
-        "params": params,
-        "padded_params": strategy.padded_numel,
-        "persistent_padded_params": persistent,
-        "largest_layer_params": largest,
-        "stage": zero.stage,
-        "schedule": cfg.zerosim.schedule,
-        "model_dtype": cfg.model_dtype,
-        "param_bytes": np.dtype(strategy.dtype).itemsize,
-        "comm_bytes": (strategy.comm_dtype or np.dtype(strategy.dtype)).itemsize,
-        "master_bytes": None if strategy.master_dtype is None else strategy.master_dtype.itemsize,
-        "num_states": sum(1 for k in report if k.startswith("optimizer_state.")),
-        "micro_batch": cfg.train_micro_batch_size_per_gpu,
-        "accumulation": cfg.gradient_accumulation_steps,
-        "ranks_per_node": cfg.zerosim.ranks_per_node,
-        "zero": zero,
-    }
 
 
 def formulas(facts: dict[str, Any], world_size: int) -> dict[str, Any]:

@@ -91,7 +91,7 @@ class RankRun:
     step_flops: int  # matmul FLOPs of the last step
     last_step: int  # the ledger step of the last optimizer step's records
     fingerprint: list[tuple] = field(default_factory=list)  # rank 0 only: every rank's
-    facts: dict[str, Any] = field(default_factory=dict)  # rank 0 only: report.engine_facts
+    facts: dict[str, Any] = field(default_factory=dict)  # rank 0 only: engine_facts
     # the last step as the time model reads it (dryrun/timeline.py): ("compute", flops),
     # ("issue", i), ("wait", i) and, when asked for, ("memory", live bytes)
     events: list[tuple[str, Any]] = field(default_factory=list)
@@ -129,34 +129,23 @@ def run_rank(
     """Build, initialize and train virtual rank ``rank`` for ``steps`` optimizer steps, writing
     the last one's events (with every change of the live bytes when ``memory_events``)."""
     comm = world.comm(rank)
-    events: list[tuple[str, Any]] = []
     with meta.tracking(overflow=overflow, fill=fill) as tracker:
         with shape_only_init():
             net = model.build()
         if recompute:
-            blocks = getattr(net, "blocks", None)
-            if blocks is None:
-                raise ValueError(
-                    f"recompute needs a model with transformer blocks, not {model.name}"
-                )
-            for i, block in enumerate(blocks):
-                blocks[i] = checkpoint(block)
+            _recompute_blocks(net, model.name)
         engine, *_ = initialize(net, config, comm=comm)
         init_peak = tracker.peak_total
-        cfg = engine.config
-        x, y = model.batch(cfg.train_micro_batch_size_per_gpu)
-        flops_before = 0
-        for step in range(steps):
-            if step == steps - 1:
-                tracker.reset_peaks()
-                flops_before = tracker.matmul_flops
-                last_step = engine.global_steps
-                tracker.listeners.append(_event_writer(events, tracker, memory_events))
-                comm.record_events(events)
-            for _ in range(cfg.gradient_accumulation_steps):
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
+        x, y = model.batch(engine.config.train_micro_batch_size_per_gpu)
+        for _ in range(steps - 1):
+            _train_step(engine, x, y)
+        tracker.reset_peaks()  # the last step is the one measured and written as events
+        flops_before = tracker.matmul_flops
+        last_step = engine.global_steps
+        events: list[tuple[str, Any]] = []
+        tracker.listeners.append(_event_writer(events, tracker, memory_events))
+        comm.record_events(events)
+        _train_step(engine, x, y)
         comm.record_events(None)
         tracker.listeners.clear()
         result = RankRun(
@@ -170,12 +159,54 @@ def run_rank(
             events=events,
         )
         if rank == 0:
-            from zerosim.dryrun.report import engine_facts  # noqa: PLC0415  (report imports run)
-
             result.fingerprint = fingerprint(engine, world.size)
             result.facts = engine_facts(engine)
         del engine, net
     return result
+
+
+def _recompute_blocks(net: Module, name: str) -> None:
+    """Wrap every transformer block of ``net`` in activation checkpointing."""
+    blocks = getattr(net, "blocks", None)
+    if blocks is None:
+        raise ValueError(f"recompute needs a model with transformer blocks, not {name}")
+    for i, block in enumerate(blocks):
+        blocks[i] = checkpoint(block)
+
+
+def _train_step(engine: Engine, x: Any, y: Any) -> None:
+    """One optimizer step: ``gradient_accumulation_steps`` micro-batches of (x, y)."""
+    for _ in range(engine.config.gradient_accumulation_steps):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+
+def engine_facts(engine: Engine) -> dict[str, Any]:
+    """What the formulas need, read from an initialized engine (rank 0's)."""
+    cfg, strategy, model = engine.config, engine.strategy, engine.module
+    zero = cfg.zero_optimization
+    params = sum(p.numel for p in model.parameters())
+    largest = max(sum(p.numel for p in m._parameters.values() if p) for m in model.modules())
+    report = strategy.memory_report()
+    persistent = getattr(strategy, "persistent_padded_numel", lambda: 0)()
+    return {
+        "params": params,
+        "padded_params": strategy.padded_numel,
+        "persistent_padded_params": persistent,
+        "largest_layer_params": largest,
+        "stage": zero.stage,
+        "schedule": cfg.zerosim.schedule,
+        "model_dtype": cfg.model_dtype,
+        "param_bytes": np.dtype(strategy.dtype).itemsize,
+        "comm_bytes": (strategy.comm_dtype or np.dtype(strategy.dtype)).itemsize,
+        "master_bytes": None if strategy.master_dtype is None else strategy.master_dtype.itemsize,
+        "num_states": sum(1 for k in report if k.startswith("optimizer_state.")),
+        "micro_batch": cfg.train_micro_batch_size_per_gpu,
+        "accumulation": cfg.gradient_accumulation_steps,
+        "ranks_per_node": cfg.zerosim.ranks_per_node,
+        "zero": zero,
+    }
 
 
 def _event_writer(events: list, tracker: meta.Tracker, memory: bool) -> Callable:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.meta.tracker import Storage, current, values
+from zerosim.meta.tracker import Storage, values
 
 DEVICE = "meta"
 
@@ -516,8 +516,3 @@ def _install_operators() -> None:
 
 
 _install_operators()
-
-
-def tracker_of(x: MetaArray) -> Any:
-    """The tracker that counted ``x``'s allocation."""
-    return x._storage.tracker if isinstance(x, MetaArray) else current()

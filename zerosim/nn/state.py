@@ -7,7 +7,8 @@ their names (so a tied weight appears twice, as in torch).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -23,9 +24,26 @@ from zerosim.backend import (
     xp_of,
 )
 from zerosim.nn.functional import is_floating
+from zerosim.nn.parameter import Parameter
 
-if TYPE_CHECKING:
-    from zerosim.nn.module import Module
+
+class ModuleTree(Protocol):
+    """What this file reads of a module tree; ``zerosim.nn.module.Module`` is the one there is.
+
+    Written as a protocol so that this file, which ``Module`` calls, does not import it back.
+    """
+
+    _parameters: dict[str, Parameter | None]
+    _buffers: dict[str, Any]
+    _non_persistent: set[str]
+
+    def named_modules(
+        self, memo: set[int] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, ModuleTree]]: ...
+
+    def modules(self) -> Iterator[ModuleTree]: ...
+
+    def parameters(self) -> Iterator[Parameter]: ...
 
 
 class StateDictError(ValueError):
@@ -37,9 +55,9 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-def state_entries(module: Module) -> dict[str, tuple[Module, str, bool]]:
+def state_entries(module: ModuleTree) -> dict[str, tuple[ModuleTree, str, bool]]:
     """state-dict key → (owning module, attribute name, is_parameter)."""
-    entries: dict[str, tuple[Module, str, bool]] = {}
+    entries: dict[str, tuple[ModuleTree, str, bool]] = {}
     for module_name, m in module.named_modules(remove_duplicate=False):
         dot = f"{module_name}." if module_name else ""
         for name, p in m._parameters.items():
@@ -51,7 +69,7 @@ def state_entries(module: Module) -> dict[str, tuple[Module, str, bool]]:
     return entries
 
 
-def state_dict(module: Module) -> dict[str, Any]:
+def state_dict(module: ModuleTree) -> dict[str, Any]:
     """{key: the parameter's ``.data`` or the buffer}, references, in definition order."""
     out = {}
     for key, (m, name, is_param) in state_entries(module).items():
@@ -59,7 +77,7 @@ def state_dict(module: Module) -> dict[str, Any]:
     return out
 
 
-def load_state_dict(module: Module, values: dict[str, Any], strict: bool = True) -> LoadResult:
+def load_state_dict(module: ModuleTree, values: dict[str, Any], strict: bool = True) -> LoadResult:
     """Validate every key and shape first, then copy in place (``target[...] = value``)."""
     entries = state_entries(module)
     missing = [k for k in entries if k not in values]
@@ -106,7 +124,7 @@ def _like(value: Any, target: Any) -> Any:
     return from_host(to_host(value), like=target)
 
 
-def cast(module: Module, dtype: Any = None, backend: str | Backend | None = None) -> None:
+def cast(module: ModuleTree, dtype: Any = None, backend: str | Backend | None = None) -> None:
     """Rebind every parameter's ``.data`` / ``.grad`` and every buffer to a copy in ``dtype``
     (floating arrays only) on ``backend``; Parameter objects and their ``shape`` stay.
 
@@ -148,7 +166,7 @@ def cast(module: Module, dtype: Any = None, backend: str | Backend | None = None
                 m._buffers[name] = convert(b)
 
 
-def _arrays(module: Module) -> list[Any]:
+def _arrays(module: ModuleTree) -> list[Any]:
     """Every array ``cast`` converts: parameters' data, chunks and gradients, and buffers."""
     arrays = []
     for p in module.parameters():

@@ -340,21 +340,11 @@ class OneCycle(_BatchScheduler):
             decay_step_size=decay_step_size, cycle_min_mom=cycle_min_mom,
             cycle_max_mom=cycle_max_mom, decay_mom_rate=decay_mom_rate,
         )  # fmt: skip
-        first = float(cycle_first_step_size)
-        second = first if cycle_second_step_size is None else float(cycle_second_step_size)
-        if first <= 0 or second < 0:
-            raise ValueError(
-                "cycle_first_step_size must be > 0 and cycle_second_step_size >= 0; "
-                f"got {cycle_first_step_size} and {cycle_second_step_size}"
-            )
-        self.first_step_size, self.second_step_size = first, second
-        self.total_size = first + second
-        self.step_ratio = first / self.total_size
-        self.first_stair_count = cycle_first_stair_count
-        self.second_stair_count = (
-            cycle_first_stair_count
-            if cycle_second_stair_count is None
-            else cycle_second_stair_count
+        self._init_cycle(
+            cycle_first_step_size,
+            cycle_second_step_size,
+            cycle_first_stair_count,
+            cycle_second_stair_count,
         )
         self.decay_step_size = decay_step_size
         self.decay_lr_rate = decay_lr_rate
@@ -364,6 +354,46 @@ class OneCycle(_BatchScheduler):
         self.skip_mom_decay = no_decay or math.isclose(decay_mom_rate, 0)
         self.min_lrs = per_group("cycle_min_lr", optimizer, cycle_min_lr)
         self.max_lrs = per_group("cycle_max_lr", optimizer, cycle_max_lr)
+        self._init_momentum(optimizer, cycle_momentum, cycle_min_mom, cycle_max_mom)
+        if last_batch_iteration == -1:
+            self._write(list(self.min_lrs))
+            if self.cycle_momentum:
+                for group, betas in zip(optimizer.param_groups, self.min_moms, strict=True):
+                    group["betas"] = betas
+
+    def _init_cycle(
+        self,
+        first_step_size: int,
+        second_step_size: int | None,
+        first_stair_count: int,
+        second_stair_count: int | None,
+    ) -> None:
+        """The triangle's two halves (S1, S2, S = S1 + S2, r = S1 / S) and their stair counts,
+        as DeepSpeed's ``_initialize_cycle``."""
+        first = float(first_step_size)
+        second = first if second_step_size is None else float(second_step_size)
+        if first <= 0 or second < 0:
+            raise ValueError(
+                "cycle_first_step_size must be > 0 and cycle_second_step_size >= 0; "
+                f"got {first_step_size} and {second_step_size}"
+            )
+        self.first_step_size, self.second_step_size = first, second
+        self.total_size = first + second
+        self.step_ratio = first / self.total_size
+        self.first_stair_count = first_stair_count
+        self.second_stair_count = (
+            first_stair_count if second_stair_count is None else second_stair_count
+        )
+
+    def _init_momentum(
+        self,
+        optimizer: Any,
+        cycle_momentum: bool,
+        min_mom: float | Sequence[float],
+        max_mom: float | Sequence[float],
+    ) -> None:
+        """The (beta1, 0.99) bounds per group, or no momentum cycling for an optimizer without
+        ``betas`` (as DeepSpeed's ``_initialize_momentum``)."""
         defaults = getattr(optimizer, "defaults", None) or optimizer.param_groups[0]
         if cycle_momentum and "betas" not in defaults:
             logger.warning(
@@ -373,17 +403,8 @@ class OneCycle(_BatchScheduler):
             cycle_momentum = False
         self.cycle_momentum = cycle_momentum
         if cycle_momentum:
-            self.min_moms = [
-                (m, 0.99) for m in per_group("cycle_min_mom", optimizer, cycle_min_mom)
-            ]
-            self.max_moms = [
-                (m, 0.99) for m in per_group("cycle_max_mom", optimizer, cycle_max_mom)
-            ]
-        if last_batch_iteration == -1:
-            self._write(list(self.min_lrs))
-            if cycle_momentum:
-                for group, betas in zip(optimizer.param_groups, self.min_moms, strict=True):
-                    group["betas"] = betas
+            self.min_moms = [(m, 0.99) for m in per_group("cycle_min_mom", optimizer, min_mom)]
+            self.max_moms = [(m, 0.99) for m in per_group("cycle_max_mom", optimizer, max_mom)]
 
     def _scale(self) -> float:
         b = self.last_batch_iteration + 1

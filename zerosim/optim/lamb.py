@@ -111,7 +111,26 @@ class Lamb(Optimizer):
         """The two passes over slices: moments and partial sums, the sums added over ranks
         (``piece_map.reduce``), then each slice stepped with its parameter's trust ratio."""
         loss = None if closure is None else closure()
-        runs = []  # (param, state, group, key, start, stop)
+        runs = self._runs()
+        sums = self.piece_map.reduce(self._partial_norms(runs))
+        group_of = {key: group for _, _, group, key, _, _ in runs}
+        coefficients = {
+            key: F.trust_ratio(
+                math.sqrt(sums[key][0]),
+                math.sqrt(sums[key][1]),
+                max_coeff=group["max_coeff"],
+                min_coeff=group["min_coeff"],
+            )
+            for key, group in group_of.items()
+        }
+        self._apply(runs, coefficients)
+        self.coefficients = list(coefficients.values())
+        return loss
+
+    def _runs(self) -> list[tuple]:
+        """(param, state, group, key, start, stop) for every slice of a parameter with a
+        gradient, its state created on its first step and its step count advanced."""
+        runs = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -122,6 +141,11 @@ class Lamb(Optimizer):
                 state["step"] += 1.0
                 self.state[p] = state
                 runs += [(p, state, group, *piece) for piece in self.piece_map.pieces(p)]
+        return runs
+
+    def _partial_norms(self, runs: list[tuple]) -> dict[Hashable, list[float]]:
+        """First pass: update each slice's moments; {key: [‖w‖², ‖update‖²]} of this rank's
+        slices of each parameter."""
         sums: dict[Hashable, list[float]] = {}
         for p, state, group, key, lo, hi in runs:
             beta1, beta2 = group["betas"]
@@ -140,17 +164,10 @@ class Lamb(Optimizer):
             total = sums.setdefault(key, [0.0, 0.0])
             total[0] += partial[0]
             total[1] += partial[1]
-        sums = self.piece_map.reduce(sums)
-        group_of = {key: group for _, _, group, key, _, _ in runs}
-        coefficients = {
-            key: F.trust_ratio(
-                math.sqrt(sums[key][0]),
-                math.sqrt(sums[key][1]),
-                max_coeff=group["max_coeff"],
-                min_coeff=group["min_coeff"],
-            )
-            for key, group in group_of.items()
-        }
+        return sums
+
+    def _apply(self, runs: list[tuple], coefficients: dict[Hashable, float]) -> None:
+        """Second pass: step each slice with its parameter's trust ratio."""
         for p, state, group, key, lo, hi in runs:
             beta1, beta2 = group["betas"]
             step_size = F.lamb_step_size(
@@ -172,5 +189,3 @@ class Lamb(Optimizer):
                 eps_inside_sqrt=group["eps_inside_sqrt"],
                 scratch=self._scratch_for(p.data),
             )
-        self.coefficients = list(coefficients.values())
-        return loss

@@ -750,6 +750,27 @@ def _anneal(strategy: str, start: float, end: float, pct: float) -> float:
     return (end - start) * pct + start
 
 
+def _one_cycle_phases(total_steps: int, pct_start: float, three_phase: bool) -> list[dict]:
+    """The 1cycle phases as torch's OneCycleLR lists them: the step each ends at, and the group
+    keys its learning rate and momentum start and end at."""
+    up_end = float(pct_start * total_steps) - 1
+    last = total_steps - 1
+    if three_phase:
+        phases = [
+            (up_end, "initial_lr", "max_lr", "max_momentum", "base_momentum"),
+            (float(2 * pct_start * total_steps) - 2, "max_lr", "initial_lr",
+             "base_momentum", "max_momentum"),
+            (last, "initial_lr", "min_lr", "max_momentum", "max_momentum"),
+        ]  # fmt: skip
+    else:
+        phases = [
+            (up_end, "initial_lr", "max_lr", "max_momentum", "base_momentum"),
+            (last, "max_lr", "min_lr", "base_momentum", "max_momentum"),
+        ]
+    keys = ("end_step", "start_lr", "end_lr", "start_momentum", "end_momentum")
+    return [dict(zip(keys, phase, strict=True)) for phase in phases]
+
+
 class OneCycleLR(LRScheduler):
     """The 1cycle policy (Smith & Topin, arXiv:1708.07120), fastai/torch flavour.
 
@@ -790,22 +811,7 @@ class OneCycleLR(LRScheduler):
         if anneal_strategy not in ("cos", "linear"):
             raise ValueError(f"anneal_strategy must be 'cos' or 'linear'; got {anneal_strategy!r}")
         self._anneal_func_type = anneal_strategy
-        up_end = float(pct_start * self.total_steps) - 1
-        last = self.total_steps - 1
-        if three_phase:
-            phases = [
-                (up_end, "initial_lr", "max_lr", "max_momentum", "base_momentum"),
-                (float(2 * pct_start * self.total_steps) - 2, "max_lr", "initial_lr",
-                 "base_momentum", "max_momentum"),
-                (last, "initial_lr", "min_lr", "max_momentum", "max_momentum"),
-            ]  # fmt: skip
-        else:
-            phases = [
-                (up_end, "initial_lr", "max_lr", "max_momentum", "base_momentum"),
-                (last, "max_lr", "min_lr", "base_momentum", "max_momentum"),
-            ]
-        keys = ("end_step", "start_lr", "end_lr", "start_momentum", "end_momentum")
-        self._schedule_phases = [dict(zip(keys, phase, strict=True)) for phase in phases]
+        self._schedule_phases = _one_cycle_phases(self.total_steps, pct_start, three_phase)
         max_lrs = per_group("max_lr", optimizer, max_lr)
         self.cycle_momentum = cycle_momentum
         if cycle_momentum:  # validate everything before the groups are touched
@@ -979,7 +985,7 @@ def build_scheduler(name: str, optimizer: Any, params: dict[str, Any] | None = N
     unknown params and missing required params raise ValueError naming them and listing what
     is allowed.
     """
-    registry = {cls.__name__: cls for cls in _BUILDABLE}
+    registry = {cls.__name__: cls for cls in BUILDABLE}
     if name not in registry:
         raise ValueError(f"scheduler type {name!r} is unknown; allowed: {sorted(registry)}")
     params = {} if params is None else params
@@ -999,7 +1005,8 @@ def build_scheduler(name: str, optimizer: Any, params: dict[str, Any] | None = N
     return cls(optimizer=optimizer, **params)
 
 
-_BUILDABLE = (
+# The schedulers build_scheduler makes from a config's "scheduler" type, by class name.
+BUILDABLE = (
     StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LambdaLR, MultiplicativeLR, LinearLR,
     ConstantLR, PolynomialLR, CosineAnnealingWarmRestarts, CyclicLR, SequentialLR,
     ChainedScheduler, OneCycleLR, ReduceLROnPlateau, LRRangeTest, WarmupLR, WarmupDecayLR,

@@ -245,6 +245,59 @@ def _watch_modules(model: Any, ledger: Any, events: list[dict[str, Any]]) -> Non
                 module.register_full_backward_hook(end)
 
 
+def _formula_rows(
+    name: str,
+    config: dict[str, Any],
+    strategy: Any,
+    model_dtype: str,
+    net: Any,
+    order: list[int],
+    steps: int,
+    persistent: int,
+    gather: bool,
+) -> list[dict[str, int]]:
+    """{phase: bytes} each rank sends by the formulas of the run's schedule, one per rank."""
+    n, pad, knobs = strategy.comm.size, strategy.padded_numel, config["zero_optimization"]
+    schedule, k = config["zerosim"]["schedule"], config["gradient_accumulation_steps"]
+    coordinator = "deepspeed" if getattr(strategy, "deepspeed", False) else "paper"
+    if schedule == "deepspeed" and strategy.stage < 3 and name != "megatron":
+        numels = [p.numel for _, p in net.named_parameters()]
+        formulas = [
+            _deepspeed_formula_bytes(strategy.stage, n, r, model_dtype, k, numels, order, knobs)
+            for r in range(n)
+        ]
+    elif coordinator == "deepspeed" and steps < 2 and persistent and k == 1:
+        # the first step records the trace: DeepSpeed's coordinator gathers the persistent
+        # parameters around every module too, both ways, then all-gathers them after the step
+        formula = _formula_bytes(name, n, pad, model_dtype, k)
+        formula["step"] = _formula_bytes(name, n, pad, model_dtype, k, persistent)["step"]
+        formulas = [formula] * n
+    else:
+        formulas = [_formula_bytes(name, n, pad, model_dtype, k, persistent, gather)] * n
+    return formulas
+
+
+def _memory_formula(
+    name: str,
+    stage: int,
+    pad: int,
+    n: int,
+    model_dtype: str,
+    precision: str,
+    states: int,
+    persistent: int,
+) -> tuple[list[str], list[int]]:
+    """(categories, bytes each rank holds in each) by the ZeRO paper's model states."""
+    categories = list(MEMORY)
+    if precision != "fp32":
+        categories.insert(3, "master_grads")  # Megatron's fp16 main-grad shard
+    memory = model_states(name, pad, n, model_dtype, states).as_dict()
+    if stage == 3:
+        categories.append("persistent_params")
+        memory["persistent_params"] = persistent * np.dtype(model_dtype).itemsize
+    return categories, [memory[c] for c in categories]
+
+
 def _predicted(
     name: str,
     config: dict[str, Any],
@@ -261,7 +314,6 @@ def _predicted(
     """
     strategy, n = engine.strategy, engine.comm.size
     model_dtype = config["zerosim"]["dtype"] if precision == "fp32" else PRECISION_DTYPES[precision]
-    k = config["gradient_accumulation_steps"]
     pad, knobs = strategy.padded_numel, config["zero_optimization"]
     schedule = config["zerosim"]["schedule"]
     persistent = 0
@@ -272,20 +324,9 @@ def _predicted(
     coordinator = "deepspeed" if isinstance(strategy, Stage3DeepSpeed) else "paper"
     gather = stage3_backward_gathers(coordinator, knobs, pad - persistent, steps >= 2)
     gather = True if gather is None else gather
-    if schedule == "deepspeed" and strategy.stage < 3 and name != "megatron":
-        numels = [p.numel for _, p in net.named_parameters()]
-        formulas = [
-            _deepspeed_formula_bytes(strategy.stage, n, r, model_dtype, k, numels, order, knobs)
-            for r in range(n)
-        ]
-    elif coordinator == "deepspeed" and steps < 2 and persistent and k == 1:
-        # the first step records the trace: DeepSpeed's coordinator gathers the persistent
-        # parameters around every module too, both ways, then all-gathers them after the step
-        formula = _formula_bytes(name, n, pad, model_dtype, k)
-        formula["step"] = _formula_bytes(name, n, pad, model_dtype, k, persistent)["step"]
-        formulas = [formula] * n
-    else:
-        formulas = [_formula_bytes(name, n, pad, model_dtype, k, persistent, gather)] * n
+    formulas = _formula_rows(
+        name, config, strategy, model_dtype, net, order, steps, persistent, gather
+    )
     checks = boundary_messages(
         strategy.stage,
         schedule=schedule,
@@ -302,23 +343,87 @@ def _predicted(
         ]
         for r, formula in enumerate(formulas)
     ]
-    categories = list(MEMORY)
-    if precision != "fp32":
-        categories.insert(3, "master_grads")  # Megatron's fp16 main-grad shard
     states = len(engine.optimizer.state_keys(engine.optimizer.param_groups[0]))
-    memory = model_states(name, pad, n, model_dtype, states).as_dict()
-    if strategy.stage == 3:
-        categories.append("persistent_params")
-        memory["persistent_params"] = persistent * np.dtype(model_dtype).itemsize
+    categories, memory = _memory_formula(
+        name, strategy.stage, pad, n, model_dtype, precision, states, persistent
+    )
     return {
         "phases": list(phases),
         "bytes": per_rank,
         "categories": categories,
-        "memory": [memory[c] for c in categories],
+        "memory": memory,
         "persistent_numel": persistent,
         "itemsize": element_bytes(name, model_dtype)[0],
         "num_states": states,
     }
+
+
+def _train(engine: Any, loader: Any, steps: int, accumulation: int) -> list[float]:
+    """Train until ``steps`` optimizer steps are done; the wall time of each, in seconds."""
+    batches, step_times = iter(loader), []
+    while engine.global_steps < steps:
+        t0 = time.perf_counter()
+        for _ in range(accumulation):
+            x, y = next(batches)
+            engine.backward(engine(x, y))
+            engine.step()
+        step_times.append(time.perf_counter() - t0)
+    return step_times
+
+
+def _alpha_beta_time(records: list[Any], fit: dict[str, float] | None) -> float | None:
+    """The α-β model's time for ``records``' collectives, when ``fit`` has an α."""
+    if fit is None or "alpha" not in fit:
+        return None
+    return sum(
+        collective_time(r.op, r.size_bytes, r.peers, fit["alpha"], fit["bandwidth"])
+        for r in records
+    )
+
+
+def _measured(
+    comm: Communicator,
+    engine: Any,
+    want: dict[str, Any],
+    last: list[Any],
+    step_times: list[float],
+    fit: dict[str, float] | None,
+) -> dict[str, Any]:
+    """The "bytes", "memory" and "time" sections of :func:`run_stage`'s result (and stage 3's
+    peak of gathered parameters): every rank's measurement beside the formulas (collective)."""
+    measured_bytes = [sum(r.bytes_sent for r in last if r.phase == p) for p in want["phases"]]
+    comm_time = sum(r.wall_time or 0.0 for r in last)
+    report = engine.memory_report()
+    report["optimizer_states"] = sum(
+        v for c, v in report.items() if c.startswith("optimizer_state.")
+    )
+    held = [report.get(c, 0) for c in want["categories"]]
+    bytes_rows = _gather(comm, measured_bytes, np.int64).tolist()
+    memory_rows = _gather(comm, held, np.int64).tolist()
+    times = _gather(comm, [float(np.median(step_times)), comm_time], np.float64).max(axis=0)
+    sections = {
+        "bytes": {
+            "phases": want["phases"],
+            "measured": bytes_rows,
+            "formula": want["bytes"],
+            "equal": bytes_rows == want["bytes"],
+        },
+        "memory": {
+            "categories": want["categories"],
+            "measured": memory_rows,
+            "formula": want["memory"],
+            "equal": all(row == want["memory"] for row in memory_rows),
+        },
+        "time": {
+            "step_s": float(times[0]),
+            "collectives_s": float(times[1]),
+            "alpha_beta_s": _alpha_beta_time(last, fit),
+        },
+    }
+    if engine.strategy.stage == 3:
+        peak = [report["peak_gathered_params"]]
+        sections["peak_gathered_params"] = _gather(comm, peak, np.int64)[:, 0].tolist()
+    return sections
 
 
 def run_stage(
@@ -356,33 +461,10 @@ def run_stage(
     events: list[dict[str, Any]] = []
     if keep_records:
         _watch_modules(net, comm.ledger, events)
-    batches, step_times = iter(loader), []
-    while engine.global_steps < steps:
-        t0 = time.perf_counter()
-        for _ in range(accumulation):
-            x, y = next(batches)
-            engine.backward(engine(x, y))
-            engine.step()
-        step_times.append(time.perf_counter() - t0)
-
+    step_times = _train(engine, loader, steps, accumulation)
     want = _predicted(name, config, net, engine, steps, precision, order)
     last = [r for r in comm.ledger.select(step=steps - 1) if r.phase in want["phases"]]
-    measured_bytes = [sum(r.bytes_sent for r in last if r.phase == p) for p in want["phases"]]
-    comm_time = sum(r.wall_time or 0.0 for r in last)
-    predicted = None
-    if fit is not None and "alpha" in fit:
-        predicted = sum(
-            collective_time(r.op, r.size_bytes, r.peers, fit["alpha"], fit["bandwidth"])
-            for r in last
-        )
-    report = engine.memory_report()
-    report["optimizer_states"] = sum(
-        v for c, v in report.items() if c.startswith("optimizer_state.")
-    )
-    held = [report.get(c, 0) for c in want["categories"]]
-    bytes_rows = _gather(comm, measured_bytes, np.int64).tolist()
-    memory_rows = _gather(comm, held, np.int64).tolist()
-    times = _gather(comm, [float(np.median(step_times)), comm_time], np.float64).max(axis=0)
+    sections = _measured(comm, engine, want, last, step_times, fit)
     strategy = engine.strategy
     out = {
         "name": name,
@@ -397,27 +479,8 @@ def run_stage(
         "num_states": want["num_states"],
         "skipped_steps": engine.skipped_steps,
         "loss_scale": engine.loss_scale,
-        "bytes": {
-            "phases": want["phases"],
-            "measured": bytes_rows,
-            "formula": want["bytes"],
-            "equal": bytes_rows == want["bytes"],
-        },
-        "memory": {
-            "categories": want["categories"],
-            "measured": memory_rows,
-            "formula": want["memory"],
-            "equal": all(row == want["memory"] for row in memory_rows),
-        },
-        "time": {
-            "step_s": float(times[0]),
-            "collectives_s": float(times[1]),
-            "alpha_beta_s": predicted,
-        },
+        **sections,
     }
-    if strategy.stage == 3:
-        peak = [report["peak_gathered_params"]]
-        out["peak_gathered_params"] = _gather(comm, peak, np.int64)[:, 0].tolist()
     if keep_records:
         out["records"] = [asdict(r) for r in last]
         out["events"] = [e for e in events if e["step"] == steps - 1 and "stop" in e]
@@ -463,6 +526,42 @@ def compare(
     }
 
 
+def _format_stage(row: dict[str, Any], precision: str) -> list[str]:
+    """One stage's lines of :func:`format_report`: bytes and memory per rank against the
+    formulas, and the step's times."""
+    b = row["bytes"]
+    scale = "" if precision != "fp16" else f", loss scale {row['loss_scale']:g}"
+    skipped = f", {row['skipped_steps']} steps skipped" if row["skipped_steps"] else ""
+    schedule = row.get("schedule", "deepspeed")
+    lines = [
+        f"stage {row['name']}, {schedule}'s schedule (Ψ = {row['numel']:,}, "
+        f"Ψ_pad = {row['padded_numel']:,}, b = {row['itemsize']}, "
+        f"K_s = {row['num_states']}{scale}{skipped})",
+        f"  bytes sent in the last step {'':<6}" + "".join(f"{p:>12}" for p in b["phases"]),
+    ]
+    for r, (got, want) in enumerate(zip(b["measured"], b["formula"], strict=True)):
+        verdict = "OK" if got == want else f"MISMATCH (formula {want})"
+        lines.append(f"  rank {r:<28}" + "".join(f"{v:>12,}" for v in got) + f"   {verdict}")
+    m = row["memory"]
+    lines.append(f"  bytes held {'':<22}" + "".join(f"{c:>18}" for c in m["categories"]))
+    for r, got in enumerate(m["measured"]):
+        lines.append(f"  rank {r:<28}" + "".join(f"{v:>18,}" for v in got))
+    verdict = "OK" if m["equal"] else "MISMATCH"
+    lines.append(
+        f"  {'formula':<33}" + "".join(f"{v:>18,}" for v in m["formula"]) + f"   {verdict}"
+    )
+    if "peak_gathered_params" in row:
+        peaks = ", ".join(f"{v:,}" for v in row["peak_gathered_params"])
+        lines.append(f"  peak gathered parameters (bytes, per rank): {peaks}")
+    t = row["time"]
+    predicted = "n/a" if t["alpha_beta_s"] is None else f"{t['alpha_beta_s'] * 1e3:.2f} ms"
+    lines.append(
+        f"  time per step {t['step_s'] * 1e3:.2f} ms; its collectives "
+        f"{t['collectives_s'] * 1e3:.2f} ms measured, {predicted} α-β"
+    )
+    return lines
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as the text ``zerosim compare`` prints."""
     n, k = report["world_size"], report["accumulation"]
@@ -481,37 +580,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"(rms residual {fit['residual_rms'] * 1e6:.1f} µs)"
         )
     for row in report["stages"]:
-        b = row["bytes"]
-        scale = "" if precision != "fp16" else f", loss scale {row['loss_scale']:g}"
-        skipped = f", {row['skipped_steps']} steps skipped" if row["skipped_steps"] else ""
-        schedule = row.get("schedule", "deepspeed")
-        lines += [
-            "",
-            f"stage {row['name']}, {schedule}'s schedule (Ψ = {row['numel']:,}, "
-            f"Ψ_pad = {row['padded_numel']:,}, b = {row['itemsize']}, "
-            f"K_s = {row['num_states']}{scale}{skipped})",
-            f"  bytes sent in the last step {'':<6}" + "".join(f"{p:>12}" for p in b["phases"]),
-        ]
-        for r, (got, want) in enumerate(zip(b["measured"], b["formula"], strict=True)):
-            verdict = "OK" if got == want else f"MISMATCH (formula {want})"
-            lines.append(f"  rank {r:<28}" + "".join(f"{v:>12,}" for v in got) + f"   {verdict}")
-        m = row["memory"]
-        lines.append(f"  bytes held {'':<22}" + "".join(f"{c:>18}" for c in m["categories"]))
-        for r, got in enumerate(m["measured"]):
-            lines.append(f"  rank {r:<28}" + "".join(f"{v:>18,}" for v in got))
-        verdict = "OK" if m["equal"] else "MISMATCH"
-        lines.append(
-            f"  {'formula':<33}" + "".join(f"{v:>18,}" for v in m["formula"]) + f"   {verdict}"
-        )
-        if "peak_gathered_params" in row:
-            peaks = ", ".join(f"{v:,}" for v in row["peak_gathered_params"])
-            lines.append(f"  peak gathered parameters (bytes, per rank): {peaks}")
-        t = row["time"]
-        predicted = "n/a" if t["alpha_beta_s"] is None else f"{t['alpha_beta_s'] * 1e3:.2f} ms"
-        lines.append(
-            f"  time per step {t['step_s'] * 1e3:.2f} ms; its collectives "
-            f"{t['collectives_s'] * 1e3:.2f} ms measured, {predicted} α-β"
-        )
+        lines += ["", *_format_stage(row, precision)]
     totals = _schedule_totals(report["stages"])
     if len(totals) > 1:
         lines += ["", "bytes rank 0 sent in the last step, by schedule (measured):"]

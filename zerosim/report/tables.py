@@ -127,23 +127,7 @@ def volume_data(
         stages[s] = {"padded_numel": pad, **phases, "total": sum(phases.values())}
     clip = {"end_ranks": analysis.clip_bytes(dp, 0)}
     clip["middle_ranks"] = analysis.clip_bytes(dp, 1) if dp > 2 else None
-    bucket = analysis.volume.DEEPSPEED_BUCKET
-    numels = [bucket] * (int(params) // bucket) + [int(params) % bucket]
-    numels = [m for m in numels if m]
-    deepspeed = {}
-    for s in ("0", "1", "2"):
-        phases = analysis.step_bytes(
-            int(s), dp, 0, b, accumulation, schedule="deepspeed", numels=numels
-        )
-        total = sum(phases.values())
-        pad = int(params) if s == "0" else analysis.deepspeed_padded_numel(int(params), dp)
-        paper = stages[s]["total"]
-        deepspeed[s] = {
-            "padded_numel": pad,
-            **phases,
-            "total": total,
-            "ratio": total / paper if paper else None,
-        }
+    deepspeed = _deepspeed_volume(int(params), dp, b, accumulation, stages)
     return {
         "num_params": params,
         "dp": dp,
@@ -155,6 +139,30 @@ def volume_data(
         "deepspeed": deepspeed,
         "clip_bytes": clip,
     }
+
+
+def _deepspeed_volume(
+    params: int, dp: int, b: int, accumulation: int, paper: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """``volume_data``'s "deepspeed" section: stages 0-2 under DeepSpeed's schedule, the
+    gradients in buckets of exactly ``reduce_bucket_size`` elements, beside ``paper``'s totals."""
+    bucket = analysis.volume.DEEPSPEED_BUCKET
+    numels = [m for m in [bucket] * (params // bucket) + [params % bucket] if m]
+    deepspeed = {}
+    for s in ("0", "1", "2"):
+        phases = analysis.step_bytes(
+            int(s), dp, 0, b, accumulation, schedule="deepspeed", numels=numels
+        )
+        total = sum(phases.values())
+        pad = params if s == "0" else analysis.deepspeed_padded_numel(params, dp)
+        paper_total = paper[s]["total"]
+        deepspeed[s] = {
+            "padded_numel": pad,
+            **phases,
+            "total": total,
+            "ratio": total / paper_total if paper_total else None,
+        }
+    return deepspeed
 
 
 def stage_collectives(

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.analysis import step_bytes
+from zerosim.analysis.stages import ZERO_STAGES
 from zerosim.analysis.whole_params import (
     lamb_norm_bytes,
     muon_extra_bytes,
@@ -47,7 +48,7 @@ def volume_data(params: int, dp: int, optimizer: str, matrices: int, itemsize: i
     shapes = [(side, side)] * matrices
     numels = [side * side] * matrices
     rows = {}
-    for stage in (0, 1, 2, 3):
+    for stage in ZERO_STAGES:
         if stage < 3:
             adam = step_bytes(stage, dp, 0, itemsize, schedule="deepspeed", numels=numels)
         else:
@@ -155,7 +156,7 @@ def compare(comm: Communicator, optimizer: str, model: str = "mlp", steps: int =
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
     rows = []
-    for stage in (0, 1, 2, 3):
+    for stage in ZERO_STAGES:
         net, data = build_model(model)
         order = gradient_order(net)
         engine, _, loader, _ = initialize(

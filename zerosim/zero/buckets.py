@@ -74,9 +74,6 @@ class BufferPool:
         buf = self.lent.pop(id(view))
         self.free[np_dtype(buf.dtype)].append(buf)
 
-    def lent_nbytes(self) -> int:
-        return sum(nbytes(b) for b in self.lent.values())
-
 
 class PendingReductions:
     """Launched bucket reductions, oldest first: (handle, out, dest, pooled views) each.

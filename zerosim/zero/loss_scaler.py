@@ -48,10 +48,24 @@ import math
 import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from zerosim.backend import StandardNamespace, item, xp_of
-from zerosim.config.sections import LossScaleSettings
+
+
+@dataclass(frozen=True)
+class LossScaleSettings:
+    """The numbers a loss scaler starts from: what DeepSpeed's scaler would be built with."""
+
+    dynamic: bool
+    init_scale: float
+    scale_window: int
+    min_scale: float
+    hysteresis: int
+    consecutive_hysteresis: bool
+    raise_error_at_min_scale: bool = True
+
 
 logger = logging.getLogger(__name__)
 

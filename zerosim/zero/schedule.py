@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-SCHEDULES = ("deepspeed", "paper")
+from zerosim.analysis.volume import SCHEDULES
 
 
 @dataclass(frozen=True)

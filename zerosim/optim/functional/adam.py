@@ -11,7 +11,7 @@ Adam adds ε to the *uncorrected* root and folds both bias corrections into the 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 from zerosim.optim.functional import cupy_kernels, fused
 from zerosim.optim.functional.common import (
@@ -48,6 +48,54 @@ class Moments:
         add_square_(v, g, self.beta2, tmp, one_minus_beta=self.one_minus_beta2)
 
 
+class AdamStep(NamedTuple):
+    """One Adam step's hyperparameters and the scalars both of ``adam``'s paths derive."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: float
+    decoupled_weight_decay: bool
+    maximize: bool
+
+    @property
+    def bias_correction1(self) -> float:
+        return 1.0 - self.beta1**self.step
+
+    @property
+    def bias_correction2_sqrt(self) -> float:
+        return math.sqrt(1.0 - self.beta2**self.step)
+
+    @property
+    def coupled_decay(self) -> float:
+        """λ added to the gradient (Adam); 0 under AdamW, whose decay scales θ instead."""
+        return 0.0 if self.decoupled_weight_decay else self.weight_decay
+
+    @property
+    def decoupled(self) -> bool:
+        """AdamW with a decay that changes θ."""
+        return self.decoupled_weight_decay and self.weight_decay != 0
+
+    def fused(self, param: Any) -> fused.AdamCoefficients:
+        """The coefficients of the fused kernels, rounded to ``param``'s state dtype."""
+        r = fused.rounder(param)
+        return fused.AdamCoefficients(
+            weight_decay=r(self.coupled_decay),
+            maximize=self.maximize,
+            decay=r(1.0 - self.lr * self.weight_decay),
+            decoupled=self.decoupled,
+            lerp_scale=r(lerp_scale(1.0 - self.beta1)),
+            lerp_upper=1.0 - self.beta1 >= 0.5,
+            beta2=r(self.beta2),
+            one_minus_beta2=r(1.0 - self.beta2),
+            bias_correction2_sqrt=r(self.bias_correction2_sqrt),
+            eps=r(self.eps),
+            neg_step_size=r(-self.lr / self.bias_correction1),
+        )
+
+
 def adam(
     param: Any,
     grad: Any,
@@ -79,59 +127,52 @@ def adam(
         torch:  θ ← θ − lr/(1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + ε)
         keras:  θ ← θ − lr·√(1 − β₂ᵗ)/(1 − β₁ᵗ) · m / (√v + ε)
 
-    ``max_exp_avg_sq`` is required when amsgrad is True. With numba (``fused.py``), the
-    torch variant is one kernel call, one pass over memory, in torch's order: the
-    denominator √v/√(1 − β₂ᵗ) + ε, then θ + (−lr/(1 − β₁ᵗ)·m)/denominator. Otherwise
-    (NumPy) a block takes 12 ufunc calls
-    (7 for the moments, then √v, + ε, m ÷ denominator, × −step size, + θ), one more for
-    AdamW's decay; each call is one arithmetic operation, and none of them can be folded
-    into another without a call to scale a stored state.
+    ``max_exp_avg_sq`` is required when amsgrad is True. With numba (``fused.py``) or on
+    CuPy, the torch variant is one kernel call, one pass over memory, in torch's order: the
+    denominator √v/√(1 − β₂ᵗ) + ε, then θ + (−lr/(1 − β₁ᵗ)·m)/denominator. Otherwise the
+    update is a sequence of ufunc calls per block (``_adam_blocks``).
     """
     check_variant(variant)
-    lr, beta1, beta2, eps = float(lr), float(beta1), float(beta2), float(eps)
-    weight_decay, step = float(weight_decay), float(step)
     if amsgrad and max_exp_avg_sq is None:
         raise ValueError("amsgrad=True needs a max_exp_avg_sq array; got None")
-    max_exp_avg_sq = max_exp_avg_sq if amsgrad else None
-    check_arrays(param, grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
-    bias_correction1 = 1.0 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-    states = [exp_avg, exp_avg_sq, max_exp_avg_sq]
-    on_gpu = variant == "torch" and cupy_kernels.applies(param, grad, *states)
-    if on_gpu or (variant == "torch" and fused.applies(param, grad, *states)):
-        r = fused.rounder(param)
-        coefficients = fused.AdamCoefficients(
-            weight_decay=r(0.0 if decoupled_weight_decay else weight_decay),
-            maximize=bool(maximize),
-            decay=r(1.0 - lr * weight_decay),
-            decoupled=bool(decoupled_weight_decay and weight_decay != 0),
-            lerp_scale=r(lerp_scale(1.0 - beta1)),
-            lerp_upper=1.0 - beta1 >= 0.5,
-            beta2=r(beta2),
-            one_minus_beta2=r(1.0 - beta2),
-            bias_correction2_sqrt=r(bias_correction2_sqrt),
-            eps=r(eps),
-            neg_step_size=r(-lr / bias_correction1),
-        )
-        if on_gpu:  # one ElementwiseKernel (cupy_kernels.py)
-            cupy_kernels.adam(param, grad, states, coefficients, amsgrad)
-            return
+    states = [exp_avg, exp_avg_sq, max_exp_avg_sq if amsgrad else None]
+    check_arrays(param, grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=states[2])
+    hyper = AdamStep(
+        *map(float, (lr, beta1, beta2, eps, weight_decay, step)),
+        decoupled_weight_decay=bool(decoupled_weight_decay),
+        maximize=bool(maximize),
+    )
+    if variant == "torch" and cupy_kernels.applies(param, grad, *states):
+        cupy_kernels.adam(param, grad, states, hyper.fused(param), amsgrad)  # one ElementwiseKernel
+    elif variant == "torch" and fused.applies(param, grad, *states):
         kernels = fused.kernels()
         kernel = kernels.adam_amsgrad if amsgrad else kernels.adam
-        fused.run(kernel, param, grad, states, coefficients, scratch)
-        return
+        fused.run(kernel, param, grad, states, hyper.fused(param), scratch)
+    else:
+        _adam_blocks(param, grad, states, hyper, variant, scratch)
+
+
+def _adam_blocks(
+    param: Any, grad: Any, states: list[Any], hyper: AdamStep, variant: str, scratch: Any
+) -> None:
+    """Adam's update in ufunc calls, block by block (``common.blocks``): 12 per block
+    (7 for the moments, then √v, + ε, m ÷ denominator, × −step size, + θ), one more for
+    AdamW's decay; each call is one arithmetic operation, and none of them can be folded into
+    another without a call to scale a stored state. torch's form is Keras's with ε scaled by
+    √(1 − β₂ᵗ); computing it so saves a pass."""
     xp = xp_of(param)
-    # torch's form is Keras's with ε scaled by √(1 − β₂ᵗ); computing it so saves a pass.
-    neg_step_size = scalar(-lr * bias_correction2_sqrt / bias_correction1, exp_avg)
-    eps_hat = scalar(eps * bias_correction2_sqrt if variant == "torch" else eps, exp_avg)
-    decay = scalar(1.0 - lr * weight_decay, exp_avg)
-    decoupled = decoupled_weight_decay and weight_decay != 0
-    coupled_decay = 0.0 if decoupled_weight_decay else weight_decay
-    moments = Moments(exp_avg, beta1, beta2)
+    exp_avg, amsgrad = states[0], states[2] is not None
+    root = hyper.bias_correction2_sqrt
+    neg_step_size = scalar(-hyper.lr * root / hyper.bias_correction1, exp_avg)
+    eps_hat = scalar(hyper.eps * root if variant == "torch" else hyper.eps, exp_avg)
+    decay = scalar(1.0 - hyper.lr * hyper.weight_decay, exp_avg)
+    moments = Moments(exp_avg, hyper.beta1, hyper.beta2)
     for p, g, (m, v, v_max), (g_buf, tmp) in blocks(param, grad, states, 2, scratch):
         # g_buf holds the gradient only when it is negated or decayed: a plain step touches
         # five block-sized arrays (θ, g, m, v, tmp), the fewer the better for the cache.
-        g = effective_grad(g, p, maximize=maximize, weight_decay=coupled_decay, out=g_buf)
+        g = effective_grad(
+            g, p, maximize=hyper.maximize, weight_decay=hyper.coupled_decay, out=g_buf
+        )
         moments.update_(m, v, g, tmp=tmp)
         if amsgrad:
             xp.maximum(v_max, v, out=v_max)
@@ -140,6 +181,6 @@ def adam(
         xp.add(tmp, eps_hat, out=tmp)
         xp.divide(m, tmp, out=tmp)
         xp.multiply(tmp, neg_step_size, out=tmp)
-        if decoupled:  # torch scales θ first; nothing above reads θ, so the result is the same
+        if hyper.decoupled:  # torch scales θ first; nothing above reads θ: the same result
             xp.multiply(p, decay, out=p)
         xp.add(p, tmp, out=p)

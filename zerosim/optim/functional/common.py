@@ -187,20 +187,17 @@ def blocks(
         buffers = [b.reshape(param.shape) for b in buffers]
     else:  # the standard's arrays: one block, the work buffers shaped like the parameter
         buffers = [xp.reshape(b, tuple(param.shape)) for b in buffers]
-    p_buf = buffers.pop() if cast_param else None
-    g_buf = buffers.pop() if cast_grad else None
     size = int(param.size)
     for start in range(0, size, length):
-        p, g, state_blocks, work = param, grad, states, buffers
+        p, g, state_blocks, work = param, grad, states, list(buffers)
         if flat:
             block = slice(start, min(start + length, size))
             p, g = param[block], grad[block]
             state_blocks = [None if s is None else s[block] for s in states]
             if size - start < length:  # the last, shorter block
-                n = size - start
-                work = [b[:n] for b in buffers]
-                p_buf = None if p_buf is None else p_buf[:n]
-                g_buf = None if g_buf is None else g_buf[:n]
+                work = [b[: size - start] for b in buffers]
+        p_buf = work.pop() if cast_param else None  # the upcast copies, after the work buffers
+        g_buf = work.pop() if cast_grad else None
         p_out = p
         if cast_param:
             xp.copyto(p_buf, p_out)

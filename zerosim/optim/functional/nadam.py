@@ -6,7 +6,7 @@ Hyperparameters are trusted here; the optimizer classes validate them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from zerosim.optim.functional import fused
 from zerosim.optim.functional.adam import Moments
@@ -19,6 +19,53 @@ from zerosim.optim.functional.common import (
     state_dtype,
     xp_of,
 )
+
+
+class NAdamStep(NamedTuple):
+    """One NAdam step's hyperparameters and the two step sizes of its momentum schedule."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled_weight_decay: bool
+    maximize: bool
+    bias_correction2: float  # 1 − β₂ᵗ
+    grad_coef: float  # −lr·(1 − μ_t)/(1 − Π_{i≤t} μ_i)
+    avg_coef: float  # −lr·μ_{t+1}/(1 − Π_{i≤t+1} μ_i)
+
+    @property
+    def coupled_decay(self) -> float:
+        return 0.0 if self.decoupled_weight_decay else self.weight_decay
+
+    def fused(self, param: Any) -> fused.NAdamCoefficients:
+        """The coefficients of the fused kernel, rounded to ``param``'s state dtype."""
+        r = fused.rounder(param)
+        return fused.NAdamCoefficients(
+            weight_decay=r(self.coupled_decay),
+            maximize=self.maximize,
+            decay=r(1.0 - self.lr * self.weight_decay),
+            decoupled=self.decoupled_weight_decay and self.weight_decay != 0,
+            lerp_scale=r(lerp_scale(1.0 - self.beta1)),
+            lerp_upper=1.0 - self.beta1 >= 0.5,
+            beta2=r(self.beta2),
+            one_minus_beta2=r(1.0 - self.beta2),
+            bias_correction2=r(self.bias_correction2),
+            eps=r(self.eps),
+            grad_coef=r(self.grad_coef),
+            avg_coef=r(self.avg_coef),
+        )
+
+
+def momentum_schedule(
+    step: float, mu_product: float, beta1: float, momentum_decay: float, rounded: Any
+) -> tuple[float, float, float]:
+    """(μ_t, μ_{t+1}, Π_{i≤t} μ_i) from Π_{i<t} μ_i: torch's momentum decay, the product
+    rounded to the state dtype (``rounded``) as torch keeps it in a tensor."""
+    mu = beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
+    mu_next = beta1 * (1.0 - 0.5 * 0.96 ** ((step + 1.0) * momentum_decay))
+    return mu, mu_next, float(rounded(mu_product) * rounded(mu))
 
 
 def nadam(
@@ -56,43 +103,42 @@ def nadam(
     lr, beta1, beta2, eps = float(lr), float(beta1), float(beta2), float(eps)
     weight_decay, momentum_decay, step = float(weight_decay), float(momentum_decay), float(step)
     check_arrays(param, grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-    xp = xp_of(param)
     rounded = state_dtype(param.dtype).type
-    bias_correction2 = 1.0 - beta2**step
-    mu = beta1 * (1.0 - 0.5 * 0.96 ** (step * momentum_decay))
-    mu_next = beta1 * (1.0 - 0.5 * 0.96 ** ((step + 1.0) * momentum_decay))
-    mu_product = float(rounded(mu_product) * rounded(mu))
-    grad_coef = -lr * (1.0 - mu) / (1.0 - mu_product)
-    avg_coef = -lr * mu_next / (1.0 - mu_product * mu_next)
-    coupled_decay = 0.0 if decoupled_weight_decay else weight_decay
+    mu, mu_next, mu_product = momentum_schedule(step, mu_product, beta1, momentum_decay, rounded)
+    hyper = NAdamStep(
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        decoupled_weight_decay=bool(decoupled_weight_decay),
+        maximize=bool(maximize),
+        bias_correction2=1.0 - beta2**step,
+        grad_coef=-lr * (1.0 - mu) / (1.0 - mu_product),
+        avg_coef=-lr * mu_next / (1.0 - mu_product * mu_next),
+    )
     states = [exp_avg, exp_avg_sq]
     if fused.applies(param, grad, *states):
-        r = fused.rounder(param)
-        coefficients = fused.NAdamCoefficients(
-            weight_decay=r(coupled_decay),
-            maximize=bool(maximize),
-            decay=r(1.0 - lr * weight_decay),
-            decoupled=bool(decoupled_weight_decay and weight_decay != 0),
-            lerp_scale=r(lerp_scale(1.0 - beta1)),
-            lerp_upper=1.0 - beta1 >= 0.5,
-            beta2=r(beta2),
-            one_minus_beta2=r(1.0 - beta2),
-            bias_correction2=r(bias_correction2),
-            eps=r(eps),
-            grad_coef=r(grad_coef),
-            avg_coef=r(avg_coef),
-        )
-        fused.run(fused.kernels().nadam, param, grad, states, coefficients, scratch)
-        return mu_product
-    moments = Moments(exp_avg, beta1, beta2)
-    for p, g, (m, v), (g_buf, denom, tmp) in blocks(param, grad, states, 3, scratch):
-        if decoupled_weight_decay and weight_decay != 0:
-            p *= 1.0 - lr * weight_decay
-        g = effective_grad(g, p, maximize=maximize, weight_decay=coupled_decay, out=g_buf)
-        moments.update_(m, v, g, tmp=tmp)
-        xp.divide(v, bias_correction2, out=denom)
-        xp.sqrt(denom, out=denom)
-        denom += eps
-        add_ratio_(p, g, denom, grad_coef, tmp=tmp)
-        add_ratio_(p, m, denom, avg_coef, tmp=tmp)
+        fused.run(fused.kernels().nadam, param, grad, states, hyper.fused(param), scratch)
+    else:
+        _nadam_blocks(param, grad, states, hyper, scratch)
     return mu_product
+
+
+def _nadam_blocks(param: Any, grad: Any, states: list[Any], hyper: NAdamStep, scratch: Any) -> None:
+    """NAdam's update in ufunc calls, block by block (``common.blocks``)."""
+    xp = xp_of(param)
+    lr, weight_decay = hyper.lr, hyper.weight_decay
+    moments = Moments(states[0], hyper.beta1, hyper.beta2)
+    for p, g, (m, v), (g_buf, denom, tmp) in blocks(param, grad, states, 3, scratch):
+        if hyper.decoupled_weight_decay and weight_decay != 0:
+            p *= 1.0 - lr * weight_decay
+        g = effective_grad(
+            g, p, maximize=hyper.maximize, weight_decay=hyper.coupled_decay, out=g_buf
+        )
+        moments.update_(m, v, g, tmp=tmp)
+        xp.divide(v, hyper.bias_correction2, out=denom)
+        xp.sqrt(denom, out=denom)
+        denom += hyper.eps
+        add_ratio_(p, g, denom, hyper.grad_coef, tmp=tmp)
+        add_ratio_(p, m, denom, hyper.avg_coef, tmp=tmp)

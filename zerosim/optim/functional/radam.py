@@ -8,7 +8,7 @@ Hyperparameters are trusted here; the optimizer classes validate them.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,6 +21,58 @@ from zerosim.optim.functional.common import (
     lerp_scale,
     xp_of,
 )
+
+
+def rectification(step: float, beta2: float) -> tuple[float, float]:
+    """(ρ_t, r_t): the length of the approximated SMA and the variance rectification term
+    (Liu et al. 2020, eq. 5 and Alg. 2); r_t = 0 while ρ_t ≤ 5 (the variance is intractable)."""
+    rho_inf = 2.0 / (1.0 - beta2) - 1.0
+    rho_t = rho_inf - 2.0 * step * beta2**step / (1.0 - beta2**step)
+    if rho_t <= 5.0:
+        return rho_t, 0.0
+    return rho_t, math.sqrt(
+        (rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
+    )
+
+
+class RAdamStep(NamedTuple):
+    """One RAdam step's hyperparameters, bias corrections and rectification."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled_weight_decay: bool
+    maximize: bool
+    bias_correction1: float  # 1 − β₁ᵗ
+    bias_correction2: float  # 1 − β₂ᵗ
+    rectified: bool  # ρ_t > 5
+    rect: float  # r_t
+
+    @property
+    def coupled_decay(self) -> float:
+        return 0.0 if self.decoupled_weight_decay else self.weight_decay
+
+    def fused(self, param: Any) -> fused.RAdamCoefficients:
+        """The coefficients of the fused kernel, rounded to ``param``'s state dtype."""
+        r = fused.rounder(param)
+        return fused.RAdamCoefficients(
+            weight_decay=r(self.coupled_decay),
+            maximize=self.maximize,
+            decay=r(1.0 - self.lr * self.weight_decay),
+            decoupled=self.decoupled_weight_decay and self.weight_decay != 0,
+            lerp_scale=r(lerp_scale(1.0 - self.beta1)),
+            lerp_upper=1.0 - self.beta1 >= 0.5,
+            beta2=r(self.beta2),
+            one_minus_beta2=r(1.0 - self.beta2),
+            bias_correction1=r(self.bias_correction1),
+            lr=r(self.lr),
+            rectified=self.rectified,
+            bias_correction2_sqrt=r(math.sqrt(self.bias_correction2)),
+            eps=r(self.eps),
+            rect=r(self.rect),
+        )
 
 
 def radam(
@@ -54,54 +106,49 @@ def radam(
     lr, beta1, beta2, eps = float(lr), float(beta1), float(beta2), float(eps)
     weight_decay, step = float(weight_decay), float(step)
     check_arrays(param, grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-    xp = xp_of(param)
-    bias_correction1 = 1.0 - beta1**step
-    bias_correction2 = 1.0 - beta2**step
-    rho_inf = 2.0 / (1.0 - beta2) - 1.0
-    rho_t = rho_inf - 2.0 * step * beta2**step / bias_correction2
-    rect = 0.0
-    if rho_t > 5.0:
-        rect = math.sqrt(
-            (rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t)
-        )
-    coupled_decay = 0.0 if decoupled_weight_decay else weight_decay
+    rho_t, rect = rectification(step, beta2)
+    hyper = RAdamStep(
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        decoupled_weight_decay=bool(decoupled_weight_decay),
+        maximize=bool(maximize),
+        bias_correction1=1.0 - beta1**step,
+        bias_correction2=1.0 - beta2**step,
+        rectified=rho_t > 5.0,
+        rect=rect,
+    )
     states = [exp_avg, exp_avg_sq]
     if fused.applies(param, grad, *states):
-        r = fused.rounder(param)
-        coefficients = fused.RAdamCoefficients(
-            weight_decay=r(coupled_decay),
-            maximize=bool(maximize),
-            decay=r(1.0 - lr * weight_decay),
-            decoupled=bool(decoupled_weight_decay and weight_decay != 0),
-            lerp_scale=r(lerp_scale(1.0 - beta1)),
-            lerp_upper=1.0 - beta1 >= 0.5,
-            beta2=r(beta2),
-            one_minus_beta2=r(1.0 - beta2),
-            bias_correction1=r(bias_correction1),
-            lr=r(lr),
-            rectified=rho_t > 5.0,
-            bias_correction2_sqrt=r(math.sqrt(bias_correction2)),
-            eps=r(eps),
-            rect=r(rect),
-        )
-        fused.run(fused.kernels().radam, param, grad, states, coefficients, scratch)
-        return
-    moments = Moments(exp_avg, beta1, beta2)
+        fused.run(fused.kernels().radam, param, grad, states, hyper.fused(param), scratch)
+    else:
+        _radam_blocks(param, grad, states, hyper, scratch)
+
+
+def _radam_blocks(param: Any, grad: Any, states: list[Any], hyper: RAdamStep, scratch: Any) -> None:
+    """RAdam's update in ufunc calls, block by block (``common.blocks``)."""
+    xp = xp_of(param)
+    lr, weight_decay = hyper.lr, hyper.weight_decay
+    moments = Moments(states[0], hyper.beta1, hyper.beta2)
     for p, g, (m, v), (g_buf, tmp) in blocks(param, grad, states, 2, scratch):
-        if decoupled_weight_decay and weight_decay != 0:
+        if hyper.decoupled_weight_decay and weight_decay != 0:
             p *= 1.0 - lr * weight_decay
-        g = effective_grad(g, p, maximize=maximize, weight_decay=coupled_decay, out=g_buf)
+        g = effective_grad(
+            g, p, maximize=hyper.maximize, weight_decay=hyper.coupled_decay, out=g_buf
+        )
         moments.update_(m, v, g, tmp=tmp)
-        xp.divide(m, bias_correction1, out=g_buf)
+        xp.divide(m, hyper.bias_correction1, out=g_buf)
         g_buf *= lr
-        if rho_t > 5.0:
+        if hyper.rectified:
             xp.sqrt(v, out=tmp)
-            tmp += eps
+            tmp += hyper.eps
             if xp is np:
                 xp.reciprocal(tmp, out=tmp)
             else:  # the standard has no reciprocal; 1/x rounds the same (IEEE division)
                 xp.divide(1.0, tmp, out=tmp)
-            tmp *= math.sqrt(bias_correction2)
+            tmp *= math.sqrt(hyper.bias_correction2)
             g_buf *= tmp
-            g_buf *= rect
+            g_buf *= hyper.rect
         p -= g_buf
