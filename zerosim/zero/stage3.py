@@ -189,10 +189,7 @@ class Stage3(Strategy):
         chunk = read_param_chunk(self, g, i)  # a file read under offload_param: nvme
         buf = g.xp.empty(chunk.size * self.comm.size, dtype=self.dtype)
         self.gathered[id(p)] = buf
-        if self.zero.overlap_comm:
-            return self.comm.iall_gather(buf, chunk)
-        self.comm.all_gather(buf, chunk)
-        return None
+        return self.launch(self.comm.iall_gather, self.comm.all_gather, buf, chunk)
 
     def finish_gather(self, p: Parameter, handle: Any) -> None:
         """Wait for p's gather; p's data becomes a view of the gathered buffer."""
@@ -249,10 +246,7 @@ class Stage3(Strategy):
     def reduce_bucket(self, out: Any, buf: Any) -> Any:
         """Sum a rank-major (N, width) bucket over ranks into ``out`` (this rank's row): the
         reduce-scatter's handle, or None once it is done."""
-        if self.zero.overlap_comm:
-            return self.comm.ireduce_scatter(out, flat(buf))
-        self.comm.reduce_scatter(out, flat(buf))
-        return None
+        return self.launch(self.comm.ireduce_scatter, self.comm.reduce_scatter, out, flat(buf))
 
     def flush_buckets(self) -> None:
         """End of backward: launch every bucket not launched yet."""

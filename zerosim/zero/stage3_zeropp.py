@@ -215,10 +215,7 @@ class Stage3ZeroPP(Stage3):
             )
             self.track_transient(pending.nbytes)
             return pending
-        if self.zero.overlap_comm:
-            return comm.iall_gather(buf, chunk)
-        comm.all_gather(buf, chunk)
-        return None
+        return self.launch(comm.iall_gather, comm.all_gather, buf, chunk)
 
     def finish_gather(self, p: Parameter, handle: Any) -> None:
         """The paper's, after which a full gather's parameter gives hpZ its secondary chunk."""
