@@ -29,6 +29,7 @@ from zerosim.zero.init import is_partitioned
 from zerosim.zero.loss_scaler import build_loss_scaler
 from zerosim.zero.offload import check_nvme_paths
 from zerosim.zero.schedule import BoundaryChecks, boundary_checks
+from zerosim.zero.stage3_zeropp import Stage3ZeroPP
 from zerosim.zero.zeropp import zeropp_enabled
 
 
@@ -228,7 +229,15 @@ def build_strategy(
         predivide=cfg.gradient_predivide_factor,
         gradient_average=cfg.gradient_allreduce_op == "mean",
         schedule=cfg.zerosim.schedule,
+        **zeropp_options(strategy_cls, cfg),
     )
+
+
+def zeropp_options(strategy_cls: type, cfg: Config) -> dict[str, Any]:
+    """ZeRO++'s own keyword: elements per quantization scale (``zerosim.quantization_block_size``)."""
+    if issubclass(strategy_cls, Stage3ZeroPP):
+        return {"quantization_block_size": cfg.zerosim.quantization_block_size}
+    return {}
 
 
 def build_lr_scheduler(cfg: Config, optimizer: Any, client: Any) -> Any:
