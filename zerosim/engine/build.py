@@ -234,7 +234,8 @@ def build_strategy(
 
 
 def zeropp_options(strategy_cls: type, cfg: Config) -> dict[str, Any]:
-    """ZeRO++'s own keyword: elements per quantization scale (``zerosim.quantization_block_size``)."""
+    """ZeRO++'s own keyword: elements per quantization scale
+    (``zerosim.quantization_block_size``)."""
     if issubclass(strategy_cls, Stage3ZeroPP):
         return {"quantization_block_size": cfg.zerosim.quantization_block_size}
     return {}
