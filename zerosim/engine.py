@@ -588,6 +588,8 @@ class Engine:
         ``skipped_steps`` grows, the reported norm is inf (None where no norm is computed) and
         the loss scaler is told of an overflow (it may raise LossScaleError, on every rank)."""
         self.strategy.step_skipped()
+        if self.strategy.muon is not None:  # Muon's copied gradient slices go with the rest
+            self.strategy.muon.step_skipped()
         self.strategy.zero_grad()
         self.skipped_steps += 1
         self._global_grad_norm = None if self.checks.norm == "none" else math.inf

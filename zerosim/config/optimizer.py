@@ -454,15 +454,6 @@ def check_whole_parameter_rules(cfg: Any) -> None:
             True,
             "false with Muon (DeepSpeed: 'Muon and all2all process group cannot be used together')",
         )
-    if cfg.mixed_precision is not None:
-        section = cfg.mixed_precision
-        raise ConfigError(
-            f"{section}.enabled",
-            True,
-            f"false with Muon (zerosim builds Muon for float32/float64 training; DeepSpeed's "
-            f"Muon under {section} keeps its momentum in the gradient dtype and scales updates "
-            "back by the loss scale, a path not built here)",
-        )
     not_built = (
         ("zero_optimization.offload_optimizer.device", zero.offload_optimizer.device, "none"),
         ("zerosim.layout", sim.layout, "deepspeed"),

@@ -312,15 +312,17 @@ class Strategy(ABC):
         ``whole``: over every range it steps, which at stage 0 is the whole reduced gradient).
         Muon's matrices hold their updates by then (stages 1-3, DeepSpeed's norm)."""
         if self.muon is not None:
-            self.muon.make_updates(inv_scale)
+            self.muon.make_updates()
         total = 0.0
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
+            part = 0.0
             for rng in self.step_ranges(g) if whole else g.owned:
                 v = self.grad_view(g, rng)
                 if self.master_dtype is not None:
                     v = g.xp.astype(v, self.master_dtype)
-                total += sum_sq(v)
-        return total * inv_scale * inv_scale
+                part += sum_sq(v)
+            total += part * self._inv_scale(gi, inv_scale) ** 2
+        return total
 
     def grad_norm_sq_parts(self, inv_scale: float = 1.0) -> list[float]:
         """This rank's partial Σg² (unscaled) per DeepSpeed norm group: DeepSpeed's ZeRO takes
@@ -330,17 +332,23 @@ class Strategy(ABC):
         if self.schedule == "paper":
             return [self.grad_norm_sq(inv_scale)]
         if self.muon is not None:
-            self.muon.make_updates(inv_scale)
+            self.muon.make_updates()
         parts = []
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
+            inv2 = self._inv_scale(gi, inv_scale) ** 2
             if not hasattr(g, "partition"):  # stages 1-2: the group's owned ranges
-                parts.append(sum(sum_sq(self._norm_view(g, rng)) for rng in g.owned))
+                parts.append(sum(sum_sq(self._norm_view(g, rng)) for rng in g.owned) * inv2)
                 continue
             for sub in deepspeed_sub_groups(g.partition.chunks, self.zero.sub_group_size):
                 lo = g.partition.offsets[sub[0]]
                 hi = g.partition.offsets[sub[-1]] + g.partition.chunks[sub[-1]]
-                parts.append(sum_sq(self._norm_view(g, Range(lo, hi))))
-        return [part * inv_scale * inv_scale for part in parts]
+                parts.append(sum_sq(self._norm_view(g, Range(lo, hi))) * inv2)
+        return parts
+
+    def _inv_scale(self, group: int, inv_scale: float) -> float:
+        """The factor that unscales ``group``'s gradients: 1 for Muon updates, which carry no
+        loss scale (zero/muon.py, ``lacks_scale``)."""
+        return 1.0 if self.muon is not None and self.muon.lacks_scale(group) else inv_scale
 
     def _norm_view(self, g: Any, rng: Range) -> Any:
         v = self.grad_view(g, rng)
@@ -357,18 +365,19 @@ class Strategy(ABC):
     def unscale_grads(self, inv_scale: float) -> None:
         """Give the optimizer unscaled gradients (fp32 copies under mixed precision)."""
         if self.muon is not None:  # Muon's updates, if no norm was taken (then: next step)
-            self.muon.make_updates(inv_scale)
+            self.muon.make_updates()
             self.muon.step_done()
         if self.master_dtype is None:
-            if inv_scale != 1.0:
-                for shards in self.shards:
+            for gi, shards in enumerate(self.shards):
+                inv = self._inv_scale(gi, inv_scale)
+                if inv != 1.0:
                     for s in shards:
-                        s.grad *= inv_scale
+                        s.grad *= inv
             return
         on_host = self.offload.optimizer != "none"  # the step runs in host memory
         self._transient_grads = []
-        for g, shards, cut in zip(self.groups, self.shards, self.tile_ranges, strict=True):
-            at = 0
+        for gi, (g, shards, cut) in enumerate(zip(self.groups, self.shards, self.tile_ranges)):
+            at, inv = 0, self._inv_scale(gi, inv_scale)
             for s, t in zip(shards, cut, strict=True):
                 view = self.grad_view(g, t)
                 if np_dtype(view.dtype) == self.master_dtype and xp_of(view) is xp_of(s.data):
@@ -381,7 +390,7 @@ class Strategy(ABC):
                     s.grad = xp_of(source).astype(source, self.master_dtype)
                     self._transient_grads.append(s.grad)
                     self.track_transient(nbytes(s.grad))
-                s.grad *= inv_scale
+                s.grad *= inv
                 at += t.size
 
     def master_to_params(self) -> None:
