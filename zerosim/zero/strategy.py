@@ -376,7 +376,9 @@ class Strategy(ABC):
             return
         on_host = self.offload.optimizer != "none"  # the step runs in host memory
         self._transient_grads = []
-        for gi, (g, shards, cut) in enumerate(zip(self.groups, self.shards, self.tile_ranges)):
+        for gi, (g, shards, cut) in enumerate(
+            zip(self.groups, self.shards, self.tile_ranges, strict=True)
+        ):
             at, inv = 0, self._inv_scale(gi, inv_scale)
             for s, t in zip(shards, cut, strict=True):
                 view = self.grad_view(g, t)
