@@ -317,6 +317,47 @@ class MuonUpdates:
                 numel = int(np.prod(shapes[j]))
                 arrays[base + j] = out[j * width : j * width + numel].reshape(shapes[j])
 
+    # -- checkpoints (zerosim/checkpoint/sharded.py) --------------------------------------------
+    def held(self) -> list[tuple[Matrix, int, int]]:
+        """(matrix, start, stop): the elements of each matrix whose momentum this rank keeps
+        (stages 0-2: every element of the matrices it owns; stage 3: its chunk)."""
+        out = []
+        for m in self.matrices:
+            if self.stage < 3:
+                if m.momentum is not None:
+                    out.append((m, 0, m.numel))
+                continue
+            part, rank = self.strategy.groups[m.group].partition, self.comm.rank
+            lo, n = rank * part.chunks[m.index], part.valid(m.index, rank)
+            if n > 0:
+                out.append((m, lo, lo + n))
+        return out
+
+    def _momentum_flat(self, m: Matrix, start: int, stop: int) -> tuple[Any, int, int]:
+        """(flat array, a, b): elements [start, stop) of ``m``'s momentum are array[a:b]."""
+        if self.stage < 3:
+            return flat(m.momentum), start, stop
+        part = self.strategy.groups[m.group].partition
+        base = part.offsets[m.index] - self.comm.rank * part.chunks[m.index]
+        return self.momentum3[m.group], base + start, base + stop
+
+    def read_momentum(self, name: str, start: int, stop: int) -> Any:
+        """Elements [start, stop) of matrix ``name``'s momentum (this rank keeps them)."""
+        m = next(m for m in self.matrices if m.name == name)
+        array, a, b = self._momentum_flat(m, start, stop)
+        return array[a:b]
+
+    def write_momentum(self, name: str, start: int, values: Any) -> None:
+        """Set elements [start, start + len(values)) of matrix ``name``'s momentum."""
+        m = next(m for m in self.matrices if m.name == name)
+        if self.stage < 3:
+            whole = flat(m.momentum)
+            whole[start : start + values.size] = values
+            m.momentum[...] = whole.reshape(m.shape)  # flat() may have copied
+            return
+        array, a, b = self._momentum_flat(m, start, start + values.size)
+        array[a:b] = values
+
     # -- memory -----------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         """{optimizer_state.momentum_buffer, muon_gradient_copies}: bytes this rank keeps."""
