@@ -420,8 +420,9 @@ def check_whole_parameter_rules(cfg: Any) -> None:
     stage 3 and Muon with ZeRO++'s quantized gradients (their all-to-all group;
     ``stage3.py``). zerosim builds neither optimizer with optimizer offload to NVMe (its tile
     swapper steps part of a shard at a time, where these need every slice of a parameter at
-    once), nor Muon with fp16/bf16, any optimizer offload, Megatron's layout, the paper's
-    schedule or ZeRO++ (DeepSpeed's Muon for those has paths of its own, not built here).
+    once), nor Muon with any optimizer offload or ZeRO++'s hpZ / qwZ (DeepSpeed accepts those
+    with paths of its own, not built here: docs/config.md), nor with Megatron's layout or the
+    paper's schedule (zerosim's own settings). Muon in fp16 / bf16 trains (zero/muon.py).
     """
     opt, zero, sim = cfg.optimizer, cfg.zero_optimization, cfg.zerosim
     if opt is None or opt.type not in ("Lamb", "Muon"):
