@@ -116,8 +116,6 @@ def test_a_lamb_section_passes_fusedlambs_arguments():
             "zero_optimization.offload_optimizer.device",
         ),
         ({"type": "Muon"}, {"zerosim": {"schedule": "paper"}}, "zerosim.schedule"),
-        ({"type": "Muon"}, {"bf16": {"enabled": True}}, "bf16.enabled"),
-        ({"type": "Muon"}, {"fp16": {"enabled": True}}, "fp16.enabled"),
         (
             {"type": "Muon"},
             {"zero_optimization": {"stage": 1}, "zerosim": {"layout": "megatron"}},
@@ -130,6 +128,14 @@ def test_refused_combinations_name_the_key(optimizer, top, key):
         load(optimizer, **top)
     assert err.value.path == key
     assert err.value.allowed
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("section", ["bf16", "fp16"])
+def test_muon_is_accepted_in_16_bit_training_at_every_stage_as_deepspeed_accepts_it(section, stage):
+    zero = {"stage": stage, **({"reduce_scatter": False} if stage == 3 else {})}
+    cfg = load({"type": "Muon"}, **{section: {"enabled": True}}, zero_optimization=zero)
+    assert (cfg.optimizer.type, cfg.mixed_precision) == ("Muon", section)
 
 
 def test_lamb_at_a_zero_stage_needs_the_untested_optimizer_switch():

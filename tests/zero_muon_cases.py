@@ -50,6 +50,9 @@ def config(case: Case, **zero) -> dict:
     if case.optimizer == "muon":
         cfg["optimizer"] = muon_section()
     cfg["zero_allow_untested_optimizer"] = False
+    half = {"bfloat16": "bf16", "float16": "fp16"}.get(case.dtype)
+    if half is not None:  # 16-bit training: its section, float32 master weights
+        cfg[half] = {"enabled": True, **({"initial_scale_power": 8} if half == "fp16" else {})}
     if case.stage == 3:
         cfg["zero_optimization"]["reduce_scatter"] = False  # DeepSpeed's rule for Muon
     cfg["zero_optimization"].update(zero)
@@ -123,6 +126,42 @@ def train(comm, case: Case, **zero) -> dict:
     }
 
 
+def run_steps(engine, comm, case: Case, steps: range) -> None:
+    """Optimizer steps ``steps`` of ``case`` (each rank its micro-batches of the global batch)."""
+    x, y = engine_cases.data(case, comm.size)
+    width = comm.size * case.micro
+    for s in steps:
+        for j in range(case.accumulation):
+            at = (s * case.accumulation + j) * width + comm.rank * case.micro
+            loss = engine(x[at : at + case.micro], y[at : at + case.micro])
+            engine.backward(loss)
+            engine.step()
+
+
+def save_after(comm, case: Case, k: int, directory: str) -> dict:
+    """Train ``k`` steps, save a checkpoint (tag "muon"), then train to the end: the weights of
+    the uninterrupted run."""
+    from zerosim.engine import initialize
+
+    engine, *_ = initialize(engine_cases.build_model(case), config(case), comm=comm)
+    run_steps(engine, comm, case, range(k))
+    engine.save_checkpoint(directory, tag="muon")
+    run_steps(engine, comm, case, range(k, case.steps))
+    return engine.full_state_dict()
+
+
+def resume_from(comm, case: Case, k: int, directory: str) -> dict:
+    """A fresh engine (any N, stage, precision) loads the checkpoint of step ``k`` and trains
+    to the end; its weights."""
+    from zerosim.engine import initialize
+
+    engine, *_ = initialize(engine_cases.build_model(case), config(case), comm=comm)
+    engine.load_checkpoint(directory, tag="muon")
+    assert engine.global_steps == k
+    run_steps(engine, comm, case, range(k, case.steps))
+    return engine.full_state_dict()
+
+
 def check_muon(comm, case: Case, **zero) -> float:
     out = train(comm, case, **zero)
     err = engine_cases.max_rel_error(out["params"], reference(case, comm.size))
@@ -142,8 +181,24 @@ def check_all(comm) -> float:
     return worst
 
 
+# the mpirun checkpoint job: saved by N = 2 at stage 2 after step RESUME_AT, resumed by N = 3
+# at stage 3 (the same global batch of 6)
+RESUME_AT = 2
+SAVED_BY = Case(optimizer="muon", steps=5, stage=2, model="gpt", micro=3, accumulation=2)
+RESUMED_BY = SAVED_BY.with_(stage=3, micro=2)
+
+
 if __name__ == "__main__":
     from zerosim.comm import MPIComm
 
     comm = MPIComm()
-    print(f"OK rank {comm.rank} result {check_all(comm)}", flush=True)
+    if len(sys.argv) > 2 and sys.argv[1] == "save":
+        save_after(comm, SAVED_BY, RESUME_AT, sys.argv[2])
+        print(f"OK rank {comm.rank} saved", flush=True)
+    elif len(sys.argv) > 2 and sys.argv[1] == "resume":
+        got = resume_from(comm, RESUMED_BY, RESUME_AT, sys.argv[2])
+        err = engine_cases.max_rel_error(got, reference(SAVED_BY, 2))
+        assert err <= 1e-6, err
+        print(f"OK rank {comm.rank} resumed {err}", flush=True)
+    else:
+        print(f"OK rank {comm.rank} result {check_all(comm)}", flush=True)

@@ -40,13 +40,14 @@ def micro_batch(case: dict[str, Any], step: int, micro: int, rank: int) -> tuple
     """(x, y) of this rank's micro-batch ``micro`` of optimizer step ``step``."""
     rng = np.random.default_rng([case.get("data_seed", 1), step, micro, rank])
     spec = case["model"]
+    size = case["config"].get("train_micro_batch_size_per_gpu", MICRO)
     if spec["kind"] == "mlp":
-        x = rng.normal(size=(MICRO, spec["sizes"][0])).astype(np.float32)
+        x = rng.normal(size=(size, spec["sizes"][0])).astype(np.float32)
         for bad in case.get("inject", []):
             if (bad["step"], bad["rank"], 0) == (step, rank, micro):
                 x[1, 3] = float(bad["value"])
-        return x, rng.integers(0, spec["sizes"][-1], MICRO)
-    shape = (MICRO, spec["block"])
+        return x, rng.integers(0, spec["sizes"][-1], size)
+    shape = (size, spec["block"])
     return rng.integers(0, spec["vocab"], shape), rng.integers(0, spec["vocab"], shape)
 
 

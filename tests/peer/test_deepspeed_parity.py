@@ -36,6 +36,9 @@ Bounds, and why (measured worst cases at N = 2 and 3 in brackets):
   bounds above and must be finite; where it does not (stage 0 in fp32; stages 1-2 in bf16
   without the check), both sides' weights are nan in the same places. After every step the
   skipped steps, the loss scale and the collectives are DeepSpeed's, exactly.
+- Muon in bf16 (stages 1-3, 16 samples a rank): ``BF16_ATOL`` [MLP 1.7e-3 at N = 2, 3.0e-3 at
+  N = 3, in the output layer, whose gradient has a null space (softmax rows sum to zero) where
+  Newton–Schulz turns bf16 rounding into O(1) update components on either side].
 - Muon (fp32, Newton–Schulz "gram" in float32 on both sides): the same bounds as Adam's. Both
   sides orthogonalize the same reduced gradients up to float32 rounding, and the update is
   ~1 in size, so a matrix's weights move by lr·(update) with differences of lr·1e-6 [MLP
@@ -99,6 +102,7 @@ MUON = {
     "params": {"lr": 0.02, "adam_lr": 1e-3, "weight_decay": 0.01, "torch_adam": True},
 }
 FP16_8 = {"enabled": True, "initial_scale_power": 8}
+BF16_MUON = {"bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 16}
 # Stage 0: DeepSpeed's backward leaves the loss unscaled, zerosim's scales it (docs/config.md);
 # from a scale of 1 the two agree, the dynamic scaler and FP16_UnfusedOptimizer's step included.
 FP16_SCALE_1 = {"enabled": True, "initial_scale_power": 0}
@@ -205,6 +209,13 @@ def cases() -> list[dict]:
             gradient_accumulation_steps=2,
         ),
         _case("s3_muon", 3, MUON, zero={"reduce_scatter": False}),
+        # Muon in bf16 at stages 1-3: momentum and update in bf16 on both sides; 16 samples a
+        # rank, so the MLP's first matrix has a full-rank gradient (Newton–Schulz blows
+        # rounding noise in a gradient's null space up to the size of the update)
+        *(
+            _case(f"s{stage}_muon_bf16", stage, MUON, **BF16_MUON, zero=zero)
+            for stage, zero in ((1, {}), (2, {}), (3, {"reduce_scatter": False}))
+        ),
         _case(
             "s3_gpt_muon_gathered",
             3,

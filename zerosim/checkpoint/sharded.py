@@ -59,6 +59,7 @@ from zerosim.checkpoint.files import (
     write_metadata,
 )
 from zerosim.nn.state import state_entries
+from zerosim.zero.partition import Range
 
 log = logging.getLogger(__name__)
 
@@ -129,15 +130,15 @@ def _engine_params(engine: Any) -> list[dict[str, Any]]:
 
 
 # -- save ---------------------------------------------------------------------------------------
-def _refuse_muon(engine: Any, what: str) -> None:
-    """Muon's momentum lives with its matrices (zerosim/zero/muon.py), not in the optimizer's
-    shards, which are what a checkpoint holds: saving would drop it without a word."""
-    if getattr(engine.strategy, "muon", None) is not None:
-        raise NotImplementedError(
-            f"{what}: zerosim's checkpoints do not hold Muon's momentum (kept per matrix, "
-            "outside the optimizer's shards); allowed: Muon without checkpoints, or a weights-"
-            "only load (load_optimizer_states=False)"
-        )
+# Muon's momentum lives with its matrices (zerosim/zero/muon.py), not in the optimizer's shards:
+# it is saved as one more kind of the Muon groups, by the same owned segments as the master, in
+# the master's dtype (as DeepSpeed keeps optimizer state in fp32 checkpoints), and loaded into
+# whatever this rank keeps of each matrix (stages 0-2: the whole matrix; stage 3: its chunk).
+MUON_MOMENTUM = "muon_momentum"
+
+
+def _muon(engine: Any) -> Any:
+    return getattr(engine.strategy, "muon", None)
 
 
 def save_checkpoint(
@@ -154,7 +155,6 @@ def save_checkpoint(
     ``state_dict()`` saved. Returns the tag directory.
     """
     comm = engine.comm
-    _refuse_muon(engine, "save_checkpoint")
     loader = getattr(engine, "training_dataloader", None) if loader is None else loader
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     tag_dir = Path(save_dir) / tag
@@ -228,7 +228,8 @@ def _write_rank_files(engine: Any, tag_dir: Path) -> dict[str, Any]:
     for g, segs in enumerate(by_group):
         shards = strategy.shards[g]
         has, keys, scalars = _group_state(opt, g, shards)
-        manifest["groups"].append(None if not shards else [has, keys, scalars])
+        muon = _muon(engine) is not None and g in _muon(engine).groups
+        manifest["groups"].append(None if not shards else [has, keys, scalars, muon])
         table, at = [], 0
         for s in segs:
             table.append([s.name, s.param_range.start, s.param_range.stop, at])
@@ -236,12 +237,23 @@ def _write_rank_files(engine: Any, tag_dir: Path) -> dict[str, Any]:
         manifest["segments"].append(table)
         if not segs:
             continue
-        for kind in ["master", *keys]:
-            pieces = [
-                _array(opt, shards[s.shard], kind)[s.offset : s.offset + s.size] for s in segs
-            ]
+        muon = _muon(engine)
+        with_momentum = muon is not None and g in muon.groups
+        master_dtype = None
+        for kind in ["master", *keys, *([MUON_MOMENTUM] if with_momentum else [])]:
+            if kind == MUON_MOMENTUM:  # in the master's dtype
+                xp = array_module(shards[0].data)
+                pieces = [
+                    xp.astype(muon.read_momentum(s.name, *s.param_range), master_dtype)
+                    for s in segs
+                ]
+            else:
+                pieces = [
+                    _array(opt, shards[s.shard], kind)[s.offset : s.offset + s.size] for s in segs
+                ]
             name = shard_file(rank, g, kind)
             dtype = np_dtype(pieces[0].dtype)
+            master_dtype = master_dtype or dtype
             manifest["dtype"] = manifest["dtype"] or dtype.name
             manifest["files"][name] = write_atomic(tag_dir / name, npy_writer(pieces, dtype))
     manifest["rng"] = {
@@ -258,8 +270,10 @@ def _check_manifests(manifests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         seen = [m["groups"][g] for m in manifests if m["groups"][g] is not None]
         if any(s != seen[0] for s in seen):
             raise CheckpointError(f"param group {g}: optimizer state differs across ranks")
-        has, keys, scalars = seen[0] if seen else (False, [], {})
+        has, keys, scalars, muon = seen[0] if seen else (False, [], {}, False)
         groups.append({"has_state": has, "state_keys": keys, "scalars": scalars})
+        if muon:  # the group's Muon momentum is saved too (files of kind MUON_MOMENTUM)
+            groups[-1][MUON_MOMENTUM] = True
     return groups
 
 
@@ -352,8 +366,6 @@ def load_checkpoint(
     ``(tag directory, client_state)``.
     """
     comm = engine.comm
-    if load_optimizer_states:
-        _refuse_muon(engine, "load_checkpoint with load_optimizer_states=True")
     loader = getattr(engine, "training_dataloader", None) if loader is None else loader
     with comm.phase("checkpoint"):
         flags = (load_optimizer_states, load_lr_scheduler_states)
@@ -388,6 +400,13 @@ def _read_and_check(
     load_opt, load_sched = flags
     if load_opt:
         _check_optimizer(engine.optimizer, meta, where)
+        muon = _muon(engine)
+        for g in muon.groups if muon is not None else []:
+            if not meta["groups"][g].get(MUON_MOMENTUM):
+                raise CheckpointError(
+                    f"{where}: param group {g} uses Muon, and the checkpoint holds no Muon "
+                    "momentum for it (pass load_optimizer_states=False to load weights only)"
+                )
     rng = meta["ranks"][engine.comm.rank % meta["world_size"]]["rng"]
     here = sorted(_random_modules(engine.module))
     if sorted(rng) != here:
@@ -479,6 +498,7 @@ def _apply(
                 opt.state[shard] = state
         for kind in sorted({k for g in meta["groups"] for k in g["state_keys"]}):
             fill(kind)
+        _load_muon_momentum(engine, tag_dir, meta, cache)
     if "buffers" in objects:
         engine.module.load_state_dict(objects["buffers"], strict=False)
     rng = meta["ranks"][engine.comm.rank % meta["world_size"]]["rng"]
@@ -494,3 +514,17 @@ def _apply(
     engine.global_steps = meta["global_steps"]  # saves happen at boundaries: micro = k · global
     engine.micro_steps = meta["global_steps"] * engine.gradient_accumulation_steps
     engine.comm.ledger.step = engine.global_steps
+
+
+def _load_muon_momentum(engine: Any, tag_dir: Path, meta: dict, cache: dict) -> None:
+    """Every element of Muon momentum this rank keeps, read from the pieces that saved it."""
+    muon = _muon(engine)
+    if muon is None:
+        return
+    index = SavedIndex(meta)
+    for m, start, stop in muon.held():
+        for part, rank, group, src in index.overlaps(m.name, Range(start, stop)):
+            values = open_shard(tag_dir, cache, rank, group, MUON_MOMENTUM)[src : src + part.size]
+            like = muon.read_momentum(m.name, part.start, part.stop)
+            values = move_like(np.asarray(values, dtype=np_dtype(like.dtype)), like)
+            muon.write_momentum(m.name, part.start, values)

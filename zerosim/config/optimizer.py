@@ -420,8 +420,9 @@ def check_whole_parameter_rules(cfg: Any) -> None:
     stage 3 and Muon with ZeRO++'s quantized gradients (their all-to-all group;
     ``stage3.py``). zerosim builds neither optimizer with optimizer offload to NVMe (its tile
     swapper steps part of a shard at a time, where these need every slice of a parameter at
-    once), nor Muon with fp16/bf16, any optimizer offload, Megatron's layout, the paper's
-    schedule or ZeRO++ (DeepSpeed's Muon for those has paths of its own, not built here).
+    once), nor Muon with any optimizer offload or ZeRO++'s hpZ / qwZ (DeepSpeed accepts those
+    with paths of its own, not built here: docs/config.md), nor with Megatron's layout or the
+    paper's schedule (zerosim's own settings). Muon in fp16 / bf16 trains (zero/muon.py).
     """
     opt = cfg.optimizer
     if opt is not None and opt.type == "Lamb":
@@ -466,18 +467,9 @@ def _check_muon_refused_by_deepspeed(zero: Any) -> None:
 
 
 def _check_muon_built(cfg: Any) -> None:
-    """Muon as zerosim builds it: DeepSpeed's, without fp16/bf16, offload, Megatron's layout,
-    the paper's schedule or ZeRO++."""
+    """Muon as zerosim builds it: DeepSpeed's, without offload, Megatron's layout, the paper's
+    schedule or ZeRO++."""
     zero, sim = cfg.zero_optimization, cfg.zerosim
-    if cfg.mixed_precision is not None:
-        section = cfg.mixed_precision
-        raise ConfigError(
-            f"{section}.enabled",
-            True,
-            f"false with Muon (zerosim builds Muon for float32/float64 training; DeepSpeed's "
-            f"Muon under {section} keeps its momentum in the gradient dtype and scales updates "
-            "back by the loss scale, a path not built here)",
-        )
     not_built = (
         ("zero_optimization.offload_optimizer.device", zero.offload_optimizer.device, "none"),
         ("zerosim.layout", sim.layout, "deepspeed"),

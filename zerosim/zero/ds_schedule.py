@@ -27,17 +27,18 @@ def norm_parts(strategy: Any, inv_scale: float = 1.0) -> list[float]:
     1-2 (its owned ranges), a ``sub_group_size`` sub-group of one at stage 3
     (``deepspeed_sub_groups``). Muon's matrices hold their updates first (its norm is theirs)."""
     if strategy.muon is not None:
-        strategy.muon.make_updates(inv_scale)
+        strategy.muon.make_updates()
     parts = []
-    for g in strategy.groups:
+    for gi, g in enumerate(strategy.groups):
+        inv2 = strategy.group_inv_scale(gi, inv_scale) ** 2  # 1 for Muon's updates
         if not hasattr(g, "partition"):  # stages 1-2: the group's owned ranges
-            parts.append(sum(strategy.range_sum_sq(g, rng) for rng in g.owned))
+            parts.append(sum(strategy.range_sum_sq(g, rng) for rng in g.owned) * inv2)
             continue
         for sub in deepspeed_sub_groups(g.partition.chunks, strategy.zero.sub_group_size):
             lo = g.partition.offsets[sub[0]]
             hi = g.partition.offsets[sub[-1]] + g.partition.chunks[sub[-1]]
-            parts.append(strategy.range_sum_sq(g, Range(lo, hi)))
-    return [part * inv_scale * inv_scale for part in parts]
+            parts.append(strategy.range_sum_sq(g, Range(lo, hi)) * inv2)
+    return parts
 
 
 class DeepSpeedNormGroups:

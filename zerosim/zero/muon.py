@@ -27,9 +27,24 @@ every matrix; the update is made in the optimizer's step, after clipping (``befo
 
 At stages 1-3 the update is made when the engine first asks for the gradient norm (or, without
 one, unscales): DeepSpeed takes the norm, and clips, over the *updates* of the Muon matrices.
-The update is written into the gradient storage times the loss scale, as DeepSpeed scales it
-back ("lacks loss scale"), and the optimizer steps θ ← θ·(1 − lr·λ) − lr·update. Collectives
-made here are in the ledger under phase ``muon``.
+Newton–Schulz returns the same update at any loss scale, so the update written into the
+gradient storage does not carry the scale the other gradients carry: DeepSpeed marks such a
+group ("lacks loss scale") and multiplies its norm, and its fp32 gradient, by the scale before
+unscaling. zerosim leaves the update unscaled (``lacks_scale``: the strategy does not unscale
+that group), the same numbers; under fp16 the scaled update would not even fit the gradient's
+dtype. The optimizer steps θ ← θ·(1 − lr·λ) − lr·update. Collectives made here are in the
+ledger under phase ``muon``.
+
+**Precision** (DeepSpeed's dtypes under bf16 / fp16). Stage 0: its FP16_UnfusedOptimizer hands
+MuonWithAuxAdam fp32 copies of the whole matrices, unscaled and clipped, so the momentum and
+the update are fp32 (the master dtype), as in fp32 training. Stages 1-2: ``muon_update`` runs
+on the reduced gradient in its own dtype, with the momentum in that dtype
+(``_muon_momentum_buffer``: it follows the gradient). Stage 3: the gradient and momentum
+chunks are all-gathered, and the update made, in ``communication_data_type`` (the model dtype
+unless set), the momentum kept in it. Newton–Schulz itself runs in its method's dtype
+(``functional.muon.ns_compute_dtype``). A step the loss scaler skips leaves the momentum as it
+was (DeepSpeed stages it and commits it only when the step survives): here the updates are
+made only after the overflow check, and ``step_skipped`` drops the copied slices.
 """
 
 from __future__ import annotations
@@ -87,6 +102,7 @@ class MuonUpdates:
         self.matrices: list[Matrix] = []
         self.where: dict[tuple[int, int], Matrix] = {}
         n, rank = self.comm.size, self.comm.rank
+        self.momentum_dtype = self._momentum_dtype()
         for gi in self.groups:
             g = strategy.groups[gi]
             for i, (name, p) in enumerate(g.named_params):
@@ -102,7 +118,7 @@ class MuonUpdates:
                     )
                 m = Matrix(name, gi, i, tuple(p.shape), owners, start=start)
                 if self.stage < 3 and rank in owners:
-                    m.momentum = g.xp.zeros(m.shape, dtype=state_dtype(strategy.dtype))
+                    m.momentum = g.xp.zeros(m.shape, dtype=self.momentum_dtype)
                     if m.split and self.stage > 0:
                         m.copies = g.xp.zeros(m.numel, dtype=strategy.dtype)
                 self.matrices.append(m)
@@ -110,11 +126,26 @@ class MuonUpdates:
         # stage 3: each rank keeps the momentum of its chunks, laid out as its gradient shard
         self.momentum3 = {
             gi: strategy.groups[gi].xp.zeros(
-                strategy.groups[gi].partition.shard_numel, dtype=state_dtype(strategy.dtype)
+                strategy.groups[gi].partition.shard_numel, dtype=self.momentum_dtype
             )
             for gi in self.groups
             if self.stage == 3
         }
+
+    def _momentum_dtype(self) -> np.dtype:
+        """Stage 0: the master dtype; stages 1-2: the gradient's (the model dtype); stage 3: the
+        communication dtype (module docstring)."""
+        s = self.strategy
+        if self.stage == 0:
+            return state_dtype(s.dtype)
+        if self.stage == 3 and s.comm_dtype is not None:
+            return s.comm_dtype
+        return s.dtype
+
+    def lacks_scale(self, group: int) -> bool:
+        """Whether ``group``'s gradient storage holds Muon updates, which carry no loss scale
+        (stages 1-3): the strategy neither unscales them nor their norm."""
+        return self.stage > 0 and group in self.groups
 
     # -- stages 1-2: the bucket plan's copy ranks and the copied slices --------------------------
     def copy_ranks(self, group: int, index: int) -> frozenset[int] | None:
@@ -134,14 +165,14 @@ class MuonUpdates:
         raise AssertionError(f"no Muon matrix of group {group} holds element {flat_start}")
 
     # -- making the updates ---------------------------------------------------------------------
-    def make_updates(self, inv_scale: float) -> None:
-        """Stages 1-3: replace each Muon matrix's owned gradient by its update (× loss scale)."""
+    def make_updates(self) -> None:
+        """Stages 1-3: replace each Muon matrix's owned gradient by its update (which carries no
+        loss scale: ``lacks_scale``)."""
         if self.made or self.stage == 0:
             return
         self.made = True
-        scale = 1.0 / inv_scale
         if self.stage == 3:
-            self._stage3(scale)
+            self._stage3()
             return
         s = self.strategy
         for m in self.matrices:
@@ -156,14 +187,21 @@ class MuonUpdates:
             owned = self.owned_parts(m)
             for part in owned:
                 full[part.start - m.start : part.stop - m.start] = s.grad_view(g, part)
-            update = self._update(m.group, full.reshape(m.shape), m.momentum)
-            update = flat(update) * update.dtype.type(scale) if scale != 1.0 else flat(update)
+            update = flat(self._update(m.group, full.reshape(m.shape), m.momentum))
             for part in owned:
                 s.grad_view(g, part)[...] = update[part.start - m.start : part.stop - m.start]
 
     def step_done(self) -> None:
-        """After the optimizer step (or a skipped one): the next step makes its own updates."""
+        """After the optimizer step: the next step makes its own updates."""
         self.made = False
+
+    def step_skipped(self) -> None:
+        """A step the loss scaler skipped: no update was made (the momentum is as it was), and
+        the slices copied for it are dropped with the other gradients."""
+        self.made = False
+        for m in self.matrices:
+            if m.copies is not None:
+                m.copies[...] = 0
 
     def before_step(self, optimizer: Any) -> None:
         """Stage 0: each matrix's update from its whole (clipped, unscaled) gradient, written
@@ -202,7 +240,7 @@ class MuonUpdates:
         return [x for own in g.owned if (x := slot.intersect(own)) is not None]
 
     # -- stage 3: DeepSpeed's sub-group loop ----------------------------------------------------
-    def _stage3(self, scale: float) -> None:
+    def _stage3(self) -> None:
         s, comm = self.strategy, self.comm
         for gi in self.groups:
             g = s.groups[gi]
@@ -216,9 +254,7 @@ class MuonUpdates:
                     part = g.partition
                     lo, n = comm.rank * part.chunks[i], part.valid(i, comm.rank)
                     at = part.offsets[i]
-                    update = flat(grads[k])
-                    if scale != 1.0:
-                        update = update * update.dtype.type(scale)
+                    update = g.xp.astype(flat(grads[k]), g.grad_shard.dtype)
                     g.grad_shard[at : at + n] = update[lo : lo + n]
                     self.momentum3[gi][at : at + n] = flat(moms[k])[lo : lo + n]
 
@@ -243,11 +279,13 @@ class MuonUpdates:
         return runs
 
     def _gather_chunks(self, g: Any, run: list[int], shard: Any) -> list[Any]:
-        """One all-gather of this rank's chunks of the run's parameters; the whole matrices."""
+        """One all-gather of this rank's chunks of the run's parameters, in the momentum's dtype
+        (DeepSpeed's communication dtype); the whole matrices."""
         part, n = g.partition, self.comm.size
         local = g.xp.concat(
             [shard[part.offsets[i] : part.offsets[i] + part.chunks[i]] for i in run]
         )
+        local = g.xp.astype(local, self.momentum_dtype)
         out = g.xp.empty(n * local.size, dtype=local.dtype)
         self.comm.all_gather(out, local)
         whole, at = [], 0
@@ -278,6 +316,47 @@ class MuonUpdates:
             for j in range(len(members)):
                 numel = int(np.prod(shapes[j]))
                 arrays[base + j] = out[j * width : j * width + numel].reshape(shapes[j])
+
+    # -- checkpoints (zerosim/checkpoint/sharded.py) --------------------------------------------
+    def held(self) -> list[tuple[Matrix, int, int]]:
+        """(matrix, start, stop): the elements of each matrix whose momentum this rank keeps
+        (stages 0-2: every element of the matrices it owns; stage 3: its chunk)."""
+        out = []
+        for m in self.matrices:
+            if self.stage < 3:
+                if m.momentum is not None:
+                    out.append((m, 0, m.numel))
+                continue
+            part, rank = self.strategy.groups[m.group].partition, self.comm.rank
+            lo, n = rank * part.chunks[m.index], part.valid(m.index, rank)
+            if n > 0:
+                out.append((m, lo, lo + n))
+        return out
+
+    def _momentum_flat(self, m: Matrix, start: int, stop: int) -> tuple[Any, int, int]:
+        """(flat array, a, b): elements [start, stop) of ``m``'s momentum are array[a:b]."""
+        if self.stage < 3:
+            return flat(m.momentum), start, stop
+        part = self.strategy.groups[m.group].partition
+        base = part.offsets[m.index] - self.comm.rank * part.chunks[m.index]
+        return self.momentum3[m.group], base + start, base + stop
+
+    def read_momentum(self, name: str, start: int, stop: int) -> Any:
+        """Elements [start, stop) of matrix ``name``'s momentum (this rank keeps them)."""
+        m = next(m for m in self.matrices if m.name == name)
+        array, a, b = self._momentum_flat(m, start, stop)
+        return array[a:b]
+
+    def write_momentum(self, name: str, start: int, values: Any) -> None:
+        """Set elements [start, start + len(values)) of matrix ``name``'s momentum."""
+        m = next(m for m in self.matrices if m.name == name)
+        if self.stage < 3:
+            whole = flat(m.momentum)
+            whole[start : start + values.size] = values
+            m.momentum[...] = whole.reshape(m.shape)  # flat() may have copied
+            return
+        array, a, b = self._momentum_flat(m, start, start + values.size)
+        array[a:b] = values
 
     # -- memory -----------------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:

@@ -49,9 +49,9 @@ class MasterWeights:
         s = self.strategy
         on_host = s.offload.optimizer != "none"  # the step runs in host memory
         self.transient = []
-        for g, shards, cut in zip(s.groups, s.shards, s.tile_ranges, strict=True):
+        for gi, (g, shards, cut) in enumerate(zip(s.groups, s.shards, s.tile_ranges, strict=True)):
             persistent = s.master_grad_shard(g)
-            at = 0
+            at, inv = 0, s.group_inv_scale(gi, inv_scale)  # 1 for Muon's updates
             for shard, t in zip(shards, cut, strict=True):
                 view = s.grad_view(g, t)
                 if np_dtype(view.dtype) == self.dtype and xp_of(view) is xp_of(shard.data):
@@ -64,7 +64,7 @@ class MasterWeights:
                     shard.grad = xp_of(source).astype(source, self.dtype)
                     self.transient.append(shard.grad)
                     s.track_transient(nbytes(shard.grad))
-                shard.grad *= inv_scale
+                shard.grad *= inv
                 at += t.size
 
     def to_params(self) -> None:

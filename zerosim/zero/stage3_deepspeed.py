@@ -216,4 +216,5 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
         self.coordinator.persistent_gathered()
 
     def step_skipped(self) -> None:
+        super().step_skipped()
         self.coordinator.persistent_released()

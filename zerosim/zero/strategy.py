@@ -242,8 +242,11 @@ class Strategy(ABC):
     def gather(self) -> None:  # noqa: B027  (optional hook)
         """After the optimizer step: bring every rank's updated shard to every rank."""
 
-    def step_skipped(self) -> None:  # noqa: B027  (optional hook)
-        """Called instead of the step and ``gather`` when an overflow skips the step."""
+    def step_skipped(self) -> None:
+        """Called instead of the step and ``gather`` when an overflow skips the step: Muon's
+        copied gradient slices go with the rest. Stages with more to drop extend it."""
+        if self.muon is not None:
+            self.muon.step_skipped()
 
     @abstractmethod
     def zero_grad(self) -> None:
@@ -264,20 +267,27 @@ class Strategy(ABC):
         ``whole``: over every range it steps, which at stage 0 is the whole reduced gradient).
         Muon's matrices hold their updates by then (stages 1-3, DeepSpeed's norm)."""
         if self.muon is not None:
-            self.muon.make_updates(inv_scale)
+            self.muon.make_updates()
         total = 0.0
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
+            part = 0.0
             for rng in self.step_ranges(g) if whole else g.owned:
                 v = self.grad_view(g, rng)
                 if self.master_dtype is not None:
                     v = g.xp.astype(v, self.master_dtype)
-                total += sum_sq(v)
-        return total * inv_scale * inv_scale
+                part += sum_sq(v)
+            total += part * self.group_inv_scale(gi, inv_scale) ** 2
+        return total
 
     def grad_norm_sq_parts(self, inv_scale: float = 1.0) -> list[float]:
         """This rank's partial Σg² (unscaled) per norm message: the paper's schedule sums every
         group in one. DeepSpeed's sends one per norm group (``ds_schedule.DeepSpeedNormGroups``)."""
         return [self.grad_norm_sq(inv_scale)]
+
+    def group_inv_scale(self, group: int, inv_scale: float) -> float:
+        """The factor that unscales ``group``'s gradients: 1 for Muon updates, which carry no
+        loss scale (zero/muon.py, ``lacks_scale``)."""
+        return 1.0 if self.muon is not None and self.muon.lacks_scale(group) else inv_scale
 
     def range_sum_sq(self, g: Any, rng: Range) -> float:
         """Σg² of the reduced gradient of flat range ``rng`` (in the master dtype, if any)."""
@@ -295,14 +305,16 @@ class Strategy(ABC):
     def unscale_grads(self, inv_scale: float) -> None:
         """Give the optimizer unscaled gradients (in the master dtype when there is a master)."""
         if self.muon is not None:  # Muon's updates, if no norm was taken (then: next step)
-            self.muon.make_updates(inv_scale)
+            self.muon.make_updates()
             self.muon.step_done()
         if self.master_weights is not None:
             self.master_weights.unscale(inv_scale)
-        elif inv_scale != 1.0:
-            for shards in self.shards:
+            return
+        for gi, shards in enumerate(self.shards):
+            inv = self.group_inv_scale(gi, inv_scale)
+            if inv != 1.0:
                 for s in shards:
-                    s.grad *= inv_scale
+                    s.grad *= inv
 
     def master_to_params(self) -> None:
         """After the update: round the master (if any) into the model-dtype parameters."""

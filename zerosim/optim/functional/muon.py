@@ -112,18 +112,23 @@ def zeropower_via_gram_newtonschulz(G: Any, steps: int = NS_STEPS, dtype: Any = 
     iteration stable in low precision). A square X takes the standard iteration.
 
     G is normalised in its own dtype (float32 for float16), then cast to ``dtype`` (default
-    float32, DeepSpeed's choice without fp16 matrix products).
+    float32, DeepSpeed's choice without fp16 matrix products). A bfloat16 G is normalised as
+    torch.compile does it: the norm and the quotient in float32, the quotient rounded once to
+    bfloat16.
     """
     xp = xp_of(G)
     r = _Rounding(xp, np.dtype(dtype) if dtype is not None else ns_compute_dtype("gram"))
     a, b, c = NS_COEFFICIENTS
     own = DTYPES["float32"] if G.dtype == DTYPES["float16"] else G.dtype
-    X = xp.astype(G, own)
+    X = xp.astype(G, DTYPES["float32"] if own == DTYPES["bfloat16"] else own)
     tall = G.shape[-2] > G.shape[-1]
     if tall:
         X = X.T
     n, m = X.shape
-    X = r(_normalize(xp, X))
+    X = _normalize(xp, X)
+    if own == DTYPES["bfloat16"]:
+        X = xp.astype(xp.astype(X, own), DTYPES["float32"])
+    X = r(X)
     if m <= n:  # square: no saving, the standard iteration
         X = _quintic_steps(X, steps, r)
         return X.T if tall else X
@@ -156,8 +161,14 @@ def _lerp(start: Any, end: Any, weight: float) -> Any:
     """torch.lerp(start, end, weight) as DeepSpeed's compiled ``muon_update`` computes it on a
     CPU: start + (end − start)·w, with w rounded once to the arrays' dtype (for w ≥ 0.5 torch
     writes end + (start − end)·(1 − w); the compiled kernel, end + (end − start)·(w − 1), the
-    same up to the last bit)."""
-    t = start.dtype.type
+    same up to the last bit). 16-bit arrays are computed in float32 and rounded once, as
+    torch's kernels compute them."""
+    dtype = start.dtype
+    if dtype in (DTYPES["bfloat16"], DTYPES["float16"]):
+        xp, f32 = xp_of(start), DTYPES["float32"]
+        out = _lerp(xp.astype(start, f32), xp.astype(end, f32), weight)
+        return xp.astype(out, dtype)
+    t = dtype.type
     if abs(weight) < 0.5:
         return start + (end - start) * t(weight)
     return end + (end - start) * t(weight - 1)
