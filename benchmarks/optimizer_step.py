@@ -53,7 +53,7 @@ except ImportError:  # torch is a test dependency only; the benchmark runs witho
 
 
 @dataclass(eq=False)  # hashed by identity, as optimizer state is keyed
-class Shard:
+class Tile:
     """A flat master-weight slice as the ZeRO engine hands it to the optimizer."""
 
     data: np.ndarray
@@ -145,7 +145,7 @@ def zerosim_steps(make: Callable, init: np.ndarray, grad: np.ndarray) -> dict[st
         paths["zerosim numpy"] = False
     steps = {}
     for label, path in paths.items():
-        opt = make(Shard(init.copy(), grad))
+        opt = make(Tile(init.copy(), grad))
 
         def step(opt=opt, path=path) -> None:
             with fused.use_fused(path):
@@ -194,7 +194,7 @@ def measure(numel: int, repeats: int) -> tuple[list[tuple], float, float]:
     rng = np.random.default_rng(0)
     init = rng.standard_normal(numel, dtype=np.float32)
     grad = rng.standard_normal(numel, dtype=np.float32)
-    first_shard = Shard(init.copy(), grad)
+    first_shard = Tile(init.copy(), grad)
     first_opt = CASES[0][2](first_shard)
     start = time.perf_counter()
     first_opt.step()

@@ -9,7 +9,7 @@ import pytest
 from zerosim.comm import LocalWorld
 from zerosim.engine import initialize
 from zerosim.nn import MLP, GradReadyTracker
-from zerosim.zero.ipg import Entry, bucket_pieces, merge_slices, plan_bucket
+from zerosim.zero.ipg import BucketGradient, bucket_pieces, merge_slices, plan_bucket
 
 # MLP [20, 37, 5]: w1 740, b1 37, w2 185, b2 5 laid at 0, 740, 777, 962; Ψ = 967. N = 3 pads
 # to a multiple of 2N: 972, P = 324.
@@ -19,7 +19,7 @@ P3 = [324]
 
 
 def entries(indices):
-    return [Entry(0, STARTS[i], NUMELS[i]) for i in indices]
+    return [BucketGradient(0, STARTS[i], NUMELS[i]) for i in indices]
 
 
 def sizes(plan):
@@ -67,7 +67,7 @@ def test_without_reduce_scatter_or_contiguous_gradients_a_bucket_is_one_all_redu
 def test_a_reduce_gathers_one_owners_scattered_slices_in_bucket_order():
     """Partitions of 4 over [5, 6, 5] elements at 0, 5, 11 (N = 4, Ψ_pad 16), reduced last
     first: owner runs 2:1, 3:4 | 1:3, 2:3 | 0:4, 1:1; owner 2's slices sit at 0 and 8."""
-    es = [Entry(0, 11, 5), Entry(0, 5, 6), Entry(0, 0, 5)]
+    es = [BucketGradient(0, 11, 5), BucketGradient(0, 5, 6), BucketGradient(0, 0, 5)]
     plan = plan_bucket(es, [4], 100, use_multi_rank_bucket_allreduce=False)
     assert [(r.root, [s.size for s in r.slices]) for r in plan] == [
         (2, [1, 3]),

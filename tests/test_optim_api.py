@@ -155,10 +155,10 @@ def test_state_dict_numbers_parameters_across_groups_in_order():
 
 
 def test_engine_style_flat_shard_is_optimized_by_identity():
-    class Shard:  # only .data and .grad, like the ZeRO engine's view of its master slice
+    class Tile:  # only .data and .grad, like the ZeRO engine's view of its master slice
         __slots__ = ("data", "grad")
 
-    shard = Shard()
+    shard = Tile()
     shard.data = np.linspace(-1, 1, 8, dtype=np.float32)
     shard.grad = np.ones(8, dtype=np.float32)
     opt = zo.AdamW([{"params": [shard], "lr": 0.01}])

@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import shutil
+import threading
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +41,10 @@ FORMAT_VERSION = 1
 METADATA = "metadata.json"
 LATEST = "latest"
 _CHUNK = 1 << 16  # bytes read at a time when hashing
+# np.load parses each .npy header with ast.literal_eval, and CPython before 3.11.8 keeps the
+# parser's recursion depth in shared state (gh-106905): LocalWorld's ranks, threads of one
+# process, raised SystemError reading headers at once. One header at a time.
+NPY_HEADER_LOCK = threading.Lock()
 
 
 class CheckpointError(ValueError):
@@ -138,7 +143,7 @@ def load_16bit_model(path: str | Path) -> dict[str, np.ndarray]:
     ``void16``); they come back here as ``ml_dtypes.bfloat16``."""
     from zerosim.backend import DTYPES
 
-    with np.load(path) as f:
+    with NPY_HEADER_LOCK, np.load(path) as f:
         return {
             k: f[k].view(DTYPES["bfloat16"]) if f[k].dtype == np.dtype("V2") else f[k]
             for k in f.files
@@ -359,7 +364,7 @@ def read_objects(tag_dir: Path, meta: dict) -> dict[str, Any]:
             with open(tag_dir / entry["pickle"], "rb") as f:
                 out[key] = pickle.load(f)  # checksum-verified; see docs on trusting pickles
     if meta["buffers"] is not None:
-        with np.load(tag_dir / meta["buffers"]) as z:
+        with NPY_HEADER_LOCK, np.load(tag_dir / meta["buffers"]) as z:
             out["buffers"] = {k: z[k] for k in z.files}
     return out
 
@@ -447,7 +452,8 @@ def open_shard(tag_dir: Path, cache: dict, rank: int, group: int, kind: str) -> 
     """Memory-map one shard file (cached): reading a slice reads only those bytes."""
     key = (rank, group, kind)
     if key not in cache:
-        cache[key] = np.load(tag_dir / shard_file(rank, group, kind), mmap_mode="r")
+        with NPY_HEADER_LOCK:
+            cache[key] = np.load(tag_dir / shard_file(rank, group, kind), mmap_mode="r")
     return cache[key]
 
 

@@ -24,7 +24,7 @@ from zerosim.zero.stage2_deepspeed import Stage2DeepSpeed
 from zerosim.zero.stage3 import Stage3
 from zerosim.zero.stage3_deepspeed import Stage3DeepSpeed
 from zerosim.zero.stage3_zeropp import Stage3ZeroPP, Stage3ZeroPPDeepSpeed
-from zerosim.zero.strategy import Shard, Strategy
+from zerosim.zero.strategy import Strategy, Tile
 
 __all__ = [
     "GatheredParameters",
@@ -35,7 +35,7 @@ __all__ = [
     "Segment",
     "Layout",
     "Range",
-    "Shard",
+    "Tile",
     "Stage0",
     "Stage0DeepSpeed",
     "Stage1",

@@ -80,7 +80,7 @@ class PendingReductions:
 
     ``complete`` waits for a reduction (``handle`` None: already done), adds ``out`` into
     ``dest`` (this rank's gradient shard, or an object that takes ``+=`` and places the pieces:
-    stage 3's ``ShardSlices``, ``ipg.Delivery``; None when the bucket holds nothing for this rank)
+    stage 3's ``ShardPieces``, ``ipg.Delivery``; None when the bucket holds nothing for this rank)
     and gives the bucket's pooled ``views`` back through ``give``. Every stage's and
     ``IpgBuckets``' reductions in flight go through one of these.
     """

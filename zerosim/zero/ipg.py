@@ -41,7 +41,7 @@ from zerosim.backend import assign, flat
 from zerosim.zero.buckets import MAX_IN_FLIGHT, PendingReductions
 
 
-class Entry(NamedTuple):
+class BucketGradient(NamedTuple):
     """A parameter in a bucket: its group and where it starts in the group's flat buffer;
     ``copy_ranks`` the ranks that receive every slice of it (a split Muon matrix's owners,
     ``zerosim/zero/muon.py``), None for a parameter whose slices go to their owners only."""
@@ -66,7 +66,7 @@ class Piece(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Slice:
+class OwnerRun:
     """Consecutive pieces of one owner: one contiguous run of the bucket."""
 
     owner: int
@@ -86,14 +86,14 @@ class Reduction:
 
     op: str
     root: int | None
-    slices: tuple[Slice, ...]
+    slices: tuple[OwnerRun, ...]
 
     @property
     def numel(self) -> int:
         return sum(s.size for s in self.slices)
 
 
-def bucket_pieces(entries: list[Entry], partition_sizes: list[int]) -> list[Piece]:
+def bucket_pieces(entries: list[BucketGradient], partition_sizes: list[int]) -> list[Piece]:
     """Each entry cut at the partition boundaries of its group (P = ``partition_sizes[group]``)."""
     pieces, at = [], 0
     for e in entries:
@@ -111,20 +111,22 @@ def bucket_pieces(entries: list[Entry], partition_sizes: list[int]) -> list[Piec
     return pieces
 
 
-def merge_slices(pieces: list[Piece]) -> list[Slice]:
+def merge_slices(pieces: list[Piece]) -> list[OwnerRun]:
     """Consecutive pieces of one owner, for the same ranks, become one slice (DeepSpeed merges
     them)."""
-    slices: list[Slice] = []
+    slices: list[OwnerRun] = []
     for p in pieces:
         if slices and slices[-1].owner == p.owner and slices[-1].copy_ranks == p.copy_ranks:
             last = slices[-1]
-            slices[-1] = Slice(last.owner, last.bucket_start, last.size + p.size, (*last.pieces, p))
+            slices[-1] = OwnerRun(
+                last.owner, last.bucket_start, last.size + p.size, (*last.pieces, p)
+            )
         else:
-            slices.append(Slice(p.owner, p.bucket_start, p.size, (p,)))
+            slices.append(OwnerRun(p.owner, p.bucket_start, p.size, (p,)))
     return slices
 
 
-def _runs(slices: list[Slice], limit: int) -> list[tuple[Slice, ...]]:
+def _runs(slices: list[OwnerRun], limit: int) -> list[tuple[OwnerRun, ...]]:
     """Runs of slices, each closed once it holds more than ``limit`` elements (DeepSpeed's
     ``allreduce_and_scatter`` / ``allreduce_no_retain``: the test is ``numel > limit``)."""
     runs, run, numel = [], [], 0
@@ -140,7 +142,7 @@ def _runs(slices: list[Slice], limit: int) -> list[tuple[Slice, ...]]:
 
 
 def plan_bucket(
-    entries: list[Entry],
+    entries: list[BucketGradient],
     partition_sizes: list[int],
     reduce_bucket_size: int,
     *,
@@ -159,7 +161,7 @@ def plan_bucket(
 
     # per owner a reduce to it; the slices of split Muon matrices, which every owner of the
     # matrix needs, are all-reduced together; in the order each first appears in the bucket
-    def key(s: Slice) -> int | None:
+    def key(s: OwnerRun) -> int | None:
         return None if len(s.copy_ranks) > 1 else s.owner
 
     return [
@@ -200,7 +202,7 @@ class IpgBuckets:
             contiguous_gradients=bool(zero.contiguous_gradients),
         )
         self.muon = getattr(strategy, "muon", None)  # split Muon matrices go to all their owners
-        self.entries: list[Entry] = []  # the bucket being filled
+        self.entries: list[BucketGradient] = []  # the bucket being filled
         self.grads: list[Any] = []  # their gradients (flattened views), until the bucket goes
         self.numel = 0
         self.pending = PendingReductions(strategy.give_buffer)  # launched, oldest first
@@ -213,7 +215,7 @@ class IpgBuckets:
         if self.numel + numel > self.limit:
             self.reduce()
         copy = None if self.muon is None else self.muon.copy_ranks(group, index)
-        self.entries.append(Entry(group, self.flat_starts[group][index], numel, copy))
+        self.entries.append(BucketGradient(group, self.flat_starts[group][index], numel, copy))
         self.grads.append(flat(grad))
         self.numel += numel
 

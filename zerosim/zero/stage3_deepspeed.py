@@ -64,14 +64,14 @@ class CoalescedGather:
         self.handle = handle  # the non-blocking all-gather, or None once complete
 
 
-class ShardSlices:
+class ShardPieces:
     """The destination of one DeepSpeed bucket: ``+= out`` adds each parameter's reduced chunk
     (``out[column : column + chunk]``) into its group's gradient shard."""
 
     def __init__(self, slots: list[tuple[Any, int, int, int]]) -> None:
         self.slots = slots  # (grad_shard, start, chunk, column)
 
-    def __iadd__(self, out: Any) -> ShardSlices:
+    def __iadd__(self, out: Any) -> ShardPieces:
         for shard, start, chunk, column in self.slots:
             shard[start : start + chunk] += out[column : column + chunk]
         return self
@@ -180,7 +180,7 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
         self.before_reduction(buf)
         out = self.take_buffer(width, buf.dtype)
         handle = self.reduce_bucket(out, buf)
-        self.pending.add(handle, out, ShardSlices(slots), (buf, out))
+        self.pending.add(handle, out, ShardPieces(slots), (buf, out))
 
     def _all_reduce_bucket(self, members: list[Parameter], numel: int) -> None:
         """``reduce_scatter: false`` with contiguous gradients (DeepSpeed's
@@ -203,7 +203,7 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
             at += p.numel
         self.before_reduction(buf)
         handle = self.launch(self.comm.iall_reduce, self.comm.all_reduce, buf)
-        self.pending.add(handle, buf, ShardSlices(slots), (buf,))
+        self.pending.add(handle, buf, ShardPieces(slots), (buf,))
 
     # -- the engine's calls ----------------------------------------------------------------------
     def before_backward(self, boundary: bool) -> None:

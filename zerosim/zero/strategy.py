@@ -2,7 +2,7 @@
 
 A strategy is built once by the engine. It lays each parameter group into a flat buffer
 (``FlatGroup``) and points every module parameter's ``.data`` at its view of that buffer. It then
-hands the optimizer not the module parameters but ``Shard`` objects: tiles of the elements this
+hands the optimizer not the module parameters but ``Tile`` objects: tiles of the elements this
 rank updates (``.data`` a view of the flat parameters, ``.grad`` a view of the reduced gradient),
 at most ``sub_group_size`` elements each. The optimizer's update rules are element-wise, so
 stepping tiles of a flat shard gives the same numbers as stepping whole parameters.
@@ -57,7 +57,7 @@ from zerosim.zero.segments import Segment, flat_segments
 
 
 @dataclass(eq=False)
-class Shard:
+class Tile:
     """A tile of the elements this rank updates, as the optimizer sees it."""
 
     data: Any
@@ -183,18 +183,18 @@ class Strategy(ABC):
         self.offload.attach_optimizer(self)
 
     def build_optimizer(self, optimizer_cls: type) -> Any:
-        """Cut each group's stepped ranges into ``sub_group_size`` tiles (``Shard``: a view of
+        """Cut each group's stepped ranges into ``sub_group_size`` tiles (``Tile``: a view of
         the flat parameters and of the reduced gradient, or of the master copy) and build the
         optimizer over them."""
         param_groups = []
-        self.shards: list[list[Shard]] = []
+        self.shards: list[list[Tile]] = []
         self.tile_ranges: list[list[Range]] = []
         for gi, g in enumerate(self.groups):
             cut = tiles(self.step_ranges(g), self.zero.sub_group_size)
             if self.master_weights is None:  # the stepped parameters are their own master
-                shards = [Shard(g.flat_param[t.start : t.stop], self.grad_view(g, t)) for t in cut]
+                shards = [Tile(g.flat_param[t.start : t.stop], self.grad_view(g, t)) for t in cut]
             else:  # a master copy of the stepped ranges; its gradients made at step time
-                shards = [Shard(view, None) for view in self.master_weights.allocate(gi, g, cut)]
+                shards = [Tile(view, None) for view in self.master_weights.allocate(gi, g, cut)]
             self.shards.append(shards)
             self.tile_ranges.append(cut)
             param_groups.append({"params": shards, **g.hyper})
