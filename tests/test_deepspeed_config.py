@@ -811,12 +811,6 @@ DIFFERENCES: list[Difference] = [
         "implemented on CPU backend'); with a GPU DeepSpeed accepts these configs, as zerosim does",
     ),
     Difference(
-        r"optimizer/[Mm]uon@s\d (fp16|bf16)",
-        True,
-        "zerosim builds Muon for float32/float64 training only (DeepSpeed's Muon keeps its "
-        "momentum in the 16-bit gradient dtype and rescales updates by the loss scale)",
-    ),
-    Difference(
         r"optimizer/Muon unknown key",
         True,
         "DeepSpeed's Muon reads only the keys of its two halves (and its Adam switches) and "

@@ -108,9 +108,7 @@ def _prepare_config(config: dict | str | Path, micro_batch: int | None) -> dict:
 
 def fingerprint(engine: Engine, world_size: int) -> list[tuple]:
     """Every rank's class key: ranks with equal keys run the same program (module docstring)."""
-    pieces = [
-        counts for g in engine.strategy.groups for counts in getattr(g, "bucket_counts", None) or []
-    ]
+    pieces = engine.strategy.bucket_pieces()
     return [(r == 0, r == world_size - 1, tuple(c[r] for c in pieces)) for r in range(world_size)]
 
 

@@ -259,7 +259,7 @@ def _formula_rows(
     """{phase: bytes} each rank sends by the formulas of the run's schedule, one per rank."""
     n, pad, knobs = strategy.comm.size, strategy.padded_numel, config["zero_optimization"]
     schedule, k = config["zerosim"]["schedule"], config["gradient_accumulation_steps"]
-    coordinator = "deepspeed" if getattr(strategy, "deepspeed", False) else "paper"
+    coordinator = "deepspeed" if isinstance(strategy, Stage3DeepSpeed) else "paper"
     if schedule == "deepspeed" and strategy.stage < 3 and name != "megatron":
         numels = [p.numel for _, p in net.named_parameters()]
         formulas = [

@@ -83,6 +83,9 @@ class Stage2(Strategy):
             self.buckets.append(plan)
             self.queues.append(BucketQueue(members, partial(self._launch, g, plan)))
 
+    def bucket_pieces(self) -> list[list[int]]:
+        return [counts for plan in self.buckets for counts in plan.counts]
+
     def attach(self, model: Any) -> None:
         self.tracker = GradReadyTracker(model, self._ready)
 

@@ -26,6 +26,9 @@ from zerosim.zero.stage2 import Stage2
 class Stage2DeepSpeed(DeepSpeedFlatBuffers, Stage2):
     """Partitioned gradients: DeepSpeed's IPG buckets during every backward."""
 
+    def bucket_pieces(self) -> list[list[int]]:
+        return []  # IPG buckets are planned per bucket at run time, the same on every rank
+
     def setup_reduction(self) -> None:
         starts = [[slot.range.start for slot in g.slots] for g in self.groups]
         sizes = [g.layout.shard_numel for g in self.groups]

@@ -257,6 +257,11 @@ class Strategy(ABC):
         """Bytes of gradient storage this rank keeps between micro-steps."""
 
     # -- shared ---------------------------------------------------------------------------------
+    def bucket_pieces(self) -> list[list[int]]:
+        """Each reduction bucket's piece per rank, where buckets are cut unevenly over the ranks
+        (the paper's stage 2); the dry run runs ranks with equal pieces once."""
+        return []
+
     def segments(self, which: str = "owned") -> list[Segment]:
         """The parameter element runs this rank holds in its optimizer shards
         (``zerosim/zero/segments.py``: ``which`` is "owned" or "stepped")."""
