@@ -58,6 +58,7 @@ from zerosim.checkpoint.files import (
     write_latest,
     write_metadata,
 )
+from zerosim.comm.gather import gather_text
 from zerosim.nn.state import state_entries
 from zerosim.zero.partition import Range
 
@@ -98,18 +99,8 @@ def _agree(comm: Any, fn: Any) -> Any:
 
 
 def _gather_json(comm: Any, obj: Any) -> list[Any]:
-    """Every rank's JSON-able ``obj``, on every rank (two all-gathers of bytes)."""
-    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
-    lengths = np.empty(comm.size, dtype=np.int64)
-    comm.all_gather(lengths, np.array([data.size], dtype=np.int64))
-    padded = np.zeros(int(lengths.max()), dtype=np.uint8)
-    padded[: data.size] = data
-    every = np.empty(comm.size * padded.size, dtype=np.uint8)
-    comm.all_gather(every, padded)
-    width = padded.size
-    return [
-        json.loads(every[r * width : r * width + lengths[r]].tobytes()) for r in range(comm.size)
-    ]
+    """Every rank's JSON-able ``obj``, on every rank (``gather_text``: two all-gathers)."""
+    return [json.loads(text) for text in gather_text(comm, json.dumps(obj))]
 
 
 def _random_modules(module: Any) -> dict[str, Any]:

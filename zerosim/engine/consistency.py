@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.comm import Communicator
+from zerosim.comm.gather import gather_text
 from zerosim.config import Config, ConfigError
 from zerosim.nn import Module
 
@@ -22,19 +23,6 @@ PER_RANK_KEYS = (
     "zero_optimization.offload_param.nvme_path",
     "zerosim.flight_dir",
 )
-
-
-def gather_text(comm: Communicator, text: str) -> list[str]:
-    """Every rank's ``text``, in rank order (two all-gathers: lengths, then padded bytes)."""
-    data = np.frombuffer(text.encode(), dtype=np.uint8)
-    lengths = np.empty(comm.size, dtype=np.int64)
-    comm.all_gather(lengths, np.array([data.size], dtype=np.int64))
-    padded = np.zeros(int(lengths.max()), dtype=np.uint8)
-    padded[: data.size] = data
-    every = np.empty(comm.size * padded.size, dtype=np.uint8)
-    comm.all_gather(every, padded)
-    width = padded.size
-    return [every[r * width : r * width + lengths[r]].tobytes().decode() for r in range(comm.size)]
 
 
 def _hash(text: str) -> int:
