@@ -27,7 +27,7 @@ class Stage2DeepSpeed(DeepSpeedFlatBuffers, Stage2):
     """Partitioned gradients: DeepSpeed's IPG buckets during every backward."""
 
     def bucket_pieces(self) -> list[list[int]]:
-        return []  # IPG buckets are planned per bucket at run time, the same on every rank
+        return []  # IPG buckets are cut as gradients arrive: no per-rank cut is known before
 
     def setup_reduction(self) -> None:
         starts = [[slot.range.start for slot in g.slots] for g in self.groups]
