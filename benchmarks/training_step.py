@@ -545,8 +545,9 @@ def launch(
     steps, warmup = a.steps if steps is None else steps, a.warmup if warmup is None else warmup
     port = str(free_port())
     if impl == "deepspeed":
-        cmd = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node", str(n)]
-        cmd += ["--master_addr", "127.0.0.1", "--master_port", port, __file__]
+        # --standalone: torchrun binds a port the OS picks (no race for a port chosen here)
+        cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone"]
+        cmd += ["--nproc_per_node", str(n), __file__]
     else:
         mpirun = Path(sys.executable).parent / "mpirun"
         cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-n", str(n), sys.executable]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +18,15 @@ HERE = Path(__file__).resolve().parent
 NAMES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_deepspeed(n: int, plan: Path, out: Path, timeout: float = 900) -> None:
-    """``torchrun --nproc_per_node n ds_driver.py plan out``; raises with its output on failure."""
+    """``torchrun --standalone --nproc_per_node n ds_driver.py plan out``; raises with its output
+    on failure.
+
+    ``--standalone``: torchrun's rendezvous binds a port the OS picks, so no other process can take
+    it between choosing and binding (a port chosen here and passed as ``--master_port`` could be,
+    and once was: EADDRINUSE)."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc_per_node", str(n), "--master_port", str(free_port())]
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(n)]
     cmd += [str(HERE / "ds_driver.py"), str(plan), str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
