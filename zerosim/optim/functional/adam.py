@@ -82,14 +82,7 @@ class AdamStep(NamedTuple):
         """The coefficients of the fused kernels, rounded to ``param``'s state dtype."""
         r = fused.rounder(param)
         return fused.AdamCoefficients(
-            weight_decay=r(self.coupled_decay),
-            maximize=self.maximize,
-            decay=r(1.0 - self.lr * self.weight_decay),
-            decoupled=self.decoupled,
-            lerp_scale=r(lerp_scale(1.0 - self.beta1)),
-            lerp_upper=1.0 - self.beta1 >= 0.5,
-            beta2=r(self.beta2),
-            one_minus_beta2=r(1.0 - self.beta2),
+            **fused.adam_family(self, r),
             bias_correction2_sqrt=r(self.bias_correction2_sqrt),
             eps=r(self.eps),
             neg_step_size=r(-self.lr / self.bias_correction1),

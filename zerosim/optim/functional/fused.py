@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from zerosim.optim.functional.common import blocks, state_dtype
+from zerosim.optim.functional.common import blocks, lerp_scale, state_dtype
 
 ENV_VAR = "ZEROSIM_FUSED"  # "0": NumPy path; "1" or unset: fused when numba is importable
 _setting: bool | None = None  # set_fused(); None follows the environment
@@ -143,6 +143,24 @@ def rounder(param: Any) -> Callable[[float], Any]:
 # Floats are rounded to the state dtype (``rounder``), flags are Python bools. Every rule
 # starts from the gradient g' = (−g if maximize else g) + weight_decay·θ (coupled decay,
 # skipped when 0); the decoupled decay θ ← decay·θ with decay = 1 − lr·λ comes first.
+
+
+def adam_family(step: Any, r: Callable[[float], Any]) -> dict[str, Any]:
+    """The coefficients every Adam-family kernel (Adam, NAdam, RAdam) starts with, from a step
+    record with lr, beta1, beta2, weight_decay, decoupled_weight_decay and maximize: the
+    gradient's sign and coupled decay, the decoupled decay, m's lerp toward g and v's β₂.
+    ``r`` rounds to the state dtype (``rounder``)."""
+    decoupled = step.decoupled_weight_decay
+    return {
+        "weight_decay": r(0.0 if decoupled else step.weight_decay),
+        "maximize": step.maximize,
+        "decay": r(1.0 - step.lr * step.weight_decay),
+        "decoupled": decoupled and step.weight_decay != 0,
+        "lerp_scale": r(lerp_scale(1.0 - step.beta1)),
+        "lerp_upper": 1.0 - step.beta1 >= 0.5,
+        "beta2": r(step.beta2),
+        "one_minus_beta2": r(1.0 - step.beta2),
+    }
 
 
 class AdamCoefficients(NamedTuple):

@@ -15,7 +15,6 @@ from zerosim.optim.functional.common import (
     blocks,
     check_arrays,
     effective_grad,
-    lerp_scale,
     state_dtype,
     xp_of,
 )
@@ -43,14 +42,7 @@ class NAdamStep(NamedTuple):
         """The coefficients of the fused kernel, rounded to ``param``'s state dtype."""
         r = fused.rounder(param)
         return fused.NAdamCoefficients(
-            weight_decay=r(self.coupled_decay),
-            maximize=self.maximize,
-            decay=r(1.0 - self.lr * self.weight_decay),
-            decoupled=self.decoupled_weight_decay and self.weight_decay != 0,
-            lerp_scale=r(lerp_scale(1.0 - self.beta1)),
-            lerp_upper=1.0 - self.beta1 >= 0.5,
-            beta2=r(self.beta2),
-            one_minus_beta2=r(1.0 - self.beta2),
+            **fused.adam_family(self, r),
             bias_correction2=r(self.bias_correction2),
             eps=r(self.eps),
             grad_coef=r(self.grad_coef),
