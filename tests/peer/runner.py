@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 NAMES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
 
 
-def run_deepspeed(n: int, plan: Path, out: Path, timeout: float = 900) -> None:
+def run_deepspeed(n: int, plan: Path, out: Path, timeout: float = 1200) -> None:
     """``torchrun --standalone --nproc_per_node n ds_driver.py plan out``; raises with its output
     on failure.
 
@@ -37,7 +37,7 @@ def run_deepspeed(n: int, plan: Path, out: Path, timeout: float = 900) -> None:
         )
 
 
-def run_zerosim(n: int, plan: Path, out: Path, timeout: float = 900) -> None:
+def run_zerosim(n: int, plan: Path, out: Path, timeout: float = 1200) -> None:
     proc = run_mpi(n, [str(HERE / "zs_driver.py"), str(plan), str(out)], timeout=timeout)
     if proc.returncode:
         raise RuntimeError(

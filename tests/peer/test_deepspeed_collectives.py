@@ -44,13 +44,11 @@ and from the step's end on they stay whole, refreshed by one all-gather each aft
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 deepspeed = pytest.importorskip("deepspeed", reason="the peer tests need DeepSpeed (test extra)")
 
-from runner import deepspeed_step, run_both, zerosim_step  # noqa: E402
+from runner import deepspeed_step, zerosim_step  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
 
@@ -235,10 +233,12 @@ def cases() -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["N2", "N3"])
-def runs(request, tmp_path_factory):
-    n = request.param
-    return n, run_both(n, copy.deepcopy(cases()), tmp_path_factory.mktemp(f"collectives{n}"))
+@pytest.fixture
+def runs(peer_runs):
+    """(N, {case name: results}) of this module's cases (conftest.py's ``peer_runs``: one
+    launch per side and world size for every peer module)."""
+    n, results = peer_runs
+    return n, results[__name__]
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in cases()])
