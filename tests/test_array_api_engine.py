@@ -27,7 +27,8 @@ from mpi_helpers import run_mpi  # noqa: E402
 
 import zerosim as zs  # noqa: E402
 from zerosim.backend import StandardNamespace, from_host, get_backend, to_host, xp_of  # noqa: E402
-from zerosim.config import ConfigError, load_config  # noqa: E402
+from zerosim.config import load_config  # noqa: E402
+from zerosim.errors import ConfigError  # noqa: E402
 
 STRICT = {"zerosim": {"backend": "array_api_strict"}}
 

@@ -14,13 +14,7 @@ import torch
 from hypothesis import Phase, find, given, settings
 from hypothesis import strategies as st
 
-from zerosim.config import (
-    Config,
-    ConfigError,
-    load_config,
-    read_config_file,
-    resolve_batch_size,
-)
+from zerosim.config import Config, load_config, read_config_file, resolve_batch_size
 from zerosim.config.optimizer import (
     DEEPSPEED_SCHEDULERS,
     HYPERPARAMETERS,
@@ -28,7 +22,8 @@ from zerosim.config.optimizer import (
     PYTHON_ONLY_SCHEDULERS,
     TORCH_SCHEDULERS,
 )
-from zerosim.config.values import knob_fields, known_key_paths, short_repr
+from zerosim.config.values import knob_fields, known_key_paths
+from zerosim.errors import ConfigError, short_repr
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = {"train_batch_size": 8}

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 import zerosim as zs
-from zerosim.config import ConfigError, load_config
+from zerosim.config import load_config
 from zerosim.config.optimizer import uses_muon
+from zerosim.errors import ConfigError
 
 BATCH = {"train_batch_size": 2}
 

@@ -43,8 +43,9 @@ from deepspeed_keys import NO_DEFAULT, deepspeed_keys, dotted
 
 import zerosim
 from zerosim.comm import LocalWorld
-from zerosim.config import REMOVED_TOP_LEVEL_KEYS, Config, ConfigError, load_config
+from zerosim.config import REMOVED_TOP_LEVEL_KEYS, Config, load_config
 from zerosim.config.values import any_value, knob_fields, known_key_paths
+from zerosim.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 deepspeed = pytest.importorskip(

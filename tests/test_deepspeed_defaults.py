@@ -28,7 +28,8 @@ from zerosim.config.sections import (
     OffloadParamConfig,
     ZeroConfig,
 )
-from zerosim.config.values import ConfigError, knob_fields
+from zerosim.config.values import knob_fields
+from zerosim.errors import ConfigError
 
 deepspeed = pytest.importorskip(
     "deepspeed", reason="DeepSpeed is the oracle here: pip install -e '.[test]' installs it"

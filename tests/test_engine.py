@@ -5,8 +5,8 @@ import pytest
 from engine_cases import Case, check_case, max_rel_error, train
 
 import zerosim as zs
-from zerosim.config import ConfigError
 from zerosim.engine import initialize
+from zerosim.errors import ConfigError
 from zerosim.nn import MLP
 
 STAGES = [(0, "deepspeed"), (1, "deepspeed"), (2, "deepspeed"), (1, "megatron")]

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerosim as zs
-from zerosim.config import ConfigError
 from zerosim.engine import initialize
+from zerosim.errors import ConfigError
 from zerosim.nn import MLP
 
 ANY = st.one_of(

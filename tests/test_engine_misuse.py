@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import zerosim as zs
-from zerosim.config import ConfigError
 from zerosim.engine import initialize
+from zerosim.errors import ConfigError
 from zerosim.nn import MLP, Parameter
 
 X, Y = np.ones((2, 4), np.float32), np.array([0, 1])

@@ -13,8 +13,8 @@ from ckpt_worker import Case, build_model, config, train_steps
 
 import zerosim as zs
 import zerosim.optim.lr_scheduler as Z
-from zerosim.config import ConfigError
 from zerosim.engine import initialize
+from zerosim.errors import ConfigError
 from zerosim.nn import MLP
 
 

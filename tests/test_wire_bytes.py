@@ -18,10 +18,11 @@ import pytest
 from mpi_helpers import run_mpi
 
 import zerosim as zs
-from zerosim.config import ConfigError, load_config
+from zerosim.config import load_config
 from zerosim.config.sections import ZerosimConfig
 from zerosim.config.values import knob_fields
 from zerosim.engine import initialize
+from zerosim.errors import ConfigError
 from zerosim.nn import GPT
 
 

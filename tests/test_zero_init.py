@@ -14,7 +14,7 @@ from mpi_helpers import run_mpi
 
 import zerosim as zs
 from zerosim.checkpoint import load_16bit_model
-from zerosim.config import ConfigError
+from zerosim.errors import ConfigError
 from zerosim.zero import GatheredParameters, Init
 
 

@@ -5,8 +5,9 @@
 
 from zerosim import analysis, comm, data, nn, optim, zero
 from zerosim.comm import LocalWorld
-from zerosim.config import Config, ConfigError, load_config
+from zerosim.config import Config, load_config
 from zerosim.engine import Engine, initialize
+from zerosim.errors import ConfigError
 
 __version__ = "0.1.0"
 __all__ = [

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from zerosim.config import ConfigError
+from zerosim.errors import ConfigError
 
 GIB = 2**30
 

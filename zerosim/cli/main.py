@@ -18,7 +18,7 @@ from zerosim.checkpoint import CheckpointError
 from zerosim.cli.arguments import int_at_least
 from zerosim.comm import Communicator, LocalWorld, world_size_from_env
 from zerosim.comm.record import busbw_factor
-from zerosim.config import ConfigError
+from zerosim.errors import ConfigError
 
 
 def _collective_demo(comm: Communicator, elements: int) -> tuple[str, list[str]]:

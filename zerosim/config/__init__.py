@@ -49,7 +49,6 @@ from zerosim.config.sections import (
     ZerosimConfig,
 )
 from zerosim.config.values import (
-    ConfigError,
     Parser,
     any_value,
     as_mapping,
@@ -68,12 +67,12 @@ from zerosim.config.values import (
     section,
     to_plain,
 )
+from zerosim.errors import ConfigError
 
 __all__ = [
     "BF16Config",
     "CheckpointConfig",
     "Config",
-    "ConfigError",
     "FP16Config",
     "LossScaleSettings",
     "OffloadOptimizerConfig",

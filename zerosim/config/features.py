@@ -32,7 +32,6 @@ from typing import Any, ClassVar
 
 from zerosim.backend import PRECISION_DTYPES
 from zerosim.config.values import (
-    ConfigError,
     Parser,
     Section,
     any_value,
@@ -48,6 +47,7 @@ from zerosim.config.values import (
     text,
     whole_section,
 )
+from zerosim.errors import ConfigError
 
 NOT_NULL = "DeepSpeed's model requires a value for this field"
 # DeepSpeed's DtypeEnum: the names its data_types and torch_autocast keys take (exactly).

@@ -34,7 +34,6 @@ from types import MappingProxyType
 from typing import Any
 
 from zerosim.config.values import (
-    ConfigError,
     Parser,
     Section,
     as_finite_float,
@@ -46,6 +45,7 @@ from zerosim.config.values import (
     knob,
     number,
 )
+from zerosim.errors import ConfigError
 
 # DeepSpeed's own optimizer names (matched in any case) and torch.optim names (matched exactly).
 DEEPSPEED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion", "Lamb", "Muon")

@@ -24,7 +24,6 @@ from typing import Any, ClassVar
 
 from zerosim.analysis.volume import SCHEDULES
 from zerosim.config.values import (
-    ConfigError,
     Parser,
     Section,
     as_finite_float,
@@ -42,6 +41,7 @@ from zerosim.config.values import (
     text,
     whole_section,
 )
+from zerosim.errors import ConfigError
 from zerosim.zero.loss_scaler import LossScaleSettings
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")

@@ -17,11 +17,12 @@ import numpy as np
 from zerosim import optim
 from zerosim.backend import Backend, crossings, get_backend
 from zerosim.comm import Communicator, default_comm
-from zerosim.config import Config, ConfigError, load_config, reject_unbuilt
+from zerosim.config import Config, load_config, reject_unbuilt
 from zerosim.config.optimizer import ZERO_SUPPORTED_OPTIMIZERS
 from zerosim.data import build_loader
 from zerosim.engine.consistency import check_same_config, check_same_model
 from zerosim.engine.engine import Engine
+from zerosim.errors import ConfigError
 from zerosim.nn import Module
 from zerosim.optim.lr_scheduler import build_scheduler
 from zerosim.zero import Strategy, strategy_class

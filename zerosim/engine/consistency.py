@@ -13,7 +13,8 @@ import numpy as np
 
 from zerosim.comm import Communicator
 from zerosim.comm.gather import gather_text
-from zerosim.config import Config, ConfigError
+from zerosim.config import Config
+from zerosim.errors import ConfigError
 from zerosim.nn import Module
 
 # Keys that may differ from rank to rank: node-local paths (each node its own NVMe, its own flight

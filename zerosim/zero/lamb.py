@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.config.values import ConfigError
+from zerosim.errors import ConfigError
 
 PHASE = "lamb_norms"
 

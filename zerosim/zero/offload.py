@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import from_host, nbytes, to_host
-from zerosim.config.values import ConfigError
+from zerosim.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
