@@ -87,6 +87,7 @@ def test_the_engine_builds_the_registered_class(schedule):
             },
             comm=comm,
         )
+        assert not hasattr(engine.strategy, "schedule")  # the class is the schedule
         return type(engine.strategy)
 
     want = zero.Stage2 if schedule == "paper" else zero.Stage2DeepSpeed
@@ -102,3 +103,38 @@ def test_the_papers_stage_file_never_reads_the_schedule(stage):
     names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     assert not {"schedule", "layout_kind"} & names
+
+
+def schedule_names_compared(source: str) -> list[str]:
+    """Each comparison with the string "paper" or "deepspeed"'s schedule meaning: a name or
+    attribute called ``schedule`` (or the string "paper") on either side of ``==``/``!=``/``in``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        named = any(
+            (isinstance(x, ast.Name) and x.id == "schedule")
+            or (isinstance(x, ast.Attribute) and x.attr == "schedule")
+            or (isinstance(x, ast.Constant) and x.value == "paper")
+            for x in sides
+        )
+        if named:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_of_zero_but_the_registry_turns_a_schedule_name_into_code():
+    """The boundary checks are each class's ``boundary_rule``; no table keyed by the name."""
+    folder = Path(zero.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        if path.name == "registry.py":
+            continue
+        assert not schedule_names_compared(path.read_text()), path.name
+
+
+def test_a_schedule_comparison_is_found():
+    assert schedule_names_compared("if schedule == 'paper':\n    pass\n")
+    assert schedule_names_compared("x = self.schedule != s")
+    assert not schedule_names_compared("if stage == 3:\n    pass\n")
+

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from zerosim.analysis import boundary_messages
-from zerosim.zero.schedule import boundary_checks
+from zerosim.zero.registry import strategy_class
+
+
+def boundary_checks(schedule, stage, **settings):
+    """The boundary checks of the strategy the registry picks for (stage, schedule)."""
+    return strategy_class(stage, schedule).boundary_checks(**settings)
+
 
 CASES = [  # (stage, precision, clip) -> DeepSpeed's (flag bytes, norm bytes), None: not sent
     (0, "fp32", 1.0, None, 4),

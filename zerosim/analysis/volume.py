@@ -565,3 +565,30 @@ def zeropp_step_bytes(
             sent = (n - 1) * w * itemsize
             _add(out["gradients"], ring_split(sent, rank, world, ranks_per_node), k)
     return out
+
+
+def stage3_backward_gathers(
+    schedule: str, zero: Any, gathered_numel: int, recorded: bool = True
+) -> bool | None:
+    """Whether stage 3 all-gathers its non-persistent parameters (``gathered_numel`` elements)
+    again in backward, once the module trace is ``recorded`` (after the first step).
+
+    The paper's schedule keeps every parameter from forward to backward when its next use is
+    within ``stage3_max_reuse_distance`` (> Ψ_np: all of them) and the live cap holds them all.
+    DeepSpeed's coordinator keeps a parameter when its next use is within the reuse distance or
+    a prefetch took it: when one prefetch bucket and the live cap hold every gathered
+    parameter, the first fetch prefetches the rest and nothing is gathered again; without
+    prefetch it regathers as the paper's does. Any other DeepSpeed setting: None, the module
+    trace decides (docs/formulas.md; tests/peer/test_deepspeed_collectives.py holds it to
+    DeepSpeed's own log).
+    """
+    get = zero.get if isinstance(zero, dict) else lambda key, default: getattr(zero, key)
+    reuse = get("stage3_max_reuse_distance", 1_000_000_000)
+    live = get("stage3_max_live_parameters", 1_000_000_000)
+    prefetch = get("stage3_prefetch_bucket_size", 50_000_000)
+    kept = reuse > gathered_numel and live >= gathered_numel and recorded
+    if schedule == "paper" or kept:
+        return not kept
+    if prefetch >= gathered_numel and live >= gathered_numel and recorded:
+        return False
+    return True if prefetch == 0 and reuse == 0 else None

@@ -22,11 +22,11 @@ from zerosim.analysis import (
     full_precision_model_states,
     step_bytes,
 )
+from zerosim.analysis.volume import stage3_backward_gathers
 from zerosim.checkpoint import load_checkpoint, save_checkpoint
 from zerosim.comm import Communicator
 from zerosim.engine import initialize
 from zerosim.report import workloads
-from zerosim.zero.schedule import stage3_backward_gathers
 from zerosim.zero.stage3_deepspeed import Stage3DeepSpeed
 
 DEFAULT_CONFIG: dict[str, Any] = {

@@ -8,9 +8,9 @@ from typing import Any
 
 from zerosim import analysis
 from zerosim.analysis.presets import narayanan_flops
+from zerosim.analysis.volume import stage3_backward_gathers
 from zerosim.dryrun.run import ModelRecipe, RankRun, host_peak_rss_bytes
 from zerosim.dryrun.timeline import ClusterModel, StepTime, simulate
-from zerosim.zero.schedule import stage3_backward_gathers
 
 # memory_report() entries that are model states (the rest are buffers, peaks and the like)
 MODEL_STATES = (

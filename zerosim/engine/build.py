@@ -29,7 +29,7 @@ from zerosim.zero import Strategy, strategy_class
 from zerosim.zero.init import is_partitioned
 from zerosim.zero.loss_scaler import build_loss_scaler
 from zerosim.zero.offload import check_nvme_paths
-from zerosim.zero.schedule import BoundaryChecks, boundary_checks
+from zerosim.zero.schedule import BoundaryChecks
 from zerosim.zero.stage3_zeropp import Stage3ZeroPP
 from zerosim.zero.zeropp import zeropp_enabled
 
@@ -96,7 +96,7 @@ def build_engine(
         comm.set_ranks_per_node(cfg.zerosim.ranks_per_node)
     opt_cls, groups = optimizer_spec(cfg, optimizer, model, strategy_cls)
     place_model(model, cfg, comm, backend)
-    checks = schedule_checks(cfg)
+    checks = boundary_checks(strategy_cls, cfg)
     strategy = build_strategy(strategy_cls, cfg, comm, groups, opt_cls)
     loss_scaler = build_loss_scaler(cfg.loss_scaler())
     strategy.attach(model)
@@ -195,13 +195,12 @@ def broadcast_model(model: Module, comm: Communicator) -> None:
             comm.broadcast(buffer, root=0)
 
 
-def schedule_checks(cfg: Config) -> BoundaryChecks:
-    """The overflow and norm collectives of the boundary (zerosim/zero/schedule.py)."""
+def boundary_checks(strategy_cls: type[Strategy], cfg: Config) -> BoundaryChecks:
+    """The overflow and norm collectives of the boundary: the strategy's row of
+    zerosim/zero/schedule.py's table."""
     zero = cfg.zero_optimization
     try:
-        return boundary_checks(
-            cfg.zerosim.schedule,
-            zero.stage,
+        return strategy_cls.boundary_checks(
             fp16=cfg.fp16.enabled,
             bf16=cfg.bf16.enabled,
             clip=cfg.gradient_clipping,
@@ -229,7 +228,6 @@ def build_strategy(
         prescale=cfg.prescale_gradients,
         predivide=cfg.gradient_predivide_factor,
         gradient_average=cfg.gradient_allreduce_op == "mean",
-        schedule=cfg.zerosim.schedule,
         **zeropp_options(strategy_cls, cfg),
     )
 

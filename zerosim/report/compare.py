@@ -45,12 +45,12 @@ from zerosim.analysis import (
     step_bytes,
 )
 from zerosim.analysis.stages import STAGES, stage_info
+from zerosim.analysis.volume import stage3_backward_gathers
 from zerosim.backend import PRECISION_DTYPES
 from zerosim.comm import Communicator
 from zerosim.engine import initialize
 from zerosim.report import workloads
 from zerosim.report.tables import element_bytes, model_states
-from zerosim.zero.schedule import stage3_backward_gathers
 from zerosim.zero.stage3_deepspeed import Stage3DeepSpeed
 
 PHASES = ("forward", "backward", "step", "clip")

@@ -10,7 +10,7 @@ stage 3 and is picked whenever one of its switches is on, whatever the schedule.
 
 from __future__ import annotations
 
-from zerosim.zero.schedule import SCHEDULES
+from zerosim.analysis.volume import SCHEDULES
 from zerosim.zero.stage0 import Stage0
 from zerosim.zero.stage0_deepspeed import Stage0DeepSpeed
 from zerosim.zero.stage1 import Stage1

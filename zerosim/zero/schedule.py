@@ -14,7 +14,8 @@
 At the boundary a step may also all-reduce one overflow flag and the gradient norm. The step is
 skipped (weights, optimizer state, step count and LR schedule untouched; ``skipped_steps`` + 1;
 the loss scaler told of an overflow) when the flag says some rank saw inf/nan, or when the norm
-is not finite and the last column says so. ``boundary_checks`` says which, in which dtype:
+is not finite and the last column says so. Each row below is a function here, and each strategy
+class names its row (``Strategy.boundary_checks``); which, in which dtype:
 
     schedule   stage  overflow flag               norm                            inf/nan norm
     paper      any    fp16: float64 max           float64 sum of Σg² partials     skip
@@ -49,11 +50,8 @@ which DeepSpeed does not have.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-
-from zerosim.analysis.volume import SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -77,66 +75,55 @@ class BoundaryChecks:
     bad_norm: str = "skip"
 
 
-def boundary_checks(
-    schedule: str,
-    stage: int,
-    *,
-    fp16: bool,
-    bf16: bool,
-    clip: float,
-    reference_precision: bool = False,
-    bf16_overflow: bool = True,
-    compute_grad_norm: bool = True,
-) -> BoundaryChecks:
-    """The table of the module docstring. ``reference_precision``: zerosim's float64 mode."""
-    if schedule == "deepspeed" and stage in (1, 2) and not compute_grad_norm and clip > 0:
+@dataclass(frozen=True)
+class BoundarySettings:
+    """The config switches the boundary's checks depend on (``reference_precision``: zerosim's
+    float64 mode; ``bf16_overflow``: ``bf16.check_grad_overflow``)."""
+
+    fp16: bool
+    bf16: bool
+    clip: float
+    reference_precision: bool = False
+    bf16_overflow: bool = True
+    compute_grad_norm: bool = True
+
+
+# One function per row of the module docstring's table; each strategy class names its row
+# (``Strategy.boundary_rule``: the paper's; DeepSpeed's subclasses their stage's).
+
+
+def paper_checks(s: BoundarySettings) -> BoundaryChecks:
+    f64 = np.dtype(np.float64)
+    return BoundaryChecks("all_reduce" if s.fp16 else "none", f64, "sum_sq", f64)
+
+
+def deepspeed_stage0_checks(s: BoundarySettings) -> BoundaryChecks:
+    mixed = s.fp16 or s.bf16
+    norm = "local" if mixed or s.clip <= 0 else "mean"
+    overflow, bad_norm = ("local", "skip") if mixed else ("none", "as_is")
+    return BoundaryChecks(overflow, _U8, norm, _fp32(s), bad_norm=bad_norm)
+
+
+def deepspeed_stage12_checks(s: BoundarySettings) -> BoundaryChecks:
+    if not s.compute_grad_norm and s.clip > 0:
         raise ValueError(
             "zero_optimization.compute_grad_norm=false requires gradient_clipping=0 "
-            f"(DeepSpeed's rule at stages 1 and 2); got gradient_clipping={clip}"
+            f"(DeepSpeed's rule at stages 1 and 2); got gradient_clipping={s.clip}"
         )
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    flag = s.fp16 or (s.bf16 and s.bf16_overflow)
+    norm = "sum_sq" if s.compute_grad_norm else "none"
+    bad_norm = "inf" if s.bf16 and not s.bf16_overflow else "skip"
+    return BoundaryChecks("all_reduce" if flag else "none", _U8, norm, _fp32(s), bad_norm)
+
+
+def deepspeed_stage3_checks(s: BoundarySettings) -> BoundaryChecks:
     f64 = np.dtype(np.float64)
-    if schedule == "paper":
-        return BoundaryChecks("all_reduce" if fp16 else "none", f64, "sum_sq", f64)
-    u8 = np.dtype(np.uint8)
-    f32 = f64 if reference_precision else np.dtype(np.float32)
-    if stage == 0:
-        mixed = fp16 or bf16
-        norm = "local" if mixed or clip <= 0 else "mean"
-        return BoundaryChecks(
-            "local" if mixed else "none", u8, norm, f32, bad_norm="skip" if mixed else "as_is"
-        )
-    if stage in (1, 2):
-        flag = fp16 or (bf16 and bf16_overflow)
-        norm = "sum_sq" if compute_grad_norm else "none"
-        bad_norm = "inf" if bf16 and not bf16_overflow else "skip"
-        return BoundaryChecks("all_reduce" if flag else "none", u8, norm, f32, bad_norm)
-    return BoundaryChecks("all_reduce" if fp16 else "none", u8, "sum_sq", f64)
+    return BoundaryChecks("all_reduce" if s.fp16 else "none", _U8, "sum_sq", f64)
 
 
-def stage3_backward_gathers(
-    schedule: str, zero: Any, gathered_numel: int, recorded: bool = True
-) -> bool | None:
-    """Whether stage 3 all-gathers its non-persistent parameters (``gathered_numel`` elements)
-    again in backward, once the module trace is ``recorded`` (after the first step).
+_U8 = np.dtype(np.uint8)
 
-    The paper's schedule keeps every parameter from forward to backward when its next use is
-    within ``stage3_max_reuse_distance`` (> Ψ_np: all of them) and the live cap holds them all.
-    DeepSpeed's coordinator keeps a parameter when its next use is within the reuse distance or
-    a prefetch took it: when one prefetch bucket and the live cap hold every gathered
-    parameter, the first fetch prefetches the rest and nothing is gathered again; without
-    prefetch it regathers as the paper's does. Any other DeepSpeed setting: None, the module
-    trace decides (docs/formulas.md; tests/peer/test_deepspeed_collectives.py holds it to
-    DeepSpeed's own log).
-    """
-    get = zero.get if isinstance(zero, dict) else lambda key, default: getattr(zero, key)
-    reuse = get("stage3_max_reuse_distance", 1_000_000_000)
-    live = get("stage3_max_live_parameters", 1_000_000_000)
-    prefetch = get("stage3_prefetch_bucket_size", 50_000_000)
-    kept = reuse > gathered_numel and live >= gathered_numel and recorded
-    if schedule == "paper" or kept:
-        return not kept
-    if prefetch >= gathered_numel and live >= gathered_numel and recorded:
-        return False
-    return True if prefetch == 0 and reuse == 0 else None
+
+def _fp32(s: BoundarySettings) -> np.dtype:
+    """DeepSpeed's fp32 messages: float64 in zerosim's float64 reference mode."""
+    return np.dtype(np.float64 if s.reference_precision else np.float32)

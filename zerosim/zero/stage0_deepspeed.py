@@ -16,6 +16,7 @@ from typing import Any
 
 from zerosim.backend import assign, flat
 from zerosim.zero.partition import Range
+from zerosim.zero.schedule import deepspeed_stage0_checks
 from zerosim.zero.stage0 import Stage0
 
 DEEPSPEED_ALLREDUCE_SIZE = 500_000_000  # DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE (elements)
@@ -37,6 +38,8 @@ def allreduce_messages(numels: list[int], limit: int = DEEPSPEED_ALLREDUCE_SIZE)
 
 class Stage0DeepSpeed(Stage0):
     """Full replicas; DeepSpeed's gradient all-reduce after the boundary backward."""
+
+    boundary_rule = staticmethod(deepspeed_stage0_checks)
 
     def setup_reduction(self) -> None:
         """Per group, the messages over its unpadded gradients (one group: its own flat buffer's

@@ -19,11 +19,14 @@ from zerosim.backend import assign
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.ds_schedule import DeepSpeedFlatBuffers
 from zerosim.zero.ipg import IpgBuckets
+from zerosim.zero.schedule import deepspeed_stage12_checks
 from zerosim.zero.stage1 import Stage1
 
 
 class Stage1DeepSpeed(DeepSpeedFlatBuffers, Stage1):
     """Partitioned optimizer state; DeepSpeed's IPG buckets at the boundary; all-gather."""
+
+    boundary_rule = staticmethod(deepspeed_stage12_checks)
 
     def setup_gradients(self) -> None:
         super().setup_gradients()

@@ -20,6 +20,7 @@ from typing import Any
 from zerosim.nn import Parameter
 from zerosim.zero.ds_schedule import DeepSpeedNormGroups
 from zerosim.zero.partition import Layout, MegatronRanges, megatron_layout, megatron_range_maps
+from zerosim.zero.schedule import deepspeed_stage12_checks
 from zerosim.zero.stage1 import Stage1, Stage1Group
 
 
@@ -62,3 +63,5 @@ class Stage1Megatron(Stage1):
 
 class Stage1MegatronDeepSpeed(DeepSpeedNormGroups, Stage1Megatron):
     """Megatron's layout under DeepSpeed's boundary checks: one norm all-reduce per group."""
+
+    boundary_rule = staticmethod(deepspeed_stage12_checks)

@@ -20,11 +20,14 @@ from typing import Any
 from zerosim.nn import Parameter
 from zerosim.zero.ds_schedule import DeepSpeedFlatBuffers
 from zerosim.zero.ipg import IpgBuckets
+from zerosim.zero.schedule import deepspeed_stage12_checks
 from zerosim.zero.stage2 import Stage2
 
 
 class Stage2DeepSpeed(DeepSpeedFlatBuffers, Stage2):
     """Partitioned gradients: DeepSpeed's IPG buckets during every backward."""
+
+    boundary_rule = staticmethod(deepspeed_stage12_checks)
 
     def bucket_pieces(self) -> list[list[int]]:
         return []  # IPG buckets are cut as gradients arrive: no per-rank cut is known before

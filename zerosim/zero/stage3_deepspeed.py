@@ -48,6 +48,7 @@ from zerosim.zero.buckets import MAX_IN_FLIGHT
 from zerosim.zero.ds_coordinator import DeepSpeedCoordinator
 from zerosim.zero.ds_schedule import DeepSpeedNormGroups
 from zerosim.zero.offload import read_param_chunk
+from zerosim.zero.schedule import deepspeed_stage3_checks
 from zerosim.zero.stage3 import Stage3, pack_rank_major
 
 
@@ -87,6 +88,8 @@ def deepspeed_grad_order(module: Any) -> tuple[str, ...]:
 
 class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
     """Stage 3 with DeepSpeed's coalesced fetches and its open gradient bucket."""
+
+    boundary_rule = staticmethod(deepspeed_stage3_checks)
 
     def setup_schedule(self) -> None:
         """DeepSpeed's state: one open gradient bucket for every group, in ready order."""

@@ -39,6 +39,7 @@ from zerosim.backend import array_module, flat, nbytes
 from zerosim.nn import Parameter
 from zerosim.zero.ds_schedule import DeepSpeedNormGroups
 from zerosim.zero.offload import read_param_chunk
+from zerosim.zero.schedule import deepspeed_stage3_checks
 from zerosim.zero.stage3 import Stage3
 from zerosim.zero.zeropp import (
     GRADIENT_BITS,
@@ -264,3 +265,5 @@ class Stage3ZeroPP(Stage3):
 class Stage3ZeroPPDeepSpeed(DeepSpeedNormGroups, Stage3ZeroPP):
     """ZeRO++ under DeepSpeed's schedule: the same gathers and reductions, and the gradient norm
     all-reduced once per sub-group, as DeepSpeed's stage 3 does (``ds_schedule.py``)."""
+
+    boundary_rule = staticmethod(deepspeed_stage3_checks)

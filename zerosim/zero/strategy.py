@@ -52,7 +52,7 @@ from zerosim.zero.muon import MuonUpdates, muon_groups
 from zerosim.zero.offload import Offload
 from zerosim.zero.partition import Layout, Range, deepspeed_layout
 from zerosim.zero.precision import MasterWeights
-from zerosim.zero.schedule import SCHEDULES
+from zerosim.zero.schedule import BoundaryChecks, BoundarySettings, paper_checks
 from zerosim.zero.segments import Segment, flat_segments
 
 
@@ -133,6 +133,11 @@ class Strategy(ABC):
     alignment = 1  # flat buffers pad to a multiple of this times N (the paper: N)
     round_robin = False  # parameters in definition order (DeepSpeed's may lay them round robin)
     group_cls: type = FlatGroup  # what a stage keeps per parameter group
+    boundary_rule = staticmethod(paper_checks)  # schedule.py's table: DeepSpeed's classes own
+
+    @classmethod
+    def boundary_checks(cls, **settings: Any) -> BoundaryChecks:
+        return cls.boundary_rule(BoundarySettings(**settings))  # the boundary's flag and norm
 
     def __init__(
         self,
@@ -148,11 +153,7 @@ class Strategy(ABC):
         prescale: bool = False,
         predivide: float = 1.0,
         gradient_average: bool = True,
-        schedule: str = "deepspeed",
     ) -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        self.schedule = schedule  # whose collectives: DeepSpeed's or the paper's (schedule.py)
         self.comm = comm
         self.prescale, self.predivide = bool(prescale), float(predivide)
         # gradient_allreduce_op: True for 'mean' (the sum over ranks / N), False for 'sum'
