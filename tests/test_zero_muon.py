@@ -167,3 +167,41 @@ def test_16_bit_muon_on_n_ranks_stays_near_the_single_process_run(dtype, stage, 
     for name, want in one[0]["params"].items():
         diff = np.abs(got[name].astype(np.float64) - want.astype(np.float64)).max()
         assert diff <= 2 * zero_muon_cases.LR, (name, diff)
+
+
+# ZeRO++ at stage 3 (hpZ, qwZ): DeepSpeed's Muon gathers (``_partitioned_buffers_all_gather``,
+# ``_muon_update_sub_group``) run over each parameter's ``ds_process_group``, the whole
+# data-parallel group, in ``communication_data_type``: hpZ's secondary group and qwZ's int8
+# codes are used only by the weights' gathers (partition_parameters.py). So hpZ trains exactly
+# the single-process run, and Muon's phase sends what it sends without ZeRO++.
+ZEROPP_MUON = [
+    (4, {"zero_hpz_partition_size": 2}),
+    (3, {"zero_hpz_partition_size": 3}),
+    (3, {"zero_quantized_weights": True}),
+    (4, {"zero_quantized_weights": True, "zero_hpz_partition_size": 2}),
+]
+
+
+@pytest.mark.parametrize("n,zero", ZEROPP_MUON, ids=[f"{n}-{z}" for n, z in ZEROPP_MUON])
+def test_muon_with_zeropp_weight_gathers_at_stage_3(n, zero):
+    from test_analysis_whole_params import formula_kwargs, model_layout
+
+    from zerosim.analysis.whole_params import muon_step_bytes
+
+    case = Case(optimizer="muon", steps=3, stage=3, model="gpt", clip=0.5, sub_group_size=40,
+                accumulation=2)  # fmt: skip
+    runs = zs.LocalWorld(n).run(zero_muon_cases.train, case, **zero)
+    err = engine_cases.max_rel_error(runs[0]["params"], zero_muon_cases.reference(case, n))
+    if zero.get("zero_quantized_weights"):
+        # qwZ: forward and backward run on int8 block-quantized weights (relative rounding
+        # error up to 1/254 of a block's largest value), so the gradients, and the steps
+        # taken on them, differ; not by more than a few steps of that rounding.
+        assert 1e-9 < err < 1e-2, err
+    else:
+        assert err <= 1e-6, err
+    shapes, is_muon = model_layout(case)
+    for rank in range(n):
+        want = muon_step_bytes(3, shapes, is_muon, n, rank, 8, **formula_kwargs(case, {}))
+        for step in runs[rank]["bytes"]:
+            assert step["muon"] == want["muon"] > 0, (rank, step, want)
+            assert step["clip"] == want["clip"], (rank, step, want)

@@ -178,6 +178,8 @@ def check_all(comm) -> float:
         worst = max(worst, check_muon(comm, case))
         if v["stage"] in (1, 2):
             worst = max(worst, check_muon(comm, case, use_multi_rank_bucket_allreduce=False))
+        if v["stage"] == 3:  # ZeRO++'s hpZ over the whole world (N = 2, 3): exact
+            worst = max(worst, check_muon(comm, case, zero_hpz_partition_size=comm.size))
     return worst
 
 

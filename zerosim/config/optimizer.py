@@ -420,9 +420,10 @@ def check_whole_parameter_rules(cfg: Any) -> None:
     stage 3 and Muon with ZeRO++'s quantized gradients (their all-to-all group;
     ``stage3.py``). zerosim builds neither optimizer with optimizer offload to NVMe (its tile
     swapper steps part of a shard at a time, where these need every slice of a parameter at
-    once), nor Muon with any optimizer offload or ZeRO++'s hpZ / qwZ (DeepSpeed accepts those
-    with paths of its own, not built here: docs/config.md), nor with Megatron's layout or the
-    paper's schedule (zerosim's own settings). Muon in fp16 / bf16 trains (zero/muon.py).
+    once), nor Muon with any optimizer offload (DeepSpeed accepts it with paths of its own, not
+    built here: docs/config.md), nor with Megatron's layout or the paper's schedule (zerosim's
+    own settings). Muon in fp16 / bf16 trains (zero/muon.py), and with ZeRO++'s hpZ / qwZ at
+    stage 3, which change only the weights' gathers (Muon's run over the whole group).
     """
     opt = cfg.optimizer
     if opt is not None and opt.type == "Lamb":
@@ -467,8 +468,9 @@ def _check_muon_refused_by_deepspeed(zero: Any) -> None:
 
 
 def _check_muon_built(cfg: Any) -> None:
-    """Muon as zerosim builds it: DeepSpeed's, without offload, Megatron's layout, the paper's
-    schedule or ZeRO++."""
+    """Muon as zerosim builds it: DeepSpeed's, without offload, Megatron's layout or the paper's
+    schedule. ZeRO++'s hpZ and qwZ are built: they change only the weights' gathers, and Muon's
+    gathers run over the whole data-parallel group in full precision, as DeepSpeed's do."""
     zero, sim = cfg.zero_optimization, cfg.zerosim
     not_built = (
         ("zero_optimization.offload_optimizer.device", zero.offload_optimizer.device, "none"),
@@ -483,10 +485,3 @@ def _check_muon_built(cfg: Any) -> None:
                 f"{allowed!r} with Muon (zerosim builds DeepSpeed's Muon for ZeRO stages 0-3 "
                 "without offload, in DeepSpeed's layout and schedule)",
             )
-    if zero.stage == 3 and (zero.zero_quantized_weights or zero.zero_hpz_partition_size > 1):
-        key = "zero_quantized_weights" if zero.zero_quantized_weights else "zero_hpz_partition_size"
-        raise ConfigError(
-            f"zero_optimization.{key}",
-            getattr(zero, key),
-            "off with Muon (zerosim does not build Muon with ZeRO++)",
-        )
