@@ -286,8 +286,7 @@ def summary(rows: list[dict]) -> list[str]:
         for key, label in (("zerosim", "check on"), ("fast", "check off")):
             extra = float(np.median([r[key + "_bar"] - r["raw_bar"] for r in at_small]))
             line = f"N={n}, {label}: fixed cost per call {extra * 1e6:.1f} us (at {small} B)"
-            if at_mib:
-                first = min(r["bytes"] for r in at_mib)
+            for first in sorted({r["bytes"] for r in at_mib})[:2]:  # 1 MiB and 4 MiB
                 raw = min(r["raw_bar"] for r in at_mib if r["bytes"] == first)
                 line += (
                     f"; raw takes {raw * 1e6:.0f} us at {first / MIB:.0f} MiB, so that cost "
