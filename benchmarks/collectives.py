@@ -169,8 +169,14 @@ def measure(mpi, calls: dict, iters: int, repeats: int) -> dict:
     row = {key: float(np.median(v)) for key, v in samples.items()}
     for variant in (v for v in COMPARED if v in calls):
         for mode in MODES:
-            pairs = np.array(samples["raw" + mode]) / np.array(samples[variant + mode])
+            raw_t, ours_t = np.array(samples["raw" + mode]), np.array(samples[variant + mode])
+            pairs = raw_t / ours_t
             row[f"ratio_{variant}{mode}"] = float(np.median(pairs))
+            # spread of the per-round ratios (25th, 75th percentile) and the per-call cost
+            # over raw as the median paired difference in microseconds: load shifts both
+            # samples of a round alike, so the difference is steadier than the ratio
+            row[f"spread_{variant}{mode}"] = [float(q) for q in np.percentile(pairs, [25, 75])]
+            row[f"over_us_{variant}{mode}"] = float(np.median(ours_t - raw_t)) * 1e6
     return row
 
 
@@ -280,14 +286,28 @@ def summary(rows: list[dict]) -> list[str]:
         for key, label in (("zerosim", "check on"), ("fast", "check off")):
             extra = float(np.median([r[key + "_bar"] - r["raw_bar"] for r in at_small]))
             line = f"N={n}, {label}: fixed cost per call {extra * 1e6:.1f} us (at {small} B)"
-            if at_mib:
-                first = min(r["bytes"] for r in at_mib)
+            for first in sorted({r["bytes"] for r in at_mib})[:2]:  # 1 MiB and 4 MiB
                 raw = min(r["raw_bar"] for r in at_mib if r["bytes"] == first)
                 line += (
                     f"; raw takes {raw * 1e6:.0f} us at {first / MIB:.0f} MiB, so that cost "
                     f"alone caps the ratio there at {raw / (raw + extra):.3f}"
                 )
             lines.append(line)
+    for r in rows:  # each op at 4 MiB: per-round ratios' median and spread, paired cost
+        if r["bytes"] != 4 * MIB // 4 // r["n"] * r["n"] * 4 or "spread_zerosim" not in r:
+            continue
+        for mode, label in MODES.items():
+            parts = []
+            for key, what in (("zerosim", "check on"), ("fast", "check off"), ("again", "A/A")):
+                lo, hi = r[f"spread_{key}{mode}"]
+                parts.append(
+                    f"{what} {r[f'ratio_{key}{mode}']:.3f} [{lo:.3f}, {hi:.3f}], "
+                    f"{r[f'over_us_{key}{mode}']:+.0f} us"
+                )
+            lines.append(
+                f"N={r['n']}, {r['op']} 4 MiB, {label}, ratio median [25th, 75th percentile] "
+                "and paired time over raw: " + "; ".join(parts)
+            )
     return lines
 
 

@@ -211,3 +211,35 @@ def test_dryrun_needs_both_world_sizes_of_gpt3_175b_and_the_fitted_rows_within_t
     wrong = [{**r, "bytes_equal": False} if r.get("n") == 1024 else r for r in rows]
     assert not targets.dryrun(wrong)[1]
     assert not targets.dryrun([r for r in rows if r["kind"] == "target"])[1]  # no fitted rows
+
+
+def test_collectives_summary_states_the_fixed_cost_bound_at_four_mib_and_the_spread():
+    """The load-robust bound: 40 us of fixed cost over a 960 us raw call caps the ratio at
+    960 / 1000 = 0.96; the 4 MiB line quotes each per-round ratio's median and quartiles."""
+    from benchmarks.collectives import MIB, summary
+
+    def row(size, raw_bar, ours_bar):
+        r = {"n": 2, "op": "reduce_scatter", "bytes": size, "cores": 2}
+        for key in ("raw", "again"):
+            r.update({key: raw_bar, key + "_bar": raw_bar})
+        for key in ("zerosim", "fast"):
+            r.update({key: ours_bar, key + "_bar": ours_bar})
+        for key in ("zerosim", "fast", "again"):
+            for mode in ("", "_bar"):
+                r.update(
+                    {
+                        f"ratio_{key}{mode}": 0.9,
+                        f"spread_{key}{mode}": [0.8, 0.95],
+                        f"over_us_{key}{mode}": 12.0,
+                    }
+                )
+        return r
+
+    lines = summary([row(4096, 10e-6, 50e-6), row(MIB, 240e-6, 300e-6), row(4 * MIB, 960e-6, 1e-3)])
+    bound = next(line for line in lines if line.startswith("N=2, check on: fixed cost"))
+    assert "fixed cost per call 40.0 us" in bound
+    assert "at 1 MiB, so that cost alone caps the ratio there at 0.857" in bound
+    assert "at 4 MiB, so that cost alone caps the ratio there at 0.960" in bound
+    spread = [line for line in lines if "reduce_scatter 4 MiB" in line]
+    assert len(spread) == 2  # back-to-back and one at a time
+    assert "check on 0.900 [0.800, 0.950], +12 us" in spread[0]
