@@ -137,4 +137,3 @@ def test_a_schedule_comparison_is_found():
     assert schedule_names_compared("if schedule == 'paper':\n    pass\n")
     assert schedule_names_compared("x = self.schedule != s")
     assert not schedule_names_compared("if stage == 3:\n    pass\n")
-
