@@ -48,6 +48,9 @@ def run_zerosim(n: int, plan: Path, out: Path, timeout: float = 1200) -> None:
 def run_both(n: int, cases: list[dict], work: Path) -> dict[str, dict]:
     """{case name: {"ds": {...}, "zs": {...}}} with each side's per-rank JSON and weights."""
     work.mkdir(parents=True, exist_ok=True)
+    for case in cases:  # hpZ over the whole world: the one hpZ size every N of the plan allows
+        if case.pop("hpz_is_world", False):
+            case["config"]["zero_optimization"]["zero_hpz_partition_size"] = n
     plan = work / "plan.json"
     plan.write_text(json.dumps({"cases": cases}))
     sides = {"ds": work / "ds", "zs": work / "zs"}

@@ -208,6 +208,10 @@ def cases() -> list[dict]:
             gradient_accumulation_steps=2,
         ),
         _case("s3_muon", 3, MUON, zero={"reduce_scatter": False}),
+        # Muon with ZeRO++'s hpZ (secondary partition = the world: what N = 2 and 3 both allow):
+        # Muon's whole-matrix gathers stay full-precision over the world (DeepSpeed's stage3.py).
+        # qwZ has no peer case: DeepSpeed's quantizer op has no CPU implementation.
+        dict(_case("s3_muon_hpz", 3, MUON, zero={"reduce_scatter": False}), hpz_is_world=True),
         # Muon in bf16 at stages 1-3: momentum and update in bf16 on both sides; 16 samples a
         # rank, so the MLP's first matrix has a full-rank gradient (Newton–Schulz blows
         # rounding noise in a gradient's null space up to the size of the update)
