@@ -139,20 +139,25 @@ def config(case: Case) -> dict:
     }
 
 
+def optimizer_step(engine, comm, case: Case, x, y, step: int) -> None:
+    """Optimizer step ``step`` of ``case``: this rank's micro-batches of the global batch."""
+    width = comm.size * case.micro
+    for j in range(case.accumulation):
+        at = (step * case.accumulation + j) * width + comm.rank * case.micro
+        loss = engine(x[at : at + case.micro], y[at : at + case.micro])
+        engine.backward(loss)
+        engine.step()
+
+
 def train(comm, case: Case) -> dict:
     """Train on this rank's micro-batches; return what the checks need."""
     model = build_model(case)
     engine, *_ = initialize(model, config(case), comm=comm)
     x, y = data(case, comm.size)
-    width = comm.size * case.micro
     steps_bytes, norm_bytes = [], []
     for s in range(case.steps):
         comm.ledger.reset()
-        for j in range(case.accumulation):
-            at = (s * case.accumulation + j) * width + comm.rank * case.micro
-            loss = engine(x[at : at + case.micro], y[at : at + case.micro])
-            engine.backward(loss)
-            engine.step()
+        optimizer_step(engine, comm, case, x, y, s)
         led = comm.ledger
         steps_bytes.append(
             {ph: led.bytes_sent(phase=ph) for ph in ("forward", "backward", "step", "clip")}
@@ -426,16 +431,11 @@ def train_on(comm, case: Case, extra: dict | None = None, save_to: str | None = 
         else:
             cfg[key] = value
     x, y = data(case, comm.size)
-    width = comm.size * case.micro
 
     def run(engine, steps):
         before = crossings().as_dict()
         for s in steps:
-            for j in range(case.accumulation):
-                at = (s * case.accumulation + j) * width + comm.rank * case.micro
-                loss = engine(x[at : at + case.micro], y[at : at + case.micro])
-                engine.backward(loss)
-                engine.step()
+            optimizer_step(engine, comm, case, x, y, s)
         after = crossings().as_dict()
         return {k: after[k] - before[k] for k in after}
 

@@ -129,13 +129,8 @@ def train(comm, case: Case, **zero) -> dict:
 def run_steps(engine, comm, case: Case, steps: range) -> None:
     """Optimizer steps ``steps`` of ``case`` (each rank its micro-batches of the global batch)."""
     x, y = engine_cases.data(case, comm.size)
-    width = comm.size * case.micro
     for s in steps:
-        for j in range(case.accumulation):
-            at = (s * case.accumulation + j) * width + comm.rank * case.micro
-            loss = engine(x[at : at + case.micro], y[at : at + case.micro])
-            engine.backward(loss)
-            engine.step()
+        engine_cases.optimizer_step(engine, comm, case, x, y, s)
 
 
 def save_after(comm, case: Case, k: int, directory: str) -> dict:
