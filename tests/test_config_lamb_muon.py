@@ -111,11 +111,6 @@ def test_a_lamb_section_passes_fusedlambs_arguments():
             },
             "zero_optimization.zero_quantized_gradients",
         ),
-        (
-            {"type": "Muon"},
-            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-            "zero_optimization.offload_optimizer.device",
-        ),
         ({"type": "Muon"}, {"zerosim": {"schedule": "paper"}}, "zerosim.schedule"),
         (
             {"type": "Muon"},
@@ -129,6 +124,17 @@ def test_refused_combinations_name_the_key(optimizer, top, key):
         load(optimizer, **top)
     assert err.value.path == key
     assert err.value.allowed
+
+
+@pytest.mark.parametrize(("stage", "device"), [(1, "cpu"), (2, "cpu"), (3, "cpu"), (3, "nvme")])
+def test_muon_is_accepted_with_optimizer_offload_as_deepspeed_accepts_it(stage, device, tmp_path):
+    zero = {
+        "stage": stage,
+        "offload_optimizer": {"device": device, "nvme_path": str(tmp_path)},
+        **({"reduce_scatter": False} if stage == 3 else {}),
+    }
+    cfg = load({"type": "Muon"}, zero_optimization=zero)
+    assert (cfg.optimizer.type, cfg.zero_optimization.offload_optimizer.device) == ("Muon", device)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

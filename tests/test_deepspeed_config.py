@@ -353,6 +353,16 @@ def whole_parameter_cases() -> list[Case]:
             {"stage": 3, "reduce_scatter": False, "zero_quantized_gradients": True},
             {},
         ),
+        "Muon@s2 offload": (
+            {"type": "Muon", "params": muon},
+            {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            {},
+        ),
+        "Muon@s3 offload": (
+            {"type": "Muon", "params": muon},
+            {"stage": 3, "reduce_scatter": False, "offload_optimizer": {"device": "cpu"}},
+            {},
+        ),
         "Muon halves": (
             {"type": "Muon", "params": {**muon, "muon_lr": 0.02, "adam_lr": 1e-3,
                                         "momentum": 0.9, "ns_method": "standard",

@@ -127,10 +127,10 @@ def test_the_momentum_is_kept_whole_on_every_owner_at_stages_1_2_and_partitioned
         assert (mem["optimizer_state.momentum_buffer"], mem["muon_gradient_copies"]) == want
 
 
-def _fp16_weights(comm, case: Case, loss_scale: float) -> dict:
+def _fp16_weights(comm, case: Case, loss_scale: float, offload: str = "none") -> dict:
     from zerosim.engine import initialize
 
-    cfg = zero_muon_cases.config(case)
+    cfg = zero_muon_cases.config(case, offload_optimizer={"device": offload})
     cfg["fp16"] = {"enabled": True, "loss_scale": loss_scale}
     engine, *_ = initialize(engine_cases.build_model(case), cfg, comm=comm)
     zero_muon_cases.run_steps(engine, comm, case, range(case.steps))
@@ -138,16 +138,19 @@ def _fp16_weights(comm, case: Case, loss_scale: float) -> dict:
     return engine.full_state_dict()
 
 
+@pytest.mark.parametrize("offload", ["none", "cpu"])
 @pytest.mark.parametrize("scale", [2.0**4, 2.0**12])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_fp16_muon_updates_are_not_unscaled_as_gradients_are(stage, scale):
+def test_fp16_muon_updates_are_not_unscaled_as_gradients_are(stage, scale, offload):
     """Newton–Schulz gives the same update at any loss scale, so the update carries none
     (DeepSpeed's "lacks loss scale"). fp16 at static scales 2⁴ and 2¹² against the float64
     single-process oracle: within lr/8 (measured 5.5e-4 at both). Unscaling the updates as
     gradients would shrink Muon's steps by the scale (measured 0.037 and 0.040); scaling them
-    in fp16 would overflow (every step skipped: the helper asserts none is)."""
+    in fp16 would overflow (every step skipped: the helper asserts none is). Under optimizer
+    offload the gradients are unscaled before they enter the momentum (DeepSpeed's path
+    there): a momentum of scaled gradients would be off by the scale after a step."""
     case = Case(optimizer="muon", steps=3, stage=stage, model="mlp", dtype="float16")
-    got = zs.LocalWorld(2).run(_fp16_weights, case, scale)[0]
+    got = zs.LocalWorld(2).run(_fp16_weights, case, scale, offload)[0]
     want = zero_muon_cases.reference(case.with_(dtype="float64"), 2)
     for name, w in want.items():
         np.testing.assert_allclose(got[name], w, rtol=0, atol=zero_muon_cases.LR / 8, err_msg=name)
@@ -205,3 +208,113 @@ def test_muon_with_zeropp_weight_gathers_at_stage_3(n, zero):
         for step in runs[rank]["bytes"]:
             assert step["muon"] == want["muon"] > 0, (rank, step, want)
             assert step["clip"] == want["clip"], (rank, step, want)
+
+
+# Optimizer offload: DeepSpeed's other Muon path (zerosim/zero/muon_offload.py): every rank
+# gathers every rank's owned slices of the gradients and momentums and orthogonalizes every
+# matrix. The oracle is the same single-process run; the bytes are muon_offload_bytes'.
+OFFLOAD_VARIANTS = [
+    dict(stage=1, model="mlp"),
+    dict(stage=2, model="gpt", clip=0.5, accumulation=2),
+    dict(stage=3, model="gpt", clip=0.5, sub_group_size=40),
+]
+
+
+def muon_numels(case: Case) -> list[int]:
+    """The Muon group's matrices' sizes in DeepSpeed's flat order (``muon_layout``)."""
+    from test_analysis_whole_params import model_layout
+
+    from zerosim.analysis.whole_params import muon_layout
+
+    shapes, is_muon = model_layout(case)
+    return [math.prod(shapes[i]) for i in muon_layout(shapes, is_muon) if is_muon[i]]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("cap", [None, 600], ids=["64MiB", "600B"])
+@pytest.mark.parametrize("variant", OFFLOAD_VARIANTS, ids=[str(v) for v in OFFLOAD_VARIANTS])
+def test_muon_with_cpu_offload_equals_the_single_process_run(variant, cap, n, monkeypatch):
+    """Weights within 1e-6 of the oracle; each step's ``muon`` bytes equal the closed form
+    (stages 1-2: the gradient alone in the first step). ``cap`` 600 bytes in place of
+    DeepSpeed's 64 MiB gather cap (the code's and the formula's): stages 1-2 then gather each
+    matrix alone, in chunks of a few elements."""
+    from zerosim.analysis import whole_params
+    from zerosim.analysis.whole_params import muon_offload_bytes
+    from zerosim.zero import muon_offload
+
+    if cap is not None:
+        monkeypatch.setattr(muon_offload, "BATCH_BYTES", cap)
+        monkeypatch.setattr(whole_params, "MUON_GATHER_BYTES", cap)
+    case = Case(optimizer="muon", steps=3, **variant)
+    runs = zs.LocalWorld(n).run(zero_muon_cases.train, case, offload_optimizer={"device": "cpu"})
+    err = engine_cases.max_rel_error(runs[0]["params"], zero_muon_cases.reference(case, n))
+    assert err <= 1e-6, err
+    numels = muon_numels(case)
+    for rank in range(n):
+        for step, got in enumerate(runs[rank]["bytes"]):
+            kwargs = dict(first_step=step == 0, sub_group_size=case.sub_group_size)
+            want = muon_offload_bytes(case.stage, numels, n, 8, **kwargs)
+            assert got["muon"] == want > 0, (rank, step, got, want)
+        mem = runs[rank]["memory"]
+        assert mem["muon_gradient_copies"] == 0
+        assert mem["optimizer_state.momentum_buffer"] == 8 * _owned_muon(case, numels, n, rank)
+
+
+def _owned_muon(case: Case, numels: list[int], n: int, rank: int) -> int:
+    """Elements of the Muon matrices whose momentum ``rank`` keeps under offload: stages 1-2
+    its partition [r·P, (r+1)·P) of the group's flat buffer (padded to 2N); stage 3 its
+    chunks."""
+    if case.stage == 3:
+        return sum(-(-m // n) for m in numels)
+    total = sum(numels)
+    part = -(-total // (2 * n)) * 2
+    return max(0, min(total, (rank + 1) * part) - rank * part)
+
+
+def _nvme_run(comm, case: Case, path: str, in_memory: bool) -> dict:
+    from zerosim.engine import initialize
+    from zerosim.zero.offload import file_backed
+
+    zero = {
+        "offload_optimizer": {"device": "nvme", "nvme_path": path},
+        "save_muon_momentum_buffer_in_memory": in_memory,
+    }
+    engine, *_ = initialize(
+        engine_cases.build_model(case), zero_muon_cases.config(case, **zero), comm=comm
+    )
+    zero_muon_cases.run_steps(engine, comm, case, range(case.steps))
+    muon = engine.strategy.muon
+    store = engine.strategy.offload.optimizer_store
+    return {
+        "params": engine.full_state_dict(),
+        "in_files": [file_backed(m) for m in muon.momentum3.values()],
+        "momentum": sum(m.nbytes for m in muon.momentum3.values()),
+        "read": store.bytes_read,
+        "written": store.bytes_written,
+        "placement": engine.strategy.placement(),
+    }
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_muon_with_nvme_offload_swaps_its_momentum_unless_kept_in_memory(tmp_path, n):
+    """Stage 3, nvme: the momentum lives in a swap file, read and written once a step, unless
+    ``save_muon_momentum_buffer_in_memory`` keeps it in host memory; weights as the oracle's
+    either way."""
+    case = Case(optimizer="muon", steps=3, stage=3, model="gpt", sub_group_size=40)
+    want = zero_muon_cases.reference(case, n)
+    runs = {}
+    for in_memory in (False, True):
+        path = tmp_path / str(in_memory)
+        path.mkdir()
+        runs[in_memory] = zs.LocalWorld(n).run(_nvme_run, case, str(path), in_memory)
+        assert engine_cases.max_rel_error(runs[in_memory][0]["params"], want) <= 1e-6
+    for rank in range(n):
+        swapped, kept = runs[False][rank], runs[True][rank]
+        assert all(swapped["in_files"]) and not any(kept["in_files"])
+        momentum = 8 * sum(-(-m // n) for m in muon_numels(case))
+        assert swapped["momentum"] == kept["momentum"] == momentum
+        assert swapped["read"] - kept["read"] == case.steps * momentum
+        assert swapped["written"] - kept["written"] == case.steps * momentum
+        moved = swapped["placement"]["nvme_bytes"] - kept["placement"]["nvme_bytes"]
+        assert moved == kept["placement"]["host_bytes"] - swapped["placement"]["host_bytes"]
+        assert moved == momentum

@@ -27,11 +27,17 @@ flat buffer of its own, and each with a norm all-reduce of its own. Then, per st
 
 ``muon_step_bytes`` gives every phase of a Muon step, ``muon_extra_bytes`` the difference from
 the same model trained with Adam (one group).
+
+Under optimizer offload DeepSpeed makes the updates another way (``zerosim/zero/muon_offload.py``):
+every rank gathers every rank's owned slices of the gradients and momentums, about
+2(N−1)/N · Ψ_muon elements sent per rank and step (the gradient alone, half that, in the first
+step at stages 1-2): ``muon_offload_bytes``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from zerosim.analysis.volume import (
     boundary_messages,
@@ -137,6 +143,88 @@ def muon_stage3_bytes(numels: Sequence[int], world_size: int, itemsize: int, **c
     ``muon_stage3_messages``; ≈ 4(N−1)/N · Ψ_muon · itemsize."""
     n = world_size
     return sum((n - 1) * (m // n) * itemsize for m in muon_stage3_messages(numels, n, **cuts))
+
+
+MUON_GATHER_BYTES = 64 * 2**20  # DeepSpeed's cap on a Muon all-gather buffer under offload
+
+
+def muon_offload_messages(
+    stage: int,
+    numels: Sequence[int],
+    world_size: int,
+    itemsize: int,
+    *,
+    first_step: bool = False,
+    sub_group_size: int = 1_000_000_000,
+) -> list[int]:
+    """Elements of each all-gather buffer (N × what each rank sends) of the Muon step under
+    optimizer offload (DeepSpeed's ``_apply_muon_updates_cpu_offload``), for the Muon group's
+    matrices ``numels`` in flat order; ``itemsize``: the master's bytes per element at stages
+    1-2 (DeepSpeed's fp32 partition), the model's at stage 3.
+
+    Stages 1-2: the group's flat buffer padded to a multiple of 2N, rank r owning
+    [r·P, (r+1)·P). Matrices in batches of at most B = 64 MiB / (2·itemsize) elements (a larger
+    one alone); for a batch, M = the most elements of it any rank owns, k = 1 array on the first
+    step (the gradient; the momentum does not exist yet) and 2 after, C = min(M, 64 MiB /
+    ((N + 1)·k·itemsize)): ⌈M / C⌉ all-gathers of N·k·C. Stage 3: per sub-group (cut as
+    ``norm_messages``), one all-gather of N·2·Σ⌈numel/N⌉ (the gradient and momentum chunks; the
+    momentum exists from the start). One rank: none.
+    """
+    n = world_size
+    if n == 1:
+        return []
+    if stage < 3:
+        return _offload_messages12(numels, n, itemsize, 1 if first_step else 2)
+    chunks = [-(-m // n) for m in numels]
+    if sub_group_size >= sum(chunks):
+        return [n * 2 * sum(chunks)]
+    out, held = [], 0
+    for i, c in enumerate(chunks):
+        held += c
+        if held >= sub_group_size or i == len(chunks) - 1:
+            out.append(n * 2 * held)
+            held = 0
+    return out
+
+
+def _offload_messages12(numels: Sequence[int], n: int, itemsize: int, k: int) -> list[int]:
+    """Stages 1-2 of ``muon_offload_messages``, with k arrays gathered."""
+    part = deepspeed_padded_numel(sum(numels), n) // n
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    cap = max(1, MUON_GATHER_BYTES // (2 * itemsize))
+    batches: list[list[int]] = [[]]
+    total = 0
+    for i, m in enumerate(numels):
+        if batches[-1] and total + m > cap:
+            batches.append([])
+            total = 0
+        batches[-1].append(i)
+        total += m
+    out = []
+    for batch in batches:
+        owned = [
+            sum(
+                max(0, min(starts[i] + numels[i], (r + 1) * part) - max(starts[i], r * part))
+                for i in batch
+            )
+            for r in range(n)
+        ]
+        most = max(owned)
+        c = min(most, max(1, MUON_GATHER_BYTES // ((n + 1) * k * itemsize)))
+        out += [n * k * c] * -(-most // c)
+    return out
+
+
+def muon_offload_bytes(
+    stage: int, numels: Sequence[int], world_size: int, itemsize: int, **kwargs: Any
+) -> int:
+    """Bytes each rank sends in the Muon step under optimizer offload (phase ``muon``): (N−1)/N
+    of each buffer of ``muon_offload_messages``. Every rank gathers every matrix: about
+    2(N−1)/N · Ψ_muon elements a step (stage 3: in the model dtype; stages 1-2: fp32), where
+    without offload stages 1-2 send nothing more and stage 3 about twice as much."""
+    n = world_size
+    messages = muon_offload_messages(stage, numels, n, itemsize, **kwargs)
+    return sum((n - 1) * (m // n) * itemsize for m in messages)
 
 
 def _muon_clip_bytes(

@@ -418,12 +418,13 @@ def check_whole_parameter_rules(cfg: Any) -> None:
     DeepSpeed refuses LAMB without dynamic loss scaling (``fp16.loss_scale`` 0, its default,
     whether or not fp16 is on: ``engine._do_sanity_check``), Muon with ``reduce_scatter`` at
     stage 3 and Muon with ZeRO++'s quantized gradients (their all-to-all group;
-    ``stage3.py``). zerosim builds neither optimizer with optimizer offload to NVMe (its tile
-    swapper steps part of a shard at a time, where these need every slice of a parameter at
-    once), nor Muon with any optimizer offload (DeepSpeed accepts it with paths of its own, not
-    built here: docs/config.md), nor with Megatron's layout or the paper's schedule (zerosim's
-    own settings). Muon in fp16 / bf16 trains (zero/muon.py), and with ZeRO++'s hpZ / qwZ at
-    stage 3, which change only the weights' gathers (Muon's run over the whole group).
+    ``stage3.py``). zerosim does not build LAMB with optimizer offload to NVMe (its tile
+    swapper steps part of a shard at a time, where the trust ratio needs every slice of a
+    parameter at once), nor Muon with Megatron's layout or the paper's schedule (zerosim's own
+    settings). Muon trains in fp16 / bf16 (zero/muon.py), with optimizer offload to cpu or nvme
+    (DeepSpeed's path there: zero/muon_offload.py; Muon's update is made before the step, which
+    is element-wise), and with ZeRO++'s hpZ / qwZ at stage 3, which change only the weights'
+    gathers (Muon's run over the whole group).
     """
     opt = cfg.optimizer
     if opt is not None and opt.type == "Lamb":
@@ -468,12 +469,12 @@ def _check_muon_refused_by_deepspeed(zero: Any) -> None:
 
 
 def _check_muon_built(cfg: Any) -> None:
-    """Muon as zerosim builds it: DeepSpeed's, without offload, Megatron's layout or the paper's
-    schedule. ZeRO++'s hpZ and qwZ are built: they change only the weights' gathers, and Muon's
-    gathers run over the whole data-parallel group in full precision, as DeepSpeed's do."""
-    zero, sim = cfg.zero_optimization, cfg.zerosim
+    """Muon as zerosim builds it: DeepSpeed's, in DeepSpeed's layout and schedule (not Megatron's
+    layout or the paper's schedule). Optimizer offload is built (``zero/muon_offload.py``), as
+    are ZeRO++'s hpZ and qwZ: they change only the weights' gathers, and Muon's gathers run over
+    the whole data-parallel group in full precision, as DeepSpeed's do."""
+    sim = cfg.zerosim
     not_built = (
-        ("zero_optimization.offload_optimizer.device", zero.offload_optimizer.device, "none"),
         ("zerosim.layout", sim.layout, "deepspeed"),
         ("zerosim.schedule", sim.schedule, "deepspeed"),
     )
@@ -482,6 +483,6 @@ def _check_muon_built(cfg: Any) -> None:
             raise ConfigError(
                 key,
                 value,
-                f"{allowed!r} with Muon (zerosim builds DeepSpeed's Muon for ZeRO stages 0-3 "
-                "without offload, in DeepSpeed's layout and schedule)",
+                f"{allowed!r} with Muon (zerosim builds DeepSpeed's Muon for ZeRO stages 0-3, "
+                "in DeepSpeed's layout and schedule)",
             )

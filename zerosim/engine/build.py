@@ -207,6 +207,7 @@ def boundary_checks(strategy_cls: type[Strategy], cfg: Config) -> BoundaryChecks
             reference_precision=np.dtype(cfg.model_dtype) == np.float64,
             bf16_overflow=cfg.bf16.check_grad_overflow,
             compute_grad_norm=zero.compute_grad_norm,
+            optimizer_offload=zero.offload_optimizer.device != "none",
         )
     except ValueError as err:
         raise ConfigError(str(err)) from err

@@ -22,6 +22,9 @@ momentums); then, N matrices at a time, rank r orthogonalizes matrix r of the ro
 all-gathers share the updates and momentums; each rank keeps its chunks. DeepSpeed refuses
 Muon with ``reduce_scatter`` here.
 
+**Optimizer offload** (stages 1-3): DeepSpeed's other path, ``zerosim/zero/muon_offload.py``
+(every rank gathers every matrix; the momentum partitioned as the parameters are).
+
 **Stage 0** (no ZeRO: DeepSpeed's ``MuonWithAuxAdam`` on whole matrices). Every rank holds
 every matrix; the update is made in the optimizer's step, after clipping (``before_step``).
 
@@ -57,6 +60,7 @@ import numpy as np
 from zerosim.backend import flat, nbytes
 from zerosim.optim.functional.common import state_dtype
 from zerosim.optim.functional.muon import muon_update
+from zerosim.zero.muon_offload import OffloadedMuon
 from zerosim.zero.partition import deepspeed_sub_groups
 
 PHASE = "muon"
@@ -74,6 +78,7 @@ class Matrix:
     momentum: Any = None  # stages 0-2: the whole matrix's momentum, on every owner
     copies: Any = None  # stages 1-2, split matrices: the reduced slices other ranks own
     start: int = 0  # stages 0-2: where it starts in its group's flat buffer
+    span: tuple[int, int] | None = None  # offloaded stages 1-2: the elements this rank owns
 
     @property
     def numel(self) -> int:
@@ -93,6 +98,8 @@ def muon_groups(strategy: Any) -> list[int]:
 class MuonUpdates:
     """One strategy's Muon matrices, their momentum, and how their updates are made."""
 
+    PHASE = PHASE  # the ledger phase of the collectives made here
+
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
         self.comm = strategy.comm
@@ -102,6 +109,12 @@ class MuonUpdates:
         self.matrices: list[Matrix] = []
         self.where: dict[tuple[int, int], Matrix] = {}
         n, rank = self.comm.size, self.comm.rank
+        offload = strategy.offload
+        # optimizer offload: DeepSpeed's other path (zero/muon_offload.py)
+        self.offloaded = OffloadedMuon(self) if offload.optimizer != "none" else None
+        self.momentum_on_nvme = (
+            offload.optimizer == "nvme" and not strategy.zero.save_muon_momentum_buffer_in_memory
+        )
         self.momentum_dtype = self._momentum_dtype()
         for gi in self.groups:
             g = strategy.groups[gi]
@@ -117,27 +130,38 @@ class MuonUpdates:
                         if any(slot.range.intersect(o) for o in g.layout.owned_ranges(r))
                     )
                 m = Matrix(name, gi, i, tuple(p.shape), owners, start=start)
-                if self.stage < 3 and rank in owners:
-                    m.momentum = g.xp.zeros(m.shape, dtype=self.momentum_dtype)
-                    if m.split and self.stage > 0:
-                        m.copies = g.xp.zeros(m.numel, dtype=strategy.dtype)
                 self.matrices.append(m)
                 self.where[(gi, i)] = m
+                if self.stage == 3 or rank not in owners:
+                    continue
+                if self.offloaded is not None:  # the slice it owns, in host memory
+                    m.span = self.spans_of(m)[rank]
+                    m.momentum = np.zeros(m.span[1] - m.span[0], dtype=self.momentum_dtype)
+                    continue
+                m.momentum = g.xp.zeros(m.shape, dtype=self.momentum_dtype)
+                if m.split and self.stage > 0:
+                    m.copies = g.xp.zeros(m.numel, dtype=strategy.dtype)
         # stage 3: each rank keeps the momentum of its chunks, laid out as its gradient shard
-        self.momentum3 = {
-            gi: strategy.groups[gi].xp.zeros(
-                strategy.groups[gi].partition.shard_numel, dtype=self.momentum_dtype
-            )
-            for gi in self.groups
-            if self.stage == 3
-        }
+        self.momentum3 = {gi: self._momentum3(gi) for gi in self.groups if self.stage == 3}
+
+    def _momentum3(self, gi: int) -> Any:
+        """Stage 3's momentum of group ``gi``: the device's memory, host memory under offload,
+        a swap file under nvme offload unless ``save_muon_momentum_buffer_in_memory``."""
+        numel = self.strategy.groups[gi].partition.shard_numel
+        if self.momentum_on_nvme:
+            store = self.strategy.offload.optimizer_store
+            return store.array(f"group{gi}.muon_momentum", numel, self.momentum_dtype)
+        xp = np if self.offloaded is not None else self.strategy.groups[gi].xp
+        return xp.zeros(numel, dtype=self.momentum_dtype)
 
     def _momentum_dtype(self) -> np.dtype:
-        """Stage 0: the master dtype; stages 1-2: the gradient's (the model dtype); stage 3: the
-        communication dtype (module docstring)."""
+        """Stage 0: the master dtype; stages 1-2: the gradient's (the model dtype), the master's
+        under offload; stage 3: the communication dtype (module docstring)."""
         s = self.strategy
         if self.stage == 0:
             return state_dtype(s.dtype)
+        if self.stage < 3 and self.offloaded is not None:
+            return np.dtype(s.master_dtype or s.dtype)
         if self.stage == 3 and s.comm_dtype is not None:
             return s.comm_dtype
         return s.dtype
@@ -159,18 +183,24 @@ class MuonUpdates:
         micro-steps, as the owner sums its own)."""
         for m in self.matrices:
             if m.group == group and m.start <= flat_start < m.start + m.numel:
+                if m.copies is None:
+                    return  # offload: DeepSpeed all-reduces them all the same, and gathers
                 at = flat_start - m.start
                 m.copies[at : at + values.size] += values
                 return
         raise AssertionError(f"no Muon matrix of group {group} holds element {flat_start}")
 
     # -- making the updates ---------------------------------------------------------------------
-    def make_updates(self) -> None:
+    def make_updates(self, inv_scale: float = 1.0) -> None:
         """Stages 1-3: replace each Muon matrix's owned gradient by its update (which carries no
-        loss scale: ``lacks_scale``)."""
+        loss scale: ``lacks_scale``). ``inv_scale`` unscales the gradients first under offload
+        (DeepSpeed's path there, zero/muon_offload.py); without, they enter scaled."""
         if self.made or self.stage == 0:
             return
         self.made = True
+        if self.offloaded is not None:
+            self.offloaded.make_updates(inv_scale)
+            return
         if self.stage == 3:
             self._stage3()
             return
@@ -187,7 +217,7 @@ class MuonUpdates:
             owned = self.owned_parts(m)
             for part in owned:
                 full[part.start - m.start : part.stop - m.start] = s.grad_view(g, part)
-            update = flat(self._update(m.group, full.reshape(m.shape), m.momentum))
+            update = flat(self.update(m.group, full.reshape(m.shape), m.momentum))
             for part in owned:
                 s.grad_view(g, part)[...] = update[part.start - m.start : part.stop - m.start]
 
@@ -222,14 +252,15 @@ class MuonUpdates:
                 ]
             if full is None:
                 continue
-            update = flat(self._update(m.group, full.reshape(m.shape), m.momentum))
+            update = flat(self.update(m.group, full.reshape(m.shape), m.momentum))
             for seg in pieces[m.name]:
                 grad = s.shards[seg.group][seg.shard].grad
                 grad[seg.offset : seg.offset + seg.size] = update[
                     seg.param_range.start : seg.param_range.stop
                 ]
 
-    def _update(self, group: int, grad: Any, momentum: Any) -> Any:
+    def update(self, group: int, grad: Any, momentum: Any) -> Any:
+        """Muon's update of one whole matrix (``momentum`` updated in place)."""
         hyper = self.strategy.optimizer.param_groups[group]
         return muon_update(grad, momentum, beta=hyper["momentum"], ns_method=hyper["ns_method"])
 
@@ -238,6 +269,18 @@ class MuonUpdates:
         g = self.strategy.groups[m.group]
         slot = g.slots[m.index].range
         return [x for own in g.owned if (x := slot.intersect(own)) is not None]
+
+    def spans_of(self, m: Matrix) -> dict[int, tuple[int, int]]:
+        """Stages 1-2: {owner: (start, stop)}, the elements of ``m`` each owner holds (one run
+        each: DeepSpeed's partitions are contiguous)."""
+        g = self.strategy.groups[m.group]
+        slot = g.slots[m.index].range
+        out = {}
+        for r in sorted(m.owners):
+            runs = [x for own in g.layout.owned_ranges(r) if (x := slot.intersect(own))]
+            assert len(runs) == 1, f"rank {r} owns {len(runs)} runs of {m.name}"
+            out[r] = (runs[0].start - m.start, runs[0].stop - m.start)
+        return out
 
     # -- stage 3: DeepSpeed's sub-group loop ----------------------------------------------------
     def _stage3(self) -> None:
@@ -303,7 +346,7 @@ class MuonUpdates:
         n, rank = comm.size, comm.rank
         if rank < len(members):
             k = base + rank
-            grads[k] = self._update(gi, grads[k], moms[k])
+            grads[k] = self.update(gi, grads[k], moms[k])
         shapes = [grads[base + j].shape for j in range(len(members))]
         width = max(int(np.prod(sh)) for sh in shapes)  # the size of each when they are alike
         for arrays in (grads, moms):
@@ -325,7 +368,7 @@ class MuonUpdates:
         for m in self.matrices:
             if self.stage < 3:
                 if m.momentum is not None:
-                    out.append((m, 0, m.numel))
+                    out.append((m, *(m.span or (0, m.numel))))
                 continue
             part, rank = self.strategy.groups[m.group].partition, self.comm.rank
             lo, n = rank * part.chunks[m.index], part.valid(m.index, rank)
@@ -336,7 +379,8 @@ class MuonUpdates:
     def _momentum_flat(self, m: Matrix, start: int, stop: int) -> tuple[Any, int, int]:
         """(flat array, a, b): elements [start, stop) of ``m``'s momentum are array[a:b]."""
         if self.stage < 3:
-            return flat(m.momentum), start, stop
+            at = m.span[0] if m.span is not None else 0
+            return flat(m.momentum), start - at, stop - at
         part = self.strategy.groups[m.group].partition
         base = part.offsets[m.index] - self.comm.rank * part.chunks[m.index]
         return self.momentum3[m.group], base + start, base + stop
@@ -350,15 +394,22 @@ class MuonUpdates:
     def write_momentum(self, name: str, start: int, values: Any) -> None:
         """Set elements [start, start + len(values)) of matrix ``name``'s momentum."""
         m = next(m for m in self.matrices if m.name == name)
+        if self.offloaded is not None:  # a loaded momentum: gathered from the first step on
+            self.offloaded.momentum_exists = True
         if self.stage < 3:
-            whole = flat(m.momentum)
-            whole[start : start + values.size] = values
-            m.momentum[...] = whole.reshape(m.shape)  # flat() may have copied
+            whole, a, b = self._momentum_flat(m, start, start + values.size)
+            whole[a:b] = values
+            m.momentum[...] = whole.reshape(m.momentum.shape)  # flat() may have copied
             return
         array, a, b = self._momentum_flat(m, start, start + values.size)
         array[a:b] = values
 
     # -- memory -----------------------------------------------------------------------------------
+    def momentum_arrays(self) -> list[Any]:
+        """The arrays holding this rank's momentum (where they live: ``Offload.split``)."""
+        whole = [m.momentum for m in self.matrices if m.momentum is not None]
+        return whole + list(self.momentum3.values())
+
     def memory(self) -> dict[str, int]:
         """{optimizer_state.momentum_buffer, muon_gradient_copies}: bytes this rank keeps."""
         momentum = sum(nbytes(m.momentum) for m in self.matrices if m.momentum is not None)

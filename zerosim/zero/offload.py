@@ -335,7 +335,8 @@ class Offload:
 
 
 def optimizer_arrays(strategy: Any) -> list[Any]:
-    """The arrays an optimizer offload moves: master params and grads, optimizer states."""
+    """The arrays an optimizer offload moves: master params and grads, optimizer states (Muon's
+    momentum among them)."""
     out = [g.master for g in strategy.groups if g.master is not None]
     grads = [strategy.master_grad_shard(g) for g in strategy.groups]
     out += [grad for grad in grads if grad is not None]
@@ -345,6 +346,8 @@ def optimizer_arrays(strategy: Any) -> list[Any]:
         for s in shards:
             state = opt.state.get(s) or {}
             out += [state[k] for k in keys if k in state]
+    if strategy.muon is not None:  # Muon's momentum, kept beside the optimizer's states
+        out += strategy.muon.momentum_arrays()
     return out
 
 

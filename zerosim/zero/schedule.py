@@ -29,6 +29,7 @@ class names its row (``Strategy.boundary_checks``); which, in which dtype:
                       check_grad_overflow         compute_grad_norm false         check: step
                                                                                   ("inf")
     deepspeed  3      uint8 max under fp16        float64 sum of Σg² partials     skip
+                                                  (fp32 under optimizer offload)
 
 DeepSpeed 0.19.8's sources for the last column: stage 0 in one precision steps the client's
 torch optimizer after ``clip_grad_norm_`` (``engine._take_model_step``), whose coefficient
@@ -86,6 +87,7 @@ class BoundarySettings:
     reference_precision: bool = False
     bf16_overflow: bool = True
     compute_grad_norm: bool = True
+    optimizer_offload: bool = False
 
 
 # One function per row of the module docstring's table; each strategy class names its row
@@ -117,8 +119,10 @@ def deepspeed_stage12_checks(s: BoundarySettings) -> BoundaryChecks:
 
 
 def deepspeed_stage3_checks(s: BoundarySettings) -> BoundaryChecks:
-    f64 = np.dtype(np.float64)
-    return BoundaryChecks("all_reduce" if s.fp16 else "none", _U8, "sum_sq", f64)
+    # under optimizer offload stage3.py sums per-parameter norms into a FloatTensor
+    # (complete_grad_norm_calculation_for_cpu_offload); else a float64 one (get_grad_norm_direct)
+    norm_dtype = _fp32(s) if s.optimizer_offload else np.dtype(np.float64)
+    return BoundaryChecks("all_reduce" if s.fp16 else "none", _U8, "sum_sq", norm_dtype)
 
 
 _U8 = np.dtype(np.uint8)
