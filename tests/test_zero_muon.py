@@ -75,6 +75,33 @@ def test_a_muon_checkpoint_resumes_on_another_world_size_and_stage(tmp_path, sav
     assert engine_cases.max_rel_error(got, zero_muon_cases.reference(case, 2)) <= 1e-6
 
 
+# (stage, offload) saved by N = 2, (stage, offload) resumed by N = 3
+OFFLOAD_RESUMES = [
+    ((2, "cpu"), (1, "none")),
+    ((1, "none"), (2, "cpu")),
+    ((3, "nvme"), (2, "cpu")),
+    ((2, "cpu"), (3, "nvme")),
+]
+
+
+@pytest.mark.parametrize(("saved", "resumed"), OFFLOAD_RESUMES, ids=str)
+def test_a_muon_checkpoint_resumes_with_and_without_offload(tmp_path, saved, resumed):
+    """Offload keeps the momentum of the owned slices (stages 1-2) or chunks, in host memory or
+    a swap file: a checkpoint of either resumes on another N, stage and offload to the
+    single-process run's weights, and with the momentum gathered from the first resumed step."""
+
+    def zero(offload):
+        return {"offload_optimizer": {"device": offload, "nvme_path": str(tmp_path)}}
+
+    case = Case(optimizer="muon", steps=4, stage=saved[0], model="mlp", micro=3, accumulation=2)
+    zs.LocalWorld(2).run(zero_muon_cases.save_after, case, 2, str(tmp_path), **zero(saved[1]))
+    later = case.with_(stage=resumed[0], micro=2)
+    got = zs.LocalWorld(3).run(
+        zero_muon_cases.resume_from, later, 2, str(tmp_path), **zero(resumed[1])
+    )[0]
+    assert engine_cases.max_rel_error(got, zero_muon_cases.reference(case, 2)) <= 1e-6
+
+
 @pytest.mark.mpi
 def test_a_muon_checkpoint_saved_by_2_ranks_resumes_on_3_under_mpirun(tmp_path):
     """mpirun -n 2 (stage 2) saves after step 2; mpirun -n 3 (stage 3) resumes: the

@@ -133,24 +133,24 @@ def run_steps(engine, comm, case: Case, steps: range) -> None:
         engine_cases.optimizer_step(engine, comm, case, x, y, s)
 
 
-def save_after(comm, case: Case, k: int, directory: str) -> dict:
+def save_after(comm, case: Case, k: int, directory: str, **zero) -> dict:
     """Train ``k`` steps, save a checkpoint (tag "muon"), then train to the end: the weights of
     the uninterrupted run."""
     from zerosim.engine import initialize
 
-    engine, *_ = initialize(engine_cases.build_model(case), config(case), comm=comm)
+    engine, *_ = initialize(engine_cases.build_model(case), config(case, **zero), comm=comm)
     run_steps(engine, comm, case, range(k))
     engine.save_checkpoint(directory, tag="muon")
     run_steps(engine, comm, case, range(k, case.steps))
     return engine.full_state_dict()
 
 
-def resume_from(comm, case: Case, k: int, directory: str) -> dict:
-    """A fresh engine (any N, stage, precision) loads the checkpoint of step ``k`` and trains
-    to the end; its weights."""
+def resume_from(comm, case: Case, k: int, directory: str, **zero) -> dict:
+    """A fresh engine (any N, stage, precision, offload) loads the checkpoint of step ``k`` and
+    trains to the end; its weights."""
     from zerosim.engine import initialize
 
-    engine, *_ = initialize(engine_cases.build_model(case), config(case), comm=comm)
+    engine, *_ = initialize(engine_cases.build_model(case), config(case, **zero), comm=comm)
     engine.load_checkpoint(directory, tag="muon")
     assert engine.global_steps == k
     run_steps(engine, comm, case, range(k, case.steps))
