@@ -36,9 +36,11 @@ Bounds, and why (measured worst cases at N = 2 and 3 in brackets):
   bounds above and must be finite; where it does not (stage 0 in fp32; stages 1-2 in bf16
   without the check), both sides' weights are nan in the same places. After every step the
   skipped steps, the loss scale and the collectives are DeepSpeed's, exactly.
-- Muon in bf16 (stages 1-3, 16 samples a rank): ``BF16_ATOL`` [MLP 1.7e-3 at N = 2, 3.0e-3 at
-  N = 3, in the output layer, whose gradient has a null space (softmax rows sum to zero) where
-  Newton–Schulz turns bf16 rounding into O(1) update components on either side].
+- Muon in bf16 (stages 0-3, 16 samples a rank): ``BF16_ATOL``, the output layer compared less
+  the component the loss cannot see (``visible``): its gradient has a null direction (softmax's
+  rows sum to zero) where Newton–Schulz turns each side's bf16 rounding into an O(1) update
+  component of its own [with it: MLP 1.7e-3 at N = 2, 3.0e-3 at N = 3 at stages 1-3, 1.1e-2 at
+  stage 0, where the momentum is fp32].
 - Muon (fp32, Newton–Schulz "gram" in float32 on both sides): the same bounds as Adam's. Both
   sides orthogonalize the same reduced gradients up to float32 rounding, and the update is
   ~1 in size, so a matrix's weights move by lr·(update) with differences of lr·1e-6 [MLP
@@ -219,12 +221,14 @@ def cases() -> list[dict]:
         # Muon's whole-matrix gathers stay full-precision over the world (DeepSpeed's stage3.py).
         # qwZ has no peer case: DeepSpeed's quantizer op has no CPU implementation.
         dict(_case("s3_muon_hpz", 3, MUON, zero={"reduce_scatter": False}), hpz_is_world=True),
-        # Muon in bf16 at stages 1-3: momentum and update in bf16 on both sides; 16 samples a
-        # rank, so the MLP's first matrix has a full-rank gradient (Newton–Schulz blows
-        # rounding noise in a gradient's null space up to the size of the update)
+        # Muon in bf16: at stage 0 momentum and update in fp32 (FP16_UnfusedOptimizer's fp32
+        # copies), at stages 1-3 in bf16, on both sides; 16 samples a rank, so the MLP's first
+        # matrix has a full-rank gradient (Newton–Schulz blows rounding noise in a gradient's
+        # null space up to the size of the update; the output layer's null direction, which the
+        # loss cannot see, is left out of the comparison: ``visible``)
         *(
             _case(f"s{stage}_muon_bf16", stage, MUON, **BF16_MUON, zero=zero)
-            for stage, zero in ((1, {}), (2, {}), (3, {"reduce_scatter": False}))
+            for stage, zero in ((0, {}), (1, {}), (2, {}), (3, {"reduce_scatter": False}))
         ),
         # optimizer offload to cpu (DeepSpeed's Muon path there: zero/muon_offload.py), whose
         # collectives test_offload_collectives_equal_deepspeeds also holds; nvme has no peer
@@ -288,7 +292,23 @@ def test_losses_and_weights_equal_deepspeeds(runs, name):
         else FP32_ATOL
     )
     for key, want in ds["weights"].items():
-        np.testing.assert_allclose(zs["weights"][key], want, rtol=0, atol=atol, err_msg=key)
+        got = zs["weights"][key]
+        if "muon" in name and bf16 and key.startswith(OUTPUT_LAYER):
+            got, want = visible(got), visible(want)
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=key)
+
+
+OUTPUT_LAYER = f"layers.{2 * (len(MLP['sizes']) - 2)}."  # the MLP's last Linear
+
+
+def visible(w: np.ndarray) -> np.ndarray:
+    """The output layer's weight or bias less its mean over the output rows: softmax gives the
+    same probabilities when one vector is added to every row (to every logit the same number),
+    so the loss, and every gradient, cannot see that component. Its gradient there is rounding
+    noise alone, which Newton–Schulz raises to an update of size ~1: each side's noise moves it
+    its own way (measured at stage 0 in bf16: 99.9% of the difference between the two sides'
+    output weights lay along it, max 0.011; the rest 4.6e-4)."""
+    return w - w.mean(axis=0, keepdims=True)
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in cases()])
