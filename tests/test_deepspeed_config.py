@@ -371,6 +371,9 @@ def whole_parameter_cases() -> list[Case]:
         ),
         "Muon ns_method newton": ({"type": "Muon", "params": {**muon, "ns_method": "x"}}, {}, {}),
         "Muon unknown key": ({"type": "Muon", "params": {**muon, "foo": 1}}, {}, {}),
+        "Muon per_head_muon": (
+            {"type": "Muon", "params": {**muon, "per_head_muon": True}}, {}, {}
+        ),
         "Lamb fp16 static scale": ({"type": "Lamb"}, {}, {"fp16": static}),
         "Lamb static scale fp16 off": ({"type": "Lamb"}, {}, {"fp16": {"loss_scale": 8}}),
         "Lamb amsgrad": ({"type": "Lamb", "params": {"amsgrad": True}}, {}, {}),

@@ -19,6 +19,16 @@ def test_muon_volume_at_stage_3_is_four_times_the_matrices():
     assert data["stages"]["stage0"]["extra"] == 0
 
 
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_muon_offload_gathers_every_owned_slice_of_gradient_and_momentum(itemsize):
+    """16 matrices 250×250 on N = 4, by hand: each rank sends (N−1) times its quarter of the
+    gradients and momentums (2·Ψ/4 elements), fp32 at stages 1-2, the model dtype at stage 3."""
+    rows = whole_params.volume_data(1_000_000, 4, "muon", 16, itemsize)["stages"]
+    for stage, b in ((1, 4), (2, 4), (3, itemsize)):
+        assert rows[f"stage{stage}"]["offload"] == 3 * 2 * (1_000_000 // 4) * b
+    assert "offload" not in rows["stage0"]
+
+
 def test_partitions_aligned_with_the_matrices_split_none_of_them():
     """N | M: the partition boundaries of stages 1-2 fall between matrices; N ∤ M cuts some."""
     aligned = whole_params.volume_data(1_000_000, 4, "lamb", 16, 4)["stages"]
@@ -40,7 +50,7 @@ def test_compare_measures_what_the_formulas_say(optimizer):
 def test_volume_command_prints_the_extra_bytes(capsys):
     assert main(["volume", "--params", "1e6", "--dp", "3", "--optimizer", "muon"]) == 0
     out = capsys.readouterr().out
-    assert "Muon under ZeRO" in out and "reduce to owners" in out
+    assert "Muon under ZeRO" in out and "reduce to owners" in out and "offload gathers" in out
     assert main(["volume", "--params", "1e6", "--dp", "3", "--optimizer", "lamb", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["whole_params"]["stages"]["stage3"]["split"] == 16

@@ -21,6 +21,7 @@ from zerosim.analysis.stages import ZERO_STAGES
 from zerosim.analysis.whole_params import (
     lamb_norm_bytes,
     muon_extra_bytes,
+    muon_offload_bytes,
     muon_step_bytes,
     split_parameters,
 )
@@ -73,6 +74,9 @@ def volume_data(params: int, dp: int, optimizer: str, matrices: int, itemsize: i
                 )
                 row["extra_reduce"] = sum(reduced.values())
             row["split"] = len(split_parameters(numels, dp, stage))
+            if stage > 0:  # under optimizer offload: stages 1-2 gather the fp32 master's dtype
+                master = itemsize if stage == 3 else max(itemsize, 4)
+                row["offload"] = muon_offload_bytes(stage, numels, dp, master)
         rows[f"stage{stage}"] = row
     return {
         "optimizer": optimizer,
@@ -85,6 +89,9 @@ def volume_data(params: int, dp: int, optimizer: str, matrices: int, itemsize: i
     }
 
 
+MUON_COLUMNS = f" {'reduce to owners':>17} {'offload gathers':>16}"
+
+
 def format_volume(data: dict) -> str:
     name = {"lamb": "LAMB", "muon": "Muon"}[data["optimizer"]]
     side = data["shape"][0]
@@ -93,13 +100,14 @@ def format_volume(data: dict) -> str:
         f"{data['params']:,} as {data['matrices']} matrices {side}×{side}, N = "
         f"{data['world_size']}, b = {data['itemsize']} (DeepSpeed's schedule)",
         f"{'stage':>9} {'split':>6} {'Adam':>16} {'extra':>14} {'extra / Adam':>13}"
-        + (f" {'reduce to owners':>17}" if data["optimizer"] == "muon" else ""),
+        + (MUON_COLUMNS if data["optimizer"] == "muon" else ""),
     ]
     for stage, row in data["stages"].items():
         ratio = row["extra"] / row["adam"] if row["adam"] else 0.0
         line = f"{stage:>9} {row['split']:>6} {row['adam']:>16,} {row['extra']:>14,} {ratio:>13.4f}"
-        if "extra_reduce" in row:
-            line += f" {row['extra_reduce']:>17,}"
+        if data["optimizer"] == "muon":
+            line += f" {row['extra_reduce']:>17,}" if "extra_reduce" in row else f" {'':>17}"
+            line += f" {row['offload']:>16,}" if "offload" in row else ""
         lines.append(line)
     lines.append(
         "split: parameters a partition boundary cuts (at stages 1-2 none when N divides M: the "
@@ -112,6 +120,9 @@ def format_volume(data: dict) -> str:
             "second group's norm scalar; 'reduce to owners' is the extra with it false",
             "stage 3: gradient and momentum chunks gathered, updates and momentums shared:",
             "≈ 4(N−1)/N·Ψ_muon·b",
+            "offload gathers: the Muon step under optimizer offload (every rank gathers every",
+            "rank's owned gradient and momentum slices, fp32 at stages 1-2): ≈ 2(N−1)/N·Ψ_muon",
+            "elements, in place of stage 3's gathers above (not counted in 'extra')",
         ]
     else:
         lines.append("one all-reduce of 2 float64 sums per split parameter: 2(N−1)/N·16·split")
