@@ -203,8 +203,9 @@ def check_hyperparameters(kind: str, params: Mapping[str, Any], path: str) -> di
         raise ConfigError(
             join(path, "per_head_muon"),
             True,
-            "false: zerosim orthogonalizes each Muon matrix whole (DeepSpeed's per-head "
-            "Newton-Schulz of attention projections is not built)",
+            "false: DeepSpeed tags attention projections for per-head Newton-Schulz from a "
+            "HuggingFace model config and raises where it can tag none, as for zerosim's models "
+            "(no such config; GPT's fused c_attn); zerosim orthogonalizes each matrix whole",
         )
     if kind == "SGD" and parsed.get("nesterov", False):
         if parsed.get("momentum", 0.0) <= 0 or parsed.get("dampening", 0.0) != 0:
