@@ -345,3 +345,21 @@ def test_muon_with_nvme_offload_swaps_its_momentum_unless_kept_in_memory(tmp_pat
         moved = swapped["placement"]["nvme_bytes"] - kept["placement"]["nvme_bytes"]
         assert moved == kept["placement"]["host_bytes"] - swapped["placement"]["host_bytes"]
         assert moved == momentum
+
+
+PARAM_OFFLOADS = [("cpu", "none"), ("nvme", "cpu"), ("nvme", "nvme")]  # (param, optimizer)
+
+
+@pytest.mark.parametrize(("param", "optimizer"), PARAM_OFFLOADS)
+def test_muon_at_stage_3_with_parameter_offload_equals_the_single_process_run(
+    tmp_path, param, optimizer
+):
+    """offload_param moves the weights' shards (host memory, a swap file read before each
+    gather); Muon's updates are made from the gradients, so the weights are the oracle's."""
+    case = Case(optimizer="muon", steps=3, stage=3, model="gpt", clip=0.5)
+    zero = {
+        "offload_param": {"device": param, "nvme_path": str(tmp_path)},
+        "offload_optimizer": {"device": optimizer, "nvme_path": str(tmp_path)},
+    }
+    runs = zs.LocalWorld(2).run(zero_muon_cases.train, case, **zero)
+    assert engine_cases.max_rel_error(runs[0]["params"], zero_muon_cases.reference(case, 2)) <= 1e-6
