@@ -19,6 +19,7 @@ from zerosim.optim.functional.common import (
     blocks,
     check_arrays,
     check_variant,
+    coupled_weight_decay,
     effective_grad,
     lerp_,
     lerp_scale,
@@ -68,10 +69,7 @@ class AdamStep(NamedTuple):
     def bias_correction2_sqrt(self) -> float:
         return math.sqrt(1.0 - self.beta2**self.step)
 
-    @property
-    def coupled_decay(self) -> float:
-        """λ added to the gradient (Adam); 0 under AdamW, whose decay scales θ instead."""
-        return 0.0 if self.decoupled_weight_decay else self.weight_decay
+    coupled_decay = property(coupled_weight_decay)
 
     @property
     def decoupled(self) -> bool:

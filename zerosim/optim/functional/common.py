@@ -210,6 +210,12 @@ def blocks(
             xp.copyto(p_out, p)
 
 
+def coupled_weight_decay(step: Any) -> float:
+    """λ added to the gradient (Adam, NAdam and RAdam's L2 form); 0 under their decoupled form,
+    whose decay scales θ instead. Read as the ``coupled_decay`` property of their step tuples."""
+    return 0.0 if step.decoupled_weight_decay else step.weight_decay
+
+
 def effective_grad(g: Any, p: Any, *, maximize: bool, weight_decay: float, out: Any) -> Any:
     """The gradient a rule descends: ``g' = (−g if maximize else g) + weight_decay·p``.
 

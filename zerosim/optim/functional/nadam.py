@@ -14,6 +14,7 @@ from zerosim.optim.functional.common import (
     add_ratio_,
     blocks,
     check_arrays,
+    coupled_weight_decay,
     effective_grad,
     state_dtype,
     xp_of,
@@ -34,9 +35,7 @@ class NAdamStep(NamedTuple):
     grad_coef: float  # −lr·(1 − μ_t)/(1 − Π_{i≤t} μ_i)
     avg_coef: float  # −lr·μ_{t+1}/(1 − Π_{i≤t+1} μ_i)
 
-    @property
-    def coupled_decay(self) -> float:
-        return 0.0 if self.decoupled_weight_decay else self.weight_decay
+    coupled_decay = property(coupled_weight_decay)
 
     def fused(self, param: Any) -> fused.NAdamCoefficients:
         """The coefficients of the fused kernel, rounded to ``param``'s state dtype."""

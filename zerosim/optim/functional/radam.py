@@ -17,6 +17,7 @@ from zerosim.optim.functional.adam import Moments
 from zerosim.optim.functional.common import (
     blocks,
     check_arrays,
+    coupled_weight_decay,
     effective_grad,
     xp_of,
 )
@@ -49,9 +50,7 @@ class RAdamStep(NamedTuple):
     rectified: bool  # ρ_t > 5
     rect: float  # r_t
 
-    @property
-    def coupled_decay(self) -> float:
-        return 0.0 if self.decoupled_weight_decay else self.weight_decay
+    coupled_decay = property(coupled_weight_decay)
 
     def fused(self, param: Any) -> fused.RAdamCoefficients:
         """The coefficients of the fused kernel, rounded to ``param``'s state dtype."""
