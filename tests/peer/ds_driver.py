@@ -13,6 +13,12 @@ is patched, so for fp16 cases this driver patches ``get_accelerator().is_fp16_su
 return True (only here, only for those cases, undone after each): fp16 training and the dynamic
 loss scaler are then compared end to end. (Left on, it would also switch DeepSpeed's Muon to fp16
 Newton-Schulz in the cases after it.)
+
+One engine per process, as a user's program has: stage 3 replaces ``torch.nn.functional.linear``
+with its own (``zero3_linear_wrap``; DeepSpeed: "This will persist unless manually reset"),
+whose backward hands a Linear's weight and bias gradients over in another order, so a stage 1-2
+engine built after a stage-3 one in the same process cuts its gradient buckets otherwise (seen:
+a reduce of 820 bytes became 760 + 60). The driver puts torch's linear back after each case.
 """
 
 from __future__ import annotations
@@ -69,6 +75,16 @@ def run_case(case: dict, out: Path) -> None:
         _run_case(case, out)
     finally:  # only for that case: Muon's Newton-Schulz picks fp16 where the accelerator says so
         vars(accelerator).pop("is_fp16_supported", None)
+        restore_torch_linear()
+
+
+def restore_torch_linear() -> None:
+    """Undo stage 3's process-wide ``torch.nn.functional.linear`` patch (module docstring)."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
 
 
 def _run_case(case: dict, out: Path) -> None:

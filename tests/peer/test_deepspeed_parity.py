@@ -382,7 +382,7 @@ def test_offload_and_muon_collectives_equal_deepspeeds(runs, name):
         for k, (w, g) in enumerate(zip(ds["ranks"][r]["steps"], zs["ranks"][r]["steps"],
                                        strict=True)):  # fmt: skip
             assert zerosim_step(g, n) == deepspeed_step(w, stage), f"rank {r}, step {k}"
-        if "muon" in name:
+        if "muon" in name and "offload" in name:  # every rank gathers every matrix
             assert any("all_gather" in deepspeed_step(w, stage) for w in ds["ranks"][r]["steps"])
 
 
