@@ -79,6 +79,7 @@ class Matrix:
     copies: Any = None  # stages 1-2, split matrices: the reduced slices other ranks own
     start: int = 0  # stages 0-2: where it starts in its group's flat buffer
     span: tuple[int, int] | None = None  # offloaded stages 1-2: the elements this rank owns
+    spans: dict[int, tuple[int, int]] | None = None  # … and each owner (``spans_of``)
 
     @property
     def numel(self) -> int:
@@ -132,10 +133,12 @@ class MuonUpdates:
                 m = Matrix(name, gi, i, tuple(p.shape), owners, start=start)
                 self.matrices.append(m)
                 self.where[(gi, i)] = m
+                if self.offloaded is not None and self.stage < 3:  # what each rank gathers
+                    m.spans = self.spans_of(m)
                 if self.stage == 3 or rank not in owners:
                     continue
                 if self.offloaded is not None:  # the slice it owns, in host memory
-                    m.span = self.spans_of(m)[rank]
+                    m.span = m.spans[rank]
                     m.momentum = np.zeros(m.span[1] - m.span[0], dtype=self.momentum_dtype)
                     continue
                 m.momentum = g.xp.zeros(m.shape, dtype=self.momentum_dtype)
@@ -412,7 +415,6 @@ class MuonUpdates:
 
     def memory(self) -> dict[str, int]:
         """{optimizer_state.momentum_buffer, muon_gradient_copies}: bytes this rank keeps."""
-        momentum = sum(nbytes(m.momentum) for m in self.matrices if m.momentum is not None)
-        momentum += sum(nbytes(b) for b in self.momentum3.values())
+        momentum = sum(nbytes(a) for a in self.momentum_arrays())
         copies = sum(nbytes(m.copies) for m in self.matrices if m.copies is not None)
         return {"optimizer_state.momentum_buffer": momentum, "muon_gradient_copies": copies}

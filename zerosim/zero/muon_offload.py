@@ -116,7 +116,7 @@ class OffloadedMuon:
         slices: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n)]
         packed = [0] * n
         for k, m in enumerate(members):
-            for r, (a, b) in sorted(mu.spans_of(m).items()):
+            for r, (a, b) in sorted(m.spans.items()):
                 slices[r].append((k, a, packed[r], b - a))
                 packed[r] += b - a
         grads = [xp.zeros(m.numel, dtype=dtype) for m in members]
