@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
-from zerosim.backend import from_host, get_backend
+from zerosim.backend import from_host, get_backend, to_host
 from zerosim.comm import cuda
 
 
@@ -108,3 +111,43 @@ def test_a_process_without_cupy_offers_no_nccl_device():
     if gpu_available():
         pytest.skip("a GPU is visible: tests/test_gpu.py checks the route under mpirun")
     assert cuda.nccl_device() is None
+
+
+def _strict_pair(n: int):
+    xp = get_backend("array_api_strict").xp
+    return from_host(np.arange(float(n)), xp=xp), from_host(np.zeros(n), xp=xp)
+
+
+@pytest.mark.parametrize("op", ["iall_gather", "ireduce_scatter", "ireduce_scatter_v"])
+def test_staged_copies_of_a_non_blocking_call_live_until_its_wait(op, monkeypatch):
+    """MPI may read a send buffer at any time before the request completes (Open MPI's
+    non-blocking collectives do): the host copy of a staged input must not be freed before the
+    wait, though nothing but the request refers to it (freed and reused, it sends garbage)."""
+    pytest.importorskip("array_api_strict", reason="array-api-strict is in the test extra")
+    from zerosim.comm import MPIComm
+    from zerosim.comm import mpi as comm_mpi
+
+    copies = []
+
+    def recorded(x):
+        host = to_host(x)
+        copies.append(weakref.ref(host))
+        return host
+
+    monkeypatch.setattr(comm_mpi, "to_host", recorded)
+    comm = MPIComm()  # this process alone: the calls complete at once, the lifetimes still hold
+    inp, out = _strict_pair(4 * comm.size)
+    if op != "iall_gather":
+        out = _strict_pair(4)[1]
+    else:
+        inp = _strict_pair(4)[0]
+    start = {
+        "iall_gather": lambda: comm.iall_gather(out, inp),
+        "ireduce_scatter": lambda: comm.ireduce_scatter(out, inp),
+        "ireduce_scatter_v": lambda: comm.ireduce_scatter_v(out, inp, [4] * comm.size),
+    }[op]
+    handle = start()
+    gc.collect()
+    assert len(copies) == 2 and all(ref() is not None for ref in copies)
+    handle.wait()
+    assert np.array_equal(to_host(out), np.arange(4.0))

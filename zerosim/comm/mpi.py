@@ -285,11 +285,21 @@ class MPIComm(Communicator):
         watchdog.poll(self, self.mpi.Ibarrier())  # a pure rendezvous: wait without a core
 
     # -- non-blocking: started now, completed by MPI's blocking Wait, watched ------------------
-    def _finisher(self, request: MPI.Request, then: Callable[[], None] | None = None) -> Callable:
+    def _finisher(
+        self, request: MPI.Request, then: Callable[[], None] | None = None, staged: tuple = ()
+    ) -> Callable:
+        """What completes ``request``: MPI's wait, then ``then``. ``staged`` holds the host
+        copies the call was given (its input above all, which nothing else refers to) until the
+        wait: MPI may read a send buffer at any time before the request completes (Open MPI's
+        non-blocking collectives do, as they progress), and a copy freed and reused meanwhile
+        would send whatever was written there since."""
+        staged_copies = [x for x in staged if x is not None]
+
         def finish() -> None:
             watchdog.wait(self, request)
             if then is not None:
                 then()
+            staged_copies.clear()  # from here on the copies may be freed
 
         return finish
 
@@ -297,9 +307,12 @@ class MPIComm(Communicator):
         if self._route(out) == "nccl":
             return self._nccl.all_gather(out, inp, blocking=False)
         host = self._host(out)
-        send = MPI.IN_PLACE if in_place else buffer_spec(self._host(inp))
-        request = self.mpi.Iallgather(send, buffer_spec(host))
-        return self._finisher(request, None if host is out else lambda: _back(out, host))
+        send = None if in_place else self._host(inp)
+        request = self.mpi.Iallgather(
+            MPI.IN_PLACE if send is None else buffer_spec(send), buffer_spec(host)
+        )
+        back = None if host is out else lambda: _back(out, host)
+        return self._finisher(request, back, staged=(send, host))
 
     def _native_ireduce_scatter(
         self, out: Any, inp: Any, op: str, in_place: bool
@@ -312,17 +325,19 @@ class MPIComm(Communicator):
             return self._finisher(request, lambda: _result_to_own_chunk(self.rank, out, host))
         result = self._host(out)
         request = self.mpi.Ireduce_scatter_block(buffer_spec(host), buffer_spec(result), reduction)
-        return self._finisher(request, None if result is out else lambda: _back(out, result))
+        back = None if result is out else lambda: _back(out, result)
+        return self._finisher(request, back, staged=(host, result))
 
     def _native_ireduce_scatter_v(
         self, out: Any, inp: Any, counts: tuple[int, ...], op: str
     ) -> Callable[[], None]:
         self._route(out, nccl=False)
-        result = self._host(out)
+        send, result = self._host(inp), self._host(out)
         request = self.mpi.Ireduce_scatter(
-            buffer_spec(self._host(inp)), buffer_spec(result), list(counts), mpi_op(inp.dtype, op)
+            buffer_spec(send), buffer_spec(result), list(counts), mpi_op(inp.dtype, op)
         )
-        return self._finisher(request, None if result is out else lambda: _back(out, result))
+        back = None if result is out else lambda: _back(out, result)
+        return self._finisher(request, back, staged=(send, result))
 
     def _native_ireduce(self, buf: Any, root: int, op: str) -> Callable[[], None]:
         if self._route(buf) == "nccl":
@@ -330,14 +345,16 @@ class MPIComm(Communicator):
         host = self._host(buf)
         send, recv = self._reduce_specs(host, root)
         request = self.mpi.Ireduce(send, recv, mpi_op(buf.dtype, op), root=root)
-        return self._finisher(request, None if host is buf else lambda: _back(buf, host))
+        back = None if host is buf else lambda: _back(buf, host)
+        return self._finisher(request, back, staged=(host,))
 
     def _native_iall_reduce(self, buf: Any, op: str) -> Callable[[], None]:
         if self._route(buf) == "nccl":
             return self._nccl.all_reduce(buf, op, blocking=False)
         host = self._host(buf)
         request = self.mpi.Iallreduce(MPI.IN_PLACE, buffer_spec(host), mpi_op(buf.dtype, op))
-        return self._finisher(request, None if host is buf else lambda: _back(buf, host))
+        back = None if host is buf else lambda: _back(buf, host)
+        return self._finisher(request, back, staged=(host,))
 
     # -- point to point and checks ------------------------------------------------------------
     _RING_TAG = 7071
