@@ -1,6 +1,7 @@
 """Memory formulas: ZeRO Table 1, Megatron's table, exact per-category bytes, offload."""
 
 from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,14 @@ def test_table1_reproduces_all_54_printed_numbers():
         (m, n, mem.format_paper_gb(v), t) for m, n, v, t in cells if mem.format_paper_gb(v) != t
     ]
     assert wrong == []
+
+
+def test_paper_gb_of_an_exact_byte_count_keeps_every_digit():
+    """A byte count over 10^9 as a Fraction: truncated exactly, past a float's 16 digits and
+    past Decimal's 28 (which raised InvalidOperation)."""
+    assert mem.format_paper_gb(Fraction(16 * 123456789012345678, 10**9)) == "1975308624"
+    assert mem.format_paper_gb(Fraction(10**40 + 999_999_999, 10**9)) == "1" + "0" * 31
+    assert mem.format_paper_gb(Fraction(41_250_000_000, 10**9)) == "41.3"
 
 
 def test_table1_values_lie_in_the_printed_rounding_interval():

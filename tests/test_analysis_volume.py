@@ -5,17 +5,21 @@ DeepSpeed's own comms logger)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from zerosim import analysis
 from zerosim.analysis import (
     clip_bytes,
     collective_schedule,
+    deepspeed_bucketed_step_bytes,
     deepspeed_gradient_messages,
     deepspeed_padded_numel,
     deepspeed_stage0_messages,
     step_bytes,
 )
+from zerosim.analysis.volume import DEEPSPEED_BUCKET, counted_runs
 
 MLP = [740, 37, 185, 5]  # MLP [20, 37, 5]: Ψ = 967
 
@@ -105,3 +109,63 @@ def test_the_schedule_is_checked():
         collective_schedule(1, 8, schedule="megatron")
     with pytest.raises(ValueError, match="needs numels and world_size"):
         collective_schedule(1, 8, schedule="deepspeed")
+
+
+# -- sizes far beyond a real model: per bucket size, not per bucket ------------------------------
+def test_counted_runs_are_deepspeeds_message_cutting_over_the_repeated_sizes():
+    rng = random.Random(0)
+    for _ in range(500):
+        pairs = [(rng.randint(0, 12), rng.randint(0, 9)) for _ in range(rng.randint(0, 4))]
+        limit = rng.randint(1, 30)
+        sizes = [size for size, repeats in pairs for _ in range(repeats) if size]
+        want: dict[int, int] = {}
+        for run in _cut(sizes, limit):
+            want[run] = want.get(run, 0) + 1
+        assert counted_runs(pairs, limit) == want, (pairs, limit)
+
+
+def _cut(sizes: list[int], limit: int) -> list[int]:
+    """DeepSpeed's cutting written out again: a message closed once it holds more than limit."""
+    out, held = [], 0
+    for size in sizes:
+        held += size
+        if held > limit:
+            out.append(held)
+            held = 0
+    return out + ([held] if held else [])
+
+
+@pytest.mark.parametrize("buckets, rest", [(0, 0), (0, 7), (1, 0), (1, 5), (2, 3), (3, 0), (5, 9)])
+def test_bucketed_step_bytes_equal_step_bytes_over_the_listed_buckets(buckets, rest):
+    numels = [m for m in [DEEPSPEED_BUCKET] * buckets + [rest] if m]
+    psi = sum(numels)
+    for stage in (0, 1, 2):
+        for n, k in ((1, 1), (2, 3), (3, 1), (8, 2)):
+            for rank in sorted({0, n // 2, n - 1}):
+                want = step_bytes(stage, n, 0, 4, k, schedule="deepspeed", numels=numels, rank=rank)
+                assert deepspeed_bucketed_step_bytes(stage, n, psi, 4, k, rank) == want
+
+
+def test_bucketed_step_bytes_at_1e18_equal_the_ring_formulas_written_out():
+    """Ψ = 10^18 + 1 on N = 3: 2·10^9 buckets of 5e8 (chunks 166,666,667 ×2 and 166,666,666:
+    rank 0 sends 2·5e8 − 2·166,666,667 = 666,666,666 elements each) and one of 1 element (rank 0
+    holds it, rank 1 none: 2 − 1 − 0 = 1); the all-gather sends 2/3 of Ψ_pad = ⌈Ψ/6⌉·6."""
+    psi = 10**18 + 1
+    backward = (2 * 10**9 * 666_666_666 + 1) * 2
+    gather = 2 * (-(-psi // 6) * 6 // 3) * 2
+    got = {s: deepspeed_bucketed_step_bytes(s, 3, psi, 2, accumulation=4) for s in (0, 1, 2)}
+    assert got[1] == {"forward": 0, "backward": backward, "step": gather}
+    assert got[2] == {"forward": 0, "backward": 4 * backward, "step": gather}
+    # stage 0: 10^9 messages of two buckets (chunks 333,333,334 / …33 / …33: rank 0 sends
+    # 2·10^9 − 333,333,334 − 333,333,333), then the 1-element rest alone
+    pair = 2 * 10**9 - 333_333_334 - 333_333_333
+    assert got[0] == {"forward": 0, "backward": (10**9 * pair + 1) * 2, "step": 0}
+
+
+@pytest.mark.timeout(30)
+def test_deepspeed_messages_of_20000_parameters_take_linear_time():
+    """Each parameter's offset in its group's buffer is a running sum (it was summed again for
+    every parameter: 20,000 of them took minutes)."""
+    numels = [1000] * 20_000
+    messages = deepspeed_gradient_messages(numels, 8, reduce_bucket_size=10**6)
+    assert sum(m for _, m, _ in messages) == sum(numels)

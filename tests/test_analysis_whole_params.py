@@ -20,6 +20,7 @@ import zerosim as zs
 from zerosim.analysis.whole_params import (
     lamb_norm_bytes,
     muon_extra_bytes,
+    muon_offload_bytes,
     muon_stage3_bytes,
     muon_step_bytes,
     split_parameters,
@@ -114,3 +115,13 @@ def test_lamb_norm_bytes_count_the_split_parameters(variant, n):
         assert out[rank]["lamb_norm_bytes"] == [want, want]
         if split:  # ≈ 2(N−1)/N · 16 bytes per split parameter, within a chunk's rounding
             assert abs(want - 2 * (n - 1) / n * 16 * len(split)) <= 16
+
+
+@pytest.mark.timeout(30)
+def test_muon_offload_bytes_of_a_matrix_of_2e17_elements_count_its_gathers_without_listing_them():
+    """One matrix of M = 2·10^17 elements on N = 2 (each rank owns 10^17), fp32, after the first
+    step (k = 2): C = 64 MiB / ((N + 1)·k·4) = 2,796,202 elements, ⌈10^17 / C⌉ all-gathers of
+    N·k·C, each rank sending half of each (a list of them would not fit in memory)."""
+    c = 64 * 2**20 // (3 * 2 * 4)
+    gathers = -(-(10**17) // c)
+    assert muon_offload_bytes(1, [2 * 10**17], 2, 4) == gathers * (2 * 2 * c // 2) * 4

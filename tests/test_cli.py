@@ -176,6 +176,7 @@ def test_consolidate_json_lists_every_parameter(tmp_path, capsys):
         (["volume", "--params", "nan", "--dp", "4"], "got 'nan'"),
         (["volume", "--params", "1e6", "--dp", "0"], "argument --dp: must be an integer >= 1"),
         (["memory", "--params=-1"], "argument --params: must be a whole number"),
+        (["memory", "--num-states", "-5"], "argument --num-states: must be an integer >= 0"),
         (["train", "--steps", "0"], "argument --steps: must be an integer >= 1, got '0'"),
         (["train", "--steps", "-3"], "argument --steps: must be an integer >= 1, got '-3'"),
     ],
@@ -267,6 +268,68 @@ def test_consolidate_without_a_checkpoint_says_so_without_a_traceback(tmp_path, 
     assert f"{tmp_path / 'latest'}: holds ''" in capsys.readouterr().err
 
 
+def test_a_tag_path_that_is_a_file_is_called_a_file_not_missing(tmp_path, capsys):
+    from zerosim.cli import main
+
+    out = str(tmp_path / "w.npz")
+    (tmp_path / "latest").write_text("global_step1")
+    (tmp_path / "global_step1").write_text("not a folder")
+    assert main(["consolidate", str(tmp_path), out]) == 2
+    tag = tmp_path / "global_step1"
+    assert capsys.readouterr().err == (
+        f"zerosim consolidate: {tmp_path / 'latest'} names 'global_step1', but {tag} is a file, "
+        "not a tag folder\n"
+    )
+    assert main(["consolidate", str(tmp_path), out, "--tag", "global_step1"]) == 2
+    assert capsys.readouterr().err == (
+        f"zerosim consolidate: {tag}: is a file, not a checkpoint tag folder\n"
+    )
+    assert main(["consolidate", str(tag), out]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"zerosim consolidate: {tag}: is a file, not a checkpoint folder\n"
+    )
+
+
+class _Writes:
+    """A stderr that keeps each write apart."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--local", "2", "--config", "missing.json"],
+        ["consolidate", "nowhere", "w.npz"],
+        ["dryrun", "--model", "nonsense", "--ranks", "2", "--config", "x.json"],
+        ["memory", "--params", "1e6", "--stage", "megatron", "--offload-optimizer", "cpu"],
+        ["compare", "--precision", "bf16", "--dtype", "float64"],
+        ["flight", "nowhere"],
+    ],
+)
+def test_an_error_is_one_write_of_one_whole_line(argv, monkeypatch, tmp_path):
+    """Under mpirun every rank writes its error at once; a message and its newline written
+    apart (print() does that) let two ranks' lines splice into one."""
+    from zerosim.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    stderr = _Writes()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    assert main(argv) == 2
+    assert len(stderr.writes) == 1, stderr.writes
+    line = stderr.writes[0]
+    assert line.startswith(f"zerosim {argv[0]}: ") and line.endswith("\n") and line.count("\n") == 1
+
+
 @pytest.mark.mpi
 def test_bad_config_and_steps_end_every_rank_with_the_error_under_mpirun(tmp_path):
     from mpi_helpers import run_mpi
@@ -280,6 +343,8 @@ def test_bad_config_and_steps_end_every_rank_with_the_error_under_mpirun(tmp_pat
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count(f"zerosim train: {path}: repeated keys ['gradient_clipping']") == 3
     assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()  # each rank's line whole: none spliced into another
+    assert len(lines) == 3 and len(set(lines)) == 1, proc.stderr
     proc = run_mpi(3, [*argv[:-1], "0"], timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.count("argument --steps: must be an integer >= 1, got '0'") == 3

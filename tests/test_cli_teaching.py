@@ -2,6 +2,8 @@
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 from mpi_helpers import ROOT, run_mpi
@@ -23,6 +25,18 @@ def stage3_shard(n: int) -> int:
 def run_json(capsys, *argv: str) -> dict:
     assert main(list(argv)) == 0
     return json.loads(capsys.readouterr().out)
+
+
+def refusal(capsys, *argv: str) -> str:
+    """The last stderr line of a command that refuses its input (exit code 2, no traceback):
+    argparse's, or the command's own one line."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_info:
+        code = exit_info.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    return err.splitlines()[-1]
 
 
 def assert_png(path) -> None:
@@ -148,9 +162,10 @@ def test_volume_json_for_stage3_with_persistent_parameters_and_reuse(capsys):
     assert {p: row[p] for p in want} == want and row["total"] == (n - 1) * params // n * 4
 
 
-def test_volume_rejects_a_persistent_numel_that_n_does_not_divide():
-    with pytest.raises(SystemExit, match="persistent_numel must be a multiple of world_size"):
-        main(["volume", "--params", "1000", "--dp", "4", "--persistent-numel", "6"])
+def test_volume_rejects_a_persistent_numel_that_n_does_not_divide(capsys):
+    argv = ["volume", "--params", "1000", "--dp", "4", "--persistent-numel", "6"]
+    line = refusal(capsys, *argv)
+    assert line.startswith("zerosim volume: persistent_numel must be a multiple of world_size")
 
 
 def test_project_json_equals_the_time_model_on_the_example_cluster(capsys):
@@ -187,16 +202,16 @@ def test_project_json_equals_the_time_model_on_the_example_cluster(capsys):
         assert row["memory"] == want.as_dict()
 
 
-def test_project_rejects_a_cluster_file_with_an_unknown_key(tmp_path):
+def test_project_rejects_a_cluster_file_with_an_unknown_key(tmp_path, capsys):
     bad = tmp_path / "cluster.json"
     bad.write_text(json.dumps({"nodes": 1, "gpus": 8}))
-    with pytest.raises(SystemExit, match=r"unknown keys \['gpus'\], missing keys \['devices_per"):
-        main(["project", "--cluster", str(bad), "--params", "1e9"])
+    line = refusal(capsys, "project", "--cluster", str(bad), "--params", "1e9")
+    assert "unknown keys ['gpus'], missing keys ['devices_per" in line
 
 
-def test_volume_rejects_an_accumulation_below_one_naming_it():
-    with pytest.raises(SystemExit, match="accumulation must be ≥ 1, got 0"):
-        main(["volume", "--params", "1000", "--dp", "2", "--accumulation", "0"])
+def test_volume_rejects_an_accumulation_below_one_naming_it(capsys):
+    line = refusal(capsys, "volume", "--params", "1000", "--dp", "2", "--accumulation", "0")
+    assert line.endswith("argument --accumulation: must be an integer >= 1, got '0'")
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -341,9 +356,9 @@ def test_compare_with_mixed_precision_holds_the_zero_paper_bytes(precision, caps
         assert all(r["loss_scale"] == 2.0**8 for r in data["stages"])  # initial_scale_power 8
 
 
-def test_compare_refuses_mixed_precision_over_float64():
-    with pytest.raises(SystemExit, match="--precision bf16 needs --dtype float32"):
-        main(["compare", "-n", "2", "--precision", "bf16", "--dtype", "float64"])
+def test_compare_refuses_mixed_precision_over_float64(capsys):
+    line = refusal(capsys, "compare", "-n", "2", "--precision", "bf16", "--dtype", "float64")
+    assert line == "zerosim compare: --precision bf16 needs --dtype float32"
 
 
 @pytest.mark.parametrize("precision, dtype", [("bf16", "bfloat16"), ("fp32", "float32")])
@@ -480,5 +495,108 @@ def test_project_model_equals_project_params_of_the_same_size(capsys):
     psi = model_params("gpt-7b")
     by_params = run_json(capsys, "project", "--cluster", cluster, "--params", str(psi), "--json")
     assert by_model == by_params and 6.5e9 < psi < 7e9
-    with pytest.raises(SystemExit, match="--model 'llama' is not a model"):
-        main(["project", "--cluster", cluster, "--model", "llama"])
+    line = refusal(capsys, "project", "--cluster", cluster, "--model", "llama")
+    assert line.startswith("zerosim project: --model 'llama' is not a model")
+
+
+# -- sizes far beyond any model: an answer at once, or a refusal naming the range ----------------
+def test_volume_for_1e15_parameters_answers_within_seconds_with_the_ring_formulas():
+    """Ψ = 10^15 on N = 8 in float32 (8 divides Ψ, the 5e8-element buckets and Ψ / 16): one
+    (N−1)/N·Ψ·b pass is 3.5·10^15 bytes. The DeepSpeed rows once listed every bucket, and the
+    partition of each was found by summing all before it: 10^13 took 84 s, 10^15 never ended."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerosim", "volume", "--params", "1e15", "--dp", "8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=15,  # interpreter start and imports included
+    )
+    assert proc.returncode == 0, proc.stderr
+    psi, once = "1,000,000,000,000,000", 35 * 10**14
+    rows = {}
+    for line in proc.stdout.splitlines():
+        fields = line.split()
+        if fields and fields[0] in ("0", "1", "2", "3", "megatron"):
+            rows.setdefault(fields[0], []).append(fields)  # the paper's, then DeepSpeed's
+    want = {
+        "0": (0, 2 * once, 0),
+        "1": (0, once, once),
+        "2": (0, once, once),
+        "3": (once, 2 * once, 0),
+        "megatron": (0, once, once),
+    }
+    for stage, phases in want.items():
+        assert rows[stage][0] == [stage, psi, *(f"{v:,}" for v in (*phases, sum(phases)))]
+    deepspeed = {"0": (0, 2 * once, 0, "1.000"), "1": (0, 2 * once, once, "1.500")}
+    deepspeed["2"] = deepspeed["1"]
+    for stage, (*phases, ratio) in deepspeed.items():
+        total = f"{sum(phases):,}"
+        assert rows[stage][1] == [stage, psi, *(f"{v:,}" for v in phases), total, ratio]
+
+
+@pytest.mark.timeout(30)
+def test_volume_at_the_largest_size_keeps_its_columns_apart(capsys):
+    """Ψ = 10^18, N = 8, float64, k = 1000: stage 3 sends k·3·7/8·Ψ·8 = 2.1·10^22 bytes, a number
+    wider than the columns were."""
+    argv = ["volume", "--params", "1e18", "--dp", "8", "--dtype", "float64"]
+    data = run_json(capsys, *argv, "--accumulation", "1000", "--json")
+    once = 7 * 10**18  # (N−1)/N·Ψ·b
+    assert data["stages"]["3"] == {
+        "padded_numel": 10**18,
+        "forward": 1000 * once,
+        "backward": 2000 * once,
+        "step": 0,
+        "total": 3000 * once,
+    }
+    assert data["deepspeed"]["2"]["backward"] == 1000 * 2 * once
+    assert main([*argv, "--accumulation", "1000"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    row = next(line.split() for line in table if line.split()[:1] == ["3"])
+    assert row == [
+        "3",
+        f"{10**18:,}",
+        f"{1000 * once:,}",
+        f"{2000 * once:,}",
+        "0",
+        f"{3000 * once:,}",
+    ]
+
+
+def test_memory_at_1e18_parameters_is_table1s_trillion_row_scaled_exactly(capsys):
+    """Ψ = 10^18 (Table 1's 1T model × 10^6) at N = 1024: P_os 4Ψ + 12Ψ/N, P_os+g 2Ψ + 14Ψ/N,
+    P_os+g+p 16Ψ/N, in GB; Ψ printed as the integer given, not the float's."""
+    assert (
+        main(["memory", "--params", "1e18", "--dp", "1", "1024", "--stage", "0", "1", "2", "3"])
+        == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert "Ψ = 1,000,000,000,000,000,000," in lines[0]
+    assert lines[-2].split() == ["1", *["16000000000"] * 4]
+    assert lines[-1].split() == ["1024", "16000000000", "4011718750", "2013671875", "15625000"]
+    assert main(["memory", "--params", "123456789012345678", "--dp", "3", "--stage", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "Ψ = 123,456,789,012,345,678," in lines[0]  # a float would say …,680
+    assert lines[-1].split() == ["3", "1975308624"]  # 16Ψ / 10^9, truncated
+    argv = ["memory", "--params", "1e18", "--num-states", "1000000", "--dtype", "float64"]
+    assert main(argv) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [len(r.split()) for r in rows] == [6] * 6  # N and five stages, never run together
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["volume", "--params", "1e30", "--dp", "8"],
+        ["volume", "--params", "1000000000000000001", "--dp", "8"],
+        ["memory", "--params", "1e300"],
+        ["memory", "--params", "1e25"],
+        ["project", "--cluster", "examples/cluster_64gpu.json", "--params", "1.8e308"],
+        ["plot", "volume", "--out", "x.png", "--params", "1e19", "--dp", "2"],
+    ],
+)
+def test_a_size_beyond_1e18_is_refused_naming_the_range(argv, capsys):
+    value = argv[argv.index("--params") + 1]
+    assert refusal(capsys, *argv).endswith(
+        f"argument --params: must be a whole number of parameters from 0 to 1e18 (such as "
+        f"7.5e9), got '{value}'"
+    )

@@ -1151,6 +1151,30 @@ def test_malformed_hjson_and_huge_numbers_name_the_file(tmp_path):
     assert str(huge) in str(error_for(huge))
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_json_constant_is_named_by_its_key_on_one_line_as_when_pretty_printed(tmp_path, constant):
+    """hjson reads NaN on a line of its own as the string 'NaN', and the key's check names it;
+    on one line its quoteless value ran on over the closing brackets, and the file was called
+    neither JSON nor hjson."""
+    config = {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1.5e-3}}}
+    text = {"one": json.dumps(config), "pretty": json.dumps(config, indent=2)}
+    raw = {}
+    for form, body in text.items():
+        path = tmp_path / f"{form}.json"
+        path.write_text(body.replace("0.0015", constant))
+        raw[form] = read_config_file(path)
+        message = str(error_for(path))
+        assert message == f"optimizer.params.lr: got '{constant}'; allowed: a finite number >= 0"
+    assert (
+        raw["one"]
+        == raw["pretty"]
+        == {
+            "train_batch_size": 8,
+            "optimizer": {"type": "Adam", "params": {"lr": constant}},
+        }
+    )
+
+
 def test_top_level_must_be_an_object(tmp_path):
     path = tmp_path / "list.json"
     path.write_text("[1, 2]")

@@ -117,18 +117,36 @@ def test_cli_prints_one_json_object_and_progress_on_stderr(tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--model", "gpt3-9b"], "not a model; allowed"),
-        (["--ranks", "0"], "world_size must be a positive int"),
-        (["--config", "missing.json"], "missing.json"),
+        (["--model", "gpt3-9b"], "zerosim dryrun: --model 'gpt3-9b' is not a model; allowed: ["),
+        (["--ranks", "0"], "argument --ranks: must be an integer >= 1, got '0'"),
+        (["--steps", "0"], "argument --steps: must be an integer >= 1, got '0'"),
+        (["--micro-batch", "-1"], "argument --micro-batch: must be an integer >= 1, got '-1'"),
+        (
+            ["--config", "missing.json"],
+            "zerosim dryrun: missing.json: cannot read the file (No such file or directory); "
+            "allowed: a readable JSON or hjson file",
+        ),
     ],
 )
-def test_cli_refuses_bad_arguments_naming_them(tmp_path, extra, message):
+def test_cli_refuses_bad_arguments_naming_them_with_exit_code_2(tmp_path, capsys, extra, message):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(_config()))
     args = {"--model": MODEL, "--ranks": str(N), "--config": str(cfg)}
     args.update(dict(zip(extra[::2], extra[1::2], strict=True)))
-    with pytest.raises(SystemExit, match=message):
-        main(["dryrun", *[x for kv in args.items() for x in kv]])
+    try:
+        code = main(["dryrun", *[x for kv in args.items() for x in kv]])
+    except SystemExit as exit_info:  # argparse's refusal
+        code = exit_info.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err.splitlines()[-1], err
+    assert "Traceback" not in err and "[Errno" not in err
+
+
+def test_cli_reads_an_hjson_config_as_train_does(tmp_path, capsys):
+    cfg = tmp_path / "ds.hjson"
+    cfg.write_text("# the dry run's config, in hjson\n" + json.dumps(_config(), indent=2))
+    assert main(["dryrun", "--model", MODEL, "--ranks", str(N), "--config", str(cfg)]) == 0
+    assert f"{N} virtual ranks" in capsys.readouterr().out
 
 
 def test_a_bad_config_key_is_refused_before_any_rank_runs():

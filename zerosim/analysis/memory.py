@@ -35,7 +35,7 @@ not model states and are not counted here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
 from zerosim.analysis.stages import ZERO_STAGES
@@ -314,21 +314,20 @@ def table1(k: int = 12) -> list[Table1Row]:
     return rows
 
 
-def format_paper_gb(gb: float) -> str:
+def format_paper_gb(gb: float | Fraction) -> str:
     """Write a GB value as Table 1 prints it.
 
     The paper truncates values ≥ 100 to whole GB (4187.5 → 4187, 513.5 → 513) and rounds smaller
     ones half up to three significant figures, at most two decimals (41.25 → 41.3, 1.875 → 1.88,
-    0.46875 → 0.47), dropping trailing zeros (30.0 → 30).
+    0.46875 → 0.47), dropping trailing zeros (30.0 → 30). A ``Fraction`` (bytes / 10^9) is
+    truncated exactly, however many digits it has.
     """
+    if gb >= 100:
+        return str(int(gb))  # int() truncates, exactly for a Fraction
     value = Decimal(repr(float(gb)))
-    if value >= 100:
-        text = str(value.quantize(Decimal(1), rounding=ROUND_DOWN))
-    else:
-        places = Decimal("0.1") if value >= 10 else Decimal("0.01")
-        text = str(value.quantize(places, rounding=ROUND_HALF_UP))
-        text = text.rstrip("0").rstrip(".") if "." in text else text
-    return text
+    places = Decimal("0.1") if value >= 10 else Decimal("0.01")
+    text = str(value.quantize(places, rounding=ROUND_HALF_UP))
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def table1_markdown(k: int = 12) -> str:

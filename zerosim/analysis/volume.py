@@ -83,6 +83,33 @@ def _runs(sizes: list[int], limit: int) -> list[int]:
     return runs + ([total] if total else [])
 
 
+def counted_runs(sizes: list[tuple[int, int]], limit: int) -> dict[int, int]:
+    """``_runs`` of sizes given as (size, repeats) pairs: {run: how many times it occurs}.
+
+    A size s repeated r times, starting a run with t elements held, closes it after
+    ⌊(limit − t)/s⌋ + 1 of them, then every ⌊limit/s⌋ + 1: the arithmetic of ``_runs`` done
+    per pair, so the time does not grow with the repeats.
+    """
+    out: dict[int, int] = {}
+    held = 0
+    for size, repeats in sizes:
+        if size <= 0 or repeats <= 0:
+            continue
+        first = (limit - held) // size + 1  # the sizes that take the open run past the limit
+        if repeats < first:
+            held += repeats * size
+            continue
+        out[held + first * size] = out.get(held + first * size, 0) + 1
+        per_run = limit // size + 1
+        full, rest = divmod(repeats - first, per_run)
+        if full:
+            out[per_run * size] = out.get(per_run * size, 0) + full
+        held = rest * size
+    if held:
+        out[held] = out.get(held, 0) + 1
+    return out
+
+
 def deepspeed_buckets(numels: list[int], order: list[int], limit: int) -> list[list[int]]:
     """The parameters (indices, in ``order``) of each gradient bucket: a bucket is reduced
     before a parameter that would take it past ``limit`` elements; empty parameters skipped."""
@@ -117,10 +144,12 @@ def _group_partitions(
 ) -> tuple[list[int], dict[int, int], list[range]]:
     """Each parameter's start in its group's flat buffer, each group's partition size
     (Ψ_pad / N, DeepSpeed's padding) and the partitions each parameter touches."""
-    totals = {g: sum(m for m, h in zip(numels, groups, strict=True) if h == g) for g in groups}
+    totals: dict[int, int] = {}  # running, then final, elements of each group
+    starts = []
+    for m, g in zip(numels, groups, strict=True):
+        starts.append(totals.get(g, 0))
+        totals[g] = starts[-1] + m
     parts = {g: deepspeed_padded_numel(total, n) // n for g, total in totals.items()}
-    starts = [sum(m for m, h in zip(numels[:i], groups, strict=False) if h == groups[i])
-              for i in range(len(numels))]  # fmt: skip
     touched = [
         range(starts[i] // parts[groups[i]], -(-(starts[i] + numels[i]) // parts[groups[i]]))
         for i in range(len(numels))
@@ -375,6 +404,49 @@ def step_bytes(
         if c.elements:
             root = 0 if c.root is None else c.root
             out[c.phase] += model_bytes(c.op, c.elements, world_size, rank, itemsize, root)[0]
+    return out
+
+
+def deepspeed_bucketed_step_bytes(
+    stage: int,
+    world_size: int,
+    numel: int,
+    itemsize: int,
+    accumulation: int = 1,
+    rank: int = 0,
+) -> dict[str, int]:
+    """{phase: bytes ``rank`` sends} at stages 0-2 under DeepSpeed's schedule with its defaults,
+    for Ψ = ``numel`` elements held as q = ⌊Ψ/B⌋ parameters of exactly B = reduce_bucket_size
+    (5e8) elements and one of r = Ψ − qB: what ``step_bytes(stage, world_size, 0, itemsize,
+    accumulation, schedule="deepspeed", numels=[B] * q + [r], rank=rank)`` gives, in a time
+    that does not grow with Ψ (no list of q parameters).
+
+    Stages 1-2 reduce each parameter as a bucket of its own (a second would take it past B);
+    its runs of one owner sum to B, never past it, so they merge into one all-reduce of B: q
+    all-reduces of B and one of r per reduction (every micro-step at stage 2), then the
+    all-gather of Ψ_pad (``deepspeed_padded_numel``). Stage 0 cuts the same sizes into messages
+    closed past 5e8 elements (``counted_runs``).
+    """
+    from zerosim.comm.ring import model_bytes
+
+    if stage not in (0, 1, 2):
+        raise ValueError(f"stage must be 0, 1 or 2, got {stage!r}")
+    if accumulation < 1:
+        raise ValueError(f"accumulation must be ≥ 1, got {accumulation}")
+    full, rest = divmod(numel, DEEPSPEED_BUCKET)
+    sizes = [(DEEPSPEED_BUCKET, full), (rest, 1)]
+    if stage == 0:
+        messages = counted_runs(sizes, DEEPSPEED_STAGE0_MESSAGE)
+    else:
+        messages = {size: count for size, count in sizes if size and count}
+
+    def sent(op: str, elements: int) -> int:
+        return model_bytes(op, elements, world_size, rank, itemsize)[0]
+
+    backward = sum(count * sent("all_reduce", size) for size, count in messages.items())
+    out = {"forward": 0, "backward": backward * (accumulation if stage == 2 else 1), "step": 0}
+    if stage > 0 and numel:  # no parameter, no flat buffer to gather
+        out["step"] = sent("all_gather", deepspeed_padded_numel(numel, world_size))
     return out
 
 

@@ -36,6 +36,7 @@ step at stages 1-2): ``muon_offload_bytes``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -156,11 +157,12 @@ def muon_offload_messages(
     *,
     first_step: bool = False,
     sub_group_size: int = 1_000_000_000,
-) -> list[int]:
-    """Elements of each all-gather buffer (N × what each rank sends) of the Muon step under
-    optimizer offload (DeepSpeed's ``_apply_muon_updates_cpu_offload``), for the Muon group's
-    matrices ``numels`` in flat order; ``itemsize``: the master's bytes per element at stages
-    1-2 (DeepSpeed's fp32 partition), the model's at stage 3.
+) -> list[tuple[int, int]]:
+    """(elements of an all-gather buffer (N × what each rank sends), how many such all-gathers
+    in a row) of the Muon step under optimizer offload (DeepSpeed's
+    ``_apply_muon_updates_cpu_offload``), for the Muon group's matrices ``numels`` in flat
+    order; ``itemsize``: the master's bytes per element at stages 1-2 (DeepSpeed's fp32
+    partition), the model's at stage 3.
 
     Stages 1-2: the group's flat buffer padded to a multiple of 2N, rank r owning
     [r·P, (r+1)·P). Matrices in batches of at most B = 64 MiB / (2·itemsize) elements (a larger
@@ -177,20 +179,22 @@ def muon_offload_messages(
         return _offload_messages12(numels, n, itemsize, 1 if first_step else 2)
     chunks = [-(-m // n) for m in numels]
     if sub_group_size >= sum(chunks):
-        return [n * 2 * sum(chunks)]
+        return [(n * 2 * sum(chunks), 1)]
     out, held = [], 0
     for i, c in enumerate(chunks):
         held += c
         if held >= sub_group_size or i == len(chunks) - 1:
-            out.append(n * 2 * held)
+            out.append((n * 2 * held, 1))
             held = 0
     return out
 
 
-def _offload_messages12(numels: Sequence[int], n: int, itemsize: int, k: int) -> list[int]:
+def _offload_messages12(
+    numels: Sequence[int], n: int, itemsize: int, k: int
+) -> list[tuple[int, int]]:
     """Stages 1-2 of ``muon_offload_messages``, with k arrays gathered."""
     part = deepspeed_padded_numel(sum(numels), n) // n
-    starts = [sum(numels[:i]) for i in range(len(numels))]
+    starts = [0, *itertools.accumulate(numels)][: len(numels)]
     cap = max(1, MUON_GATHER_BYTES // (2 * itemsize))
     batches: list[list[int]] = [[]]
     total = 0
@@ -211,7 +215,7 @@ def _offload_messages12(numels: Sequence[int], n: int, itemsize: int, k: int) ->
         ]
         most = max(owned)
         c = min(most, max(1, MUON_GATHER_BYTES // ((n + 1) * k * itemsize)))
-        out += [n * k * c] * -(-most // c)
+        out.append((n * k * c, -(-most // c)))
     return out
 
 
@@ -224,7 +228,7 @@ def muon_offload_bytes(
     without offload stages 1-2 send nothing more and stage 3 about twice as much."""
     n = world_size
     messages = muon_offload_messages(stage, numels, n, itemsize, **kwargs)
-    return sum((n - 1) * (m // n) * itemsize for m in messages)
+    return sum(repeats * (n - 1) * (m // n) * itemsize for m, repeats in messages)
 
 
 def _muon_clip_bytes(

@@ -203,8 +203,7 @@ def write_metadata(tag_dir: Path, body: dict[str, Any]) -> None:
 def read_metadata(tag_dir: Path) -> dict[str, Any]:
     """Parse and check ``metadata.json``; errors name the file."""
     path = tag_dir / METADATA
-    if not tag_dir.is_dir():
-        raise CheckpointNotFoundError(f"{tag_dir}: no such checkpoint directory")
+    _require_folder(tag_dir, "checkpoint tag folder")
     if not path.is_file():
         raise CheckpointNotFoundError(
             f"{path}: missing; the save of this tag did not finish (or this is not a zerosim "
@@ -231,8 +230,7 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> Path:
     if tag is not None:
         return load_dir / check_tag(tag)
     latest = load_dir / LATEST
-    if not load_dir.is_dir():
-        raise CheckpointNotFoundError(f"{load_dir}: no such checkpoint folder")
+    _require_folder(load_dir, "checkpoint folder")
     if not latest.is_file():
         raise CheckpointNotFoundError(
             f"{latest}: missing, so {load_dir} names no checkpoint to load; save one there "
@@ -249,11 +247,22 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> Path:
     except ValueError as err:
         raise CheckpointError(f"{latest}: holds {text!r}; {why}") from err
     tag_dir = load_dir / name
+    if tag_dir.exists() and not tag_dir.is_dir():
+        raise CheckpointError(f"{latest} names {name!r}, but {tag_dir} is a file, not a tag folder")
     if not tag_dir.is_dir():
         aside = replaced_dir(tag_dir)
         hint = f"; its previous contents are in {aside}" if aside.is_dir() else ""
         raise CheckpointNotFoundError(f"{latest} names {name!r}, but {tag_dir} is missing{hint}")
     return tag_dir
+
+
+def _require_folder(path: Path, what: str) -> None:
+    """Raise unless ``path`` is a folder: "no such" when nothing is there, "is a file" when a
+    file is."""
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path}: is a file, not a {what}")
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"{path}: no such {what}")
 
 
 def check_tag(tag: Any) -> str:

@@ -14,6 +14,7 @@ import json
 import sys
 from typing import Any
 
+from zerosim.cli.arguments import int_at_least, refuse
 from zerosim.errors import ConfigError
 
 GIB = 2**30
@@ -34,10 +35,15 @@ def add_subcommand(sub: Any) -> None:
         help="gpt or mlp (as zerosim train), a preset (gpt3-125m … gpt3-175b, gpt-529b) or "
         "gpt:LAYERS,HIDDEN,VOCAB,SEQ[,HEADS]",
     )
-    p.add_argument("--ranks", type=int, required=True, metavar="N", help="virtual world size")
+    p.add_argument(
+        "--ranks", type=int_at_least(1), required=True, metavar="N", help="virtual world size"
+    )
     p.add_argument("--config", required=True, metavar="CFG.json", help="DeepSpeed JSON config")
     p.add_argument(
-        "--micro-batch", type=int, metavar="B", help="train_micro_batch_size_per_gpu to use"
+        "--micro-batch",
+        type=int_at_least(1),
+        metavar="B",
+        help="train_micro_batch_size_per_gpu to use",
     )
     p.add_argument(
         "--recompute", action="store_true", help="activation checkpointing of every block"
@@ -46,7 +52,10 @@ def add_subcommand(sub: Any) -> None:
         "--all-ranks", action="store_true", help="run every rank, not one per class of rank"
     )
     p.add_argument(
-        "--steps", type=int, default=2, help="optimizer steps to run; the last is reported"
+        "--steps",
+        type=int_at_least(1),
+        default=2,
+        help="optimizer steps to run; the last is reported",
     )
     p.add_argument(
         "--overflow",
@@ -121,7 +130,8 @@ def cmd_dryrun(args: argparse.Namespace) -> int:
     from zerosim.dryrun import dry_run
 
     def progress(message: str) -> None:
-        print(f"zerosim dryrun: {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"zerosim dryrun: {message}\n")  # one write: lines never splice
+        sys.stderr.flush()
 
     try:
         report = dry_run(
@@ -139,7 +149,7 @@ def cmd_dryrun(args: argparse.Namespace) -> int:
             plot=args.plot,
             progress=progress,
         )
-    except (OSError, ValueError, ConfigError) as err:
-        raise SystemExit(f"zerosim dryrun: {err}") from err
+    except (OSError, ValueError, ConfigError) as err:  # bad input: the model, config, cluster
+        return refuse("dryrun", str(err))
     print(json.dumps(report, default=str) if args.json else format_report(report))
     return 0

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from zerosim.checkpoint import CheckpointError
-from zerosim.cli.arguments import int_at_least
+from zerosim.cli.arguments import int_at_least, refuse
 from zerosim.comm import Communicator, LocalWorld, world_size_from_env
 from zerosim.comm.record import busbw_factor
 from zerosim.errors import ConfigError
@@ -88,8 +88,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         # every rank together), so every rank ends here: no rank is left waiting
         named = not isinstance(err, ConfigError) or not args.config or args.config in str(err)
         where = "" if named else f"--config {args.config}: "
-        print(f"zerosim train: {where}{err}", file=sys.stderr)
-        return 2
+        return refuse("train", f"{where}{err}")
     if not data["text"]:  # ranks other than 0
         return 0
     ok = data["bytes"]["equal"] and data["memory"]["equal"]
@@ -121,8 +120,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     try:
         out = consolidate(args.ckpt_dir, args.out, args.tag, args.with_optimizer)
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError
-        print(f"zerosim consolidate: {err}", file=sys.stderr)
-        return 2
+        return refuse("consolidate", str(err))
     if args.json:
         import numpy as np
 
@@ -141,12 +139,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     root = Path(__file__).resolve().parent.parent
     if not (root / "benchmarks" / "__main__.py").exists():
-        print(
-            "zerosim bench needs a source checkout (the benchmarks/ folder is not installed); "
-            "run it from a clone of the repository",
-            file=sys.stderr,
+        return refuse(
+            "bench",
+            "needs a source checkout (the benchmarks/ folder is not installed); run it from a "
+            "clone of the repository",
         )
-        return 2
     extra = ["--quick"] if args.quick else []
     out = Path(args.out) if Path(args.out).is_absolute() else root / args.out
     code = subprocess.call(
@@ -165,8 +162,7 @@ def cmd_flight(args: argparse.Namespace) -> int:
     try:
         summary = summarize(read_reports(args.dir))
     except (FileNotFoundError, ValueError) as err:
-        print(f"zerosim flight: {err}", file=sys.stderr)
-        return 2
+        return refuse("flight", str(err))
     print(json.dumps(summary) if args.json else format_summary(summary))
     return 0
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from fractions import Fraction
 from typing import Any
 
 from zerosim import analysis
 from zerosim.analysis import SCHEDULES
 from zerosim.analysis.stages import STAGES
 from zerosim.backend import PRECISION_DTYPES
-from zerosim.cli.arguments import int_at_least, parameter_count
+from zerosim.cli.arguments import int_at_least, parameter_count, refuse
 from zerosim.report.tables import (
     DTYPE_NAMES,
     load_cluster,
@@ -33,6 +34,17 @@ def _stages(chosen: list[str], allowed: tuple[str, ...]) -> list[str]:
 
 
 # -- the commands ---------------------------------------------------------------------------------
+def _table(head: list[str], rows: list[list[str]], widths: list[int]) -> list[str]:
+    """Lines of right-aligned columns: column i at least ``widths[i]`` characters wide and, after
+    the first, one wider than its longest cell, so numbers of any size keep a space between them."""
+    lines = [head, *rows]
+    fit = [
+        max([widths[i]] + [len(line[i]) + (i > 0) for line in lines if i < len(line)])
+        for i in range(len(widths))
+    ]
+    return ["".join(f"{cell:>{fit[i]}}" for i, cell in enumerate(line)) for line in lines]
+
+
 def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, indent=2) if args.json else text)
 
@@ -44,7 +56,7 @@ def _dtype(args: argparse.Namespace) -> str:
 
 def _volume(args: argparse.Namespace) -> dict[str, Any]:
     knobs = (args.accumulation, args.dtype, args.persistent_numel, args.stage3_reuse)
-    return volume_data(int(args.params), args.dp, *knobs)
+    return volume_data(args.params, args.dp, *knobs)
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
@@ -75,18 +87,19 @@ def cmd_memory(args: argparse.Namespace) -> int:
             args.offload_param,
         )
     except ValueError as err:
-        raise SystemExit(f"zerosim memory: {err}") from err
+        return refuse("memory", str(err))
     cell = {(r["dp"], r["stage"]): r["device"] for r in data["rows"]}
     heads = [f"{STAGES[s].paper_name} ({s})" if s != "megatron" else s for s in stages]
+    rows = [
+        [str(n)] + [analysis.format_paper_gb(Fraction(cell[n, s]) / 10**9) for s in stages]
+        for n in args.dp
+    ]  # GB from the exact byte count: no float rounding in the digits of a large model
     lines = [
-        f"model-state memory per device (GB = 1e9 B), Ψ = {args.params:,.0f}, {dtype}, "
+        f"model-state memory per device (GB = 1e9 B), Ψ = {args.params:,}, {dtype}, "
         f"K_s = {args.num_states}, offload optimizer {args.offload_optimizer}, "
         f"params {args.offload_param}",
-        f"{'N':>6} " + "".join(f"{h:>16}" for h in heads),
+        *_table(["N", *heads], rows, [6, 17, *[16] * (len(heads) - 1)]),
     ]
-    for n in args.dp:
-        gb = [analysis.format_paper_gb(cell[n, s] / 1e9) for s in stages]
-        lines.append(f"{n:>6} " + "".join(f"{v:>16}" for v in gb))
     _emit(args, data, "\n".join(lines))
     if args.plot:
         series = {heads[i]: [cell[n, s] for n in args.dp] for i, s in enumerate(stages)}
@@ -95,21 +108,29 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_volume(args: argparse.Namespace) -> int:
-    from zerosim.report import plots
+    from zerosim.report import plots, whole_params
 
     try:
         data = _volume(args)
+        if args.optimizer != "adam":  # what LAMB or Muon add (zerosim/report/whole_params.py)
+            extra = whole_params.volume_data(
+                args.params, args.dp, args.optimizer, args.matrices, data["itemsize"]
+            )
+            data = {**data, "whole_params": extra}
     except ValueError as err:
-        raise SystemExit(f"zerosim volume: {err}") from err
+        return refuse("volume", str(err))
     phases = ("forward", "backward", "step")
+    head = ["stage", "Ψ_pad", *phases, "total"]
+    widths = [9, 17, 18, 18, 18, 18]
+
+    def cells(s: str, row: dict[str, Any]) -> list[str]:
+        return [s] + [f"{row[key]:,}" for key in ("padded_numel", *phases, "total")]
+
     lines = [
-        f"bytes sent per rank per optimizer step, Ψ = {int(args.params):,}, N = {args.dp}, "
+        f"bytes sent per rank per optimizer step, Ψ = {args.params:,}, N = {args.dp}, "
         f"b = {data['itemsize']}, k = {args.accumulation}",
-        f"{'stage':>9} {'Ψ_pad':>16}" + "".join(f"{p:>18}" for p in (*phases, "total")),
+        *_table(head, [cells(s, row) for s, row in data["stages"].items()], widths),
     ]
-    for s, row in data["stages"].items():
-        values = [row[p] for p in (*phases, "total")]
-        lines.append(f"{s:>9} {row['padded_numel']:>16,}" + "".join(f"{v:>18,}" for v in values))
     clip = data["clip_bytes"]
     lines.append(f"clip: {clip['end_ranks']} B on the end ranks, {clip['middle_ranks']} on others")
     lines.append(
@@ -120,28 +141,21 @@ def cmd_volume(args: argparse.Namespace) -> int:
         "",
         "DeepSpeed 0.19.8's schedule (zerosim.schedule = deepspeed, its defaults; stage 3 as "
         "above), rank 0:",
-        f"{'stage':>9} {'Ψ_pad':>16}"
-        + "".join(f"{p:>18}" for p in (*phases, "total"))
-        + f"{'× paper':>9}",
+        *_table(
+            [*head, "× paper"],
+            [
+                cells(s, row) + ([] if row["ratio"] is None else [f"{row['ratio']:.3f}"])
+                for s, row in data["deepspeed"].items()
+            ],
+            [*widths, 9],
+        ),
     ]
-    for s, row in data["deepspeed"].items():
-        values = [row[p] for p in (*phases, "total")]
-        ratio = "" if row["ratio"] is None else f"{row['ratio']:>9.3f}"
-        lines.append(
-            f"{s:>9} {row['padded_numel']:>16,}" + "".join(f"{v:>18,}" for v in values) + ratio
-        )
     lines += [
         "stages 1-2: DeepSpeed all-reduces each gradient bucket, 2(N−1)/N·Ψ, where the paper",
         "reduce-scatters it, (N−1)/N·Ψ_pad; its norm all-reduce is one float32 (4 B)",
     ]
-    if args.optimizer != "adam":  # what LAMB or Muon add (zerosim/report/whole_params.py)
-        from zerosim.report import whole_params
-
-        extra = whole_params.volume_data(
-            int(args.params), args.dp, args.optimizer, args.matrices, data["itemsize"]
-        )
-        data = {**data, "whole_params": extra}
-        lines += ["", whole_params.format_volume(extra)]
+    if "whole_params" in data:
+        lines += ["", whole_params.format_volume(data["whole_params"])]
     _emit(args, data, "\n".join(lines))
     if args.plot:
         bars = {s: {p: row[p] for p in phases} for s, row in data["stages"].items()}
@@ -159,7 +173,7 @@ def cmd_project(args: argparse.Namespace) -> int:
         cluster = load_cluster(args.cluster)
         data = project_data(
             cluster,
-            int(args.params),
+            args.params,
             args.tokens_per_step,
             args.dtype,
             args.accumulation,
@@ -167,23 +181,23 @@ def cmd_project(args: argparse.Namespace) -> int:
             args.recompute,
         )
     except (OSError, ValueError) as err:
-        raise SystemExit(f"zerosim project: {err}") from err
+        return refuse("project", str(err))
     c = cluster
     lines = [
         f"{c.nodes} nodes × {c.devices_per_node} devices = {c.world_size}; intra "
         f"{c.intra_bandwidth / 1e9:g} GB/s {c.intra_latency * 1e6:g} µs, inter "
         f"{c.inter_bandwidth / 1e9:g} GB/s {c.inter_latency * 1e6:g} µs, "
         f"{c.device_flops / 1e12:g} TFLOP/s × {args.efficiency}",
-        f"Ψ = {int(args.params):,}, {args.tokens_per_step:,.0f} tokens per step, {args.dtype}",
-        f"{'stage':>9} {'GB/device':>10} {'compute s':>10} {'comm s':>10} "
-        f"{'step s (no overlap)':>20} {'step s (overlap)':>17}",
+        f"Ψ = {args.params:,}, {args.tokens_per_step:,.0f} tokens per step, {args.dtype}",
     ]
-    for s, row in data["stages"].items():
-        lines.append(
-            f"{s:>9} {row['memory']['total'] / 1e9:>10.2f} {row['compute_s']:>10.3f} "
-            f"{row['comm_s']:>10.3f} {row['step_s_no_overlap']:>20.3f} "
-            f"{row['step_s_overlap']:>17.3f}"
-        )
+    head = ["stage", "GB/device", "compute s", "comm s", "step s (no overlap)", "step s (overlap)"]
+    rows = [
+        [s, f"{row['memory']['total'] / 1e9:.2f}"]
+        + [f"{row[key]:.3f}" for key in ("compute_s", "comm_s", "step_s_no_overlap")]
+        + [f"{row['step_s_overlap']:.3f}"]
+        for s, row in data["stages"].items()
+    ]
+    lines += _table(head, rows, [9, 11, 11, 11, 21, 18])
     _emit(args, data, "\n".join(lines))
     if args.plot:
         bars = {
@@ -225,7 +239,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     stages = _stages(args.stage, tuple(STAGES))
     if args.precision != "fp32" and args.dtype != "float32":
-        raise SystemExit(f"zerosim compare: --precision {args.precision} needs --dtype float32")
+        return refuse("compare", f"--precision {args.precision} needs --dtype float32")
     result, rank = _run_on_world(
         args,
         compare.compare,
@@ -272,7 +286,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
         }
         plots.memory_vs_dp(args.dp, series, args.out, f"Ψ = {args.params:.3g}, {dtype}")
     elif args.what == "volume":
-        data = _volume(args)
+        try:
+            data = _volume(args)
+        except ValueError as err:
+            return refuse("plot", str(err))
         bars = {
             s: {p: row[p] for p in ("forward", "backward", "step")}
             for s, row in data["stages"].items()
@@ -282,7 +299,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         from zerosim.comm import world_size_from_env
 
         if world_size_from_env() > 1:
-            raise SystemExit("zerosim plot timeline draws a LocalWorld run; do not use mpirun")
+            return refuse("plot", "timeline draws a LocalWorld run; do not use mpirun")
         per_rank, _ = _run_on_world(
             args, _timeline, args.stage, args.model, args.steps, args.schedule
         )
@@ -310,7 +327,10 @@ def _common(p: argparse.ArgumentParser, plot: bool = True) -> None:
 
 def _memory_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--params", type=parameter_count, default=7.5e9, help="parameters Ψ (default 7.5e9)"
+        "--params",
+        type=parameter_count,
+        default=7_500_000_000,
+        help="parameters Ψ, 0 to 1e18 (default 7.5e9)",
     )
     p.add_argument(
         "--dp",
@@ -335,26 +355,36 @@ def _memory_options(p: argparse.ArgumentParser) -> None:
         "fp32 = float32 (no master copy); overrides --dtype",
     )
     p.add_argument(
-        "--num-states", type=int, default=2, help="K_s, state arrays per parameter: Adam 2, SGD 1"
+        "--num-states",
+        type=int_at_least(0),
+        default=2,
+        help="K_s, state arrays per parameter: Adam 2, SGD 1",
     )
 
 
 def _volume_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--params", type=parameter_count, required=True, help="parameters Ψ (before padding)"
+        "--params",
+        type=parameter_count,
+        required=True,
+        help="parameters Ψ before padding, 0 to 1e18",
     )
     p.add_argument(
         "--dp", type=int_at_least(1), required=True, metavar="N", help="data-parallel ranks"
     )
     p.add_argument(
-        "--accumulation", type=int, default=1, metavar="K", help="micro-steps per optimizer step"
+        "--accumulation",
+        type=int_at_least(1),
+        default=1,
+        metavar="K",
+        help="micro-steps per optimizer step",
     )
     p.add_argument(
         "--dtype", choices=DTYPE_NAMES, default="float32", help="element size b (default float32)"
     )
     p.add_argument(
         "--persistent-numel",
-        type=int,
+        type=int_at_least(0),
         default=0,
         metavar="Ψ_persist",
         help="stage 3: elements of persistent parameters, padded (a multiple of N; default 0)",
@@ -372,7 +402,11 @@ def _volume_options(p: argparse.ArgumentParser) -> None:
         "equal square matrices (default adam: nothing added)",
     )
     p.add_argument(
-        "--matrices", type=int, default=16, metavar="M", help="with --optimizer (default 16)"
+        "--matrices",
+        type=int_at_least(1),
+        default=16,
+        metavar="M",
+        help="with --optimizer (default 16)",
     )
 
 
@@ -435,7 +469,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "--cluster", required=True, help="cluster JSON, e.g. examples/cluster_64gpu.json"
     )
     size = project.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", type=parameter_count, help="parameters Ψ")
+    size.add_argument("--params", type=parameter_count, help="parameters Ψ, 0 to 1e18")
     size.add_argument(
         "--model",
         help="a GPT: a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-7b, gpt-13b) or "
@@ -448,7 +482,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="tokens per optimizer step, all ranks together (default 2^22)",
     )
     project.add_argument("--dtype", choices=DTYPE_NAMES, default="float16")
-    project.add_argument("--accumulation", type=int, default=1, metavar="K")
+    project.add_argument("--accumulation", type=int_at_least(1), default=1, metavar="K")
     project.add_argument(
         "--efficiency", type=float, default=0.5, help="achieved fraction of peak (default 0.5)"
     )
@@ -476,7 +510,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="fp16/bf16: the engine's mixed precision (fp32 master weights; needs --dtype "
         "float32); memory against analysis.zero_model_states with 2-byte params (default fp32)",
     )
-    comp.add_argument("--accumulation", type=int, default=1, metavar="K")
+    comp.add_argument("--accumulation", type=int_at_least(1), default=1, metavar="K")
     comp.add_argument(
         "--optimizer",
         choices=["adam", "lamb", "muon"],

@@ -400,7 +400,8 @@ def read_config_file(path: str | os.PathLike) -> Any:
     ``hjson.load(f, object_pairs_hook=dict_raise_error_on_duplicate_keys)``): JSON, or hjson
     (comments, quoteless keys and strings, optional commas), a repeated key refused. Every
     problem is a ConfigError naming the file. hjson reads ``1.0`` and ``5e8`` as integers, as
-    DeepSpeed sees them."""
+    DeepSpeed sees them. A JSON file with NaN or Infinity reads as it would pretty-printed,
+    whatever its line breaks (``_json_with_constants``)."""
     import hjson  # DeepSpeed's reader; pure Python, imported only when a file is read
 
     name = os.fspath(path)
@@ -423,11 +424,30 @@ def read_config_file(path: str | os.PathLike) -> Any:
     except ConfigError:
         raise
     except hjson.HjsonDecodeError as err:
+        try:  # JSON with NaN or Infinity on one line (``_json_with_constants``)
+            return _json_with_constants(content, no_duplicates)
+        except ConfigError:
+            raise
+        except (ValueError, OverflowError, RecursionError):
+            pass  # not JSON either: hjson's message says where
         got = f"neither JSON nor hjson ({err.msg} at line {err.lineno} column {err.colno})"
         raise ConfigError(name, name, allowed, got=got) from err
     except (ValueError, OverflowError, RecursionError) as err:  # 1e400, nesting too deep
         got = f"not readable as hjson ({type(err).__name__}: {err})"
         raise ConfigError(name, name, allowed, got=got) from err
+
+
+def _json_with_constants(content: str, object_pairs_hook: Any) -> Any:
+    """JSON with NaN, Infinity or -Infinity (Python's json reads them), as hjson reads a file
+    that has each on a line of its own: the constant as the string hjson's quoteless value
+    gives ('NaN'), the numbers as hjson gives them (5e8 an int), so the key's own check names
+    it. On one line hjson cannot read such a file: its quoteless NaN runs to the end of the line
+    and takes the closing brackets with it."""
+    import hjson
+
+    return json.loads(
+        content, object_pairs_hook=object_pairs_hook, parse_constant=str, parse_float=hjson.loads
+    )
 
 
 def _suggest(key: str) -> str:

@@ -17,7 +17,6 @@ of a bucket (stage 2's reduce-scatter under the paper's schedule), those pieces.
 
 from __future__ import annotations
 
-import json
 import resource
 import time
 from collections.abc import Callable
@@ -31,7 +30,8 @@ from zerosim import meta
 from zerosim.backend import shape_only_init
 from zerosim.comm.record import Record
 from zerosim.comm.virtual import VirtualComm, VirtualWorld
-from zerosim.config import load_config
+from zerosim.config import load_config, read_config_file
+from zerosim.config.values import as_mapping
 from zerosim.engine import Engine, initialize
 from zerosim.nn import GPT, MLP, Module, checkpoint
 
@@ -98,7 +98,10 @@ class RankRun:
 
 
 def _prepare_config(config: dict | str | Path, micro_batch: int | None) -> dict:
-    cfg = json.loads(Path(config).read_text()) if isinstance(config, str | Path) else dict(config)
+    """The config as a dict on the shape-only backend: a file is read as ``zerosim train`` reads
+    one (``read_config_file``: JSON or hjson, errors naming the file)."""
+    raw = read_config_file(config) if isinstance(config, str | Path) else config
+    cfg = dict(as_mapping(raw, "" if isinstance(config, dict) else str(config)))
     cfg["zerosim"] = {**cfg.get("zerosim", {}), "backend": "meta"}
     if micro_batch is not None:
         cfg["train_micro_batch_size_per_gpu"] = int(micro_batch)

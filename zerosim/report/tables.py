@@ -145,14 +145,12 @@ def _deepspeed_volume(
     params: int, dp: int, b: int, accumulation: int, paper: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
     """``volume_data``'s "deepspeed" section: stages 0-2 under DeepSpeed's schedule, the
-    gradients in buckets of exactly ``reduce_bucket_size`` elements, beside ``paper``'s totals."""
-    bucket = analysis.volume.DEEPSPEED_BUCKET
-    numels = [m for m in [bucket] * (params // bucket) + [params % bucket] if m]
+    gradients in buckets of exactly ``reduce_bucket_size`` elements
+    (``analysis.deepspeed_bucketed_step_bytes``: per bucket size, not per bucket, so any Ψ
+    answers at once), beside ``paper``'s totals."""
     deepspeed = {}
     for s in ("0", "1", "2"):
-        phases = analysis.step_bytes(
-            int(s), dp, 0, b, accumulation, schedule="deepspeed", numels=numels
-        )
+        phases = analysis.deepspeed_bucketed_step_bytes(int(s), dp, params, b, accumulation)
         total = sum(phases.values())
         pad = params if s == "0" else analysis.deepspeed_padded_numel(params, dp)
         paper_total = paper[s]["total"]
