@@ -1,5 +1,7 @@
 """ZeRO stage 3 on LocalWorld: parity, volume, memory, prefetch, changing order, tied weights."""
 
+import warnings
+
 import numpy as np
 import pytest
 from engine_cases import Case, check_case, max_rel_error, stays_gathered
@@ -79,6 +81,7 @@ def _peak_gathered(comm, max_live, schedule="paper", reuse=10**9):
     return engine.memory_report()["peak_gathered_params"], largest
 
 
+@pytest.mark.filterwarnings("ignore:zero_optimization.stage3_max_live_parameters")
 def test_deepspeeds_live_cap_bounds_prefetch_and_not_reuse():
     """DeepSpeed's coordinator checks stage3_max_live_parameters only before a prefetch: with
     a cap of 0 and no reuse it gathers one module at a time; with reuse it keeps the whole
@@ -99,6 +102,38 @@ def test_peak_gathered_parameters_stay_under_the_live_cap_plus_one_module():
     unlimited, _ = zs.LocalWorld(2).run(fn, 10**9)[0]
     capped, _ = zs.LocalWorld(2).run(fn, 0)[0]
     assert capped < unlimited
+
+
+def _initialize_small_gpt(comm, max_live, schedule):
+    """A 2-layer GPT whose largest module, blocks.0.mlp.c_fc, has 168 parameters (6·24 weights
+    and 24 biases), under stage 3 with this live cap."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_max_live_parameters": max_live},
+        "zerosim": {"schedule": schedule},
+    }
+    initialize(GPT(13, 5, 2, 2, 6, seed=3), cfg, comm=comm)
+
+
+def _live_cap_warnings(max_live, schedule):
+    """The live-cap warnings of initializing on 2 ranks (caught here, not in the rank threads:
+    ``catch_warnings`` swaps process-wide state)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zs.LocalWorld(2).run(_initialize_small_gpt, max_live, schedule)
+    return [str(w.message) for w in caught if "stage3_max_live_parameters" in str(w.message)]
+
+
+def test_a_live_cap_below_the_largest_module_warns_once_under_deepspeeds_schedule():
+    """Under it DeepSpeed's prefetch budget, min(max_live - live, prefetch bucket), is negative
+    while that module is gathered: the engine names the cap, the module and its size, once (on
+    rank 0); at the module's size, or under the paper's schedule, it says nothing."""
+    [message] = _live_cap_warnings(167, "deepspeed")
+    assert "stage3_max_live_parameters=167 " in message
+    assert "168 parameters of module 'blocks.0.mlp.c_fc'" in message
+    assert _live_cap_warnings(168, "deepspeed") == []
+    assert _live_cap_warnings(0, "paper") == []
 
 
 class Swapper(LossModel):

@@ -28,6 +28,12 @@ and still starts a prefetch).
   skipped on overflow leaves them released (``persistent_released``). zerosim's whole copy of a
   persistent parameter stays its home throughout: a gather writes into it, a release keeps it.
 
+**A live cap below one module** stops every prefetch: while the module is gathered, live ≥ its
+parameters > ``stage3_max_live_parameters``, so the budget above is negative. DeepSpeed's default
+cap (1e9) is below one matrix of a large model (the 529.6B GPT's 4h² = 1.68e9-element MLP
+weight), and DeepSpeed says nothing; ``binding_live_cap`` finds such a module and the
+coordinator warns once, on rank 0.
+
 Per micro-step with the defaults (prefetch bucket 5e7 ≥ Ψ, nothing persistent) this is one
 all-gather of Ψ_pad, at the first module's fetch, and nothing in backward: (N−1)/N·Ψ_pad·b
 gathered per micro-step, not the paper's 2(N−1)/N·Ψ_pad·b.
@@ -36,6 +42,7 @@ gathered per micro-step, not the paper's 2(N−1)/N·Ψ_pad·b.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import deque
 from typing import Any
 
@@ -85,6 +92,18 @@ class DeepSpeedCoordinator:
                 module.register_full_backward_hook(lambda m, gi, go: self._backward_post(m)),
             ]
         self.model = model
+        binding = binding_live_cap(model, zero.stage3_max_live_parameters)
+        if binding is not None and strategy.comm.rank == 0:
+            name, numel = binding
+            warnings.warn(
+                f"zero_optimization.stage3_max_live_parameters={zero.stage3_max_live_parameters:,}"
+                f" is below the {numel:,} parameters of module {name!r}, the largest fetched "
+                "at once: DeepSpeed's prefetch budget, min(max_live - live, "
+                "stage3_prefetch_bucket_size), is negative while it is gathered, so nothing is "
+                f"prefetched then; set it to at least {numel:,} to prefetch",
+                UserWarning,
+                stacklevel=2,
+            )
         self.inputs: set[int] = set()  # ids of the model's own inputs in this forward
         self.grad_input: dict[int, bool] = {}  # module id -> an input of it needs a gradient
 
@@ -244,6 +263,20 @@ class DeepSpeedCoordinator:
                 self._finish(handle.params[0])
                 for q in handle.params:
                     self._release(q)
+
+
+def binding_live_cap(model: Module, max_live: int) -> tuple[str, int] | None:
+    """(name, parameters) of the largest module fetched at once (its own parameters, as DeepSpeed
+    gathers them) when it has more than ``max_live``, else None. The first of equals is named;
+    a shared parameter counts in every module that holds it (each fetch gathers it)."""
+    name, numel = max(
+        (
+            (n, sum(p.numel for p in m._parameters.values() if p is not None))
+            for n, m in model.named_modules()
+        ),
+        key=lambda item: item[1],
+    )
+    return (name or "(the model)", numel) if numel > max_live else None
 
 
 def _arrays(args: Any) -> list[Any]:
