@@ -8,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from zerosim.analysis.timing import Cluster
+from zerosim.cli.dryrun import format_report
 from zerosim.dryrun import dry_run
+from zerosim.dryrun.report import against_device
 from zerosim.dryrun.timeline import (
     ClusterModel,
     chrome_trace,
@@ -91,17 +93,27 @@ def test_cluster_files_name_what_is_wrong(tmp_path):
         load_cluster_model(path)
     path.write_text(json.dumps({**good, "compute_efficiency": 0.4, "name": "x"}))
     assert load_cluster_model(path).compute_efficiency == 0.4
+    for bad in (0, -1.0, "80GB", True):
+        path.write_text(json.dumps({**good, "device_memory_bytes": bad}))
+        with pytest.raises(
+            ValueError, match=f"device_memory_bytes must be a positive number of bytes, got {bad!r}"
+        ):
+            load_cluster_model(path)
+    path.write_text(json.dumps({**good, "device_memory_bytes": 80 * 2**30}))
+    assert load_cluster_model(path).resized(64).device_memory_bytes == 80 * 2**30
 
 
-def test_dry_run_reports_time_and_writes_trace_and_plot(tmp_path):
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": 2000, "overlap_comm": True},
-        "bf16": {"enabled": True},
-    }
-    cluster = tmp_path / "c.json"
-    cluster.write_text(
+SMALL_CFG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": 2000, "overlap_comm": True},
+    "bf16": {"enabled": True},
+}
+
+
+def _small_cluster(path, **extra):
+    """A 4-device node, resized to the world; ``extra`` keys added (device memory)."""
+    path.write_text(
         json.dumps(
             dict(
                 nodes=1,
@@ -111,18 +123,49 @@ def test_dry_run_reports_time_and_writes_trace_and_plot(tmp_path):
                 intra_latency=1e-6,
                 inter_latency=5e-6,
                 device_flops=1e11,
+                **extra,
             )  # fmt: skip
         )
     )
+    return path
+
+
+def test_dry_run_reports_time_and_writes_trace_and_plot(tmp_path):
+    cluster = _small_cluster(tmp_path / "c.json", device_memory_bytes=2**40)
     trace, plot = tmp_path / "t.json", tmp_path / "m.png"
-    report = dry_run("gpt:2,32,40,32,2", 8, cfg, cluster=cluster, trace=trace, plot=plot)
+    report = dry_run("gpt:2,32,40,32,2", 8, SMALL_CFG, cluster=cluster, trace=trace, plot=plot)
     t = report["time"]
     assert t["step_s"] >= max(t["compute_s"], t["comm_s"]) > 0
     assert t["exposed_comm_s"] == pytest.approx(t["step_s"] - t["compute_s"])
     assert t["cluster"]["nodes"] == 2  # resized to the 8 ranks, 4 per node
     assert json.loads(trace.read_text())["traceEvents"] and plot.stat().st_size > 1000
+    # a peak under the device's memory: the step runs
+    assert report["fits_device"] and t["fits_device"]
+    assert all(e["fits_device"] and "would_not_start" not in e for e in report["ranks"])
+    assert "OOM" not in format_report(report) and "step " in format_report(report)
     with pytest.raises(ValueError, match="give a cluster"):
-        dry_run("gpt:2,32,40,32,2", 8, cfg, trace=trace)
+        dry_run("gpt:2,32,40,32,2", 8, SMALL_CFG, trace=trace)
+
+
+def test_a_peak_above_the_device_memory_is_marked_would_not_start(tmp_path):
+    """A device smaller than the step's peak: every class is flagged, the table prints OOM in
+    place of a step time, the JSON says fits_device false; at the peak itself, it fits."""
+    cluster = _small_cluster(tmp_path / "c.json", device_memory_bytes=2**18)
+    plot = tmp_path / "m.png"
+    report = dry_run("gpt:2,32,40,32,2", 8, SMALL_CFG, cluster=cluster, plot=plot)
+    peaks = [e["peak_bytes"] for e in report["ranks"]]
+    assert min(peaks) > 2**18  # the premise: this model's step needs more than 256 KiB
+    assert report["fits_device"] is False and report["time"]["fits_device"] is False
+    for e in report["ranks"]:
+        assert e["fits_device"] is False
+        assert (
+            e["would_not_start"] == f"peak {e['peak_bytes'] / 2**30:.3g} GiB > device 0.000244 GiB"
+        )
+    table = format_report(report)
+    assert "would not start" in table and "step: OOM" in table and " s, communication" not in table
+    assert json.loads(json.dumps(report))["fits_device"] is False and plot.stat().st_size > 1000
+    exact = against_device({k: v for k, v in report.items() if k != "time"}, max(peaks))
+    assert exact["fits_device"] and all(e["fits_device"] for e in exact["ranks"])
 
 
 def test_the_zeropp_cluster_borrows_selenes_factors_and_the_published_hardware():
@@ -143,5 +186,7 @@ def test_the_zeropp_cluster_borrows_selenes_factors_and_the_published_hardware()
     spec = json.loads((clusters / "zeropp_v100.json").read_text())
     assert set(spec["comment"]) == {  # every number says where it comes from
         "nodes", "devices_per_node", "intra_bandwidth", "inter_bandwidth", "intra_latency",
-        "inter_latency", "device_flops",
+        "inter_latency", "device_flops", "device_memory_bytes",
     }  # fmt: skip
+    assert v100.device_memory_bytes == 32 * 2**30  # V100-SXM3-32GB
+    assert selene.device_memory_bytes == 80 * 2**30  # A100-80GB

@@ -108,6 +108,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_ranks(e['ranks']):>16} {e['model_states_bytes'] / GIB:>11.3f} "
             f"{e['peak_bytes'] / GIB:>10.2f} {e['activation_peak_bytes'] / GIB:>11.2f} "
             f"{sent / GIB:>14.3f} {e['flops'] / 1e12:>11.1f}"
+            + (f"  would not start: {e['would_not_start']}" if "would_not_start" in e else "")
         )
     paper, estimator = r["formula"]["paper"], r["formula"]["deepspeed_estimator"]
     lines.append(
@@ -116,7 +117,13 @@ def format_report(report: dict[str, Any]) -> str:
     )
     if estimator["model_states_bytes"] is not None:
         lines.append(f"{'DS estimator':>16} {estimator['model_states_bytes'] / GIB:>11.3f}")
-    if "time" in r:
+    if "time" in r and not r["time"]["fits_device"]:
+        t = r["time"]
+        lines.append(
+            f"step: OOM on {t['cluster']['name'] or 'the cluster'}: would not start, a peak above "
+            f"its {r['device_memory_bytes'] / GIB:.3g} GiB per device (no step time)"
+        )
+    elif "time" in r:
         t = r["time"]
         lines.append(
             f"step {t['step_s']:.3f} s on {t['cluster']['name'] or 'the cluster'}: compute "

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from zerosim.dryrun.plots import plot_step_memory
-from zerosim.dryrun.report import step_time, summarize
+from zerosim.dryrun.report import against_device, step_time, summarize
 from zerosim.dryrun.run import ModelRecipe, RankRun, recipe, records_of, run_world
 from zerosim.dryrun.timeline import ClusterModel, chrome_trace, load_cluster_model
 
@@ -37,7 +37,10 @@ def dry_run(
     ``config`` (a DeepSpeed JSON config, dict or path; its ``zerosim.backend`` becomes "meta")
     for ``steps`` optimizer steps; return the report of the last one (docs/dryrun.md). With
     ``cluster`` (a cluster JSON or a ``ClusterModel``) the report has the step's ``time``, and
-    ``trace`` / ``plot`` write the simulated step as a Chrome trace / the memory over it."""
+    ``trace`` / ``plot`` write the simulated step as a Chrome trace / the memory over it; where
+    the cluster gives its device memory, ``fits_device`` says whether every rank's peak fits
+    (``time["fits_device"]`` false: a step that would not start, its time only what it would
+    take)."""
     if (trace or plot) and cluster is None:
         raise ValueError("trace and plot draw the simulated step: give a cluster too")
     if isinstance(cluster, str | Path):
@@ -62,15 +65,17 @@ def dry_run(
     )
     report = summarize(runs, world_size, wall, all_ranks)
     if cluster is not None:
+        if cluster.device_memory_bytes is not None:
+            report = against_device(report, cluster.device_memory_bytes)
         report["time"], step = step_time(
             runs, world_size, cluster, model, recompute, spans=trace is not None
         )
+        report["time"]["fits_device"] = report.get("fits_device", True)
+        title = f"{model.name}, {world_size} ranks"
         if trace is not None:
-            Path(trace).write_text(
-                json.dumps(chrome_trace(step, f"{model.name}, {world_size} ranks"))
-            )
+            Path(trace).write_text(json.dumps(chrome_trace(step, title)))
         if plot is not None:
-            plot_step_memory(step, plot, f"{model.name}, {world_size} ranks")
+            plot_step_memory(step, plot, title, cluster.device_memory_bytes)
     return report
 
 

@@ -12,6 +12,8 @@ from zerosim.analysis.volume import stage3_backward_gathers
 from zerosim.dryrun.run import ModelRecipe, RankRun, host_peak_rss_bytes
 from zerosim.dryrun.timeline import ClusterModel, StepTime, simulate
 
+GIB = 2**30
+
 # memory_report() entries that are model states (the rest are buffers, peaks and the like)
 MODEL_STATES = (
     "params",
@@ -115,6 +117,29 @@ def step_time(
         },
     }
     return time, slowest
+
+
+def against_device(report: dict[str, Any], device_memory_bytes: float) -> dict[str, Any]:
+    """The report with each entry's ``fits_device`` (its step's peak at most the device's memory)
+    and, where it does not, ``would_not_start``; ``fits_device`` at the top is every entry's.
+    ``init_peak_bytes`` is not compared: it counts zerosim's ``initialize`` without ``zero.Init``,
+    which a real run avoids."""
+    ranks = []
+    for entry in report["ranks"]:
+        fits = entry["peak_bytes"] <= device_memory_bytes
+        verdict = {"fits_device": fits}
+        if not fits:
+            verdict["would_not_start"] = (
+                f"peak {entry['peak_bytes'] / GIB:.3g} GiB > device "
+                f"{device_memory_bytes / GIB:.3g} GiB"
+            )
+        ranks.append({**entry, **verdict})
+    return {
+        **report,
+        "ranks": ranks,
+        "device_memory_bytes": device_memory_bytes,
+        "fits_device": all(e["fits_device"] for e in ranks),
+    }
 
 
 def summarize(

@@ -9,12 +9,13 @@ reductions and their order are the engine's own.
 **The cluster.** ``ClusterModel``: ``analysis.Cluster`` (nodes × devices, intra/inter-node α and
 bandwidth per device, device FLOP/s) plus two achieved-efficiency factors, ``compute_efficiency``
 (the fraction of peak FLOP/s the matrix products reach) and ``network_efficiency`` (the fraction
-of link bandwidth a collective reaches). Rank r sits on node r // devices_per_node. A collective
-on a group takes the α-β time of ``analysis.timing`` for that group: one node's ring at
-intra-node α and bandwidth; over several nodes with k ranks each, the two-level decomposition of
-``Cluster.collective_time`` (k intra-node rings and k inter-node rings of one rank per node);
-unevenly placed groups, a flat ring at inter-node α and bandwidth. ``reduce`` costs a broadcast,
-``barrier`` a broadcast of nothing.
+of link bandwidth a collective reaches), and optionally ``device_memory_bytes``, what one device
+holds (a rank whose peak exceeds it would not start: the report says so). Rank r sits on node
+r // devices_per_node. A collective on a group takes the α-β time of ``analysis.timing`` for
+that group: one node's ring at intra-node α and bandwidth; over several nodes with k ranks each,
+the two-level decomposition of ``Cluster.collective_time`` (k intra-node rings and k inter-node
+rings of one rank per node); unevenly placed groups, a flat ring at inter-node α and bandwidth.
+``reduce`` costs a broadcast, ``barrier`` a broadcast of nothing.
 
 **The step.** Two streams, as a GPU has: compute runs the trace's compute in order; every
 collective goes on one communication stream, in issue order, starting when it is issued and the
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -43,26 +44,34 @@ CLUSTER_KEYS = (
     "device_flops",
 )
 EFFICIENCY_KEYS = ("compute_efficiency", "network_efficiency")
+MEMORY_KEY = "device_memory_bytes"
 NOTE_KEYS = ("name", "comment", "calibration")
 
 
 @dataclass(frozen=True)
 class ClusterModel:
-    """A cluster and the fractions of its peak compute and bandwidth a step achieves."""
+    """A cluster, the fractions of its peak compute and bandwidth a step achieves and, when
+    known, each device's memory in bytes."""
 
     cluster: Cluster
     compute_efficiency: float = 1.0
     network_efficiency: float = 1.0
     name: str = ""
+    device_memory_bytes: float | None = None
 
     def __post_init__(self) -> None:
         for key in EFFICIENCY_KEYS:
             value = getattr(self, key)
             if not 0 < value <= 1:
                 raise ValueError(f"{key} must be in (0, 1], got {value!r}")
+        memory = self.device_memory_bytes
+        if memory is not None and (
+            isinstance(memory, bool) or not isinstance(memory, int | float) or not memory > 0
+        ):
+            raise ValueError(f"{MEMORY_KEY} must be a positive number of bytes, got {memory!r}")
 
     def with_efficiencies(self, compute: float, network: float) -> ClusterModel:
-        return ClusterModel(self.cluster, compute, network, self.name)
+        return replace(self, compute_efficiency=compute, network_efficiency=network)
 
     def resized(self, world_size: int) -> ClusterModel:
         """The same nodes, as many as ``world_size`` ranks need."""
@@ -73,24 +82,33 @@ class ClusterModel:
             nodes, g, c.intra_bandwidth, c.inter_bandwidth, c.intra_latency, c.inter_latency,
             c.device_flops,
         )  # fmt: skip
-        return ClusterModel(cluster, self.compute_efficiency, self.network_efficiency, self.name)
+        return replace(self, cluster=cluster)
 
 
 def load_cluster_model(path: str | Path) -> ClusterModel:
     """A ``ClusterModel`` from JSON: ``Cluster``'s seven keys, optionally the two efficiencies
-    (default 1) and ``name``/``comment``/``calibration`` notes; other keys are refused."""
+    (default 1), ``device_memory_bytes`` and ``name``/``comment``/``calibration`` notes; other
+    keys are refused."""
     spec = json.loads(Path(path).read_text())
-    allowed = (*CLUSTER_KEYS, *EFFICIENCY_KEYS, *NOTE_KEYS)
-    unknown = sorted(set(spec) - set(allowed))
+    optional = [*EFFICIENCY_KEYS, MEMORY_KEY]
+    unknown = sorted(set(spec) - {*CLUSTER_KEYS, *optional, *NOTE_KEYS})
     missing = [k for k in CLUSTER_KEYS if k not in spec]
     if unknown or missing:
         raise ValueError(
             f"cluster file {path}: unknown keys {unknown}, missing keys {missing}; expected "
-            f"{list(CLUSTER_KEYS)}, optionally {list(EFFICIENCY_KEYS)} and {list(NOTE_KEYS)}"
+            f"{list(CLUSTER_KEYS)}, optionally {optional} and {list(NOTE_KEYS)}"
         )
     cluster = Cluster(**{k: spec[k] for k in CLUSTER_KEYS})
     extra = {k: float(spec[k]) for k in EFFICIENCY_KEYS if k in spec}
-    return ClusterModel(cluster, **extra, name=str(spec.get("name", "")))
+    try:
+        return ClusterModel(
+            cluster,
+            **extra,
+            name=str(spec.get("name", "")),
+            device_memory_bytes=spec.get(MEMORY_KEY),
+        )
+    except ValueError as err:
+        raise ValueError(f"cluster file {path}: {err}") from None
 
 
 def group_seconds(model: ClusterModel, op: str, size_bytes: float, members: tuple[int, ...]):
