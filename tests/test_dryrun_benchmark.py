@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import zerosim.dryrun
 from benchmarks import dryrun as bench
 from zerosim.analysis.presets import GPTShape
@@ -69,3 +72,11 @@ def test_the_18b_shape_is_18b_and_every_published_token_count_is_whole_sequences
     assert round(shape.formula_params() / 1e9) == 18  # the figures' "18B"
     assert {tokens for _, _, tokens, *_ in bench.ZEROPP_PUBLISHED} == {1024, 2048}
     assert all(tokens % shape.seq == 0 for _, _, tokens, *_ in bench.ZEROPP_PUBLISHED)
+
+
+def test_the_shipped_bf16_dryrun_config_is_the_benchmarks():
+    """README's dry-run command reads examples/ds_config_dryrun_bf16.json: the config whose
+    figures it quotes (benchmarks/dryrun.py's), bf16 on the paper's schedule."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "ds_config_dryrun_bf16.json"
+    assert json.loads(path.read_text()) == bench.config()
+    assert bench.config()["bf16"] == {"enabled": True}

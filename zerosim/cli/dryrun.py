@@ -1,6 +1,6 @@
 """``zerosim dryrun``: the engine over N virtual ranks on shape-only arrays (docs/dryrun.md).
 
-    zerosim dryrun --model gpt3-175b --ranks 1024 --config ds_config.json [--micro-batch B]
+    zerosim dryrun --model gpt3-175b --ranks 1024 --config CFG.json [--micro-batch B]
                    [--recompute] [--cluster C.json] [--all-ranks] [--json] [--trace FILE.json]
                    [--plot FILE.png]
 
@@ -27,7 +27,8 @@ def add_subcommand(sub: Any) -> None:
         description="The engine, model, optimizer and stages over a virtual world of N ranks, "
         "on arrays without values: per class of rank, the memory held, the bytes sent per step "
         "and the FLOPs, beside the ZeRO paper's formulas and DeepSpeed's estimator. Example: "
-        "zerosim dryrun --model gpt3-175b --ranks 1024 --config examples/ds_config_stage3.json",
+        "zerosim dryrun --model gpt3-175b --ranks 1024 "
+        "--config examples/ds_config_dryrun_bf16.json",
     )
     p.add_argument(
         "--model",

@@ -1,7 +1,7 @@
 """The dry run: the engine over a virtual world of N ranks on shape-only arrays (docs/dryrun.md).
 
 from zerosim.dryrun import dry_run
-report = dry_run("gpt3-175b", 1024, "ds_config.json")   # what `zerosim dryrun --json` prints
+report = dry_run("gpt3-175b", 1024, "examples/ds_config_dryrun_bf16.json")  # what --json prints
 """
 
 from __future__ import annotations
