@@ -19,8 +19,10 @@ products reach) and network (fraction of the link bandwidths), are fitted on the
 rows only, minimising Σ log²(predicted / published) by coordinate descent (golden section in log
 space, from 1, 1, until a round moves neither factor by more than 1e-5). The 529.6B rows are
 then predictions of a model that never saw them; every row is printed with its ratio.
-``--write`` stores the fitted factors in selene.json. About 6 minutes here: the six dry runs
-(one per row, each simulated as often as the fit asks) and a few hundred simulated steps.
+``--write`` stores the fitted factors in selene.json; it is refused unless the 174.6B rows are
+fitted (``--only`` takes 174.6 or 529.6; ``--only 529.6`` predicts with the file's factors).
+About 6 minutes here: the six dry runs (one per row, each simulated as often as the fit asks)
+and a few hundred simulated steps.
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ PUBLISHED = [
     ("gpt-529b", 1120, 2, 2240, 98.0, False),
     ("gpt-529b", 2240, 1, 2240, 48.0, False),
 ]
+SIZES = {"174.6": "gpt3-175b", "529.6": "gpt-529b"}  # --only: Table 2's model sizes
+FACTORS = 2  # compute and network efficiency: a fit needs at least as many fitted rows
+
+
+def select_rows(only: str | None) -> list[tuple]:
+    """``PUBLISHED``, or only the rows of one model size (a key of ``SIZES``)."""
+    if only is None:
+        return list(PUBLISHED)
+    if only not in SIZES:
+        raise ValueError(f"--only must be one of {list(SIZES)}, got {only!r}")
+    return [row for row in PUBLISHED if row[0] == SIZES[only]]
 
 
 def config(micro: int, accumulation: int) -> dict:
@@ -125,20 +138,34 @@ def fit(rows: list, traces: list, base) -> tuple[float, float]:
     return math.exp(log_c), math.exp(log_n)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help="store the factors in selene.json")
     parser.add_argument("--json", metavar="PATH", help="also write the table as JSON")
-    parser.add_argument("--only", help="only the rows of this model size (174.6 or 529.6)")
-    args = parser.parse_args()
-    rows = [r for r in PUBLISHED if args.only is None or (args.only == "174.6") == r[5]]
+    parser.add_argument("--only", help=f"only the rows of this model size ({' or '.join(SIZES)})")
+    args = parser.parse_args(argv)
+    try:
+        rows = select_rows(args.only)
+    except ValueError as err:
+        parser.error(str(err))
+    fitted = sum(1 for row in rows if row[5])
+    if args.write and fitted < FACTORS:
+        parser.error(
+            f"--write needs at least {FACTORS} fitted rows (the 174.6B ones) to fit "
+            f"{FACTORS} factors; --only {args.only} selects {fitted}: selene.json left as it is"
+        )
     start = time.perf_counter()
     traces = [record(row) for row in rows]
     base = load_cluster_model(SELENE)
-    compute, network = fit(rows, traces, base)
+    if fitted < FACTORS:  # nothing to fit: predict with the file's factors
+        compute, network = base.compute_efficiency, base.network_efficiency
+        how = f"selene.json's factors as they are ({fitted} fitted rows selected, no fit)"
+    else:
+        compute, network = fit(rows, traces, base)
+        how = "selene.json fitted on the 174.6B rows"
     cluster = base.with_efficiencies(compute, network)
     print(
-        f"selene.json fitted on the 174.6B rows: compute_efficiency {compute:.4f}, "
+        f"{how}: compute_efficiency {compute:.4f}, "
         f"network_efficiency {network:.4f} ({time.perf_counter() - start:.0f} s)"
     )
     print(f"{'model':>10} {'GPUs':>5} {'micro':>5} {'published':>9} {'predicted':>9} {'ratio':>6}")

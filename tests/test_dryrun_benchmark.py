@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 import zerosim.dryrun
 from benchmarks import dryrun as bench
 from zerosim.analysis.presets import GPTShape
@@ -80,3 +82,18 @@ def test_the_shipped_bf16_dryrun_config_is_the_benchmarks():
     path = Path(__file__).resolve().parent.parent / "examples" / "ds_config_dryrun_bf16.json"
     assert json.loads(path.read_text()) == bench.config()
     assert bench.config()["bf16"] == {"enabled": True}
+
+
+def test_calibrate_refuses_an_unknown_size_and_a_write_without_the_fitted_rows(capsys):
+    """Both refused before any dry run: a size no row has would fit nothing, and a write
+    without the 174.6B rows would overwrite selene.json with factors fitted on nothing."""
+    from benchmarks import dryrun_calibrate as calibrate
+
+    for argv, message in (
+        (["--only", "175"], "--only must be one of ['174.6', '529.6'], got '175'"),
+        (["--only", "529.6", "--write"], "--write needs at least 2 fitted rows"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            calibrate.main(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert [row[4] for row in calibrate.select_rows("174.6")] == [144.0, 88.0, 44.0]
