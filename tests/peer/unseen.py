@@ -3,59 +3,60 @@ that the optimizer moves by rounding alone, and how far the two sides may drift 
 
 Fixed directions no loss can see, for every input and every value of the other weights:
 
-- softmax gives the same probabilities when one number is added to every score of a row.
-  Logits: a vector added to every row of the output layer's weight (W + 1·aᵀ adds a·h to every
-  logit) or one number to every element of its bias; the GPT's lm_head alike. Attention scores:
-  the key bias b_k, whole: query i scores key j as q_i·(W_k·x_j + b_k), and q_i·b_k is the same
-  for every key j, in every head, so b_k's gradient is zero in exact arithmetic.
+- softmax gives the same probabilities when one number is added to every score of a row. Logits: a
+  vector added to every row of the output layer's weight (W + 1·aᵀ adds a·h to every logit) or one
+  number to every element of its bias; the GPT's lm_head alike. Attention scores: the key bias b_k,
+  whole: query i scores key j as q_i·(W_k·x_j + b_k), and q_i·b_k is the same for every key j, in
+  every head, so b_k's gradient is zero in exact arithmetic.
 - LayerNorm gives the same output when one number is added to every feature of its input (it
-  subtracts the mean), and the GPT reads its residual stream only through LayerNorms (ln_1,
-  ln_2, ln_f): one number added to every feature at a position is unseen. So a number added to
-  each row of wte (per token) or wpe (per position), and for attn.c_proj and mlp.c_proj a vector
-  added to every row of the weight or a number to every element of the bias.
+  subtracts the mean), and the GPT reads its residual stream only through LayerNorms (ln_1, ln_2,
+  ln_f): one number added to every feature at a position is unseen. So a number added to each row
+  of wte (per token) or wpe (per position), and for attn.c_proj and mlp.c_proj a vector added to
+  every row of the weight or a number to every element of the bias.
 
-Their gradients there are zero, so what arrives is the rounding of a sum that cancels (about
-1e-12 here). Where that rounding becomes a step of its own, the two sides' steps there have
-nothing in common but their size, and the weights are compared apart (``unseen_part``):
+Their gradients there are zero, so what arrives is the rounding of a sum that cancels (the key
+bias's: about 3e-12 in float32 at the first step). Where that rounding becomes a step of its own,
+the two sides' steps there have nothing in common but their size, and the weights are compared
+apart (``unseen_part``):
 
 - Adam steps each element by lr·m̂/(√v̂ + ε) whatever its gradient's size: an element whose whole
-  gradient is unseen (every element of the key bias) moves by rounding alone, either way. The
-  other directions above are sums of elements whose own gradients are not zero (a row's mean, a
+  gradient is unseen (every element of the key bias) moves by rounding alone, either way. The other
+  directions above are sums of elements whose own gradients are not zero (a row's mean, a
   column's): Adam's step there is a function of those gradients, and rounding stays rounding.
-- Muon replaces its momentum M = U·S·Vᵀ by about U·Vᵀ: Newton–Schulz's quintic has slope
-  a⁵ ≈ 485 at zero after five steps, so a singular value that is zero but for rounding δ·‖M‖
-  becomes about 485·δ (≈ 5e-5 in float32, O(1) in bfloat16). A vector 1 with 1ᵀ·G = 0 makes a
-  zero singular value where the matrix has no more rows than columns: the MLP's output layer
-  (5 × 37) and the GPT's attn.c_proj (16 × 16) and mlp.c_proj (16 × 64), along 1·aᵀ, the rows'
-  mean. wte (11 × 16) and wpe (8 × 16) have G·1 = 0, but a wide matrix has cols − rows null
-  directions anyway: no singular value is added there, none is raised. lm_head and the biases
-  are Adam's.
+- Muon replaces its momentum M = U·S·Vᵀ by about U·Vᵀ: Newton–Schulz's quintic has slope a⁵ ≈ 485
+  at zero after five steps, so a singular value that is zero but for rounding δ·‖M‖ becomes about
+  485·δ (at most ~5e-5 in float32, where δ ≲ 1e-7; O(1) in bfloat16). A vector 1 with 1ᵀ·G = 0
+  makes a zero singular value where the matrix has no more rows than columns: the MLP's output
+  layer (5 × 37) and the GPT's attn.c_proj (16 × 16) and mlp.c_proj (16 × 64), along 1·aᵀ, the
+  rows' mean. wte (11 × 16) and wpe (8 × 16) have G·1 = 0, but a wide matrix has cols − rows null
+  directions anyway: no singular value is added there, none is raised. lm_head and the biases are
+  Adam's.
 
-Directions that move with the weights (compared whole: neither optimizer raises rounding in
-them): W_k along 1/γ₁ (ln_1's output has mean β₁·(1/γ₁) along it, the same at every key); ln_f's
-bias in null(lm_head) (5 of 16 directions) and along lm_head⁺·1; the value bias b_v where
-c_proj·b_v ∝ 1 (attention rows sum to one, so b_v reaches every position alike); the rescalings
-(a ReLU unit's input by α, its output by 1/α; per head W_q → A·W_q with W_k → A⁻ᵀ·W_k, and W_v with
-c_proj); LayerNorm's scale (unseen only without ε). At step 1 alone, γ = 1 and β = 0 make ln_1's
-and ln_2's outputs sum to zero over features, so c_attn's (48 × 16) and c_fc's (64 × 16) gradients
-have G·1 = 0 and Muon raises rounding along 1 once; unseen then, seen once γ and β have moved
+Directions that move with the weights (compared whole: neither optimizer raises rounding in them):
+W_k along 1/γ₁ (ln_1's output x_j has (1/γ₁)·x_j = β₁·(1/γ₁), the same at every key); ln_f's bias
+in null(lm_head) (5 of 16 directions) and along lm_head⁺·1; the value bias b_v where c_proj·b_v ∝ 1
+(attention rows sum to one, so b_v reaches every position alike); the rescalings (a ReLU unit's
+input by α, its output by 1/α; per head W_q → A·W_q with W_k → A⁻ᵀ·W_k, and W_v with c_proj);
+LayerNorm's scale (unseen only without ε). At step 1 alone, γ = 1 and β = 0 make ln_1's and ln_2's
+outputs sum to zero over features, so the gradients of c_attn (48 × 16) and c_fc (64 × 16) have
+G·1 = 0 and Muon raises rounding along 1 once; unseen then, seen once γ and β have moved
 [c_attn.weight 8e-8 at N = 2 and 3].
 
-Losses are computed from what the loss sees: rounding alone. Norms: an unseen gradient's
-rounding adds its square (≲ 1e-18) to ‖g‖² ≈ 1; Muon's norm at stages 1-2, taken over the
-updates, gains (485·δ)² ≈ 3e-9 of Σu² ≈ 120 in float32 (bfloat16: ``MUON_BF16_NORM_RTOL`` in
+Losses are computed from what the loss sees: rounding alone. Norms: an unseen gradient's rounding
+adds its square (≲ 1e-18) to ‖g‖² ≈ 1; Muon's norm at stages 1-2, taken over the updates, gains
+(485·δ)² ≲ 3e-9 against Σu² ≈ 120 in float32 (bfloat16: ``MUON_BF16_NORM_RTOL`` in
 test_deepspeed_parity.py).
 
-How far apart (``unseen_bound``): each side moves an element by at most lr·B per step, so the
-two differ by at most 2·Σₜ lr·Bₜ (weight decay multiplies the difference by 1 − lr·λ ≤ 1).
-Adam: by Cauchy–Schwarz on m_t = (1 − β₁)·Σ β₁^(t−s)·g_s against v_t = (1 − β₂)·Σ β₂^(t−s)·g_s²,
-for any gradients,
+How far apart (``unseen_bound``): each side moves an element by at most lr·B per step, so the two
+differ by at most 2·Σₜ lr·Bₜ (weight decay multiplies the difference by 1 − lr·λ ≤ 1). Adam: by
+Cauchy–Schwarz on m_t = (1 − β₁)·Σ β₁^(t−s)·g_s against v_t = (1 − β₂)·Σ β₂^(t−s)·g_s², for any
+gradients,
 
     |m̂_t/(√v̂_t + ε)| ≤ √(1 − β₂ᵗ)/(1 − β₁ᵗ) · (1 − β₁)/√(1 − β₂) · √(Σ_{j<t} (β₁²/β₂)ʲ)
 
-(1.00 to 1.01 for t ≤ 5). Muon: an element of the rows' mean of an update U is at most
-‖U‖₂/√rows, and ‖U‖₂ is at most the quintic's largest value on [0, 1] after five steps, 1.2024
-(DeepSpeed's aspect scale is 1 for rows ≤ cols; the √rows ≥ 2.2 of slack covers rounding).
+(1.00 to 1.01 for t ≤ 5). Muon: an element of the rows' mean of an update U is at most ‖U‖₂/√rows,
+and ‖U‖₂ is at most the quintic's largest value on [0, 1] after five steps, 1.2024 (DeepSpeed's
+aspect scale is 1 for rows ≤ cols; the √rows ≥ 2.2 of slack covers rounding).
 """
 
 from __future__ import annotations
