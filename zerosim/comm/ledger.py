@@ -44,8 +44,8 @@ totals per (phase, op), for the whole run and for each step still kept. A query 
 records appended since the one before (``append`` itself only appends: it is on every
 collective's path), so asking once per step costs the same after a thousand steps as after one
 (``zerosim train`` asks four times per step; scanning every kept record made its 1,400th step
-twice as slow as its first). Records enter by ``append`` (or by assigning ``records``, which
-counts them again).
+1.4 times as slow as its first at N = 4: ``benchmarks/long_run.py``). Records enter by
+``append`` (or by assigning ``records``, which counts them again).
 
 **Flight recorder.** ``ledger.flight`` numbers every call as it starts and keeps the last K of
 them, whatever ``reset()`` clears: what the watchdog prints when a collective stalls
