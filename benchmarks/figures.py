@@ -19,7 +19,9 @@ One function per benchmark turns its rows into one figure:
 * large_gpt: per rank, 16Ψ/N plus the buffers against the measured peak RSS growth and the
   whole model's fp32 size;
 * dryrun: the dry run's wall time per world size against its target, and the time model's
-  predicted TFLOP/s per GPU against every published figure it predicts (fitted rows filled).
+  predicted TFLOP/s per GPU against every published figure it predicts (fitted rows filled);
+* long_run: the median step time of each block of steps along a long run, for each way of
+  asking the ledger for a step's bytes (running totals, a bounded ledger, a scan).
 
 Figures are drawn on a matplotlib ``Figure`` with the Agg canvas (no pyplot, no display), as in
 ``zerosim.report.plots``.
@@ -348,6 +350,27 @@ def dryrun(rows: Rows, path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def long_run(rows: Rows, path: str | Path) -> Path:
+    """Median step time of each block of ``window`` steps along the run, one line per way of
+    asking for a step's bytes; the legend gives each one's last / first ratio, paired against
+    the bounded ledger."""
+    names = {"totals": "running totals", "bounded": "≤ 2,000 records", "scan": "scan (before)"}
+    fig, (ax,) = _figure(7, 3.8)
+    for r, color in zip(rows, _colors(len(rows)), strict=True):
+        w, times = r["window"], r["step_ms"]
+        blocks = [float(np.median(times[i : i + w])) for i in range(0, len(times) - w + 1, w)]
+        x = [(i + 0.5) * w for i in range(len(blocks))]
+        label = f"{names.get(r['way'], r['way'])}: ×{r['paired_ratio']:.2f} paired"
+        ax.plot(x, blocks, marker=".", color=color, label=label)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"median ms per step ({rows[0]['window']} steps)")
+    ax.set_title(f"zerosim train's loop, N = {rows[0]['n']}: a step's cost along the run")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 PLOTS: dict[str, Callable[[Rows, str | Path], Path]] = {
     "collectives": collectives,
     "optimizer_step": optimizer_step,
@@ -358,6 +381,7 @@ PLOTS: dict[str, Callable[[Rows, str | Path], Path]] = {
     "zero_init_cap": zero_init_cap,
     "large_gpt": large_gpt,
     "dryrun": dryrun,
+    "long_run": long_run,
 }
 
 

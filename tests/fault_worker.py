@@ -13,6 +13,11 @@ the phase moves data); rank 1 meets the fault at micro-step ``AT``:
     raise                                    raise ValueError in forward
     hidden_launcher                          (no fault) hide the launcher's size variables, then
                                              initialize(comm=None) must still find 3 ranks
+    exit, return                             (any number of ranks) leave the program before the
+                                             forward: sys.exit("…"), or a return from the main
+                                             program
+    end_apart                                (no fault; 3 ranks) rank 1 ends first, the others go
+                                             on in a group of their own: a normal end
     idle_wait                                (no fault) rank 1 computes 1.5 s before an all-reduce;
                                              the others say how much CPU their wait used
     config_differs                           rank 2 loads another config: ConfigError on all ranks
@@ -148,6 +153,36 @@ def fail(comm: object) -> None:
     train(engine, 2 * AT)
 
 
+def leave(comm: object, how: str) -> None:
+    """Rank 1 leaves the program at micro-step AT (before its forward, stage 2), while the others
+    train on: ``exit`` calls ``sys.exit`` with a message (exit code 1), ``return`` returns from the
+    main program (exit code 0). Neither goes through the exception hook."""
+    engine = build(comm, stage=2)
+    rng = np.random.default_rng(comm.rank)
+    for _ in range(2 * AT):
+        if comm.rank == VICTIM and engine.micro_steps + 1 == AT:
+            say(f"rank {VICTIM}: leaving ({how})")
+            if how == "exit":
+                sys.exit(f"rank {VICTIM}: deliberate sys.exit at micro-step {AT}")
+            return
+        x, y = rng.standard_normal((4, 8)), rng.integers(0, 4, 4)
+        engine.backward(engine(x, y))
+        engine.step()
+
+
+def end_apart(comm: object) -> None:
+    """Rank 1 ends as soon as the training they share is done; ranks 0 and 2 go on in a group of
+    their own, where rank 2 waits 2.5 s for rank 0 (it computes) in an all-reduce, long after
+    rank 1 left: a normal end, in which no rank may be reported."""
+    train(build(comm, stage=2), AT)
+    pair = comm.split(1 if comm.rank == VICTIM else 0, name="pair")
+    if comm.rank == VICTIM:
+        return
+    if comm.rank == 0:
+        time.sleep(2.5)
+    pair.all_reduce(np.ones(4))
+
+
 def hidden_launcher() -> None:
     from mpi4py import MPI  # noqa: F401  (MPI starts as the launcher set it up)
 
@@ -239,6 +274,10 @@ if __name__ == "__main__":
         sleep(comm)
     elif fault == "raise":
         fail(comm)
+    elif fault in ("exit", "return"):
+        leave(comm, fault)  # rank 1's "return": its program ends here, early, with "finished"
+    elif fault == "end_apart":
+        end_apart(comm)
     elif fault == "idle_wait":
         idle_wait(comm)
     elif fault == "config_differs":

@@ -353,7 +353,25 @@ def sample_rows() -> dict[str, list[dict]]:
             ("Wang et al. 2023", 36, None, False, "ZeRO++"),  # a figure without a prediction
         )
     ]
+    long_run = [
+        {
+            "way": way,
+            "n": 4,
+            "model": "mlp",
+            "steps": 400,
+            "window": 100,
+            "first_ms": 14.0,
+            "last_ms": 14.0 * growth,
+            "ratio": growth,
+            "paired_ratio": growth,
+            "records_kept": 5600,
+            "same_bytes": True,
+            "step_ms": [14.0] * 300 + [14.0 * growth] * 100,
+        }
+        for way, growth in (("bounded", 1.0), ("totals", 1.02), ("scan", 1.8))
+    ]
     return {
+        "long_run": long_run,
         "dryrun": dryrun,
         "large_gpt": large_gpt,
         "zero_init_cap": zero_init_cap,

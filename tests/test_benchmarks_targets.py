@@ -213,6 +213,22 @@ def test_dryrun_needs_both_world_sizes_of_gpt3_175b_and_the_fitted_rows_within_t
     assert not targets.dryrun([r for r in rows if r["kind"] == "target"])[1]  # no fitted rows
 
 
+def test_long_run_judges_the_train_queries_paired_against_the_bounded_ledger():
+    rows = sample_rows()["long_run"]
+    text, met = targets.long_run(rows)
+    assert met, text
+    assert text == (
+        "N = 4, last 100 / first 100 of 400 steps: 1.02 paired against a ≤ 2,000-record ledger "
+        "(1.02 plain); a scan of the records: 1.80"
+    )
+    grown = [{**r, "paired_ratio": 1.15} if r["way"] == "totals" else r for r in rows]
+    assert not targets.long_run(grown)[1]
+    loaded = [{**r, "ratio": 2.0} for r in rows]  # the load doubled every step time: not judged
+    assert targets.long_run(loaded)[1]
+    differ = [{**r, "same_bytes": False} for r in rows]
+    assert not targets.long_run(differ)[1]
+
+
 def test_collectives_summary_states_the_fixed_cost_bound_at_four_mib_and_the_spread():
     """The load-robust bound: 40 us of fixed cost over a 960 us raw call caps the ratio at
     960 / 1000 = 0.96; the 4 MiB line quotes each per-round ratio's median and quartiles."""

@@ -27,12 +27,16 @@ MPICH_KILLED = "KILLED BY SIGNAL: 9"  # hydra's report of a SIGKILLed rank
 MPICH_KILLED_ALT = "EXIT CODE: 9"
 
 
-def _run(fault, *args, timeout_s=5, limit=30.0, env=None, monkeypatch=None):
-    monkeypatch.setenv("ZEROSIM_TIMEOUT", str(timeout_s))
+def _run(fault, *args, timeout_s=5, limit=30.0, env=None, monkeypatch=None, n=3):
+    """``mpirun -n n`` the fault; ``timeout_s=None``: the default timeout (600 s)."""
+    if timeout_s is None:
+        monkeypatch.delenv("ZEROSIM_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("ZEROSIM_TIMEOUT", str(timeout_s))
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)
     t0 = time.monotonic()
-    proc = run_mpi(3, ["tests/fault_worker.py", fault, *args], timeout=120)
+    proc = run_mpi(n, ["tests/fault_worker.py", fault, *args], timeout=120)
     took = time.monotonic() - t0
     output = proc.stdout + proc.stderr
     sys.__stderr__.write(f"{fault}: exit code {proc.returncode} after {took:.1f} s\n")
@@ -108,6 +112,63 @@ def test_a_rank_that_raises_ends_the_job_with_its_traceback_and_flight_record(
     report = json.loads((tmp_path / "rank1.json").read_text())
     assert report["reason"] == "exception: ValueError: deliberate failure on rank 1 in forward"
     assert report["records"][-1]["op"] == "all_gather"  # the last step's parameter gather
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("how", ["exit", "return"])
+def test_a_rank_that_leaves_the_program_ends_the_job_in_seconds_naming_it_and_its_last_call(
+    how, n, tmp_path, monkeypatch, capsys
+):
+    """Rank 1 leaves the program at its third micro-step, by ``sys.exit("…")`` (exit code 1) or
+    by a return from the main program (exit code 0), while the others train on; neither passes
+    through the exception hook. Under the default timeout (600 s) the job must end in seconds,
+    non-zero, the waiting ranks saying that rank 1 exited and the last call it began, not that
+    it shows no sign of life; ``zerosim flight`` must say the same from their files."""
+    env = {"ZEROSIM_FLIGHT_DIR": str(tmp_path)}
+    proc, out = _run(how, timeout_s=None, limit=30.0, env=env, monkeypatch=monkeypatch, n=n)
+    assert proc.returncode != 0, out
+    assert f"rank 1: leaving ({how})" in out
+    if how == "exit":
+        assert "rank 1: deliberate sys.exit at micro-step 3" in out
+    else:
+        assert "rank 1: finished" in out  # its program ended as a program does
+    assert not any(f"rank {q}: finished" in out for q in range(n) if q != 1), out
+    stalled = re.search(
+        r"watchdog: (\w+) call #(\d+) \(phase '(\w+)'.* can never complete: rank\(s\) \[1\] "
+        r"left the program without beginning it",
+        out,
+    )
+    assert stalled is not None, out
+    op, call, phase = stalled.group(1), int(stalled.group(2)), stalled.group(3)
+    assert (op, phase) == ("all_reduce", "backward")  # the third step's first gradient bucket
+    assert f"  rank 1: began {call - 1} calls, is not in a collective; exited" in out
+    last = re.search(
+        r"rank 1 exited [\d.]+ s ago \(its program ended: sys.exit, .*\); the last "
+        r"call it began was (\w+) call #(\d+) \(phase '(\w+)'",
+        out,
+    )
+    assert last is not None, out
+    assert last.groups() == ("all_gather", str(call - 1), "step")  # the second step's last call
+    assert f"so it never reaches call #{call} ({op})" in out
+    assert "no sign of life" not in out and "has not completed after" not in out
+    assert "aborting the job" in out
+    capsys.readouterr()
+    assert main(["flight", str(tmp_path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["exited"] == [1] and summary["silent"] == [] and summary["behind"] == []
+    assert main(["flight", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert f"the last call it began was #{call - 1} all_gather (phase 'step'" in text, text
+
+
+def test_ranks_that_end_at_different_times_end_the_job_normally(monkeypatch):
+    """Rank 1 ends first; ranks 0 and 2 go on in a group of their own, rank 2 waiting there
+    2.5 s for rank 0, long after rank 1 left with fewer calls begun: a normal end, exit code 0,
+    and no watchdog report."""
+    proc, out = _run("end_apart", timeout_s=None, monkeypatch=monkeypatch)
+    assert proc.returncode == 0, out
+    assert all(f"rank {q}: finished" in out for q in range(3)), out
+    assert "watchdog" not in out
 
 
 def test_initialize_finds_the_mpi_world_when_the_launcher_is_not_recognised(monkeypatch):

@@ -2,6 +2,8 @@
 reports (summary, table, DeepSpeed's table, bytes) equals what a ledger that keeps every record
 reports for the same calls."""
 
+from dataclasses import astuple
+
 import numpy as np
 import pytest
 
@@ -148,6 +150,92 @@ def test_keep_can_change_during_a_run():
         ledger.append(r)
     assert 10 <= len(ledger.records) < 20 and ledger.records == recs[-len(ledger.records) :]
     same_rows(ledger.summary(), every.summary())
+
+
+def _by_hand(recs, op=None, phase=None, step=None, field="bytes_sent"):
+    """A byte count summed here from the records themselves."""
+    return sum(
+        getattr(r, field)
+        for r in recs
+        if (op is None or r.op == op)
+        and (phase is None or r.phase == phase)
+        and (step is None or r.step == step)
+    )
+
+
+@pytest.mark.parametrize("keep", [None, 16])
+def test_byte_counts_asked_as_the_run_goes_equal_sums_over_the_records(keep):
+    """Asked after every step (as ``zerosim train`` asks), in every combination, the ledger's
+    byte counts equal the records' bytes summed here: for the step just taken and for the run so
+    far, while it folds (keep=16) or not."""
+    recs = records(300)  # ten calls a step, steps 0-29
+    ledger = Ledger(keep=keep)
+    fields = {None: "bytes_sent", "intra": "intra_bytes", "inter": "inter_bytes"}
+    for step in range(30):
+        for r in recs[10 * step : 10 * step + 10]:
+            ledger.append(r)
+        seen = recs[: 10 * step + 10]
+        for op in (None, *OPS):
+            for phase in (None, "forward", "backward", "step"):
+                for where, field in fields.items():
+                    got = ledger.bytes_sent(op, phase, step, where)
+                    assert got == _by_hand(seen, op, phase, step, field)
+                    assert ledger.bytes_sent(op, phase, where=where) == _by_hand(
+                        seen, op, phase, field=field
+                    )
+                assert ledger.bytes_recv(op, phase, step) == _by_hand(
+                    seen, op, phase, step, "bytes_recv"
+                )
+                assert ledger.bytes_recv(op, phase) == _by_hand(seen, op, phase, field="bytes_recv")
+    assert ledger.bytes_sent() == sum(r.bytes_sent for r in recs) > 0
+    if keep is not None:
+        assert ledger.folded_calls > 0  # the totals went on through the folds
+    ledger.reset()
+    assert ledger.bytes_sent() == ledger.bytes_recv() == ledger.bytes_sent(step=29) == 0
+
+
+def test_byte_counts_follow_records_assigned_to_the_ledger():
+    recs = records(100)
+    ledger = Ledger()
+    ledger.append(recs[0])
+    assert ledger.bytes_sent() == recs[0].bytes_sent
+    ledger.records = recs[50:]
+    assert ledger.bytes_sent() == _by_hand(recs[50:]) and ledger.bytes_sent(step=0) == 0
+    assert ledger.bytes_recv("all_reduce", step=7) == _by_hand(
+        recs[50:], "all_reduce", None, 7, "bytes_recv"
+    )
+
+
+class _CountedRecord(Record):
+    """A record that counts how often its fields are read."""
+
+    __slots__ = ()
+    reads = [0]
+
+    def __getattribute__(self, name):
+        _CountedRecord.reads[0] += 1
+        return object.__getattribute__(self, name)
+
+
+def _reads_of_the_last_step_query(steps):
+    """Records read by the byte queries of the last of ``steps`` steps (ten calls each) of a
+    ledger that keeps every record, asked after each step as ``zerosim train`` asks."""
+    recs = [_CountedRecord(*astuple(r)) for r in records(10 * steps)]
+    ledger = Ledger(keep=None)
+    for step in range(steps):
+        for r in recs[10 * step : 10 * step + 10]:
+            ledger.append(r)
+        _CountedRecord.reads[0] = 0
+        for phase in ("forward", "backward", "step", "clip"):
+            ledger.bytes_sent(phase=phase, step=step)
+    return _CountedRecord.reads[0]
+
+
+def test_a_step_s_byte_counts_read_as_many_records_after_200_steps_as_after_2():
+    """Asking for the bytes of the step just taken reads that step's records only, not every
+    record kept: the 200th step's queries read as many as the 2nd's (scanning read 2,000)."""
+    late, early = _reads_of_the_last_step_query(200), _reads_of_the_last_step_query(2)
+    assert 0 < late == early
 
 
 @pytest.mark.parametrize("keep", [0, -3, 1.5, True, "10"])

@@ -189,12 +189,13 @@ def _report(rank, calls, waiting=None, node=None, reason="timeout after 10.0 s",
     }
 
 
-def _seen(calls, waiting=None, stage=None, op="all_reduce", silent_s=0.1):
-    """A rank as the progress table shows it (watchdog.Progress.read)."""
+def _seen(calls, waiting=None, stage=None, op="all_reduce", silent_s=0.1, left=None):
+    """A rank as the progress table shows it (watchdog.Progress.read); ``left``: how it left the
+    program ("exited", "vanished"), ``silent_s`` seconds ago."""
     state = {"calls": calls, "waiting": waiting, "op": None, "stage": None, "waited_s": None}
     if stage is not None:
         state.update(op=op, stage=stage, waited_s=10.0)
-    return {**state, "silent_s": silent_s}
+    return {**state, "silent_s": silent_s, "left": left, "left_s": silent_s if left else None}
 
 
 def test_summary_names_the_rank_behind_from_a_neighbours_view():
@@ -246,7 +247,12 @@ def test_diagnose_sorts_ranks_by_what_holds_the_call_up():
         3: _seen(5, silent_s=1.5),  # no sign of life, wherever it is
         4: _seen(5),  # began the call and is past it
     }
-    assert flight.diagnose(5, states) == {"silent": [3], "absent": [1], "inside": [0, 2]}
+    assert flight.diagnose(5, states) == {
+        "exited": [],
+        "silent": [3],
+        "absent": [1],
+        "inside": [0, 2],
+    }
     assert flight.rank_state(states[0]) == (
         "began 5 calls, waits in call #5 (all_reduce, data exchange) for 10.0 s"
     )
@@ -256,6 +262,67 @@ def test_diagnose_sorts_ranks_by_what_holds_the_call_up():
     )
     assert flight.rank_state(_seen(5, 5)) == "began 5 calls, is inside call #5"
     assert not flight.is_silent(_seen(5, silent_s=flight.SILENT_S))
+
+
+def test_a_rank_that_left_the_program_is_exited_not_silent_and_never_arrives_at_later_calls():
+    states = {
+        0: _seen(5, 5, "cross-rank argument check"),
+        1: _seen(4, silent_s=3.0, left="exited"),  # its exit hook ran after call #4
+        2: _seen(5, silent_s=2.0, left="vanished"),  # silent, and its process is gone
+    }
+    assert flight.diagnose(5, states) == {
+        "exited": [1, 2],
+        "silent": [],
+        "absent": [],
+        "inside": [0],
+    }
+    assert flight.rank_state(states[1]) == (
+        "began 4 calls, is not in a collective; exited 3.0 s ago (it left the program)"
+    )
+    assert flight.rank_state(states[2]) == (
+        "began 5 calls, is not in a collective; its process is gone (no sign of life for 2.0 s)"
+    )
+    # it never begins call #5; it began call #5 itself, and a running rank may yet arrive
+    assert flight.never_arrives(5, states[1]) and not flight.never_arrives(5, states[2])
+    assert not flight.never_arrives(5, _seen(4))
+    # a set-up step after call #4 (a split, a barrier of MPIComm's own) that it never reached
+    assert flight.never_arrives(4, states[1], setup=True)
+    assert not flight.never_arrives(4, states[1])
+
+
+def test_summary_names_a_rank_that_left_and_the_last_call_it_began():
+    check = "cross-rank argument check"
+    node = {
+        "0": _seen(9, 9, check),
+        "1": _seen(8, silent_s=1.4, left="exited"),
+        "2": _seen(9, 9, check),
+    }
+    reports = [
+        _report(q, 9, waiting=9, node=node, reason="rank(s) [1] left the program") for q in (0, 2)
+    ]
+    summary = summarize(reports)
+    assert summary["exited"] == [1] and summary["silent"] == [] and summary["behind"] == []
+    assert summary["waiting"] == [0, 2]
+    text = format_summary(summary)
+    assert (
+        "rank 1 exited 1.4 s before the file was written (its program ended: sys.exit, a return "
+        "from the main program, or an exception that did not reach zerosim's exception hook); "
+        "the last call it began was #8 all_reduce (phase 'step', group 'world', float32, 8 "
+        "elements), and every later call it takes part in waits for it" in text
+    )
+    assert "ranks [0, 2] wait for it in all_reduce call #9 (phase 'step')" in text
+    assert "is behind" not in text and "no sign of life" not in text
+
+
+def test_a_process_that_ended_is_gone_and_a_running_one_is_not():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 60
+    while not flight.process_gone(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)  # ended, not yet collected: a zombie, which counts as gone
+    assert flight.process_gone(child.pid)
+    child.wait()  # collected: no such process
+    assert flight.process_gone(child.pid)
+    assert not flight.process_gone(os.getpid())
 
 
 def test_summary_of_a_rank_that_raised_and_of_ranks_that_agree():

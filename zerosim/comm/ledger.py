@@ -39,6 +39,14 @@ DeepSpeed's comms logger keeps every latency: that part grows with the run, 25 t
 records would. A non-blocking call not waited on yet stays a record until it is. ``keep=None``
 keeps every record.
 
+**Byte counts as the run goes.** ``bytes_sent()`` and ``bytes_recv()`` are answered from running
+totals per (phase, op), for the whole run and for each step still kept. A query first adds the
+records appended since the one before (``append`` itself only appends: it is on every
+collective's path), so asking once per step costs the same after a thousand steps as after one
+(``zerosim train`` asks four times per step; scanning every kept record made its 1,400th step
+1.4 times as slow as its first at N = 4: ``benchmarks/long_run.py``). Records enter by
+``append`` (or by assigning ``records``, which counts them again).
+
 **Flight recorder.** ``ledger.flight`` numbers every call as it starts and keeps the last K of
 them, whatever ``reset()`` clears: what the watchdog prints when a collective stalls
 (``comm/flight.py``).
@@ -60,7 +68,9 @@ from zerosim.comm import deepspeed_log
 from zerosim.comm.flight import FlightRecorder
 from zerosim.comm.record import Record, busbw_factor
 
-WHERE = {"intra": "intra_bytes", "inter": "inter_bytes"}
+# the running totals of a (phase, op): [bytes sent, bytes received, of the sent intra, inter]
+SENT, RECV, INTRA, INTER = range(4)
+_SUM_OF = {None: SENT, "intra": INTRA, "inter": INTER}
 
 
 DEFAULT_KEEP = 50_000  # records kept one by one (about 400 bytes each), up to twice as many
@@ -118,7 +128,12 @@ class Ledger:
     last ``keep`` records one by one, older ones folded into totals (module docstring)."""
 
     def __init__(self, keep: int | None = DEFAULT_KEEP) -> None:
-        self.records: list[Record] = []
+        self._records: list[Record] = []
+        # running byte totals per (phase, op) (SENT … INTER): of the whole run, and of each step
+        # that has records kept (steps folded in whole or in part are dropped at the fold)
+        self._run_bytes: dict[tuple[str, str], list[int]] = {}
+        self._step_bytes: dict[int, dict[tuple[str, str], list[int]]] = {}
+        self._counted = 0  # records[:_counted] are in those totals, the newer ones not yet
         self.keep = keep
         # (phase, op, group, dtype, peers, size_bytes) → the folded calls' totals
         self.folded: dict[tuple, _Folded] = {}
@@ -160,16 +175,53 @@ class Ledger:
         # fold in batches of ``keep`` (amortised: one list shift per ``keep`` calls)
         self._fold_at = sys.maxsize if self._keep is None else 2 * self._keep
 
+    @property
+    def records(self) -> list[Record]:
+        """The records kept one by one, oldest first."""
+        return self._records
+
+    @records.setter
+    def records(self, records: list[Record]) -> None:
+        """Replace the kept records (the folded totals stay); the byte totals are counted again."""
+        self._records = list(records)
+        self._run_bytes = {
+            key: [f.bytes_sent, f.bytes_recv, f.intra, f.inter]
+            for key, f in self._folded_by_phase_op().items()
+        }
+        self._step_bytes = {}
+        self._counted = 0
+
     def append(self, record: Record) -> Record:
-        self.records.append(record)
-        if len(self.records) >= self._fold_at:
+        self._records.append(record)
+        if len(self._records) >= self._fold_at:
             self._fold()
         return record
+
+    def _count_new(self) -> None:
+        """Add the records appended since the last count to the running byte totals of their
+        (phase, op), of the run and of their step."""
+        records, run, steps = self._records, self._run_bytes, self._step_bytes
+        for i in range(self._counted, len(records)):
+            r = records[i]
+            key = (r.phase, r.op)
+            step = steps.get(r.step)
+            if step is None:
+                step = steps[r.step] = {}
+            for table in (run, step):
+                sums = table.get(key)
+                if sums is None:
+                    sums = table[key] = [0, 0, 0, 0]
+                sums[SENT] += r.bytes_sent
+                sums[RECV] += r.bytes_recv
+                sums[INTRA] += r.intra_bytes
+                sums[INTER] += r.inter_bytes
+        self._counted = len(records)
 
     def _fold(self) -> None:
         """Fold the oldest records into the totals, leaving the newest ``keep``; a non-blocking
         call not waited on yet (no wall time) stays a record, ahead of them, until a later fold
         finds it complete."""
+        self._count_new()  # before the records move
         older = len(self.records) - self._keep
         waiting = []
         for r in self.records[:older]:
@@ -185,6 +237,10 @@ class Ledger:
                 self.folded_through_step = r.step
         self.folded_calls += older - len(waiting)
         self.records[:older] = waiting
+        self._counted = len(self.records)
+        last = self.folded_through_step
+        for step in [s for s in self._step_bytes if last is not None and s <= last]:
+            del self._step_bytes[step]  # asking for it is an error from now on
 
     def set_node(self, node: int | None) -> None:
         """Record this rank's node (``comm.set_ranks_per_node`` calls it)."""
@@ -198,6 +254,9 @@ class Ledger:
         self.folded.clear()
         self.folded_calls = 0
         self.folded_through_step = None
+        self._run_bytes.clear()
+        self._step_bytes.clear()
+        self._counted = 0
 
     def _check_step_kept(self, step: int | None) -> None:
         if step is not None and self.folded_through_step is not None:
@@ -223,12 +282,23 @@ class Ledger:
             t.add(r)
         return totals
 
-    def _folded_rows(self, op: str | None, phase: str | None) -> list[_Folded]:
-        return [
-            f
-            for (f_phase, f_op, *_), f in self.folded.items()
-            if (op is None or f_op == op) and (phase is None or f_phase == phase)
-        ]
+    def _folded_by_phase_op(self) -> dict[tuple[str, str], _Folded]:
+        """The folded totals summed per (phase, op)."""
+        out: dict[tuple[str, str], _Folded] = {}
+        for (phase, op, *_), f in self.folded.items():
+            out.setdefault((phase, op), _Folded()).merge(f, times=False)
+        return out
+
+    def _bytes(self, column: int, op: str | None, phase: str | None, step: int | None) -> int:
+        """One column of the running totals, summed over the (phase, op) asked for."""
+        self._check_step_kept(step)
+        self._count_new()
+        table = self._run_bytes if step is None else self._step_bytes.get(step, {})
+        return sum(
+            sums[column]
+            for (t_phase, t_op), sums in table.items()
+            if (op is None or t_op == op) and (phase is None or t_phase == phase)
+        )
 
     def select(
         self, op: str | None = None, phase: str | None = None, step: int | None = None
@@ -256,23 +326,15 @@ class Ledger:
         ``where="intra"`` counts only bytes sent to ranks of this rank's node, ``"inter"`` only
         bytes sent to other nodes; None counts both.
         """
-        field = WHERE.get(where)
-        if where is not None and field is None:
+        if where is not None and where not in ("intra", "inter"):
             raise ValueError(f"where must be None, 'intra' or 'inter', got {where!r}")
-        kept = sum(getattr(r, field or "bytes_sent") for r in self.select(op, phase, step))
-        if step is not None:
-            return kept
-        folded = {"intra_bytes": "intra", "inter_bytes": "inter"}.get(field, "bytes_sent")
-        return kept + sum(getattr(f, folded) for f in self._folded_rows(op, phase))
+        return self._bytes(_SUM_OF[where], op, phase, step)
 
     def bytes_recv(
         self, op: str | None = None, phase: str | None = None, step: int | None = None
     ) -> int:
         """Bytes this rank received, optionally only for one op, phase or step."""
-        kept = sum(r.bytes_recv for r in self.select(op, phase, step))
-        if step is not None:
-            return kept
-        return kept + sum(f.bytes_recv for f in self._folded_rows(op, phase))
+        return self._bytes(RECV, op, phase, step)
 
     def summary(self) -> list[dict]:
         """Rows aggregated by (phase, op, group, dtype): calls, bytes, time, bandwidths."""

@@ -40,6 +40,15 @@ does not run (``flight.diagnose``); it used to call every rank with fewer calls 
 "stopped calling collectives", a rank waiting inside an earlier call included.
 Ranks on other nodes are not visible.
 
+A rank that leaves the program while the others train on (``sys.exit``, a return from the main
+program, an exception that another hook handled) passes through its exit hook (``_exit_guard``,
+run by ``atexit`` before MPI finalizes), which writes the time it left into its row. A rank that
+waits in a call the leaver never began gives up once it has been gone LEFT_GRACE_S, whatever the
+timeout, and its report names the rank, how it left and the last call it began. At a normal end
+every rank has begun the same calls, so no rank waits for one that has left. A process that
+ended without its exit hook (``os._exit``, a signal the launcher did not act on) is told from a
+stopped one by its process id: no such process, or a zombie.
+
 An uncaught exception on any rank (``install_abort_on_exception``) prints its traceback and flight
 record and aborts the job the same way, so the other ranks do not wait for it.
 """
@@ -57,7 +66,16 @@ from typing import TYPE_CHECKING, Any
 from mpi4py import MPI
 
 from zerosim.comm.agreement import OP_CODES
-from zerosim.comm.flight import describe, diagnose, live_recorders, rank_state
+from zerosim.comm.flight import (
+    LEFT,
+    SILENT_S,
+    describe,
+    diagnose,
+    live_recorders,
+    never_arrives,
+    process_gone,
+    rank_state,
+)
 
 if TYPE_CHECKING:
     from zerosim.comm.base import Communicator  # an MPIComm (comm/mpi.py imports this module)
@@ -71,6 +89,10 @@ SPIN_S = 5e-3  # … then until this long, yielding the core between tests, …
 FIRST_SLEEP_S = 50e-6  # … first for this long, doubling …
 MAX_SLEEP_S = 1e-3  # … up to this
 LOOK_EVERY_S = 0.25  # how often the watchdog thread looks at the wait in progress
+# A wait for a rank that left the program without beginning the call is given up this long after
+# it left, whatever the timeout: a rank that did begin and complete the call before it left lets
+# the wait end within microseconds, so the grace only guards against reading the table too early.
+LEFT_GRACE_S = 1.0
 
 
 # what of a call a rank waits for, by the stage its ``waiting`` names (0: a set-up step)
@@ -89,7 +111,9 @@ OP = 3  # that call's op code (0: not a collective: a set-up step)
 STAGE = 4  # what of that call it waits for (_STAGES)
 SINCE = 5  # when that wait began (ns of the monotonic clock, which a node's processes share)
 ALIVE = 6  # when its watchdog thread last looked (ns, monotonic): the process runs
-FIELDS = 7
+PID = 7  # its process id (a process of this node), to tell a process that is gone
+LEFT_AT = 8  # when it left the program (ns, monotonic; 0 while in it): its exit hook writes it
+FIELDS = 9
 NOT_WAITING = -1
 
 
@@ -118,13 +142,20 @@ class Progress:
         """{world rank: state} for every rank of this node, as ``flight.rank_state`` reads it:
         ``calls`` begun and ``waiting``, the call it is inside (None: none), as they are now;
         ``op``, ``stage`` and ``waited_s`` of that wait once its watchdog thread has seen it
-        (else None); ``silent_s``, how long ago that thread last looked."""
+        (else None); ``silent_s``, how long ago that thread last looked; ``left``: None, or
+        ``exited`` (its exit hook ran) or ``vanished`` (silent, and its process no longer
+        exists), ``left_s`` seconds ago."""
         now = time.monotonic_ns()
         out = {}
         for rank, row in self.rows.items():
-            calls, waiting, seen, op, stage, since, alive = row.tolist()
+            calls, waiting, seen, op, stage, since, alive, pid, left_at = row.tolist()
             state: dict[str, Any] = {"calls": calls, "waiting": None, "op": None, "stage": None}
-            state.update(waited_s=None, silent_s=round((now - alive) / 1e9, 3))
+            silent_s = round((now - alive) / 1e9, 3)
+            state.update(waited_s=None, silent_s=silent_s, left=None, left_s=None)
+            if left_at:
+                state.update(left="exited", left_s=round((now - left_at) / 1e9, 3))
+            elif silent_s > SILENT_S and pid and process_gone(pid):
+                state.update(left="vanished", left_s=silent_s)
             if waiting != NOT_WAITING:
                 state["waiting"] = waiting
                 if seen == waiting:  # the thread has seen a wait in this call: its details
@@ -172,6 +203,7 @@ def start(comm: Communicator) -> None:
         PROGRESS.mine[:] = ROW  # what the private row holds so far
         ROW = PROGRESS.mine
         ROW[ALIVE] = time.monotonic_ns()
+        ROW[PID] = os.getpid()
         comm.ledger.flight.count_in(ROW[CALLS : CALLS + 1])
 
 
@@ -239,7 +271,8 @@ def wait(comm: Communicator, request: MPI.Request) -> None:
 
 
 def _watch() -> None:
-    """The watchdog thread: every quarter second, is a wait older than its timeout?"""
+    """The watchdog thread: every quarter second, is a wait older than its timeout, or one for
+    a rank that left the program?"""
     while True:
         time.sleep(LOOK_EVERY_S)
         publish()
@@ -253,19 +286,49 @@ def _watch() -> None:
         waited = time.monotonic() - since
         if comm.timeout and waited > comm.timeout:
             expire(comm, pending, waited)
+        elif PROGRESS is not None:
+            left = gone_for_good(comm, pending, PROGRESS.read())
+            if left:
+                expire(comm, pending, waited, left)
 
 
-def report(comm: Communicator, pending: tuple | None, waited: float) -> tuple[str, dict[str, Any]]:
-    """What the watchdog prints after ``waited`` seconds, and the summary for the flight file:
-    where every rank of the group on this node is, and which of them hold the call up."""
+def gone_for_good(
+    comm: Communicator, pending: tuple, table: dict[int, dict[str, Any]]
+) -> list[int]:
+    """The ranks of ``comm``'s group on this node that left the program, LEFT_GRACE_S or more
+    ago, without beginning the call ``pending`` names: the wait can never complete. (At a normal
+    end every rank begins the same calls, so no wait is in a call that a rank which left has
+    not begun.)"""
+    call, record, _ = pending
+    out = []
+    for w in comm.world_ranks():
+        state = table.get(w)
+        if state is None or not never_arrives(call, state, setup=record is None):
+            continue
+        if state["left_s"] >= LEFT_GRACE_S:
+            out.append(w)
+    return out
+
+
+def report(
+    comm: Communicator, pending: tuple | None, waited: float, left: list[int] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """What the watchdog prints after ``waited`` seconds (because of the timeout, or because the
+    ranks ``left`` left the program without beginning the call), and the summary for the flight
+    file: where every rank of the group on this node is, and which of them hold the call up."""
     seq, record, stage = pending or (comm.ledger.flight.calls, None, "wait")
     what = describe(seq, record, stage)
     me = comm.world_rank
     head = f"[zerosim rank {me}] watchdog:"
+    why = (
+        f"can never complete: rank(s) {left} left the program without beginning it (waited "
+        f"{waited:.1f} s)"
+        if left
+        else f"has not completed after {waited:.1f} s (timeout {comm.timeout:g} s: "
+        f"zerosim.timeout or ZEROSIM_TIMEOUT)"
+    )
     lines = [
-        f"{head} {what} has not completed after {waited:.1f} s "
-        f"(timeout {comm.timeout:g} s: zerosim.timeout or ZEROSIM_TIMEOUT); this is rank "
-        f"{comm.rank} of group {comm.group!r} ({comm.size} ranks)"
+        f"{head} {what} {why}; this is rank {comm.rank} of group {comm.group!r} ({comm.size} ranks)"
     ]
     publish()
     table = None if PROGRESS is None else PROGRESS.read()
@@ -284,7 +347,39 @@ def report(comm: Communicator, pending: tuple | None, waited: float) -> tuple[st
         if w != me:
             others[w] = state
     found = diagnose(seq, others)
-    name = f"call #{seq} ({record.op if record else stage}) of group {comm.group!r}"
+    lines += _verdict(head, f"{comm.group!r}", (seq, record, stage), found, others, mine)
+    if table is not None and not any(found[k] for k in ("exited", "silent", "absent")):
+        lines.append(
+            f"{head} no rank of this node is missing, gone or stopped: each is inside a call; "
+            f"look for ranks inside different calls (another group's) or a rank on another node"
+        )
+    waiting = {"call": seq, "what": what, "stage": stage, "waited_s": round(waited, 3), **found}
+    return "\n".join(lines), waiting
+
+
+def _verdict(
+    head: str,
+    group: str,
+    pending: tuple,
+    found: dict[str, list[int]],
+    others: dict[int, dict[str, Any]],
+    mine: dict[int, Any],
+) -> list[str]:
+    """The report's verdict on call ``pending`` of ``group``: the ranks that left the program
+    (with the last call each began: ``mine``, this rank's flight entries, names it), those that
+    show no sign of life, those that never arrived, and those held up inside other calls."""
+    seq, record, stage = pending
+    name = f"call #{seq} ({record.op if record else stage}) of group {group}"
+    lines = []
+    for w in found["exited"]:
+        state = others[w]
+        calls = state["calls"]
+        last = describe(calls, mine[calls]) if calls in mine else f"call #{calls}"
+        lines.append(
+            f"{head} rank {w} {state['left']} {state['left_s']:.1f} s ago ({LEFT[state['left']]}); "
+            + (f"the last call it began was {last}" if calls else "it began no call")
+            + (f", so it never reaches {name}" if never_arrives(seq, state, record is None) else "")
+        )
     if found["silent"]:
         lines.append(
             f"{head} rank(s) {found['silent']} show no sign of life: their process does not run "
@@ -296,38 +391,40 @@ def report(comm: Communicator, pending: tuple | None, waited: float) -> tuple[st
             f"collective (computing, sleeping, or stuck outside zerosim)"
         )
     elsewhere = [w for w in found["inside"] if others[w]["waiting"] != seq]
-    if elsewhere and (found["silent"] or found["absent"]):
+    if elsewhere and lines:
         lines.append(
             f"{head} rank(s) {elsewhere} are inside calls of their own (above), held up as well"
         )
-    elif table is not None and not found["silent"] and not found["absent"]:
-        lines.append(
-            f"{head} no rank of this node is missing or stopped: each is inside a call; look for "
-            f"ranks inside different calls (another group's) or a rank on another node"
-        )
-    waiting = {"call": seq, "what": what, "stage": stage, "waited_s": round(waited, 3), **found}
-    return "\n".join(lines), waiting
+    return lines
 
 
-def expire(comm: Communicator, pending: tuple | None, waited: float) -> None:
-    """Give up: say what this rank waits for and who is missing, print the record, abort. Once
-    it has begun, the process ends here whatever its other threads do (``_ENDING``)."""
+def expire(
+    comm: Communicator, pending: tuple | None, waited: float, left: list[int] | None = None
+) -> None:
+    """Give up (after the timeout, or at once for ranks that ``left``): say what this rank waits
+    for and who is missing, print the record, abort. Once it has begun, the process ends here
+    whatever its other threads do (``_ENDING``)."""
     if not _ENDING.acquire(blocking=False):
         return  # the program is ending (its exit guard holds the lock), or already aborting
     try:
-        text, waiting = report(comm, pending, waited)
+        text, waiting = report(comm, pending, waited, left)
         sys.stderr.write(text + "\n")
-        dump_flight_records(f"timeout after {waited:.1f} s", waiting)
+        reason = f"rank(s) {left} left the program" if left else f"timeout after {waited:.1f} s"
+        dump_flight_records(reason, waiting)
         sys.stderr.write(f"[zerosim rank {comm.world_rank}] watchdog: aborting the job\n")
     finally:
         abort_job()
 
 
 def _exit_guard() -> None:
-    """At a normal exit (atexit, before MPI finalizes): take ``_ENDING``, so that the watchdog
-    thread can no longer begin an abort. If it has begun one, wait: it ends the job once its
-    report is out (abort from here if it has not within EXIT_GRACE_S). Without this, a program
-    that finished while the thread waited for its words to reach the launcher exited 0."""
+    """At a normal exit (atexit, before MPI finalizes; ``sys.exit`` and a return from the main
+    program come here too): say in the progress table that this rank has left the program, so
+    that a rank waiting in a call this one never began gives up at once instead of after the
+    timeout. Then take ``_ENDING``, so that the watchdog thread can no longer begin an abort. If
+    it has begun one, wait: it ends the job once its report is out (abort from here if it has
+    not within EXIT_GRACE_S). Without this, a program that finished while the thread waited for
+    its words to reach the launcher exited 0."""
+    ROW[LEFT_AT] = time.monotonic_ns()
     if not _ENDING.acquire(timeout=EXIT_GRACE_S):
         abort_job()
 
