@@ -152,7 +152,9 @@ def stacked_bars(
     labels = list(data)
     totals = np.array([sum(float(v) for v in data[k].values()) for k in labels])
     unit, scale = byte_unit(float(totals.max(initial=0.0))) if in_bytes else ("", 1.0)
-    fig = _figure(max(5.5, 1.6 + 0.75 * len(labels)), 3.8)
+    longest = max(len(line) for label in labels for line in str(label).split("\n"))
+    per_bar = max(0.6, 0.09 * longest + 0.2)  # inches: room for the longest line of a label
+    fig = _figure(max(5.5, 2.6 + per_bar * len(labels)), 3.8)
     ax = fig.add_subplot()
     x = np.arange(len(labels))
     bottom = np.zeros(len(labels))
@@ -169,7 +171,8 @@ def stacked_bars(
         ax.scatter([labels.index(k) for k in keys], [markers[k] / scale for k in keys],
                    marker="D", color="black", zorder=3, label=marker_label or None)  # fmt: skip
     ax.set_xticks(x, labels)
-    ax.margins(y=0.12)
+    top = max([*bottom, *([v / scale for v in markers.values()] if markers else [])], default=1.0)
+    ax.set_ylim(0, 1.12 * top if top > 0 else 1.0)
     ax.set_ylabel(f"{unit} {ylabel}" if unit else ylabel)
     _title(ax, title)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
