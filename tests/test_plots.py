@@ -31,7 +31,9 @@ def test_memory_vs_dp_writes_a_png_with_one_line_per_stage(tmp_path):
     assert_png(tmp_path / "m.png")
     (ax,) = fig.axes
     assert [line.get_label() for line in ax.get_lines()] == ["0", "3"]
-    np.testing.assert_allclose(ax.get_lines()[1].get_ydata(), [3.0, 0.75, 0.19])  # GB
+    # the unit of the range's middle (√(3e9·1.9e8) ≈ 7.5e8 B): MB
+    np.testing.assert_allclose(ax.get_lines()[1].get_ydata(), [3000, 750, 190])
+    assert ax.get_ylabel() == "MB per rank"
 
 
 def test_byte_unit_is_the_largest_unit_the_value_reaches():
@@ -49,7 +51,7 @@ def test_memory_vs_dp_draws_measured_as_markers_and_the_formula_dashed_in_a_unit
         formula_by_stage={"stage 3": [3e5, 1.5e5, 7.5e4]},
     )
     (ax,) = fig.axes
-    measured, formula, _legend_entry = ax.get_lines()
+    measured, formula, *_legend_entries = ax.get_lines()
     assert measured.get_linestyle() == "None" and formula.get_linestyle() == "--"
     np.testing.assert_allclose(measured.get_ydata(), [300, np.nan, 75])  # kB, None not drawn
     np.testing.assert_allclose(formula.get_ydata(), [300, 150, 75])

@@ -11,6 +11,7 @@ they work in scripts, tests and notebooks alike; notebooks show the PNG that was
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import LogFormatter, NullLocator
+from matplotlib.ticker import FuncFormatter, NullFormatter, NullLocator
 
 PHASE_COLORS = {
     "forward": "#4c72b0",
@@ -81,10 +82,13 @@ def memory_vs_dp(
     formula_by_stage: Mapping[str, Sequence[float]] | None = None,
     base: int = 1000,
 ) -> Figure:
-    """Bytes per rank against N, both axes logarithmic: one series per stage, drawn with a marker
-    of its own (hollow and of decreasing size, so that series which coincide stay visible; None:
-    not measured at that N) and, from ``formula_by_stage``, the formula as a dashed line of the
-    same colour. The unit (B, kB, MB, GB; ``base`` 1024: KiB … GiB) fits the largest value."""
+    """Bytes per rank against N, both axes logarithmic, one colour and marker per stage.
+
+    ``bytes_by_stage``: measured, drawn as hollow markers (of decreasing size, so that series
+    which coincide stay visible; None: not measured at that N), joined by a line unless the stage
+    also has a formula. ``formula_by_stage``: the formula, a dashed line of the stage's colour
+    (with the stage's markers where nothing was measured). The unit (B, kB, MB, GB; ``base``
+    1024: KiB … GiB) fits the largest value."""
     if not dp_degrees:
         raise ValueError("dp_degrees must list at least one data-parallel degree, got none")
     formula_by_stage = formula_by_stage or {}
@@ -96,28 +100,38 @@ def memory_vs_dp(
                     f"{what}[{stage!r}] has {len(values)} values; expected one per "
                     f"dp degree ({len(dp_degrees)})"
                 )
-    known = [v for series in (*bytes_by_stage.values(), *formula_by_stage.values()) for v in series]
-    unit, scale = byte_unit(max((float(v) for v in known if v is not None), default=1.0), base)
+    series = (*bytes_by_stage.values(), *formula_by_stage.values())
+    known = [float(v) for values in series for v in values if v is not None and v > 0] or [1.0]
+    # the unit of the middle of the range (log scale): 300 kB … 1,200 kB, not 0.3 … 1.2 MB
+    unit, scale = byte_unit(math.sqrt(min(known) * max(known)), base)
     fig = _figure(6.0, 3.8)
     ax = fig.add_subplot()
-    for i, (stage, values) in enumerate(bytes_by_stage.items()):
-        y = np.array([np.nan if v is None else float(v) / scale for v in values])
-        (line,) = ax.plot(
-            dp_degrees, y, marker=MARKERS[i % len(MARKERS)], markersize=9 - 1.2 * i,
-            markerfacecolor="none", markeredgewidth=1.5, label=stage,
-            linestyle="none" if stage in formula_by_stage else "-",
-        )  # fmt: skip
+    stages = [*bytes_by_stage, *(s for s in formula_by_stage if s not in bytes_by_stage)]
+    for i, stage in enumerate(stages):
+        marks = dict(marker=MARKERS[i % len(MARKERS)], markersize=9 - 1.2 * i,
+                     markerfacecolor="none", markeredgewidth=1.5, color=f"C{i % 10}")  # fmt: skip
+        if stage in bytes_by_stage:
+            y = [np.nan if v is None else float(v) / scale for v in bytes_by_stage[stage]]
+            line = "none" if stage in formula_by_stage else "-"
+            ax.plot(dp_degrees, y, linestyle=line, label=stage, **marks)
         if stage in formula_by_stage:
-            formula = np.asarray(formula_by_stage[stage], dtype=float) / scale
-            ax.plot(dp_degrees, formula, linestyle="--", color=line.get_color(), linewidth=1.2)
-    if formula_by_stage:
+            y = np.asarray(formula_by_stage[stage], dtype=float) / scale
+            if stage in bytes_by_stage:
+                ax.plot(dp_degrees, y, linestyle="--", color=marks["color"], linewidth=1.2)
+            else:
+                ax.plot(dp_degrees, y, linestyle="--", linewidth=1.2, label=stage, **marks)
+    if set(bytes_by_stage) & set(formula_by_stage):
+        ax.plot([], [], linestyle="none", marker="o", markerfacecolor="none", color="grey",
+                label="measured")  # fmt: skip
         ax.plot([], [], linestyle="--", color="grey", label="formula")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(list(dp_degrees), [f"{n:,}" for n in dp_degrees])
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.yaxis.set_major_formatter(LogFormatter())
-    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    plain = FuncFormatter(lambda v, _: f"{v:,.10g}")
+    ax.yaxis.set_major_formatter(plain)  # 0.1, 1, 10, …, not 10⁻¹
+    # within about a decade the decades alone leave the axis bare: number the 2…9 ticks too
+    ax.yaxis.set_minor_formatter(plain if max(known) < 20 * min(known) else NullFormatter())
     ax.set_xlabel("data-parallel ranks N")
     ax.set_ylabel(f"{unit} per rank")
     _title(ax, title)
