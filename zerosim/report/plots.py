@@ -21,7 +21,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullFormatter, NullLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, NullLocator
 
 PHASE_COLORS = {
     "forward": "#4c72b0",
@@ -51,10 +51,10 @@ def _figure(width: float, height: float) -> Figure:
 
 
 def _title(ax: Any, text: str) -> None:
-    """A title wrapped to the width of its axes' figure, so that no word is cut off."""
-    width = ax.figure.get_figwidth() * ax.get_position().width
-    chars = max(20, int(width * 72 / 6.2))  # ~6.2 points per character at 11 points
-    ax.set_title(textwrap.fill(text, chars), fontsize=11)
+    """The figure's title, wrapped to the figure's width so that no word is cut off (over the
+    whole figure, legends beside the axes included)."""
+    chars = max(20, int(ax.figure.get_figwidth() * 72 / 6.5))  # ~6.5 points a character
+    ax.figure.suptitle(textwrap.fill(text, chars), fontsize=11)
 
 
 def byte_unit(largest: float, base: int = 1000) -> tuple[str, float]:
@@ -229,7 +229,7 @@ def lines(
     if reference is not None and reference not in series:
         raise ValueError(f"reference must be one of {list(series)}, got {reference!r}")
     styles = styles or {}
-    fig = _figure(6.0, 3.4 if reference is None else 5.0)
+    fig = _figure(7.0, 3.4 if reference is None else 5.0)
     if reference is None:
         ax, diff = fig.add_subplot(), None
     else:
@@ -246,10 +246,11 @@ def lines(
             continue
         seen: set[str] = set()
         for step, label in (marks or {}).items():
-            axis.axvspan(step - 0.4, step + 0.4, color="#c44e52", alpha=0.15, linewidth=0,
+            axis.axvspan(step - 0.4, step + 0.4, color="#c44e52", alpha=0.25, linewidth=0,
                          label=None if label in seen or axis is diff else label)  # fmt: skip
             seen.add(label)
         axis.grid(True, alpha=0.3)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if log_y:
         ax.set_yscale("log", base=2)
