@@ -49,9 +49,11 @@ def test_memory_vs_dp_draws_measured_as_markers_and_the_formula_dashed_in_a_unit
         [1, 2, 4],
         {"stage 3": [3e5, None, 7.5e4]},
         formula_by_stage={"stage 3": [3e5, 1.5e5, 7.5e4]},
+        capacity=("a small device", 2e5),
     )
     (ax,) = fig.axes
-    measured, formula, *_legend_entries = ax.get_lines()
+    measured, formula, device, *_legend_entries = ax.get_lines()
+    assert device.get_label() == "a small device" and list(device.get_ydata()) == [200, 200]
     assert measured.get_linestyle() == "None" and formula.get_linestyle() == "--"
     np.testing.assert_allclose(measured.get_ydata(), [300, np.nan, 75])  # kB, None not drawn
     np.testing.assert_allclose(formula.get_ydata(), [300, 150, 75])

@@ -81,6 +81,7 @@ def memory_vs_dp(
     title: str = "model-state memory per device",
     formula_by_stage: Mapping[str, Sequence[float]] | None = None,
     base: int = 1000,
+    capacity: tuple[str, float] | None = None,
 ) -> Figure:
     """Bytes per rank against N, both axes logarithmic, one colour and marker per stage.
 
@@ -88,7 +89,8 @@ def memory_vs_dp(
     which coincide stay visible; None: not measured at that N), joined by a line unless the stage
     also has a formula. ``formula_by_stage``: the formula, a dashed line of the stage's colour
     (with the stage's markers where nothing was measured). The unit (B, kB, MB, GB; ``base``
-    1024: KiB … GiB) fits the largest value."""
+    1024: KiB … GiB) fits the middle of the range. ``capacity``: (name, bytes) of a device's
+    memory, drawn as a dotted line."""
     if not dp_degrees:
         raise ValueError("dp_degrees must list at least one data-parallel degree, got none")
     formula_by_stage = formula_by_stage or {}
@@ -102,6 +104,7 @@ def memory_vs_dp(
                 )
     series = (*bytes_by_stage.values(), *formula_by_stage.values())
     known = [float(v) for values in series for v in values if v is not None and v > 0] or [1.0]
+    known += [float(capacity[1])] if capacity else []
     # the unit of the middle of the range (log scale): 300 kB … 1,200 kB, not 0.3 … 1.2 MB
     unit, scale = byte_unit(math.sqrt(min(known) * max(known)), base)
     fig = _figure(6.0, 3.8)
@@ -120,6 +123,8 @@ def memory_vs_dp(
                 ax.plot(dp_degrees, y, linestyle="--", color=marks["color"], linewidth=1.2)
             else:
                 ax.plot(dp_degrees, y, linestyle="--", linewidth=1.2, label=stage, **marks)
+    if capacity:
+        ax.axhline(capacity[1] / scale, color="black", linestyle=":", label=capacity[0])
     if set(bytes_by_stage) & set(formula_by_stage):
         ax.plot([], [], linestyle="none", marker="o", markerfacecolor="none", color="grey",
                 label="measured")  # fmt: skip
