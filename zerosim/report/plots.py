@@ -1,12 +1,16 @@
 """Pictures for the teaching material: each function takes data, draws one figure, writes a PNG.
 
 Memory per rank against the number of ranks for each stage, bytes per phase for each stage, lines
-over training steps (a loss, a loss scale), a
-timeline of the collectives each rank ran (from the ledger's ``start`` and ``wall_time``) and, for
-stage 3, the same with the span in which each module holds its gathered parameters, the flat
-buffer with its padding and owners, and what each rank holds of a buffer. Figures are drawn
-with matplotlib's Agg canvas on a ``Figure`` object (no pyplot, no global backend, no display), so
-they work in scripts, tests and notebooks alike; notebooks show the PNG that was written.
+over training steps (a loss, a loss scale), a timeline of the collectives each rank ran (from the
+ledger's ``start`` and ``wall_time``) and, for stage 3, the same with the span in which each
+module holds its gathered parameters, the flat buffer with its padding and owners, and what each
+rank holds of a buffer. Figures are drawn with matplotlib's Agg canvas on a ``Figure`` object (no
+pyplot, no global backend, no display), so they work in scripts, tests and notebooks alike;
+notebooks show the PNG that was written.
+
+What every picture keeps to: bytes in the unit that fits them (``byte_unit``), what was measured
+drawn as markers and a formula as a dashed line, series that coincide told apart by their
+markers, events shaded, colour bars that say what they show, titles wrapped to fit the figure.
 """
 
 from __future__ import annotations
