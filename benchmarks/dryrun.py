@@ -8,7 +8,7 @@ world size runs in a fresh process (``--worker``), so its wall time and peak RSS
 imports included) are its own. The config: ZeRO stage 3, bf16 with fp32 Adam, micro-batch 1 of
 2,048 tokens, every parameter partitioned (persistence threshold 0) and gathered again for its
 backward (reuse distance 0), the ZeRO paper's collective schedule (``"schedule": "paper"``),
-DeepSpeed's defaults otherwise. Printed against the targets of issue 28:
+DeepSpeed's defaults otherwise. Printed against its targets:
 
 - wall time under 60 s and peak host memory under 4 GB at 1,024 ranks; under 5 minutes at 4,096;
 - model states per rank equal to the ZeRO paper's (2 + 2 + 12)·Ψ_pad/N to the byte;
@@ -21,17 +21,18 @@ DeepSpeed's defaults otherwise. Printed against the targets of issue 28:
   the formula counts).
 
 **Narayanan et al., SC21, Table 2** (ZeRO-3 without model parallelism on Selene): the six rows
-of ``dryrun_calibrate.PUBLISHED``, one dry run each, simulated on ``examples/clusters/
-selene.json`` as it is. Its two efficiency factors were fitted on the three 174.6B rows
-(``benchmarks/dryrun_calibrate.py``): those rows must come within 10% (a target); the 529.6B
-rows are predictions.
+of ``zerosim.dryrun.published.NARAYANAN_TABLE2``, one dry run each, simulated on
+``zerosim/dryrun/clusters/selene.json`` as it is. Its two efficiency factors were fitted on the
+three 174.6B rows (``benchmarks/dryrun_calibrate.py``): those rows must come within 10% (a
+target); the 529.6B rows are predictions.
 
 **ZeRO++, Wang et al. 2023** (384 V100s; the published TFLOP/s per GPU are the bar labels of the
-ZeRO++ blog's Figures 6-8, ``ZEROPP_PUBLISHED``): ZeRO-3 and ZeRO++ (qwZ, hpZ over the 16 GPUs
-of a node, qgZ; the ZeRO++ tutorial's config) on ``examples/clusters/zeropp_v100.json``, whose
-efficiency factors are selene.json's: nothing is fitted to these figures. Of the four model sizes
-only the 18B has a published shape (the tutorial's); the others are listed without a
-prediction. docs/dryrun.md gives the source of every figure and every assumption.
+ZeRO++ blog's Figures 6-8, ``zerosim.dryrun.published.ZEROPP_PUBLISHED``): ZeRO-3 and ZeRO++
+(qwZ, hpZ over the 16 GPUs of a node, qgZ; the ZeRO++ tutorial's config) on
+``zerosim/dryrun/clusters/zeropp_v100.json``, whose efficiency factors are selene.json's:
+nothing is fitted to these figures. Of the four model sizes only the 18B has a published shape
+(the tutorial's); the others are listed without a prediction. docs/dryrun.md gives the source of
+every figure and every assumption.
 """
 
 from __future__ import annotations
@@ -47,74 +48,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from zerosim.dryrun.published import (  # noqa: E402
+    ZEROPP_GPUS,
+    ZEROPP_GPUS_PER_NODE,
+    ZEROPP_PUBLISHED,
+    zeropp_config,
+    zeropp_shapes,
+)
+from zerosim.dryrun.timeline import CLUSTERS  # noqa: E402
+
 TARGETS_S = {1024: 60.0, 4096: 300.0}
 TARGET_RSS = 4e9
-SELENE = ROOT / "examples" / "clusters" / "selene.json"
-ZEROPP_CLUSTER = ROOT / "examples" / "clusters" / "zeropp_v100.json"
-ZEROPP_GPUS = 384
-ZEROPP_GPUS_PER_NODE = 16
-# The ZeRO++ blog (DeepSpeed repository, blogs/zeropp/assets/images/eval1-3.png), TFLOP/s per
-# GPU printed on the bars: (figure, inter-node Gb/s per node, tokens per GPU, model, ZeRO-3,
-# ZeRO++). Figure 6: 4 × 100 Gb/s InfiniBand per node; Figure 7: 1 × 100 Gb/s; Figure 8: 2K
-# tokens at 200 and 800 Gb/s.
-ZEROPP_PUBLISHED = [
-    ("6", 400, 1024, "18B", 25, 35),
-    ("6", 400, 1024, "49B", 23, 36),
-    ("6", 400, 1024, "91B", 23, 36),
-    ("6", 400, 1024, "138B", 23, 36),
-    ("6", 400, 2048, "18B", 40, 53),
-    ("6", 400, 2048, "49B", 36, 51),
-    ("6", 400, 2048, "91B", 36, 51),
-    ("6", 400, 2048, "138B", 36, 50),
-    ("7", 100, 1024, "18B", 14, 31),
-    ("7", 100, 1024, "49B", 11, 22),
-    ("7", 100, 1024, "91B", 11, 22),
-    ("7", 100, 1024, "138B", 11, 22),
-    ("7", 100, 2048, "18B", 26, 46),
-    ("7", 100, 2048, "49B", 20, 38),
-    ("7", 100, 2048, "91B", 20, 38),
-    ("7", 100, 2048, "138B", 20, 38),
-    ("8", 200, 2048, "18B", 37, 50),
-    ("8", 800, 2048, "18B", 47, 54),
-    ("8", 200, 2048, "138B", 32, 48),
-    ("8", 800, 2048, "138B", 48, 55),
-]
-
-
-def zeropp_shapes() -> dict:
-    """The ZeRO++ model sizes whose shape is published: the 18B of the ZeRO++ tutorial (DeepSpeed
-    docs/_tutorials/zeropp.md: 40 layers, hidden 6144, 32 heads, sequence 512), with GPT-2's
-    vocabulary as Megatron pads it (50,257 to a multiple of 128: 50,304), tied as Megatron's GPT
-    ties it. No source found gives the 49B, 91B and 138B shapes."""
-    from zerosim.analysis.presets import GPTShape
-
-    return {"18B": GPTShape(40, 6144, 32, vocab=50304, seq=512)}
-
-
-def zeropp_config(micro: int, zeropp: bool) -> dict:
-    """The ZeRO++ tutorial's config (fp16, stage 3, 10M-element buckets, overlap_comm), with its
-    three switches on (ZeRO++) or off (the ZeRO-3 baseline); nodes of 16 ranks."""
-    zero = {
-        "stage": 3,
-        "reduce_bucket_size": 10_000_000,
-        "reduce_scatter": True,
-        "contiguous_gradients": True,
-        "overlap_comm": True,
-    }
-    if zeropp:
-        zero |= {
-            "zero_quantized_weights": True,
-            "zero_hpz_partition_size": ZEROPP_GPUS_PER_NODE,
-            "zero_quantized_gradients": True,
-        }
-    return {
-        "train_micro_batch_size_per_gpu": micro,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
-        "zero_optimization": zero,
-        "fp16": {"enabled": True},
-        "zerosim": {"ranks_per_node": ZEROPP_GPUS_PER_NODE},
-        "steps_per_print": 10**9,
-    }
+SELENE = CLUSTERS / "selene.json"
+ZEROPP_CLUSTER = CLUSTERS / "zeropp_v100.json"
 
 
 def config() -> dict:

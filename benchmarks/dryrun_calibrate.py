@@ -1,4 +1,5 @@
-"""Calibrate examples/clusters/selene.json on Narayanan et al.'s ZeRO-3 rows; predict the others.
+"""Calibrate zerosim/dryrun/clusters/selene.json on Narayanan et al.'s ZeRO-3 rows; predict the
+others.
 
     python -m benchmarks.dryrun_calibrate [--write] [--json PATH] [--only 174.6]
 
@@ -7,8 +8,8 @@ Megatron-LM", arXiv 2104.04473, §5.2 "Comparison to ZeRO-3" and Table 2) traine
 and 529.6B GPTs with ZeRO-3 and no model parallelism on Selene (§5: DGX A100 nodes), keeping the
 global batch fixed as the GPUs grow, and report model TFLOP/s per GPU (§5.1, eq. 3:
 96·B·s·l·h²·(1 + s/6h + V/16lh) per step over the step time, recomputation included).
-``PUBLISHED`` transcribes Table 2's six ZeRO-3 rows, every figure checked against the paper's
-text and table (docs/dryrun.md says where).
+``PUBLISHED`` (``zerosim.dryrun.published.NARAYANAN_TABLE2``) transcribes Table 2's six ZeRO-3
+rows, every figure checked against the paper's text and table (docs/dryrun.md says where).
 
 For every row, one dry run (``zerosim.dryrun.run_world``: GPT preset, stage 3 on DeepSpeed's
 schedule with DeepSpeed's defaults, bf16 with fp32 Adam, recomputation of every block, the row's
@@ -38,20 +39,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from zerosim.dryrun import load_cluster_model, recipe, run_world  # noqa: E402
+from zerosim.dryrun.published import NARAYANAN_TABLE2  # noqa: E402
 from zerosim.dryrun.report import step_time  # noqa: E402
+from zerosim.dryrun.timeline import CLUSTERS  # noqa: E402
 
-SELENE = ROOT / "examples" / "clusters" / "selene.json"
+SELENE = CLUSTERS / "selene.json"
 # Narayanan et al. SC21, Table 2, ZeRO-3 without model parallelism: (model, GPUs, micro-batch,
 # global batch, published model TFLOP/s per GPU, fitted?). 640 GPUs and batch 2560 for the
 # 529.6B model at micro-batch 4: it did not fit on 560 GPUs (Table 2's caption, the row marked *).
-PUBLISHED = [
-    ("gpt3-175b", 384, 4, 1536, 144.0, True),
-    ("gpt3-175b", 768, 2, 1536, 88.0, True),
-    ("gpt3-175b", 1536, 1, 1536, 44.0, True),
-    ("gpt-529b", 640, 4, 2560, 138.0, False),
-    ("gpt-529b", 1120, 2, 2240, 98.0, False),
-    ("gpt-529b", 2240, 1, 2240, 48.0, False),
-]
+PUBLISHED = NARAYANAN_TABLE2
 SIZES = {"174.6": "gpt3-175b", "529.6": "gpt-529b"}  # --only: Table 2's model sizes
 FACTORS = 2  # compute and network efficiency: a fit needs at least as many fitted rows
 

@@ -12,8 +12,10 @@ from zerosim.cli.dryrun import format_report
 from zerosim.dryrun import dry_run
 from zerosim.dryrun.report import against_device
 from zerosim.dryrun.timeline import (
+    CLUSTERS,
     ClusterModel,
     chrome_trace,
+    cluster_names,
     group_seconds,
     load_cluster_model,
     simulate,
@@ -101,6 +103,16 @@ def test_cluster_files_name_what_is_wrong(tmp_path):
             load_cluster_model(path)
     path.write_text(json.dumps({**good, "device_memory_bytes": 80 * 2**30}))
     assert load_cluster_model(path).resized(64).device_memory_bytes == 80 * 2**30
+    with pytest.raises(FileNotFoundError, match=r"not one of the shipped clusters \['selene'"):
+        load_cluster_model("no-such-cluster")
+
+
+def test_a_shipped_cluster_loads_by_name_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cluster_names() == ["selene", "zeropp_v100"]
+    selene = load_cluster_model("selene")
+    assert selene == load_cluster_model(CLUSTERS / "selene.json")
+    assert selene.cluster.devices_per_node == 8 and selene.name.startswith("Selene")
 
 
 SMALL_CFG = {
@@ -169,11 +181,8 @@ def test_a_peak_above_the_device_memory_is_marked_would_not_start(tmp_path):
 
 
 def test_the_zeropp_cluster_borrows_selenes_factors_and_the_published_hardware():
-    from pathlib import Path
-
-    clusters = Path(__file__).resolve().parent.parent / "examples" / "clusters"
-    selene = load_cluster_model(clusters / "selene.json")
-    v100 = load_cluster_model(clusters / "zeropp_v100.json")
+    selene = load_cluster_model("selene")
+    v100 = load_cluster_model("zeropp_v100")
     # nothing fitted to the ZeRO++ figures: the efficiencies are Selene's, whatever its next fit
     assert (v100.compute_efficiency, v100.network_efficiency) == (
         selene.compute_efficiency,
@@ -183,7 +192,7 @@ def test_the_zeropp_cluster_borrows_selenes_factors_and_the_published_hardware()
     assert c.nodes * c.devices_per_node == 384  # the blog's 384 V100s, 16 per node
     assert c.inter_bandwidth == 4 * 100e9 / 8 / 16  # Figure 6: 4 × 100 Gb/s IB per node
     assert c.device_flops == 2e15 / 16  # the DGX-2's 2 PFLOPS over its 16 GPUs
-    spec = json.loads((clusters / "zeropp_v100.json").read_text())
+    spec = json.loads((CLUSTERS / "zeropp_v100.json").read_text())
     assert set(spec["comment"]) == {  # every number says where it comes from
         "nodes", "devices_per_node", "intra_bandwidth", "inter_bandwidth", "intra_latency",
         "inter_latency", "device_flops", "device_memory_bytes",

@@ -31,7 +31,55 @@ def test_memory_vs_dp_writes_a_png_with_one_line_per_stage(tmp_path):
     assert_png(tmp_path / "m.png")
     (ax,) = fig.axes
     assert [line.get_label() for line in ax.get_lines()] == ["0", "3"]
-    np.testing.assert_allclose(ax.get_lines()[1].get_ydata(), [3.0, 0.75, 0.19])  # GB
+    # the unit of the range's middle (√(3e9·1.9e8) ≈ 7.5e8 B): MB
+    np.testing.assert_allclose(ax.get_lines()[1].get_ydata(), [3000, 750, 190])
+    assert ax.get_ylabel() == "MB per rank"
+
+
+def test_byte_unit_is_the_largest_unit_the_value_reaches():
+    assert plots.byte_unit(999) == ("B", 1.0)
+    assert plots.byte_unit(3.2e5) == ("kB", 1e3)
+    assert plots.byte_unit(2 * 2**30, base=1024) == ("GiB", 2.0**30)
+    with pytest.raises(ValueError, match="base must be 1000 or 1024, got 10"):
+        plots.byte_unit(1, base=10)
+
+
+def test_memory_vs_dp_draws_measured_as_markers_and_the_formula_dashed_in_a_unit_that_fits():
+    fig = plots.memory_vs_dp(
+        [1, 2, 4],
+        {"stage 3": [3e5, None, 7.5e4]},
+        formula_by_stage={"stage 3": [3e5, 1.5e5, 7.5e4]},
+        capacity=("a small device", 2e5),
+    )
+    (ax,) = fig.axes
+    measured, formula, device, *_legend_entries = ax.get_lines()
+    assert device.get_label() == "a small device" and list(device.get_ydata()) == [200, 200]
+    assert measured.get_linestyle() == "None" and formula.get_linestyle() == "--"
+    np.testing.assert_allclose(measured.get_ydata(), [300, np.nan, 75])  # kB, None not drawn
+    np.testing.assert_allclose(formula.get_ydata(), [300, 150, 75])
+    assert formula.get_color() == measured.get_color() and ax.get_ylabel() == "kB per rank"
+
+
+def test_lines_marks_events_and_draws_differences_from_a_reference():
+    fig = plots.lines(
+        {"fp32": [4.0, 3.0], "bf16": [4.0, 3.5]}, reference="fp32", marks={2: "overflow"}
+    )
+    top, below = fig.axes[:2]
+    np.testing.assert_allclose(below.get_lines()[0].get_ydata(), [0.0, 0.5])  # bf16 − fp32
+    assert "overflow" in top.get_legend_handles_labels()[1]
+    with pytest.raises(ValueError, match="reference must be one of"):
+        plots.lines({"a": [1]}, reference="b")
+
+
+def test_stacked_bars_in_bytes_scale_to_a_unit_and_draw_the_markers():
+    fig = plots.stacked_bars(
+        {"a": {"x": 2e6}, "b": {"x": 1e6, "y": 5e5}}, in_bytes=True, markers={"b": 3e6}
+    )
+    ax = fig.axes[0]
+    assert ax.get_ylabel().startswith("MB ")
+    assert [round(bar.get_height(), 6) for bar in ax.patches] == [2.0, 1.0, 0.0, 0.5]
+    (diamonds,) = ax.collections
+    np.testing.assert_allclose(diamonds.get_offsets(), [[1, 3.0]])
 
 
 def test_memory_vs_dp_rejects_a_series_of_the_wrong_length(tmp_path):

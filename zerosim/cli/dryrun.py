@@ -72,7 +72,7 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument(
         "--cluster",
         metavar="C.json",
-        help="simulate the step on this cluster (examples/clusters/selene.json): adds `time`",
+        help="simulate the step on this cluster (a JSON file, or selene, zeropp_v100): adds `time`",
     )
     p.add_argument(
         "--trace", metavar="FILE.json", help="the simulated step as a Chrome/Perfetto trace"

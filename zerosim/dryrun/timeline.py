@@ -85,10 +85,29 @@ class ClusterModel:
         return replace(self, cluster=cluster)
 
 
+# the cluster files shipped with zerosim, each number's source in its "comment" (docs/dryrun.md)
+CLUSTERS = Path(__file__).resolve().parent / "clusters"
+
+
+def cluster_names() -> list[str]:
+    """The names ``load_cluster_model`` takes for the shipped cluster files ("selene", …)."""
+    return sorted(p.stem for p in CLUSTERS.glob("*.json"))
+
+
 def load_cluster_model(path: str | Path) -> ClusterModel:
     """A ``ClusterModel`` from JSON: ``Cluster``'s seven keys, optionally the two efficiencies
     (default 1), ``device_memory_bytes`` and ``name``/``comment``/``calibration`` notes; other
-    keys are refused."""
+    keys are refused.
+
+    ``path``: a cluster JSON file, or the name of one shipped in ``zerosim/dryrun/clusters/``
+    (``cluster_names()``: "selene", "zeropp_v100")."""
+    if not Path(path).exists() and str(path) in cluster_names():
+        path = CLUSTERS / f"{path}.json"
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"cluster {str(path)!r}: no such file, and not one of the shipped clusters "
+            f"{cluster_names()}"
+        )
     spec = json.loads(Path(path).read_text())
     optional = [*EFFICIENCY_KEYS, MEMORY_KEY]
     unknown = sorted(set(spec) - {*CLUSTER_KEYS, *optional, *NOTE_KEYS})

@@ -1,16 +1,22 @@
 """Pictures for the teaching material: each function takes data, draws one figure, writes a PNG.
 
 Memory per rank against the number of ranks for each stage, bytes per phase for each stage, lines
-over training steps (a loss, a loss scale), a
-timeline of the collectives each rank ran (from the ledger's ``start`` and ``wall_time``) and, for
-stage 3, the same with the span in which each module holds its gathered parameters, the flat
-buffer with its padding and owners, and what each rank holds of a buffer. Figures are drawn
-with matplotlib's Agg canvas on a ``Figure`` object (no pyplot, no global backend, no display), so
-they work in scripts, tests and notebooks alike; notebooks show the PNG that was written.
+over training steps (a loss, a loss scale), a timeline of the collectives each rank ran (from the
+ledger's ``start`` and ``wall_time``) and, for stage 3, the same with the span in which each
+module holds its gathered parameters, the flat buffer with its padding and owners, and what each
+rank holds of a buffer. Figures are drawn with matplotlib's Agg canvas on a ``Figure`` object (no
+pyplot, no global backend, no display), so they work in scripts, tests and notebooks alike;
+notebooks show the PNG that was written.
+
+What every picture keeps to: bytes in the unit that fits them (``byte_unit``), what was measured
+drawn as markers and a formula as a dashed line, series that coincide told apart by their
+markers, events shaded, colour bars that say what they show, titles wrapped to fit the figure.
 """
 
 from __future__ import annotations
 
+import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +25,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, NullLocator
 
 PHASE_COLORS = {
     "forward": "#4c72b0",
@@ -37,10 +44,31 @@ OP_COLORS = {
 PathLike = str | Path
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+UNITS = {1000: ("B", "kB", "MB", "GB", "TB"), 1024: ("B", "KiB", "MiB", "GiB", "TiB")}
+
+
 def _figure(width: float, height: float) -> Figure:
-    fig = Figure(figsize=(width, height), dpi=80, layout="constrained")
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
+
+
+def _title(ax: Any, text: str) -> None:
+    """The figure's title, wrapped to the figure's width so that no word is cut off (over the
+    whole figure, legends beside the axes included)."""
+    chars = max(20, int(ax.figure.get_figwidth() * 72 / 6.5))  # ~6.5 points a character
+    ax.figure.suptitle(textwrap.fill(text, chars), fontsize=11)
+
+
+def byte_unit(largest: float, base: int = 1000) -> tuple[str, float]:
+    """(name, bytes) of the largest unit in which ``largest`` bytes is at least 1: 3e5 → kB."""
+    if base not in UNITS:
+        raise ValueError(f"base must be 1000 or 1024, got {base!r}")
+    power = 0
+    while power < len(UNITS[base]) - 1 and largest >= base ** (power + 1):
+        power += 1
+    return UNITS[base][power], float(base**power)
 
 
 def _save(fig: Figure, path: PathLike | None) -> Figure:
@@ -52,30 +80,72 @@ def _save(fig: Figure, path: PathLike | None) -> Figure:
 
 def memory_vs_dp(
     dp_degrees: Sequence[int],
-    bytes_by_stage: Mapping[str, Sequence[float]],
+    bytes_by_stage: Mapping[str, Sequence[float | None]],
     path: PathLike | None = None,
     title: str = "model-state memory per device",
+    formula_by_stage: Mapping[str, Sequence[float]] | None = None,
+    base: int = 1000,
+    capacity: tuple[str, float] | None = None,
 ) -> Figure:
-    """One line per stage: bytes per rank (GB = 1e9 B) against N, both axes logarithmic."""
+    """Bytes per rank against N, both axes logarithmic, one colour and marker per stage.
+
+    ``bytes_by_stage``: measured, drawn as hollow markers (of decreasing size, so that series
+    which coincide stay visible; None: not measured at that N), joined by a line unless the stage
+    also has a formula. ``formula_by_stage``: the formula, a dashed line of the stage's colour
+    (with the stage's markers where nothing was measured). The unit (B, kB, MB, GB; ``base``
+    1024: KiB … GiB) fits the middle of the range. ``capacity``: (name, bytes) of a device's
+    memory, drawn as a dotted line."""
     if not dp_degrees:
         raise ValueError("dp_degrees must list at least one data-parallel degree, got none")
-    for stage, values in bytes_by_stage.items():
-        if len(values) != len(dp_degrees):
-            raise ValueError(
-                f"bytes_by_stage[{stage!r}] has {len(values)} values; expected one per "
-                f"dp degree ({len(dp_degrees)})"
-            )
-    fig = _figure(5.5, 3.6)
+    formula_by_stage = formula_by_stage or {}
+    checked = {"bytes_by_stage": bytes_by_stage, "formula_by_stage": formula_by_stage}
+    for what, series in checked.items():
+        for stage, values in series.items():
+            if len(values) != len(dp_degrees):
+                raise ValueError(
+                    f"{what}[{stage!r}] has {len(values)} values; expected one per "
+                    f"dp degree ({len(dp_degrees)})"
+                )
+    series = (*bytes_by_stage.values(), *formula_by_stage.values())
+    known = [float(v) for values in series for v in values if v is not None and v > 0] or [1.0]
+    known += [float(capacity[1])] if capacity else []
+    # the unit of the middle of the range (log scale): 300 kB … 1,200 kB, not 0.3 … 1.2 MB
+    unit, scale = byte_unit(math.sqrt(min(known) * max(known)), base)
+    fig = _figure(6.0, 3.8)
     ax = fig.add_subplot()
-    for stage, values in bytes_by_stage.items():
-        ax.plot(dp_degrees, np.asarray(values, dtype=float) / 1e9, marker="o", label=stage)
+    stages = [*bytes_by_stage, *(s for s in formula_by_stage if s not in bytes_by_stage)]
+    for i, stage in enumerate(stages):
+        marks = dict(marker=MARKERS[i % len(MARKERS)], markersize=9 - 1.2 * i,
+                     markerfacecolor="none", markeredgewidth=1.5, color=f"C{i % 10}")  # fmt: skip
+        if stage in bytes_by_stage:
+            y = [np.nan if v is None else float(v) / scale for v in bytes_by_stage[stage]]
+            line = "none" if stage in formula_by_stage else "-"
+            ax.plot(dp_degrees, y, linestyle=line, label=stage, **marks)
+        if stage in formula_by_stage:
+            y = np.asarray(formula_by_stage[stage], dtype=float) / scale
+            if stage in bytes_by_stage:
+                ax.plot(dp_degrees, y, linestyle="--", color=marks["color"], linewidth=1.2)
+            else:
+                ax.plot(dp_degrees, y, linestyle="--", linewidth=1.2, label=stage, **marks)
+    if capacity:
+        ax.axhline(capacity[1] / scale, color="black", linestyle=":", label=capacity[0])
+    if set(bytes_by_stage) & set(formula_by_stage):
+        ax.plot([], [], linestyle="none", marker="o", markerfacecolor="none", color="grey",
+                label="measured")  # fmt: skip
+        ax.plot([], [], linestyle="--", color="grey", label="formula")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(list(dp_degrees), [f"{n:,}" for n in dp_degrees])
+    ax.xaxis.set_minor_locator(NullLocator())
+    plain = FuncFormatter(lambda v, _: f"{v:,.10g}")
+    ax.yaxis.set_major_formatter(plain)  # 0.1, 1, 10, …, not 10⁻¹
+    # within about a decade the decades alone leave the axis bare: number the 2…9 ticks too
+    ax.yaxis.set_minor_formatter(plain if max(known) < 20 * min(known) else NullFormatter())
     ax.set_xlabel("data-parallel ranks N")
-    ax.set_ylabel("GB per device")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.set_ylabel(f"{unit} per rank")
+    _title(ax, title)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
 
 
@@ -85,25 +155,50 @@ def stacked_bars(
     title: str = "",
     ylabel: str = "bytes sent per rank per step",
     colors: Mapping[str, str] | None = None,
+    in_bytes: bool = False,
+    notes: Mapping[str, str] | None = None,
+    markers: Mapping[str, float] | None = None,
+    marker_label: str = "",
 ) -> Figure:
-    """One bar per key of ``data`` (a stage), stacked by the keys of its value (phases)."""
+    """One bar per key of ``data`` (a stage), stacked by the keys of its value (phases).
+
+    ``in_bytes``: the values are bytes, drawn in the unit that fits them (the unit goes before
+    ``ylabel``). ``notes``: text over a bar (its ratio to a baseline, say). ``markers``: one value
+    per bar drawn as a black diamond (a published figure beside the bar), named ``marker_label``.
+    Bar labels may hold a line break; the figure widens with the number of bars."""
     if not data:
         raise ValueError("data must have at least one bar, got an empty mapping")
     colors = PHASE_COLORS if colors is None else colors
     parts: list[str] = []
     for row in data.values():
         parts += [p for p in row if p not in parts]
-    fig = _figure(5.5, 3.6)
-    ax = fig.add_subplot()
     labels = list(data)
+    totals = np.array([sum(float(v) for v in data[k].values()) for k in labels])
+    unit, scale = byte_unit(float(totals.max(initial=0.0))) if in_bytes else ("", 1.0)
+    longest = max(len(line) for label in labels for line in str(label).split("\n"))
+    per_bar = max(0.6, 0.09 * longest + 0.2)  # inches: room for the longest line of a label
+    fig = _figure(max(5.5, 2.6 + per_bar * len(labels)), 3.8)
+    ax = fig.add_subplot()
+    x = np.arange(len(labels))
     bottom = np.zeros(len(labels))
     for part in parts:
-        heights = np.array([float(data[k].get(part, 0)) for k in labels])
-        ax.bar(labels, heights, bottom=bottom, label=part, color=colors.get(part))
+        heights = np.array([float(data[k].get(part, 0)) for k in labels]) / scale
+        ax.bar(x, heights, bottom=bottom, label=part, color=colors.get(part))
         bottom += heights
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize="small")
+    for i, label in enumerate(labels):
+        if notes and label in notes:
+            ax.annotate(notes[label], (i, bottom[i]), xytext=(0, 2), textcoords="offset points",
+                        ha="center", va="bottom", fontsize="small")  # fmt: skip
+    if markers:
+        keys = [k for k in labels if k in markers]
+        ax.scatter([labels.index(k) for k in keys], [markers[k] / scale for k in keys],
+                   marker="D", color="black", zorder=3, label=marker_label or None)  # fmt: skip
+    ax.set_xticks(x, labels)
+    top = max([*bottom, *([v / scale for v in markers.values()] if markers else [])], default=1.0)
+    ax.set_ylim(0, 1.12 * top if top > 0 else 1.0)
+    ax.set_ylabel(f"{unit} {ylabel}" if unit else ylabel)
+    _title(ax, title)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(True, axis="y", alpha=0.3)
     return _save(fig, path)
 
@@ -112,9 +207,12 @@ def volume_by_phase(
     bytes_by_stage: Mapping[str, Mapping[str, float]],
     path: PathLike | None = None,
     title: str = "bytes each rank sends per optimizer step",
+    notes: Mapping[str, str] | None = None,
 ) -> Figure:
     """Stacked bars of bytes per phase (forward, backward, step, clip) for each stage."""
-    return stacked_bars(bytes_by_stage, path, title, "bytes sent per rank per step")
+    return stacked_bars(
+        bytes_by_stage, path, title, "sent per rank per step", in_bytes=True, notes=notes
+    )
 
 
 def lines(
@@ -124,21 +222,54 @@ def lines(
     xlabel: str = "optimizer step",
     ylabel: str = "",
     log_y: bool = False,
+    styles: Mapping[str, Mapping[str, Any]] | None = None,
+    marks: Mapping[float, str] | None = None,
+    reference: str | None = None,
 ) -> Figure:
-    """One line per key of ``series`` against 1, 2, … (a loss or a loss scale over steps)."""
+    """One line per key of ``series`` against 1, 2, … (a loss or a loss scale over steps).
+
+    ``styles``: matplotlib keywords per series (say markers alone for what was measured, a dashed
+    line for a formula). ``marks``: {step: label}, a shaded band at each step (an event: an
+    injected overflow), one legend entry per label. ``reference``: a series the others are also
+    drawn against, below, as their difference from it (lines that would lie on top of each
+    other come apart)."""
     if not series:
         raise ValueError("series must have at least one line, got an empty mapping")
-    fig = _figure(5.5, 3.2)
-    ax = fig.add_subplot()
-    for label, values in series.items():
-        ax.plot(range(1, len(values) + 1), values, marker=".", label=label)
+    if reference is not None and reference not in series:
+        raise ValueError(f"reference must be one of {list(series)}, got {reference!r}")
+    styles = styles or {}
+    fig = _figure(7.0, 3.4 if reference is None else 5.0)
+    if reference is None:
+        ax, diff = fig.add_subplot(), None
+    else:
+        ax, diff = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    for i, (label, values) in enumerate(series.items()):
+        style = {"marker": MARKERS[i % len(MARKERS)], "markersize": 4, **styles.get(label, {})}
+        steps = range(1, len(values) + 1)
+        (line,) = ax.plot(steps, values, label=label, **style)
+        if diff is not None and label != reference:
+            gap = np.asarray(values, dtype=float) - np.asarray(series[reference], dtype=float)
+            diff.plot(steps, gap, color=line.get_color(), label=f"{label} − {reference}", **style)
+    for axis in (ax, diff):
+        if axis is None:
+            continue
+        seen: set[str] = set()
+        for step, label in (marks or {}).items():
+            axis.axvspan(step - 0.4, step + 0.4, color="#c44e52", alpha=0.25, linewidth=0,
+                         label=None if label in seen or axis is diff else label)  # fmt: skip
+            seen.add(label)
+        axis.grid(True, alpha=0.3)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if log_y:
         ax.set_yscale("log", base=2)
-    ax.set_xlabel(xlabel)
+    (diff if diff is not None else ax).set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    if diff is not None:
+        diff.axhline(0.0, color=ax.get_lines()[list(series).index(reference)].get_color(),
+                     linewidth=1.0)  # fmt: skip
+        diff.set_ylabel(f"difference from {reference}")
+    _title(ax, title)
     return _save(fig, path)
 
 
@@ -187,7 +318,7 @@ def collective_timeline(
     ax.set_yticklabels([f"rank {r}" for r in range(len(records_by_rank))])
     ax.invert_yaxis()
     ax.set_xlabel("ms after the first collective drawn")
-    ax.set_title(title)
+    _title(ax, title)
     if seen:
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
@@ -267,32 +398,37 @@ def gather_release_timeline(
     ax.set_yticklabels([f"rank {r}" for r in range(len(records_by_rank))])
     ax.invert_yaxis()
     ax.set_xlabel("ms after the first event drawn (black tick: parameters released)")
-    ax.set_title(title)
+    _title(ax, title)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
 
 
 def flat_buffer(layout: Any, path: PathLike | None = None, title: str = "") -> Figure:
-    """The flat buffer of a ``zerosim.zero.Layout``: parameter slots, padding, each rank's shard."""
-    fig = _figure(7.0, 1.2 + 0.35 * layout.world_size)
+    """The flat buffer of a ``zerosim.zero.Layout``: parameter slots (named in the legend),
+    padding (hatched), each rank's shard (grey: rank colours are not parameter colours)."""
+    fig = _figure(7.5, 1.3 + 0.35 * layout.world_size)
     ax = fig.add_subplot()
-    cmap = colormaps["tab20"]
+    cmap = colormaps["tab10"]
     for i, slot in enumerate(layout.slots):
-        ax.barh(0, slot.range.size, left=slot.range.start, color=cmap(i % 20), edgecolor="black")
-        if slot.range.size > 0.06 * layout.padded_numel:
-            middle = slot.range.start + slot.range.size / 2
-            ax.text(middle, 0, slot.name, ha="center", va="center", fontsize="x-small")
-    for start, stop in padding_ranges(layout):
-        ax.barh(0, stop - start, left=start, color="white", hatch="///", edgecolor="grey")
+        ax.barh(0, slot.range.size, left=slot.range.start, color=cmap(i % 10), edgecolor="black",
+                linewidth=0.5, label=slot.name)  # fmt: skip
+    for n, (start, stop) in enumerate(padding_ranges(layout)):
+        ax.barh(0, stop - start, left=start, color="white", hatch="///", edgecolor="grey",
+                label=None if n else "padding")  # fmt: skip
     for rank in range(layout.world_size):
         for rng in layout.owned_ranges(rank):
-            ax.barh(1 + rank, rng.size, left=rng.start, color=cmap(2 * rank % 20), alpha=0.8)
+            ax.barh(1 + rank, rng.size, left=rng.start, color="0.45", edgecolor="black",
+                    linewidth=0.5)  # fmt: skip
+            if rng.size >= 0.05 * layout.padded_numel:
+                ax.text(rng.start + rng.size / 2, 1 + rank, f"{rng.size}", ha="center",
+                        va="center", color="white", fontsize="x-small")  # fmt: skip
     ax.set_yticks(range(1 + layout.world_size))
     ax.set_yticklabels(["parameters"] + [f"rank {r} owns" for r in range(layout.world_size)])
     ax.invert_yaxis()
     ax.set_xlim(0, layout.padded_numel)
     ax.set_xlabel(f"flat-buffer element (Ψ = {layout.numel}, Ψ_pad = {layout.padded_numel})")
-    ax.set_title(title or f"{layout.kind} layout on {layout.world_size} ranks")
+    _title(ax, title or f"{layout.kind} layout on {layout.world_size} ranks")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
 
 
@@ -309,18 +445,23 @@ def padding_ranges(layout: Any) -> list[tuple[int, int]]:
 
 
 def rank_holdings(
-    arrays_by_rank: Sequence[Any], path: PathLike | None = None, title: str = ""
+    arrays_by_rank: Sequence[Any],
+    path: PathLike | None = None,
+    title: str = "",
+    value_label: str = "value",
+    xlabel: str = "flat-buffer element",
 ) -> Figure:
-    """A rank × element picture of what each rank holds (NaN = not held, drawn blank)."""
+    """A rank × element picture of what each rank holds (NaN = not held, drawn blank); the
+    colour bar says what the colours are (``value_label``)."""
     rows = [np.asarray(a, dtype=float).reshape(-1) for a in arrays_by_rank]
     if not rows or len({r.size for r in rows}) != 1:
         raise ValueError("arrays_by_rank must be one array per rank, all of the same size")
-    fig = _figure(7.0, 0.8 + 0.35 * len(rows))
+    fig = _figure(7.5, 1.0 + 0.35 * len(rows))
     ax = fig.add_subplot()
     image = ax.imshow(np.vstack(rows), aspect="auto", interpolation="nearest", cmap="viridis")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"rank {r}" for r in range(len(rows))])
-    ax.set_xlabel("flat-buffer element")
-    ax.set_title(title)
-    fig.colorbar(image, ax=ax, fraction=0.03)
+    ax.set_xlabel(xlabel)
+    _title(ax, title)
+    fig.colorbar(image, ax=ax, fraction=0.03, label=value_label)
     return _save(fig, path)
