@@ -33,8 +33,10 @@ def add_subcommand(sub: Any) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="gpt or mlp (as zerosim train), a preset (gpt3-125m … gpt3-175b, gpt-529b) or "
-        "gpt:LAYERS,HIDDEN,VOCAB,SEQ[,HEADS]",
+        help="gpt or mlp (as zerosim train), a GPT preset (gpt3-125m … gpt3-175b, gpt-529b), "
+        "gpt:LAYERS,HIDDEN,VOCAB,SEQ[,HEADS], a model preset (llama2-7b … llama3-405b, mpt-125m "
+        "… mpt-70b, bloom-176b, bloomberggpt, each also NAME-tiny) or a model-description "
+        "JSON/hjson file",
     )
     p.add_argument(
         "--ranks", type=int_at_least(1), required=True, metavar="N", help="virtual world size"

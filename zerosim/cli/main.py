@@ -76,6 +76,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from zerosim.cli.train import UsageError
 
+    if args.model not in ("gpt", "mlp"):
+        from zerosim.nn import describe
+
+        try:
+            describe(args.model)
+        except ValueError as err:
+            return refuse("train", f"--model: {err}")
     try:
         if args.local:
             data = LocalWorld(args.local).run(_train_and_report, args)[0]
@@ -193,7 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=150,
         help="train until this many optimizer steps (with --resume, counted from the start)",
     )
-    train.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
+    train.add_argument(
+        "--model",
+        default="gpt",
+        help="gpt (shaped by --block-size … --n-embd) or mlp, a model preset (llama3-8b-tiny, "
+        "mpt-125m-tiny, bloom-176b-tiny, …: every preset of zerosim.nn.PRESETS and its -tiny) "
+        "or a model-description JSON/hjson file (docs/nn.md); default gpt",
+    )
     train.add_argument("--block-size", type=int_at_least(1), default=32)
     train.add_argument("--n-layer", type=int_at_least(1), default=2)
     train.add_argument("--n-head", type=int_at_least(1), default=4)

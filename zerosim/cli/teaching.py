@@ -76,6 +76,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         allowed = ("1", "2", "3")
     stages = _stages(args.stage, allowed)
     dtype = _dtype(args)
+    if (code := _model_params(args, "memory")) is not None:
+        return code
     try:
         data = memory_data(
             args.params,
@@ -110,6 +112,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
 def cmd_volume(args: argparse.Namespace) -> int:
     from zerosim.report import plots, whole_params
 
+    if (code := _model_params(args, "volume")) is not None:
+        return code
     try:
         data = _volume(args)
         if args.optimizer != "adam":  # what LAMB or Muon add (zerosim/report/whole_params.py)
@@ -278,6 +282,8 @@ def _timeline(
 def cmd_plot(args: argparse.Namespace) -> int:
     from zerosim.report import plots
 
+    if args.what in ("memory", "volume") and (code := _model_params(args, "plot")) is not None:
+        return code
     if args.what == "memory":
         dtype = _dtype(args)
         data = memory_data(args.params, args.dp, list(STAGES), dtype, args.num_states)
@@ -326,12 +332,14 @@ def _common(p: argparse.ArgumentParser, plot: bool = True) -> None:
 
 
 def _memory_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
         "--params",
         type=parameter_count,
         default=7_500_000_000,
         help="parameters Ψ, 0 to 1e18 (default 7.5e9)",
     )
+    size.add_argument("--model", help=MODEL_HELP)
     p.add_argument(
         "--dp",
         type=int_at_least(1),
@@ -362,13 +370,34 @@ def _memory_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+MODEL_HELP = (
+    "Ψ of a model instead of --params: a model preset (llama2-7b … llama3-405b, mpt-125m … "
+    "mpt-70b, bloom-176b, bloomberggpt, each also NAME-tiny), a model-description JSON/hjson "
+    "file, a GPT preset or gpt:n_layer,n_embd,vocab_size,block_size"
+)
+
+
+def _model_params(args: argparse.Namespace, command: str) -> int | None:
+    """Set ``args.params`` from ``--model`` when given; the exit code 2 of a refusal, else None."""
+    from zerosim.report.tables import model_params
+
+    if getattr(args, "model", None) is None:
+        return None
+    try:
+        args.params = model_params(args.model)
+    except ValueError as err:
+        return refuse(command, str(err))
+    return None
+
+
 def _volume_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument(
         "--params",
         type=parameter_count,
-        required=True,
         help="parameters Ψ before padding, 0 to 1e18",
     )
+    size.add_argument("--model", help=MODEL_HELP)
     p.add_argument(
         "--dp", type=int_at_least(1), required=True, metavar="N", help="data-parallel ranks"
     )
@@ -473,7 +502,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     size.add_argument(
         "--model",
         help="a GPT: a preset (gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-7b, gpt-13b) or "
-        "gpt:n_layer,n_embd,vocab_size,block_size",
+        "gpt:n_layer,n_embd,vocab_size,block_size; or a model preset (llama3-8b, mpt-7b, "
+        "bloom-176b, …, each also NAME-tiny) or a model-description JSON/hjson file",
     )
     project.add_argument(
         "--tokens-per-step",

@@ -33,7 +33,7 @@ from zerosim.comm.virtual import VirtualComm, VirtualWorld
 from zerosim.config import load_config, read_config_file
 from zerosim.config.values import as_mapping
 from zerosim.engine import Engine, initialize
-from zerosim.nn import GPT, MLP, Module, checkpoint
+from zerosim.nn import GPT, MLP, Module, Transformer, checkpoint
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,11 @@ class ModelRecipe:
 
 
 def recipe(spec: Any, name: str | None = None) -> ModelRecipe:
-    """``gpt``/``mlp`` (``zerosim train``'s models), a preset, ``gpt:L,H,V,S[,HEADS]`` or a
-    ``GPTShape`` (then ``name`` names it; a shape's ``tied`` is kept, as ``gpt:…`` cannot say)."""
-    from zerosim.analysis.presets import GPTShape, gpt_shape
+    """``gpt``/``mlp`` (``zerosim train``'s models), a GPT preset, ``gpt:L,H,V,S[,HEADS]``, a
+    ``GPTShape`` (then ``name`` names it; a shape's ``tied`` is kept, as ``gpt:…`` cannot say),
+    or a model description: a ``zerosim.nn.PRESETS`` name (Llama, MPT, BLOOM; also ``-tiny``)
+    or a JSON/hjson description file."""
+    from zerosim.analysis.presets import PRESETS, GPTShape, gpt_shape
 
     xp = meta.NAMESPACE
     if isinstance(spec, GPTShape):
@@ -65,8 +67,10 @@ def recipe(spec: Any, name: str | None = None) -> ModelRecipe:
         from zerosim.data import CharDataset
 
         shape = GPTShape(2, 64, 4, CharDataset(block_size=64).vocab_size, 64, tied=False)
-    else:
+    elif spec in PRESETS or spec.startswith("gpt:"):
         shape = gpt_shape(spec)
+    else:  # a model description: a zerosim.nn preset (or its -tiny) or a JSON/hjson file
+        return _description_recipe(spec)
 
     def build() -> Module:
         s = shape
@@ -77,6 +81,29 @@ def recipe(spec: Any, name: str | None = None) -> ModelRecipe:
         return ids, xp.zeros((b, shape.seq), np.int64)
 
     return ModelRecipe(spec, build, batch, shape)
+
+
+def _description_recipe(spec: str) -> ModelRecipe:
+    """The recipe of ``Transformer(describe(spec))``; a name that is neither a description nor
+    a GPT is refused with the GPT forms and the description presets both named."""
+    from zerosim.analysis.presets import PRESETS as GPT_PRESETS
+    from zerosim.nn import PRESETS as DESCRIPTIONS
+    from zerosim.nn import describe
+
+    named = spec in DESCRIPTIONS or spec.removesuffix("-tiny") in DESCRIPTIONS
+    if not (named or Path(spec).is_file()):
+        raise ValueError(
+            f"--model {spec!r} is not a model; allowed: {sorted(GPT_PRESETS)}, 'gpt', 'mlp', "
+            f"gpt:LAYERS,HIDDEN,VOCAB,SEQ[,HEADS], a model preset ({', '.join(DESCRIPTIONS)}, "
+            "each also as NAME-tiny) or a model-description file"
+        )
+    desc = describe(spec)
+    xp = meta.NAMESPACE
+
+    def batch(b: int) -> tuple[Any, Any]:
+        return xp.zeros((b, desc.seq), np.int64), xp.zeros((b, desc.seq), np.int64)
+
+    return ModelRecipe(desc.name, lambda: Transformer(desc), batch)
 
 
 @dataclass

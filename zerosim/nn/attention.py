@@ -19,6 +19,9 @@ the whole matrix, as without blocks. q, k, v and their gradients stay in c_attn'
 (B, T, 3, h, d) layout; the matmuls read and write (B, h, T, d) views of it (``out=``
 writes into a view of the bigger array, on NumPy directly, on the other backends
 through ``view[...] = result``).
+
+With ``alibi`` (MPT, BLOOM), each head h adds −m_h·(i − j) to S before the softmax
+(``zerosim.nn.positions``); the bias is a constant, so backward is unchanged.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from zerosim.nn.functional import (
 from zerosim.nn.init import RngLike, as_generator, check_positive_int
 from zerosim.nn.linear import Linear
 from zerosim.nn.module import Module
+from zerosim.nn.positions import alibi_bias, alibi_slopes
 
 QUERY_BLOCK = 64  # positions per block; shorter blocks make batched matmuls too small
 
@@ -69,7 +73,9 @@ def _transposed(a: Any) -> Any:
 
 class CausalSelfAttention(Module):
     """Children: ``c_attn`` (C → 3C, packs q, k, v), ``attn_dropout`` (on P),
-    ``c_proj`` (C → C) and ``resid_dropout`` (on the output); nanoGPT's names."""
+    ``c_proj`` (C → C) and ``resid_dropout`` (on the output); nanoGPT's names. ``alibi``: add
+    ALiBi's biases to the scores (MPT's ``Wqkv``/``out_proj``, BLOOM's ``query_key_value``/
+    ``dense`` are these two matrices under other names)."""
 
     def __init__(
         self,
@@ -78,6 +84,7 @@ class CausalSelfAttention(Module):
         dropout: float = 0.0,
         bias: bool = True,
         *,
+        alibi: bool = False,
         rng: RngLike = None,
         dtype: Any = "float32",
     ) -> None:
@@ -89,6 +96,7 @@ class CausalSelfAttention(Module):
                 f"n_embd must be divisible by n_head; got n_embd={n_embd}, n_head={n_head}"
             )
         rng = as_generator(rng)
+        self.alibi_slopes = alibi_slopes(n_head) if alibi else None
         self.c_attn = Linear(n_embd, 3 * n_embd, bias, rng=rng, dtype=dtype)
         self.attn_dropout = Dropout(dropout, rng=rng.spawn(1)[0])
         self.c_proj = Linear(n_embd, n_embd, bias, rng=rng, dtype=dtype)
@@ -112,6 +120,8 @@ class CausalSelfAttention(Module):
             xp.matmul(q[:, :, a:e, ...], _transposed(k[:, :, :e, ...]), out=s)
             s *= 1.0 / math.sqrt(d)
             s += mask[a:e, :e]
+            if self.alibi_slopes is not None:
+                s += alibi_bias(self.alibi_slopes, range(a, e), e, like=s)
             softmax_(s)
             probs[:, :, a:e, e:] = 0
         dropped = self.attn_dropout(probs)
@@ -151,4 +161,5 @@ class CausalSelfAttention(Module):
         return self.c_attn.backward(downcast(reshape(dqkv, (b, t, 3 * h * d)), dtype))
 
     def extra_repr(self) -> str:
-        return f"n_embd={self.n_embd}, n_head={self.n_head}"
+        alibi = ", alibi=True" if self.alibi_slopes is not None else ""
+        return f"n_embd={self.n_embd}, n_head={self.n_head}{alibi}"

@@ -1,4 +1,5 @@
-"""The two models the ZeRO engine trains: ``MLP`` and a nanoGPT-style ``GPT``.
+"""The models the ZeRO engine trains: ``MLP``, the ``Transformer`` of a ``ModelDescription``
+(Llama, MPT, BLOOM, …) and nanoGPT's ``GPT``, the Transformer of GPT-2's description.
 
 One calling convention for both:
 
@@ -7,7 +8,8 @@ One calling convention for both:
     model.backward(grad_scale=1.0)   backpropagates the last loss, seeded with grad_scale
 
 Parameter names match what torch would give the same structure (``layers.0.weight`` for
-the MLP; ``wte.weight``, ``blocks.0.attn.c_attn.weight``, … for GPT; see docs/nn.md),
+the MLP; ``wte.weight``, ``blocks.0.attn.c_attn.weight``, … for GPT; ``blocks.0.attn.q_proj``,
+``blocks.0.mlp.gate_proj``, … for Llama's parts; see docs/nn.md),
 so weights can be exchanged with torch by name.
 """
 
@@ -22,13 +24,14 @@ import numpy as np
 from zerosim.backend import resolve_dtype, xp_of
 from zerosim.nn.activation import GELU, Dropout, ReLU, Tanh
 from zerosim.nn.containers import ModuleList, Sequential
+from zerosim.nn.description import ModelDescription, describe
 from zerosim.nn.functional import compute_dtype, reduce, reshape
 from zerosim.nn.init import check_positive_int, normal
 from zerosim.nn.linear import Embedding, Linear
 from zerosim.nn.loss import CrossEntropyLoss, MSELoss
 from zerosim.nn.module import Module
-from zerosim.nn.norm import LayerNorm
-from zerosim.nn.transformer import Block
+from zerosim.nn.norm import LayerNorm, RMSNorm
+from zerosim.nn.transformer import DecoderBlock, make_norm
 
 ACTIVATIONS = {"relu": ReLU, "gelu": GELU, "tanh": Tanh}
 LOSSES = {"cross_entropy": CrossEntropyLoss, "mse": MSELoss}
@@ -150,48 +153,48 @@ class MLP(LossModel):
         return self.layers.backward(grad)
 
 
-class GPT(LossModel):
-    """nanoGPT's GPT-2: ``wte`` + ``wpe`` → ``drop`` → ``blocks.{i}`` → ``ln_f`` → ``lm_head``.
+class Transformer(LossModel):
+    """The decoder-only transformer a ``ModelDescription`` states (``zerosim.nn.description``):
+    ``wte`` (+ ``wpe``, learned positions only) (→ ``ln_e``, BLOOM's norm after the embedding)
+    → ``drop`` → ``blocks.{i}`` (``DecoderBlock``) → ``ln_f`` → ``lm_head``.
 
-    ``model(idx)`` → logits (B, T, vocab_size); ``model(idx, targets)`` → mean cross-entropy
-    of next-token targets (B, T), where target −1 is ignored (nanoGPT's convention).
-    Initialisation (nanoGPT): every Linear weight and both embeddings ~ N(0, 0.02²),
-    residual projections (``*.c_proj.weight``) ~ N(0, (0.02/√(2·n_layer))²), biases 0,
-    LayerNorm weight 1 / bias 0; drawn in ``named_parameters`` order from
-    ``default_rng(seed)``. ``tie_weights`` makes ``lm_head`` share ``wte.weight``.
-    ``gelu_approximate="tanh"`` (default) is GPT-2's original GELU; "none" is the exact one.
+    ``desc`` is a description, a preset name or a description file (``describe``).
+    ``model(idx)`` → logits (B, T, vocab); ``model(idx, targets)`` → mean cross-entropy of
+    next-token targets (B, T), target −1 ignored (nanoGPT's convention).
+    Initialisation (nanoGPT's, for every family): every Linear weight and the embeddings
+    ~ N(0, 0.02²), residual projections (``c_proj``, ``o_proj``, ``down_proj``) ~
+    N(0, (0.02/√(2·layers))²), biases 0, norm weights 1 / biases 0; drawn in
+    ``named_parameters`` order from ``default_rng(seed)``. A tied ``lm_head`` shares
+    ``wte.weight``.
     """
+
+    RESIDUAL_PROJECTIONS = ("c_proj.weight", "o_proj.weight", "down_proj.weight")
 
     def __init__(
         self,
-        vocab_size: int,
-        block_size: int,
-        n_layer: int,
-        n_head: int,
-        n_embd: int,
+        desc: ModelDescription | str,
         dropout: float = 0.0,
-        bias: bool = True,
-        tie_weights: bool = False,
         seed: int = 0,
         dtype: Any = "float32",
-        gelu_approximate: str = "tanh",
     ) -> None:
         super().__init__()
-        self.vocab_size = check_positive_int("vocab_size", vocab_size)
-        self.block_size = check_positive_int("block_size", block_size)
-        self.n_layer = check_positive_int("n_layer", n_layer)
+        desc = describe(desc)
+        self.desc = desc
+        self.vocab_size, self.block_size, self.n_layer = desc.vocab, desc.seq, desc.layers
         dtype = resolve_dtype(dtype)
         rng = np.random.default_rng(seed)
-        self.wte = Embedding(vocab_size, n_embd, rng=rng, dtype=dtype)
-        self.wpe = Embedding(block_size, n_embd, rng=rng, dtype=dtype)
+        self.wte = Embedding(desc.vocab, desc.hidden, rng=rng, dtype=dtype)
+        if desc.positions == "learned":
+            self.wpe = Embedding(desc.seq, desc.hidden, rng=rng, dtype=dtype)
+        if desc.embedding_norm:
+            self.ln_e = make_norm(desc, dtype)
         self.drop = Dropout(dropout, rng=rng.spawn(1)[0])
         self.blocks = ModuleList(
-            Block(n_embd, n_head, dropout, bias, gelu_approximate, rng=rng, dtype=dtype)
-            for _ in range(n_layer)
+            DecoderBlock(desc, dropout, rng=rng, dtype=dtype) for _ in range(desc.layers)
         )
-        self.ln_f = LayerNorm(n_embd, bias=bias, dtype=dtype)
-        self.lm_head = Linear(n_embd, vocab_size, bias=False, rng=rng, dtype=dtype)
-        if tie_weights:
+        self.ln_f = make_norm(desc, dtype)
+        self.lm_head = Linear(desc.hidden, desc.vocab, bias=False, rng=rng, dtype=dtype)
+        if desc.tied:
             self.lm_head.weight = self.wte.weight
         self.loss_fn = CrossEntropyLoss(ignore_index=-1)
         self._init_weights(rng)
@@ -199,25 +202,37 @@ class GPT(LossModel):
 
     def _init_weights(self, rng: np.random.Generator) -> None:
         residual_std = 0.02 / math.sqrt(2 * self.n_layer)
+        norm_params = {
+            id(p)
+            for m in self.modules()
+            if isinstance(m, LayerNorm | RMSNorm)
+            for p in m.parameters()
+        }
         for name, p in self.named_parameters():
-            if ".ln_" in name or name.startswith("ln_f."):
-                continue  # LayerNorm keeps weight 1, bias 0
+            if id(p) in norm_params:
+                continue  # norms keep weight 1, bias 0
             if name.endswith(".bias"):
                 p.set_full_(0)
             else:
-                std = residual_std if name.endswith("c_proj.weight") else 0.02
+                std = residual_std if name.endswith(self.RESIDUAL_PROJECTIONS) else 0.02
                 p.set_full_(normal(rng, p.shape, std, p.dtype))
 
     def _output(self, idx: Any) -> Any:
         if idx.ndim != 2:
-            raise ValueError(f"GPT expects token ids of shape (B, T); got {tuple(idx.shape)}")
+            raise ValueError(
+                f"{type(self).__name__} expects token ids of shape (B, T); got {tuple(idx.shape)}"
+            )
         t = idx.shape[1]
         if not 0 < t <= self.block_size:
             raise ValueError(
                 f"sequence length T must be in [1, block_size={self.block_size}]; got T={t}"
             )
-        pos = xp_of(idx).arange(t)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.wte(idx)
+        if self.desc.positions == "learned":
+            x = x + self.wpe(xp_of(idx).arange(t))
+        if self.desc.embedding_norm:
+            x = self.ln_e(x)
+        x = self.drop(x)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
@@ -235,6 +250,79 @@ class GPT(LossModel):
         for block in reversed(list(self.blocks)):
             grad = block.backward(grad)
         grad = self.drop.backward(grad)
-        self.wpe.backward(reduce("sum", grad, axis=0, dtype=compute_dtype(grad.dtype)))
+        if self.desc.embedding_norm:
+            grad = self.ln_e.backward(grad)
+        if self.desc.positions == "learned":
+            self.wpe.backward(reduce("sum", grad, axis=0, dtype=compute_dtype(grad.dtype)))
         self.wte.backward(grad)
         return None
+
+
+class GPT(Transformer):
+    """nanoGPT's GPT-2: the ``Transformer`` of the description with learned positions,
+    LayerNorm (ε = 1e-5), a 4C GELU MLP and multi-head attention (``description``).
+
+    ``wte`` + ``wpe`` → ``drop`` → ``blocks.{i}`` → ``ln_f`` → ``lm_head``; initialised as
+    ``Transformer`` says (residual projections ``*.c_proj.weight``). ``tie_weights`` makes
+    ``lm_head`` share ``wte.weight``. ``gelu_approximate="tanh"`` (default) is GPT-2's original
+    GELU; "none" is the exact one.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        tie_weights: bool = False,
+        seed: int = 0,
+        dtype: Any = "float32",
+        gelu_approximate: str = "tanh",
+    ) -> None:
+        desc = self.description(
+            vocab_size, block_size, n_layer, n_head, n_embd, bias, tie_weights, gelu_approximate
+        )
+        super().__init__(desc, dropout, seed, dtype)
+
+    @staticmethod
+    def description(
+        vocab_size: int,
+        block_size: int,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        bias: bool = True,
+        tie_weights: bool = False,
+        gelu_approximate: str = "tanh",
+    ) -> ModelDescription:
+        """The ``ModelDescription`` of ``GPT(...)`` with these arguments."""
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("block_size", block_size),
+            ("n_layer", n_layer),
+            ("n_head", n_head),
+            ("n_embd", n_embd),
+        ):
+            check_positive_int(name, value)
+        if n_embd % n_head:
+            raise ValueError(
+                f"n_embd must be divisible by n_head; got n_embd={n_embd}, n_head={n_head}"
+            )
+        return ModelDescription(
+            n_layer,
+            n_embd,
+            n_head,
+            vocab_size,
+            block_size,
+            mlp="gelu",
+            gelu_approximate=gelu_approximate,
+            norm="layernorm",
+            norm_eps=1e-5,
+            bias=bias,
+            positions="learned",
+            tied=tie_weights,
+            name="gpt",
+        )

@@ -1,9 +1,13 @@
-"""``LayerNorm`` and ``BatchNorm1d``: normalise, then scale and shift, with hand-written backward.
+"""``LayerNorm``, ``RMSNorm`` and ``BatchNorm1d``: normalise, then scale (and shift), with
+hand-written backward.
 
 Both compute their statistics in float32 (or float64) even for 16-bit inputs. Backward,
 with x̂ = (x − μ)·rstd, rstd = 1/√(σ² + ε), and m values per statistic (Ioffe & Szegedy 2015):
 
     dx̂ = g·w,   dx = rstd · (dx̂ − mean(dx̂) − x̂ · mean(dx̂ · x̂)),   dw = Σ g·x̂,   db = Σ g.
+
+RMSNorm (Zhang & Sennrich 2019) leaves the mean in: x̂ = x·rstd, rstd = 1/√(mean(x²) + ε), and
+its backward drops the mean(dx̂) term: dx = rstd · (dx̂ − x̂ · mean(dx̂ · x̂)).
 """
 
 from __future__ import annotations
@@ -92,6 +96,60 @@ class LayerNorm(Module):
         mean_dxhat_xhat = rowdot(dx, xhat)[..., None]
         mean_dxhat_xhat *= 1.0 / self.normalized_shape
         dx -= reduce("mean", dx, axis=-1, keepdims=True)
+        xhat *= mean_dxhat_xhat
+        dx -= xhat
+        dx *= rstd
+        return downcast(dx, x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}"
+
+
+class RMSNorm(Module):
+    """y = x / √(mean(x²) + ε) · w over the last axis (no mean subtracted, no bias), as Llama's
+    ``LlamaRMSNorm`` and ``torch.nn.functional.rms_norm``. Llama 2 and 3 use ε = 1e-5."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, *, dtype: Any = "float32") -> None:
+        super().__init__()
+        self.normalized_shape = check_positive_int("normalized_shape", normalized_shape)
+        if not eps > 0:
+            raise ValueError(f"eps must be a positive float; got {eps!r}")
+        self.eps = float(eps)
+        self.weight = Parameter(np.ones(self.normalized_shape, resolve_dtype(dtype)))
+
+    def forward(self, x: Any) -> Any:
+        if x.ndim == 0 or x.shape[-1] != self.normalized_shape:
+            raise ValueError(
+                f"RMSNorm expects a last axis of {self.normalized_shape}; "
+                f"got shape {tuple(x.shape)}"
+            )
+        xp = xp_of(x)
+        xc = upcast(x)
+        ms = rowdot(xc, xc)[..., None]  # Σ x², then mean(x²) + ε, then rstd, in place
+        ms *= 1.0 / self.normalized_shape
+        ms += self.eps
+        rstd = 1 / xp.sqrt(ms, out=ms)
+        self.save_for_backward(x, rstd)
+        y = xc * rstd
+        y *= upcast(self.weight.data)
+        return downcast(y, x.dtype)
+
+    def _backward(self, grad: Any) -> Any:
+        x, rstd = self.pop_saved()
+        xp = xp_of(grad)
+        xhat = upcast(x) * rstd
+        g = upcast(grad)
+        g_rows = reshape(g, (-1, self.normalized_shape))
+        xhat_rows = reshape(xhat, g_rows.shape)
+        if xp is np:  # Σ g·x̂ without a (rows, C) temporary
+            dw = np.einsum("ij,ij->j", g_rows, xhat_rows)
+        else:
+            dw = reduce("sum", g_rows * xhat_rows, axis=0)
+        accumulate_grad(self.weight, dw)
+        dx = g * upcast(self.weight.data)  # dx̂, turned into dx in place below
+        # dx = rstd · (dx̂ − x̂ · mean(dx̂ · x̂))
+        mean_dxhat_xhat = rowdot(dx, xhat)[..., None]
+        mean_dxhat_xhat *= 1.0 / self.normalized_shape
         xhat *= mean_dxhat_xhat
         dx -= xhat
         dx *= rstd

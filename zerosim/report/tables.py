@@ -319,14 +319,21 @@ def gpt_params(n_layer: int, n_embd: int, vocab_size: int, block_size: int) -> i
 
 
 def model_params(spec: str) -> int:
-    """Ψ of a ``--model`` value: a preset name or ``gpt:n_layer,n_embd,vocab_size,block_size``."""
+    """Ψ of a ``--model`` value: a GPT preset name, ``gpt:n_layer,n_embd,vocab_size,block_size``,
+    or a model description (a ``zerosim.nn.PRESETS`` name, its ``-tiny``, or a JSON/hjson file:
+    ``ModelDescription.num_parameters``)."""
+    from zerosim.nn import PRESETS, describe
+
     if spec in GPT_PRESETS:
         return gpt_params(*GPT_PRESETS[spec])
     if spec.startswith("gpt:"):
         parts = spec[4:].split(",")
         if len(parts) == 4 and all(p.strip().isdigit() and int(p) > 0 for p in parts):
             return gpt_params(*(int(p) for p in parts))
+    if spec in PRESETS or spec.removesuffix("-tiny") in PRESETS or Path(spec).is_file():
+        return describe(spec).num_parameters()  # a bad file: its own message
     raise ValueError(
-        f"--model {spec!r} is not a model; allowed: {sorted(GPT_PRESETS)} or "
-        "gpt:n_layer,n_embd,vocab_size,block_size with positive integers"
+        f"--model {spec!r} is not a model; allowed: {sorted(GPT_PRESETS)}, "
+        "gpt:n_layer,n_embd,vocab_size,block_size with positive integers, a model preset "
+        f"({', '.join(sorted(PRESETS))}, each also as NAME-tiny) or a model-description file"
     )
