@@ -22,15 +22,7 @@ from zerosim.backend import assign, nbytes, np_dtype
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, bucket_members
 from zerosim.zero.partition import Range, reduction_buckets
-from zerosim.zero.strategy import FlatGroup, Strategy
-
-
-class Stage0Group(FlatGroup):
-    """A parameter group at stage 0: its flat parameters and their full gradients."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.flat_grad: Any = None  # setup_gradients: gradients laid out like flat_param
+from zerosim.zero.strategy import FlatGroup, FullGradGroup, Strategy
 
 
 class Stage0(Strategy):
@@ -38,7 +30,7 @@ class Stage0(Strategy):
 
     stage = 0
     reported_norm = "none_in_one_precision"  # the client's torch optimizer keeps none
-    group_cls = Stage0Group
+    group_cls = FullGradGroup
 
     def setup_gradients(self) -> None:
         for g in self.groups:
@@ -63,10 +55,10 @@ class Stage0(Strategy):
         if self.reducing:
             self.queues[self.where[id(p)][0]].ready(p)
 
-    def _reduce_bucket(self, g: Stage0Group, buckets: list[Range], b: int) -> None:
+    def _reduce_bucket(self, g: FullGradGroup, buckets: list[Range], b: int) -> None:
         self.reduce_range(g, buckets[b])
 
-    def reduce_range(self, g: Stage0Group, rng: Range) -> None:
+    def reduce_range(self, g: FullGradGroup, rng: Range) -> None:
         """All-reduce flat gradient range ``rng`` in place (a cast copy of it under
         ``communication_data_type``); ``finish_reduction`` waits for it."""
         view = g.flat_grad[rng.start : rng.stop]

@@ -70,7 +70,6 @@ class ShardGroup:
         self.persistent_buffers: dict[int, Any] = {}  # id(param) -> its whole copy
         self.grad_shard: Any = None  # the reduced gradient of this rank's chunks
         self.master: Any = None  # fp32 master of the chunks (mixed precision, offload)
-        self.master_grads: Any = None  # (never used at stage 3; read by the base class)
         for i, (name, p) in enumerate(named):
             full = None
             if p.partition is not None:  # built inside zero.Init: adopt this rank's chunk

@@ -67,8 +67,8 @@ class Tile:
 class FlatGroup:
     """One parameter group laid end to end in a flat buffer; module params become views of it.
 
-    The fields every flat-buffer stage has; a stage's subclass (``Stage0Group`` …) adds its
-    gradient storage.
+    The fields every flat-buffer stage has; a stage's subclass (``FullGradGroup``, ``Stage2Group``)
+    adds its gradient storage.
     """
 
     def __init__(
@@ -98,6 +98,15 @@ class FlatGroup:
         """Parameter ``index``'s piece of a flat buffer laid out like the parameters."""
         slot = self.slots[index]
         return xp_of(flat).reshape(flat[slot.range.start : slot.range.stop], slot.shape)
+
+
+class FullGradGroup(FlatGroup):
+    """A parameter group whose rank keeps full gradients (stages 0 and 1): its flat parameters
+    and a gradient buffer laid out like them."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.flat_grad: Any = None  # setup_gradients: gradients laid out like flat_param
 
 
 def sum_sq(v: Any) -> float:
