@@ -65,7 +65,7 @@ class Stage0(Strategy):
         wire = self.wire_dtype(view.dtype)
         if wire == np_dtype(view.dtype):
             self.before_reduction(view)
-            handle = self.launch(self.comm.iall_reduce, self.comm.all_reduce, view)
+            handle = self.start_or_run(self.comm.iall_reduce, self.comm.all_reduce, view)
             self.pending.add(handle, view, None, ())
             return
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
@@ -73,7 +73,7 @@ class Stage0(Strategy):
         assign(buf, view)
         view[...] = 0  # the reduced copy is added back into it
         self.before_reduction(buf)
-        handle = self.launch(self.comm.iall_reduce, self.comm.all_reduce, buf)
+        handle = self.start_or_run(self.comm.iall_reduce, self.comm.all_reduce, buf)
         self.pending.add(handle, buf, view, (buf,))
 
     def before_backward(self, boundary: bool) -> None:

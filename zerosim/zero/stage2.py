@@ -37,7 +37,7 @@ class Stage2Group(FlatGroup):
 
 
 @dataclass
-class GroupBuckets:
+class BucketPlan:
     """The reduction buckets of one group's flat buffer (cut at parameter starts)."""
 
     ranges: list[Range]  # bucket -> its range of the flat buffer
@@ -47,7 +47,7 @@ class GroupBuckets:
     filling: dict[int, Any] = field(default_factory=dict)  # bucket -> its buffer while filled
 
     @classmethod
-    def plan(cls, g: FlatGroup, bucket_size: int) -> GroupBuckets:
+    def plan(cls, g: FlatGroup, bucket_size: int) -> BucketPlan:
         ranges = reduction_buckets(g.layout, bucket_size)
         of_param = [
             next(b for b, r in enumerate(ranges) if r.start <= slot.range.start < r.stop)
@@ -75,13 +75,13 @@ class Stage2(Strategy):
 
     def setup_reduction(self) -> None:
         """Per group, its buckets, launched in order as backward finishes their parameters."""
-        self.buckets: list[GroupBuckets] = []
+        self.buckets: list[BucketPlan] = []
         self.queues: list[BucketQueue] = []
         for g in self.groups:
-            plan = GroupBuckets.plan(g, self.zero.reduce_bucket_size)
+            plan = BucketPlan.plan(g, self.zero.reduce_bucket_size)
             members = bucket_members(g.named_params, g.slots, plan.ranges)
             self.buckets.append(plan)
-            self.queues.append(BucketQueue(members, partial(self._launch, g, plan)))
+            self.queues.append(BucketQueue(members, partial(self._launch_bucket, g, plan)))
 
     def bucket_pieces(self) -> list[list[int]]:
         return [counts for plan in self.buckets for counts in plan.counts]
@@ -93,7 +93,7 @@ class Stage2(Strategy):
         self._move_grad(p)
         self.queues[self.where[id(p)][0]].ready(p)
 
-    def _buffer(self, plan: GroupBuckets, b: int) -> Any:
+    def _buffer(self, plan: BucketPlan, b: int) -> Any:
         if b not in plan.filling:
             plan.filling[b] = self.take_buffer(plan.ranges[b].size, self.wire_dtype(self.dtype))
         return plan.filling[b]
@@ -110,7 +110,7 @@ class Stage2(Strategy):
         assign(self._buffer(plan, b)[start : start + slot.size], flat(p.grad))
         p.grad = None
 
-    def _launch(self, g: Stage2Group, plan: GroupBuckets, b: int) -> None:
+    def _launch_bucket(self, g: Stage2Group, plan: BucketPlan, b: int) -> None:
         """Reduce-scatter bucket ``b``: this rank's piece is added into its gradient shard."""
         bucket, counts = plan.ranges[b], plan.counts[b]
         (own,) = g.owned
@@ -124,7 +124,7 @@ class Stage2(Strategy):
         dest = (
             None if part is None else g.grad_shard[part.start - own.start : part.stop - own.start]
         )
-        handle = self.launch(
+        handle = self.start_or_run(
             self.comm.ireduce_scatter_v, self.comm.reduce_scatter_v, out, buf, counts
         )
         del plan.filling[b]  # given back to the pool once the reduction completes

@@ -132,7 +132,7 @@ def pack_rank_major(block: Any, grad: Any) -> None:
         assign(block[rows, :rest], grad[rows * chunk :])
 
 
-class GroupBuckets:
+class RankMajorBuckets:
     """One group's gradient buckets under the paper's schedule: fixed at start-up, filled as the
     gradients arrive, launched by ``queue`` strictly in bucket order."""
 
@@ -172,7 +172,9 @@ class Stage3(Strategy):
         """The paper's state: each gathered parameter's buffer, each group's static buckets."""
         self.gathered: dict[int, Any] = {}  # id(param) -> its gathered buffer
         self.buckets = [
-            GroupBuckets(g, self.comm.size, self.zero.reduce_bucket_size, partial(self._launch, gi))
+            RankMajorBuckets(
+                g, self.comm.size, self.zero.reduce_bucket_size, partial(self._launch_bucket, gi)
+            )
             for gi, g in enumerate(self.groups)
         ]
 
@@ -188,7 +190,7 @@ class Stage3(Strategy):
         chunk = read_param_chunk(self, g, i)  # a file read under offload_param: nvme
         buf = g.xp.empty(chunk.size * self.comm.size, dtype=self.dtype)
         self.gathered[id(p)] = buf
-        return self.launch(self.comm.iall_gather, self.comm.all_gather, buf, chunk)
+        return self.start_or_run(self.comm.iall_gather, self.comm.all_gather, buf, chunk)
 
     def finish_gather(self, p: Parameter, handle: Any) -> None:
         """Wait for p's gather; p's data becomes a view of the gathered buffer."""
@@ -227,7 +229,7 @@ class Stage3(Strategy):
             buckets.buffers[b] = self.take_buffer(shape, self.wire_dtype(self.dtype))
         return buckets.buffers[b]
 
-    def _launch(self, gi: int, b: int) -> None:
+    def _launch_bucket(self, gi: int, b: int) -> None:
         """Reduce-scatter bucket b of group gi; its reduced row joins the gradient shard."""
         g, members = self.groups[gi], self.buckets[gi].members[b]
         for j in members:  # gradients of parameters whose uses never completed
@@ -245,7 +247,9 @@ class Stage3(Strategy):
     def reduce_bucket(self, out: Any, buf: Any) -> Any:
         """Sum a rank-major (N, width) bucket over ranks into ``out`` (this rank's row): the
         reduce-scatter's handle, or None once it is done."""
-        return self.launch(self.comm.ireduce_scatter, self.comm.reduce_scatter, out, flat(buf))
+        return self.start_or_run(
+            self.comm.ireduce_scatter, self.comm.reduce_scatter, out, flat(buf)
+        )
 
     def flush_buckets(self) -> None:
         """End of backward: launch every bucket not launched yet."""

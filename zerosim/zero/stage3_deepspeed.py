@@ -112,7 +112,7 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
         xp = xp_of(chunks[0])
         send = chunks[0] if len(chunks) == 1 else xp.concat(chunks)
         buf = xp.empty(send.size * self.comm.size, dtype=self.dtype)
-        handle = self.launch(self.comm.iall_gather, self.comm.all_gather, buf, send)
+        handle = self.start_or_run(self.comm.iall_gather, self.comm.all_gather, buf, send)
         return CoalescedGather(params, [c.size for c in chunks], send, buf, handle)
 
     def finish_coalesced_gather(self, gather: CoalescedGather) -> None:
@@ -205,7 +205,7 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
                 slots.append((g.grad_shard, g.partition.offsets[i], valid, at + lo))
             at += p.numel
         self.before_reduction(buf)
-        handle = self.launch(self.comm.iall_reduce, self.comm.all_reduce, buf)
+        handle = self.start_or_run(self.comm.iall_reduce, self.comm.all_reduce, buf)
         self.pending.add(handle, buf, ShardPieces(slots), (buf,))
 
     # -- the engine's calls ----------------------------------------------------------------------

@@ -216,7 +216,7 @@ class Stage3ZeroPP(Stage3):
             )
             self.track_transient(pending.nbytes)
             return pending
-        return self.launch(comm.iall_gather, comm.all_gather, buf, chunk)
+        return self.start_or_run(comm.iall_gather, comm.all_gather, buf, chunk)
 
     def finish_gather(self, p: Parameter, handle: Any) -> None:
         """The paper's, after which a full gather's parameter gives hpZ its secondary chunk."""

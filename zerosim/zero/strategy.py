@@ -379,7 +379,7 @@ class Strategy(ABC):
         """The dtype gradients of this dtype are reduced in (communication_data_type)."""
         return np_dtype(grads) if self.comm_dtype is None else self.comm_dtype
 
-    def launch(self, start: Callable[..., Any], run: Callable[..., None], *args: Any) -> Any:
+    def start_or_run(self, start: Callable[..., Any], run: Callable[..., None], *args: Any) -> Any:
         """Overlap or block: with ``overlap_comm`` start the collective (``start``, non-blocking)
         and return its handle; without, run it to completion (``run``) and return None."""
         if self.zero.overlap_comm:
