@@ -32,21 +32,24 @@ class Stage0(Strategy):
     reported_norm = "none_in_one_precision"  # the client's torch optimizer keeps none
     group_cls = FullGradGroup
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reducing = False  # only the boundary backward reduces
+        # per group, its buckets, launched in order as backward finishes their parameters
+        self.queues: list[BucketQueue] = [self.bucket_queue(g) for g in self.groups]
+        self.tracker: GradReadyTracker | None = None  # attach(): says when a gradient is final
+
     def setup_gradients(self) -> None:
         for g in self.groups:
             g.flat_grad = g.xp.zeros_like(g.flat_param)
             for i, (_, p) in enumerate(g.named_params):
                 p.grad = g.param_view(i, g.flat_grad)
-        self.setup_reduction()
 
-    def setup_reduction(self) -> None:
-        """Per group, its buckets, launched in order as backward finishes their parameters."""
-        self.reducing = False  # only the boundary backward reduces
-        self.queues: list[BucketQueue] = []
-        for g in self.groups:
-            buckets = reduction_buckets(g.layout, self.zero.reduce_bucket_size, self.comm.size)
-            members = bucket_members(g.named_params, g.slots, buckets)
-            self.queues.append(BucketQueue(members, partial(self._reduce_bucket, g, buckets)))
+    def bucket_queue(self, g: FullGradGroup) -> BucketQueue:
+        """Group ``g``'s buckets (``reduce_bucket_size`` elements, cut at multiples of N)."""
+        buckets = reduction_buckets(g.layout, self.zero.reduce_bucket_size, self.comm.size)
+        members = bucket_members(g.named_params, g.slots, buckets)
+        return BucketQueue(members, partial(self._reduce_bucket, g, buckets))
 
     def attach(self, model: Any) -> None:
         self.tracker = GradReadyTracker(model, self._ready)

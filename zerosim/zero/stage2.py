@@ -65,23 +65,27 @@ class Stage2(Strategy):
     reported_norm = "before_scale_update"  # DeepSpeed's stage_1_and_2.py
     group_cls = Stage2Group
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # per group, its buckets, launched in order as backward finishes their parameters
+        self.buckets: list[BucketPlan] = [
+            BucketPlan.plan(g, self.zero.reduce_bucket_size) for g in self.groups
+        ]
+        self.queues: list[BucketQueue] = [
+            BucketQueue(
+                bucket_members(g.named_params, g.slots, plan.ranges),
+                partial(self._launch_bucket, g, plan),
+            )
+            for g, plan in zip(self.groups, self.buckets, strict=True)
+        ]
+        self.tracker: GradReadyTracker | None = None  # attach(): says when a gradient is final
+
     def setup_gradients(self) -> None:
         for g in self.groups:
             (own,) = g.owned
             g.grad_shard = g.xp.zeros(own.size, dtype=self.dtype)
             for _, p in g.named_params:
                 p.grad = None
-        self.setup_reduction()
-
-    def setup_reduction(self) -> None:
-        """Per group, its buckets, launched in order as backward finishes their parameters."""
-        self.buckets: list[BucketPlan] = []
-        self.queues: list[BucketQueue] = []
-        for g in self.groups:
-            plan = BucketPlan.plan(g, self.zero.reduce_bucket_size)
-            members = bucket_members(g.named_params, g.slots, plan.ranges)
-            self.buckets.append(plan)
-            self.queues.append(BucketQueue(members, partial(self._launch_bucket, g, plan)))
 
     def bucket_pieces(self) -> list[list[int]]:
         return [counts for plan in self.buckets for counts in plan.counts]

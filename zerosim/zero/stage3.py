@@ -157,26 +157,23 @@ class Stage3(Strategy):
     def make_group(self, named: list[tuple[str, Parameter]], hyper: dict[str, Any]) -> ShardGroup:
         return ShardGroup(named, self, hyper)
 
-    def setup_gradients(self) -> None:
-        """Every group's gradient shard and the parameter → (group, index) map; then the
-        schedule's own state (``setup_schedule``)."""
-        self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (group, index)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.released = self.groups[0].xp.empty(0, dtype=self.dtype)  # a released param's data
-        for gi, g in enumerate(self.groups):
-            g.grad_shard = g.xp.zeros(g.partition.shard_numel, dtype=self.dtype)
-            for i, (_, p) in enumerate(g.named_params):
-                self.where[id(p)] = (gi, i)
-        self.setup_schedule()
-
-    def setup_schedule(self) -> None:
-        """The paper's state: each gathered parameter's buffer, each group's static buckets."""
         self.gathered: dict[int, Any] = {}  # id(param) -> its gathered buffer
-        self.buckets = [
+        self.buckets: list[RankMajorBuckets] = [  # per group, its static gradient buckets
             RankMajorBuckets(
                 g, self.comm.size, self.zero.reduce_bucket_size, partial(self._launch_bucket, gi)
             )
             for gi, g in enumerate(self.groups)
         ]
+        self.coordinator: Any = None  # attach(): gathers and releases parameters around modules
+        self.tracker: GradReadyTracker | None = None  # attach(): says when a gradient is final
+
+    def setup_gradients(self) -> None:
+        """Every group's gradient shard (this rank's chunks of every parameter's gradient)."""
+        for g in self.groups:
+            g.grad_shard = g.xp.zeros(g.partition.shard_numel, dtype=self.dtype)
 
     def attach(self, model: Any) -> None:
         self.coordinator = ParamCoordinator(self, model, self.zero)

@@ -91,8 +91,9 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
 
     boundary_rule = staticmethod(deepspeed_stage3_checks)
 
-    def setup_schedule(self) -> None:
-        """DeepSpeed's state: one open gradient bucket for every group, in ready order."""
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # DeepSpeed's state: one open gradient bucket for every group, in ready order
         self.open_bucket: list[Parameter] = []  # parameters whose gradients it holds
         self.open_numel = 0  # their elements, unpadded
 

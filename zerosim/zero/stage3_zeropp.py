@@ -177,10 +177,7 @@ class Stage3ZeroPP(Stage3):
     def __init__(self, *, quantization_block_size: int = WEIGHT_BLOCK_SIZE, **kwargs: Any) -> None:
         self.quantization_block_size = quantization_block_size  # elements per scale, qwZ and qgZ
         super().__init__(**kwargs)
-
-    def setup_schedule(self) -> None:
-        """The paper's state, and ZeRO++'s: hpZ's groups and secondary chunks, qgZ's reducer."""
-        super().setup_schedule()
+        # ZeRO++'s state beside the paper's: hpZ's groups and secondary chunks, qgZ's reducer
         self.in_backward = False  # hpZ gathers secondary chunks in backward; qwZ only forward
         size = self.zero.zero_hpz_partition_size
         self.hpz_comm = None  # hpZ: this rank's group of `size` consecutive ranks

@@ -132,6 +132,22 @@ def tiles(ranges: Sequence[Range], tile: int) -> list[Range]:
     return out
 
 
+def cut_tiles(strategy: Any) -> tuple[list[list[Tile]], list[list[Range]]]:
+    """Cut each group's stepped ranges into ``sub_group_size`` tiles (``Tile``: a view of
+    the flat parameters and of the reduced gradient, or of the master copy); per group, the
+    tiles and their runs of the flat buffer."""
+    all_tiles, all_ranges = [], []
+    for gi, g in enumerate(strategy.groups):
+        cut = tiles(strategy.step_ranges(g), strategy.zero.sub_group_size)
+        if strategy.master_weights is None:  # the stepped parameters are their own master
+            shards = [Tile(g.flat_param[t.start : t.stop], strategy.grad_view(g, t)) for t in cut]
+        else:  # a master copy of the stepped ranges; its gradients made at step time
+            shards = [Tile(view, None) for view in strategy.master_weights.allocate(gi, g, cut)]
+        all_tiles.append(shards)
+        all_ranges.append(cut)
+    return all_tiles, all_ranges
+
+
 class Strategy(ABC):
     """Base class of the ZeRO stages; see the module docstring for the call sequence."""
 
@@ -189,25 +205,20 @@ class Strategy(ABC):
         self.pool = BufferPool(xp, self.dtype)  # gradient bucket buffers (stages 0, 2 and 3)
         self.pending = PendingReductions(self.give_buffer)  # launched bucket reductions
         self.setup_gradients()
+        # per group, the optimizer's tiles (``Tile``) of this rank's stepped ranges and their runs
+        # of the flat buffer (``cut_tiles``)
+        self.shards: list[list[Tile]]
+        self.tile_ranges: list[list[Range]]
+        self.shards, self.tile_ranges = cut_tiles(self)
         self.optimizer = self.build_optimizer(optimizer_cls)
         self.offload.attach_optimizer(self)
 
     def build_optimizer(self, optimizer_cls: type) -> Any:
-        """Cut each group's stepped ranges into ``sub_group_size`` tiles (``Tile``: a view of
-        the flat parameters and of the reduced gradient, or of the master copy) and build the
-        optimizer over them."""
-        param_groups = []
-        self.shards: list[list[Tile]] = []
-        self.tile_ranges: list[list[Range]] = []
-        for gi, g in enumerate(self.groups):
-            cut = tiles(self.step_ranges(g), self.zero.sub_group_size)
-            if self.master_weights is None:  # the stepped parameters are their own master
-                shards = [Tile(g.flat_param[t.start : t.stop], self.grad_view(g, t)) for t in cut]
-            else:  # a master copy of the stepped ranges; its gradients made at step time
-                shards = [Tile(view, None) for view in self.master_weights.allocate(gi, g, cut)]
-            self.shards.append(shards)
-            self.tile_ranges.append(cut)
-            param_groups.append({"params": shards, **g.hyper})
+        """The optimizer over every group's tiles, with the group's hyperparameters."""
+        param_groups = [
+            {"params": shards, **g.hyper}
+            for g, shards in zip(self.groups, self.shards, strict=True)
+        ]
         optimizer = optimizer_cls(param_groups)
         if hasattr(optimizer, "piece_map"):  # LAMB: each parameter's norms (zero/lamb.py)
             optimizer.piece_map = LambNorms(self)
