@@ -49,7 +49,7 @@ class Stage0(Strategy):
         """Group ``g``'s buckets (``reduce_bucket_size`` elements, cut at multiples of N)."""
         buckets = reduction_buckets(g.layout, self.zero.reduce_bucket_size, self.comm.size)
         members = bucket_members(g.named_params, g.slots, buckets)
-        return BucketQueue(members, partial(self._reduce_bucket, g, buckets))
+        return BucketQueue(members, partial(self._launch_bucket, g, buckets))
 
     def attach(self, model: Any) -> None:
         self.tracker = GradReadyTracker(model, self._ready)
@@ -58,26 +58,22 @@ class Stage0(Strategy):
         if self.reducing:
             self.queues[self.where[id(p)][0]].ready(p)
 
-    def _reduce_bucket(self, g: FullGradGroup, buckets: list[Range], b: int) -> None:
+    def _launch_bucket(self, g: FullGradGroup, buckets: list[Range], b: int) -> None:
         self.reduce_range(g, buckets[b])
 
     def reduce_range(self, g: FullGradGroup, rng: Range) -> None:
         """All-reduce flat gradient range ``rng`` in place (a cast copy of it under
         ``communication_data_type``); ``finish_reduction`` waits for it."""
         view = g.flat_grad[rng.start : rng.stop]
-        wire = self.wire_dtype(view.dtype)
-        if wire == np_dtype(view.dtype):
+        if self.wire_dtype(view.dtype) == np_dtype(view.dtype):  # reduced where it lies
             self.before_reduction(view)
-            handle = self.start_or_run(self.comm.iall_reduce, self.comm.all_reduce, view)
-            self.pending.add(handle, view, None, ())
+            self.pending.add(self.all_reduce(view, view), view, None, ())
             return
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        buf = self.take_buffer(view.size, wire)
+        buf = self.wire_buffer(view.size)
         assign(buf, view)
         view[...] = 0  # the reduced copy is added back into it
-        self.before_reduction(buf)
-        handle = self.start_or_run(self.comm.iall_reduce, self.comm.all_reduce, buf)
-        self.pending.add(handle, buf, view, (buf,))
+        self.reduce_bucket(buf, view, self.all_reduce)
 
     def before_backward(self, boundary: bool) -> None:
         self.reducing = boundary

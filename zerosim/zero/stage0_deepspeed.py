@@ -73,7 +73,7 @@ class Stage0DeepSpeed(Stage0):
         views = [g.param_view(i, g.flat_grad) for g in self.groups for i in range(len(g.slots))]
         at = 0
         for run in allreduce_messages([v.size for v in views]):
-            buf = self.take_buffer(run.size, self.wire_dtype(self.dtype))
+            buf = self.wire_buffer(run.size)
             members, offset = [], 0
             while at < len(views) and offset < run.size:
                 members.append((views[at], offset))

@@ -99,7 +99,7 @@ class Stage2(Strategy):
 
     def _buffer(self, plan: BucketPlan, b: int) -> Any:
         if b not in plan.filling:
-            plan.filling[b] = self.take_buffer(plan.ranges[b].size, self.wire_dtype(self.dtype))
+            plan.filling[b] = self.wire_buffer(plan.ranges[b].size)
         return plan.filling[b]
 
     def _move_grad(self, p: Parameter) -> None:
@@ -121,18 +121,20 @@ class Stage2(Strategy):
         for i in plan.params[b]:  # parameters whose uses never completed
             self._move_grad(g.named_params[i][1])
         buf = self._buffer(plan, b)
+        del plan.filling[b]  # given back to the pool once the reduction completes
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        self.before_reduction(buf)
-        out = self.take_buffer(counts[self.comm.rank], buf.dtype)
-        part = bucket.intersect(own)
+        part = bucket.intersect(own)  # this rank's piece lands in its gradient shard: dest += out
         dest = (
             None if part is None else g.grad_shard[part.start - own.start : part.stop - own.start]
         )
-        handle = self.start_or_run(
+        self.reduce_bucket(buf, dest, partial(self.reduce_scatter, counts), counts[self.comm.rank])
+
+    def reduce_scatter(self, counts: list[int], out: Any, buf: Any) -> Any:
+        """A ``reduce_bucket`` collective: the bucket reduce-scattered in pieces of ``counts``
+        elements, this rank's into ``out``."""
+        return self.start_or_run(
             self.comm.ireduce_scatter_v, self.comm.reduce_scatter_v, out, buf, counts
         )
-        del plan.filling[b]  # given back to the pool once the reduction completes
-        self.pending.add(handle, out, dest, (buf, out))
 
     def before_backward(self, boundary: bool) -> None:
         for q in self.queues:

@@ -223,7 +223,7 @@ class Stage3(Strategy):
         if b not in buckets.buffers:
             width = sum(part.chunks[j] for j in buckets.members[b])
             shape = (self.comm.size, width)
-            buckets.buffers[b] = self.take_buffer(shape, self.wire_dtype(self.dtype))
+            buckets.buffers[b] = self.wire_buffer(shape)
         return buckets.buffers[b]
 
     def _launch_bucket(self, gi: int, b: int) -> None:
@@ -235,13 +235,10 @@ class Stage3(Strategy):
         buf = self._bucket_buffer(gi, b)
         del self.buckets[gi].buffers[b]
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        self.before_reduction(buf)
-        out = self.take_buffer(width, buf.dtype)
-        start = g.partition.offsets[members[0]]
-        handle = self.reduce_bucket(out, buf)
-        self.pending.add(handle, out, g.grad_shard[start : start + width], (buf, out))
+        start = g.partition.offsets[members[0]]  # this rank's row lands in its gradient shard
+        self.reduce_bucket(buf, g.grad_shard[start : start + width], self.reduce_rows, width)
 
-    def reduce_bucket(self, out: Any, buf: Any) -> Any:
+    def reduce_rows(self, out: Any, buf: Any) -> Any:
         """Sum a rank-major (N, width) bucket over ranks into ``out`` (this rank's row): the
         reduce-scatter's handle, or None once it is done."""
         return self.start_or_run(

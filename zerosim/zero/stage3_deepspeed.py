@@ -177,14 +177,11 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
             slots.append((g.grad_shard, g.partition.offsets[i], g.partition.chunks[i], width))
             width += g.partition.chunks[i]
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        buf = self.take_buffer((self.comm.size, width), self.wire_dtype(self.dtype))
+        buf = self.wire_buffer((self.comm.size, width))
         for p, (_, _, chunk, column) in zip(members, slots, strict=True):
             pack_rank_major(buf[:, column : column + chunk], flat(p.grad))
             p.grad = None
-        self.before_reduction(buf)
-        out = self.take_buffer(width, buf.dtype)
-        handle = self.reduce_bucket(out, buf)
-        self.pending.add(handle, out, ShardPieces(slots), (buf, out))
+        self.reduce_bucket(buf, ShardPieces(slots), self.reduce_rows, width)
 
     def _all_reduce_bucket(self, members: list[Parameter], numel: int) -> None:
         """``reduce_scatter: false`` with contiguous gradients (DeepSpeed's
@@ -192,7 +189,7 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
         unpadded, in the order they were added; each rank then keeps its chunk of each,
         elements [r·chunk_i, min((r + 1)·chunk_i, numel_i)) of parameter i."""
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        buf = self.take_buffer(numel, self.wire_dtype(self.dtype))
+        buf = self.wire_buffer(numel)
         slots, at = [], 0  # (grad_shard, chunk offset in the shard, valid elements, bucket at)
         for p in members:
             gi, i = self.where[id(p)]
@@ -205,9 +202,7 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
             if valid:
                 slots.append((g.grad_shard, g.partition.offsets[i], valid, at + lo))
             at += p.numel
-        self.before_reduction(buf)
-        handle = self.start_or_run(self.comm.iall_reduce, self.comm.all_reduce, buf)
-        self.pending.add(handle, buf, ShardPieces(slots), (buf,))
+        self.reduce_bucket(buf, ShardPieces(slots), self.all_reduce)
 
     # -- the engine's calls ----------------------------------------------------------------------
     def before_backward(self, boundary: bool) -> None:

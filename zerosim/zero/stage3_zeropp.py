@@ -225,10 +225,10 @@ class Stage3ZeroPP(Stage3):
         if secondary is not None and not secondary.fresh[i]:  # a full gather: cut the chunk
             secondary.store(i, self.gathered[id(p)])
 
-    def reduce_bucket(self, out: Any, buf: Any) -> Any:
+    def reduce_rows(self, out: Any, buf: Any) -> Any:
         """qgZ: the bucket's reduce-scatter as a blocking two-hop quantized all-to-all."""
         if self.grad_reducer is None:
-            return super().reduce_bucket(out, buf)
+            return super().reduce_rows(out, buf)
         out[...] = array_module(out).astype(self.grad_reducer.reduce(buf), out.dtype)
         return None
 

@@ -148,6 +148,32 @@ def cut_tiles(strategy: Any) -> tuple[list[list[Tile]], list[list[Range]]]:
     return all_tiles, all_ranges
 
 
+def flat_full_state(strategy: Any) -> dict[str, np.ndarray]:
+    """{name: host copy of the full parameter}, from the fp32 master under mixed precision.
+
+    Every rank holds the full model-dtype parameters here; the master exists only for the
+    stepped ranges, so under mixed precision it is all-gathered (one per partition unit).
+    """
+    out = {}
+    for g in strategy.groups:
+        full = g.flat_param
+        if strategy.master_dtype is not None:
+            full = xp_of(g.master).zeros(g.layout.padded_numel, dtype=strategy.master_dtype)
+            ranges = strategy.step_ranges(g)
+            if len(ranges) == 1 and ranges[0].size == full.size:  # stage 0: all of it
+                full[...] = g.master
+            else:
+                at = 0
+                for unit, own in zip(g.layout.units, g.owned, strict=True):
+                    strategy.comm.all_gather(
+                        full[unit.start : unit.stop], g.master[at : at + own.size]
+                    )
+                    at += own.size
+        for i, (name, _) in enumerate(g.named_params):
+            out[name] = to_host(g.param_view(i, full)).copy()
+    return out
+
+
 class Strategy(ABC):
     """Base class of the ZeRO stages; see the module docstring for the call sequence."""
 
@@ -398,6 +424,32 @@ class Strategy(ABC):
         run(*args)
         return None
 
+    def wire_buffer(self, shape: int | tuple[int, ...]) -> Any:
+        """A zero-filled pooled bucket buffer in the dtype gradients travel in (``wire_dtype``)."""
+        return self.take_buffer(shape, self.wire_dtype(self.dtype))
+
+    def reduce_bucket(
+        self,
+        bucket: Any,
+        into: Any,
+        collective: Callable[[Any, Any], Any],
+        out_numel: int | None = None,
+    ) -> None:
+        """The reduce sequence of every stage's filled bucket: scale it (``before_reduction``),
+        start ``collective(out, bucket)`` (``start_or_run``'s handle) and queue it in ``pending``,
+        which adds ``out`` into ``into`` (where the stage says the result lands; None: not on
+        this rank) and gives the pooled buffers back. ``out``: the bucket (in place) or, with
+        ``out_numel``, a pooled buffer."""
+        self.before_reduction(bucket)
+        out = bucket if out_numel is None else self.take_buffer(out_numel, bucket.dtype)
+        handle = collective(out, bucket)
+        views = (bucket,) if out is bucket else (bucket, out)
+        self.pending.add(handle, out, into, views)
+
+    def all_reduce(self, out: Any, bucket: Any) -> Any:
+        """A ``reduce_bucket`` collective: the bucket all-reduced in place (``out`` is it)."""
+        return self.start_or_run(self.comm.iall_reduce, self.comm.all_reduce, bucket)
+
     def take_buffer(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
         """A zero-filled bucket buffer from the pool (zerosim/zero/buckets.py); its bytes are
         the pool's (``bucket_buffers``), not transient."""
@@ -413,29 +465,9 @@ class Strategy(ABC):
         self.peak_transient = max(self.peak_transient, self.live_transient)
 
     def full_state_dict(self) -> dict[str, np.ndarray]:
-        """{name: host copy of the full parameter}, from the fp32 master under mixed precision.
-
-        Every rank holds the full model-dtype parameters here; the master exists only for the
-        stepped ranges, so under mixed precision it is all-gathered (one per partition unit).
-        """
-        out = {}
-        for g in self.groups:
-            full = g.flat_param
-            if self.master_dtype is not None:
-                full = xp_of(g.master).zeros(g.layout.padded_numel, dtype=self.master_dtype)
-                ranges = self.step_ranges(g)
-                if len(ranges) == 1 and ranges[0].size == full.size:  # stage 0: all of it
-                    full[...] = g.master
-                else:
-                    at = 0
-                    for unit, own in zip(g.layout.units, g.owned, strict=True):
-                        self.comm.all_gather(
-                            full[unit.start : unit.stop], g.master[at : at + own.size]
-                        )
-                        at += own.size
-            for i, (name, _) in enumerate(g.named_params):
-                out[name] = to_host(g.param_view(i, full)).copy()
-        return out
+        """{name: host copy of the full parameter}, from the fp32 master under mixed precision
+        (``flat_full_state``)."""
+        return flat_full_state(self)
 
     def iter_params(self) -> Iterator[tuple[str, np.ndarray]]:
         """(name, host copy of the full parameter in the model dtype), one at a time. Every
