@@ -12,7 +12,10 @@ a failure names where it is:
   where Python resolves it at run time);
 - no private name (a leading underscore) imported from another zerosim module: modules talk
   through public names. ruff's PLC2701 (on in ruff.toml) does not see these, because it leaves
-  first-party imports alone; this test is the check.
+  first-party imports alone; this test is the check;
+- no two classes of one name in the package, and every field of a class in ``zerosim/zero/``
+  declared where a reader looks for it: first assigned (``self.x = …``) in ``__init__`` of the
+  class or of a base, or in the class body, never first in another method.
 
 A line count is the source span of the ``def`` or ``class`` statement, docstring included,
 decorators not.
@@ -191,6 +194,83 @@ def private_imports(module: str) -> list[str]:
     return found
 
 
+def class_index(trees: dict[str, ast.Module]) -> dict[str, list[tuple[str, ast.ClassDef]]]:
+    """Class name -> [(module, its definition)] over the package."""
+    found: dict[str, list[tuple[str, ast.ClassDef]]] = {}
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append((module, node))
+    return found
+
+
+def assigned_fields(function: ast.AST) -> list[tuple[str, int]]:
+    """(name, line) of each ``self.<name> = …`` (plain, annotated or augmented) in a function."""
+    out = []
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for e in ast.walk(target):
+                if (
+                    isinstance(e, ast.Attribute)
+                    and isinstance(e.value, ast.Name)
+                    and e.value.id == "self"
+                    and isinstance(e.ctx, ast.Store)
+                ):
+                    out.append((e.attr, node.lineno))
+    return out
+
+
+def declared_fields(node: ast.ClassDef) -> set[str]:
+    """The names a class declares: its body's names and methods, and ``__init__``'s fields."""
+    names = set()
+    for st in node.body:
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(st.name)
+            if st.name == "__init__":
+                names |= {name for name, _ in assigned_fields(st)}
+        elif isinstance(st, ast.Assign):
+            names |= {t.id for t in st.targets if isinstance(t, ast.Name)}
+        elif isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
+            names.add(st.target.id)
+    return names
+
+
+def fields_outside_init(
+    module: str, classes: dict[str, list[tuple[str, ast.ClassDef]]]
+) -> list[str]:
+    """``module:line Class.field (in method)`` for each field first assigned outside
+    ``__init__`` (bases looked up by name among the package's classes)."""
+
+    def lineage(node: ast.ClassDef) -> list[ast.ClassDef]:
+        out = [node]
+        for base in node.bases:
+            name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
+            for _, parent in classes.get(name, []):
+                out += lineage(parent)
+        return out
+
+    found = []
+    for name, defs in classes.items():
+        for where, node in defs:
+            if where != module:
+                continue
+            known = set().union(*(declared_fields(c) for c in lineage(node)))
+            for st in node.body:
+                if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for field, line in assigned_fields(st):
+                    if field not in known:
+                        found.append(f"{module}:{line} {name}.{field} (in {st.name})")
+                        known.add(field)
+    return found
+
+
 # -- the checks themselves -----------------------------------------------------------
 
 
@@ -214,6 +294,17 @@ def test_no_import_circle_through(area):
 @pytest.mark.parametrize("area", AREAS)
 def test_no_private_name_imported_across_modules(area):
     found = [f for m in in_area(area) for f in private_imports(m)]
+    assert not found, "\n".join(found)
+
+
+def test_no_two_classes_share_a_name():
+    found = {n: [m for m, _ in d] for n, d in class_index(TREES).items() if len(d) > 1}
+    assert not found, found
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if area_of(m) == "zero"])
+def test_every_field_is_declared_in_init(module):
+    found = fields_outside_init(module, class_index(TREES))
     assert not found, "\n".join(found)
 
 
@@ -282,6 +373,16 @@ def test_a_relative_import_resolves_to_its_module():
     assert resolve("zerosim.data.loader", node) == "zerosim.data.sampler"
     node = ast.parse("from ..backend import xp", mode="exec").body[0]
     assert resolve("zerosim.data", node) == "zerosim.backend"
+
+
+def test_a_field_first_set_outside_init_is_found():
+    source = (
+        "class A:\n    def __init__(self):\n        self.x = 1\n"
+        "class B(A):\n    y = 0\n    def setup(self):\n        self.x = self.y = 2\n"
+        "        self.z: int = 3\n        self.z += 1\n"
+    )
+    classes = class_index({"m": ast.parse(source)})
+    assert fields_outside_init("m", classes) == ["m:8 B.z (in setup)"]
 
 
 def test_an_upward_import_is_found():

@@ -103,7 +103,7 @@ def get_ema_multi_avg_fn(decay: float = 0.999) -> MultiAvgFn:
     return ema_update
 
 
-class _Slot:
+class _AveragedArray:
     """One averaged array: where it lives (a Parameter's .data or a module buffer)."""
 
     def __init__(self, owner: Any, attr: str, is_param: bool) -> None:
@@ -124,13 +124,15 @@ class _Slot:
             setattr(self.owner, self.attr, copy.deepcopy(value))
 
 
-def _slots(model: Any, buffers: bool) -> list[_Slot]:
+def _slots(model: Any, buffers: bool) -> list[_AveragedArray]:
     """Parameters (and buffers) of ``model`` as slots, in named_parameters() order."""
     modules = dict(model.named_modules())
     names = [name for name, _ in model.named_parameters()]
-    slots = [_Slot(*_owner(modules, name), True) for name in names]
+    slots = [_AveragedArray(*_owner(modules, name), True) for name in names]
     if buffers and hasattr(model, "named_buffers"):
-        slots += [_Slot(*_owner(modules, name), False) for name, _ in model.named_buffers()]
+        slots += [
+            _AveragedArray(*_owner(modules, name), False) for name, _ in model.named_buffers()
+        ]
     return slots
 
 
@@ -208,9 +210,9 @@ class AveragedModel:
         self.n_averaged = int(state_dict["n_averaged"])
 
 
-def _buffer_slots(model: Any) -> list[_Slot]:
+def _buffer_slots(model: Any) -> list[_AveragedArray]:
     modules = dict(model.named_modules())
-    return [_Slot(*_owner(modules, name), False) for name, _ in model.named_buffers()]
+    return [_AveragedArray(*_owner(modules, name), False) for name, _ in model.named_buffers()]
 
 
 def _is_batchnorm(module: Any) -> bool:

@@ -53,7 +53,6 @@ class ParamCoordinator:
         self.trace_valid = False
         self.recording = True
         self.position = 0
-        self.handles_hooks = []
         for module in model.modules():
             own = [p for p in module._parameters.values() if not strategy.is_persistent(p)]
             if not own:
@@ -61,12 +60,10 @@ class ParamCoordinator:
             self.modules[id(module)] = own
             for p in own:
                 self.state[id(p)] = "released"
-            self.handles_hooks += [
-                module.register_forward_pre_hook(lambda m, args: self.fetch(m, "forward")),
-                module.register_forward_hook(lambda m, args, out: self.release(m)),
-                module.register_full_backward_pre_hook(lambda m, grad: self.fetch(m, "backward")),
-                module.register_full_backward_hook(lambda m, gi, go: self.release(m)),
-            ]
+            module.register_forward_pre_hook(lambda m, args: self.fetch(m, "forward"))
+            module.register_forward_hook(lambda m, args, out: self.release(m))
+            module.register_full_backward_pre_hook(lambda m, grad: self.fetch(m, "backward"))
+            module.register_full_backward_hook(lambda m, _gi, _go: self.release(m))
         self.numel = {id(p): p.numel for ps in self.modules.values() for p in ps}
 
     # -- the trace --------------------------------------------------------------------------------

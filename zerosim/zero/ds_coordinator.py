@@ -74,7 +74,6 @@ class DeepSpeedCoordinator:
         self.queue: deque[tuple[Parameter, int]] = deque()
         self.fetched_for: dict[int, int] = {}  # parameter id -> latest step taken off the queue
         self.step = 0
-        self.handles_hooks = []
         for p in model.parameters():
             self.order.setdefault(id(p), len(self.order))
         for module in model.modules():
@@ -85,12 +84,10 @@ class DeepSpeedCoordinator:
                 self.active[id(p)] = set()
                 if strategy.is_persistent(p):
                     self.persistent.add(id(p))
-            self.handles_hooks += [
-                module.register_forward_pre_hook(self._forward_pre),
-                module.register_forward_hook(lambda m, args, out: self.release(m)),
-                module.register_full_backward_pre_hook(lambda m, grad: self.fetch(m)),
-                module.register_full_backward_hook(lambda m, gi, go: self._backward_post(m)),
-            ]
+            module.register_forward_pre_hook(self._forward_pre)
+            module.register_forward_hook(lambda m, args, out: self.release(m))
+            module.register_full_backward_pre_hook(lambda m, grad: self.fetch(m))
+            module.register_full_backward_hook(lambda m, _gi, _go: self._backward_post(m))
         self.model = model
         binding = binding_live_cap(model, zero.stage3_max_live_parameters)
         if binding is not None and strategy.comm.rank == 0:

@@ -117,7 +117,7 @@ class Init:
             self._handle = register_module_parameter_registration_hook(self._partition)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *_exc: Any) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -192,7 +192,7 @@ class GatheredParameters:
             p.data = xp_of(full).reshape(full, p.shape)
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *_exc: Any) -> None:
         for p in self.params:
             if exc_type is None and self.modifier_rank is not None:
                 p.data = contiguous(p.data)

@@ -177,7 +177,7 @@ class IpgBuckets:
     owns (values are the sum over ranks, in the bucket's dtype).
 
     ``strategy`` lends pooled buffers (``take_buffer``/``give_buffer``), the communicator, the
-    wire dtype, the pre-reduction scaling and overlap-or-block (``launch``);
+    wire dtype, the pre-reduction scaling and overlap-or-block (``start_or_run``);
     ``flat_starts[g][i]`` is where parameter i of group g starts in its flat buffer;
     ``partition_sizes[g]`` is P of group g.
     """
@@ -235,9 +235,9 @@ class IpgBuckets:
         s.before_reduction(bucket)
         for i, r in enumerate(plan):
             last = i == len(plan) - 1
-            self._launch(r, bucket, last)
+            self._start_reduction(r, bucket, last)
 
-    def _launch(self, r: Reduction, bucket: Any, last: bool) -> None:
+    def _start_reduction(self, r: Reduction, bucket: Any, last: bool) -> None:
         """Start one collective of a bucket; the bucket buffer is given back with its last."""
         s = self.strategy
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)
@@ -254,9 +254,9 @@ class IpgBuckets:
         views = extra + ((bucket,) if last else ())
         comm = self.comm
         if r.op == "all_reduce":
-            handle = s.launch(comm.iall_reduce, comm.all_reduce, message)
+            handle = s.start_or_run(comm.iall_reduce, comm.all_reduce, message)
         else:
-            handle = s.launch(comm.ireduce, comm.reduce, message, r.root)
+            handle = s.start_or_run(comm.ireduce, comm.reduce, message, r.root)
         mine = r.root is None or r.root == comm.rank  # a reduce leaves nothing on other ranks
         self.pending.add(handle, message, Delivery(self, r) if mine else None, views)
 

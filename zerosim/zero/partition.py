@@ -87,13 +87,6 @@ class Layout:
             out.append(Range(unit.start + rank * piece, unit.start + (rank + 1) * piece))
         return out
 
-    def owner_of(self, element: int) -> int:
-        """The rank that owns one element of the flat buffer."""
-        for unit in self.units:
-            if unit.start <= element < unit.stop:
-                return (element - unit.start) // (unit.size // self.world_size)
-        raise IndexError(f"element {element} is outside the flat buffer [0, {self.padded_numel})")
-
 
 def padded_size(numel: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that is ≥ numel (at least ``multiple`` when 0)."""

@@ -22,15 +22,7 @@ from zerosim.backend import assign, nbytes, np_dtype
 from zerosim.nn import GradReadyTracker, Parameter
 from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, bucket_members
 from zerosim.zero.partition import Range, reduction_buckets
-from zerosim.zero.strategy import FlatGroup, Strategy
-
-
-class Stage0Group(FlatGroup):
-    """A parameter group at stage 0: its flat parameters and their full gradients."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.flat_grad: Any = None  # setup_gradients: gradients laid out like flat_param
+from zerosim.zero.strategy import FlatGroup, FullGradGroup, Strategy
 
 
 class Stage0(Strategy):
@@ -38,23 +30,26 @@ class Stage0(Strategy):
 
     stage = 0
     reported_norm = "none_in_one_precision"  # the client's torch optimizer keeps none
-    group_cls = Stage0Group
+    group_cls = FullGradGroup
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.reducing = False  # only the boundary backward reduces
+        # per group, its buckets, launched in order as backward finishes their parameters
+        self.queues: list[BucketQueue] = [self.bucket_queue(g) for g in self.groups]
+        self.tracker: GradReadyTracker | None = None  # attach(): says when a gradient is final
 
     def setup_gradients(self) -> None:
         for g in self.groups:
             g.flat_grad = g.xp.zeros_like(g.flat_param)
             for i, (_, p) in enumerate(g.named_params):
                 p.grad = g.param_view(i, g.flat_grad)
-        self.setup_reduction()
 
-    def setup_reduction(self) -> None:
-        """Per group, its buckets, launched in order as backward finishes their parameters."""
-        self.reducing = False  # only the boundary backward reduces
-        self.queues: list[BucketQueue] = []
-        for g in self.groups:
-            buckets = reduction_buckets(g.layout, self.zero.reduce_bucket_size, self.comm.size)
-            members = bucket_members(g.named_params, g.slots, buckets)
-            self.queues.append(BucketQueue(members, partial(self._reduce_bucket, g, buckets)))
+    def bucket_queue(self, g: FullGradGroup) -> BucketQueue:
+        """Group ``g``'s buckets (``reduce_bucket_size`` elements, cut at multiples of N)."""
+        buckets = reduction_buckets(g.layout, self.zero.reduce_bucket_size, self.comm.size)
+        members = bucket_members(g.named_params, g.slots, buckets)
+        return BucketQueue(members, partial(self._launch_bucket, g, buckets))
 
     def attach(self, model: Any) -> None:
         self.tracker = GradReadyTracker(model, self._ready)
@@ -63,26 +58,22 @@ class Stage0(Strategy):
         if self.reducing:
             self.queues[self.where[id(p)][0]].ready(p)
 
-    def _reduce_bucket(self, g: Stage0Group, buckets: list[Range], b: int) -> None:
+    def _launch_bucket(self, g: FullGradGroup, buckets: list[Range], b: int) -> None:
         self.reduce_range(g, buckets[b])
 
-    def reduce_range(self, g: Stage0Group, rng: Range) -> None:
+    def reduce_range(self, g: FullGradGroup, rng: Range) -> None:
         """All-reduce flat gradient range ``rng`` in place (a cast copy of it under
         ``communication_data_type``); ``finish_reduction`` waits for it."""
         view = g.flat_grad[rng.start : rng.stop]
-        wire = self.wire_dtype(view.dtype)
-        if wire == np_dtype(view.dtype):
+        if self.wire_dtype(view.dtype) == np_dtype(view.dtype):  # reduced where it lies
             self.before_reduction(view)
-            handle = self.launch(self.comm.iall_reduce, self.comm.all_reduce, view)
-            self.pending.add(handle, view, None, ())
+            self.pending.add(self.all_reduce(view, view), view, None, ())
             return
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        buf = self.take_buffer(view.size, wire)
+        buf = self.wire_buffer(view.size)
         assign(buf, view)
         view[...] = 0  # the reduced copy is added back into it
-        self.before_reduction(buf)
-        handle = self.launch(self.comm.iall_reduce, self.comm.all_reduce, buf)
-        self.pending.add(handle, buf, view, (buf,))
+        self.reduce_bucket(buf, view, self.all_reduce)
 
     def before_backward(self, boundary: bool) -> None:
         self.reducing = boundary

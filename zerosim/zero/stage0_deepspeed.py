@@ -41,10 +41,13 @@ class Stage0DeepSpeed(Stage0):
 
     boundary_rule = staticmethod(deepspeed_stage0_checks)
 
-    def setup_reduction(self) -> None:
-        """Per group, the messages over its unpadded gradients (one group: its own flat buffer's
-        runs; several: ``_reduce_across_groups``)."""
-        self.messages = [allreduce_messages([s.range.size for s in g.slots]) for g in self.groups]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # per group, the messages over its unpadded gradients (one group: its own flat buffer's
+        # runs; several: ``_reduce_across_groups``)
+        self.messages: list[list[Range]] = [
+            allreduce_messages([s.range.size for s in g.slots]) for g in self.groups
+        ]
 
     def attach(self, model: Any) -> None:
         """No hooks: nothing is reduced during backward."""
@@ -70,7 +73,7 @@ class Stage0DeepSpeed(Stage0):
         views = [g.param_view(i, g.flat_grad) for g in self.groups for i in range(len(g.slots))]
         at = 0
         for run in allreduce_messages([v.size for v in views]):
-            buf = self.take_buffer(run.size, self.wire_dtype(self.dtype))
+            buf = self.wire_buffer(run.size)
             members, offset = [], 0
             while at < len(views) and offset < run.size:
                 members.append((views[at], offset))

@@ -19,15 +19,7 @@ from typing import Any
 
 from zerosim.backend import assign, nbytes, np_dtype
 from zerosim.zero.partition import Range
-from zerosim.zero.strategy import FlatGroup, Strategy
-
-
-class Stage1Group(FlatGroup):
-    """A parameter group at stage 1: its flat parameters and their full gradients."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.flat_grad: Any = None  # setup_gradients: gradients laid out like flat_param
+from zerosim.zero.strategy import FlatGroup, FullGradGroup, Strategy
 
 
 class Stage1(Strategy):
@@ -36,7 +28,7 @@ class Stage1(Strategy):
     stage = 1
     partitions_optimizer_states = True
     reported_norm = "before_scale_update"  # DeepSpeed's stage_1_and_2.py
-    group_cls = Stage1Group
+    group_cls = FullGradGroup
 
     def setup_gradients(self) -> None:
         """Full gradient buffers in the model dtype; module ``.grad`` are views of them."""
@@ -50,7 +42,7 @@ class Stage1(Strategy):
             for g in self.groups:
                 self.reduce_scatter_units(g)
 
-    def reduce_scatter_units(self, g: Stage1Group) -> None:
+    def reduce_scatter_units(self, g: FullGradGroup) -> None:
         """Reduce-scatter every partition unit of the gradient buffer in place and average this
         rank's piece (a cast copy of the unit under ``communication_data_type``)."""
         wire = self.wire_dtype(g.flat_grad.dtype)

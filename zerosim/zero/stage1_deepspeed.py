@@ -28,13 +28,14 @@ class Stage1DeepSpeed(DeepSpeedFlatBuffers, Stage1):
 
     boundary_rule = staticmethod(deepspeed_stage12_checks)
 
-    def setup_gradients(self) -> None:
-        super().setup_gradients()
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         starts = [[slot.range.start for slot in g.slots] for g in self.groups]
         sizes = [g.layout.shard_numel for g in self.groups]
-        self.ipg = IpgBuckets(self, starts, sizes, self._deliver)
+        self.ipg = IpgBuckets(self, starts, sizes, self._deliver)  # the bucket being filled
         self.reducing = False  # with overlap_comm: only the boundary backward reduces
         self.added: set[int] = set()  # id(param) of gradients added in this boundary backward
+        self.tracker: GradReadyTracker | None = None  # attach(), with overlap_comm
 
     def attach(self, model: Any) -> None:
         if self.zero.overlap_comm:  # reduce as backward finishes each gradient

@@ -21,10 +21,11 @@ from zerosim.nn import Parameter
 from zerosim.zero.ds_schedule import DeepSpeedNormGroups
 from zerosim.zero.partition import Layout, MegatronRanges, megatron_layout, megatron_range_maps
 from zerosim.zero.schedule import deepspeed_stage12_checks
-from zerosim.zero.stage1 import Stage1, Stage1Group
+from zerosim.zero.stage1 import Stage1
+from zerosim.zero.strategy import FullGradGroup
 
 
-class MegatronGroup(Stage1Group):
+class MegatronGroup(FullGradGroup):
     """A parameter group in Megatron's layout: Stage 1's, plus fp16's fp32 gradient shard."""
 
     def __init__(self, *args: Any) -> None:

@@ -37,7 +37,7 @@ class Stage2Group(FlatGroup):
 
 
 @dataclass
-class GroupBuckets:
+class BucketPlan:
     """The reduction buckets of one group's flat buffer (cut at parameter starts)."""
 
     ranges: list[Range]  # bucket -> its range of the flat buffer
@@ -47,7 +47,7 @@ class GroupBuckets:
     filling: dict[int, Any] = field(default_factory=dict)  # bucket -> its buffer while filled
 
     @classmethod
-    def plan(cls, g: FlatGroup, bucket_size: int) -> GroupBuckets:
+    def plan(cls, g: FlatGroup, bucket_size: int) -> BucketPlan:
         ranges = reduction_buckets(g.layout, bucket_size)
         of_param = [
             next(b for b, r in enumerate(ranges) if r.start <= slot.range.start < r.stop)
@@ -65,23 +65,27 @@ class Stage2(Strategy):
     reported_norm = "before_scale_update"  # DeepSpeed's stage_1_and_2.py
     group_cls = Stage2Group
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # per group, its buckets, launched in order as backward finishes their parameters
+        self.buckets: list[BucketPlan] = [
+            BucketPlan.plan(g, self.zero.reduce_bucket_size) for g in self.groups
+        ]
+        self.queues: list[BucketQueue] = [
+            BucketQueue(
+                bucket_members(g.named_params, g.slots, plan.ranges),
+                partial(self._launch_bucket, g, plan),
+            )
+            for g, plan in zip(self.groups, self.buckets, strict=True)
+        ]
+        self.tracker: GradReadyTracker | None = None  # attach(): says when a gradient is final
+
     def setup_gradients(self) -> None:
         for g in self.groups:
             (own,) = g.owned
             g.grad_shard = g.xp.zeros(own.size, dtype=self.dtype)
             for _, p in g.named_params:
                 p.grad = None
-        self.setup_reduction()
-
-    def setup_reduction(self) -> None:
-        """Per group, its buckets, launched in order as backward finishes their parameters."""
-        self.buckets: list[GroupBuckets] = []
-        self.queues: list[BucketQueue] = []
-        for g in self.groups:
-            plan = GroupBuckets.plan(g, self.zero.reduce_bucket_size)
-            members = bucket_members(g.named_params, g.slots, plan.ranges)
-            self.buckets.append(plan)
-            self.queues.append(BucketQueue(members, partial(self._launch, g, plan)))
 
     def bucket_pieces(self) -> list[list[int]]:
         return [counts for plan in self.buckets for counts in plan.counts]
@@ -93,9 +97,9 @@ class Stage2(Strategy):
         self._move_grad(p)
         self.queues[self.where[id(p)][0]].ready(p)
 
-    def _buffer(self, plan: GroupBuckets, b: int) -> Any:
+    def _buffer(self, plan: BucketPlan, b: int) -> Any:
         if b not in plan.filling:
-            plan.filling[b] = self.take_buffer(plan.ranges[b].size, self.wire_dtype(self.dtype))
+            plan.filling[b] = self.wire_buffer(plan.ranges[b].size)
         return plan.filling[b]
 
     def _move_grad(self, p: Parameter) -> None:
@@ -110,25 +114,27 @@ class Stage2(Strategy):
         assign(self._buffer(plan, b)[start : start + slot.size], flat(p.grad))
         p.grad = None
 
-    def _launch(self, g: Stage2Group, plan: GroupBuckets, b: int) -> None:
+    def _launch_bucket(self, g: Stage2Group, plan: BucketPlan, b: int) -> None:
         """Reduce-scatter bucket ``b``: this rank's piece is added into its gradient shard."""
         bucket, counts = plan.ranges[b], plan.counts[b]
         (own,) = g.owned
         for i in plan.params[b]:  # parameters whose uses never completed
             self._move_grad(g.named_params[i][1])
         buf = self._buffer(plan, b)
+        del plan.filling[b]  # given back to the pool once the reduction completes
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        self.before_reduction(buf)
-        out = self.take_buffer(counts[self.comm.rank], buf.dtype)
-        part = bucket.intersect(own)
+        part = bucket.intersect(own)  # this rank's piece lands in its gradient shard: dest += out
         dest = (
             None if part is None else g.grad_shard[part.start - own.start : part.stop - own.start]
         )
-        handle = self.launch(
+        self.reduce_bucket(buf, dest, partial(self.reduce_scatter, counts), counts[self.comm.rank])
+
+    def reduce_scatter(self, counts: list[int], out: Any, buf: Any) -> Any:
+        """A ``reduce_bucket`` collective: the bucket reduce-scattered in pieces of ``counts``
+        elements, this rank's into ``out``."""
+        return self.start_or_run(
             self.comm.ireduce_scatter_v, self.comm.reduce_scatter_v, out, buf, counts
         )
-        del plan.filling[b]  # given back to the pool once the reduction completes
-        self.pending.add(handle, out, dest, (buf, out))
 
     def before_backward(self, boundary: bool) -> None:
         for q in self.queues:

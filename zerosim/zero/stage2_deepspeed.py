@@ -32,10 +32,11 @@ class Stage2DeepSpeed(DeepSpeedFlatBuffers, Stage2):
     def bucket_pieces(self) -> list[list[int]]:
         return []  # IPG buckets are cut as gradients arrive: no per-rank cut is known before
 
-    def setup_reduction(self) -> None:
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         starts = [[slot.range.start for slot in g.slots] for g in self.groups]
         sizes = [g.layout.shard_numel for g in self.groups]
-        self.ipg = IpgBuckets(self, starts, sizes, self._deliver)
+        self.ipg = IpgBuckets(self, starts, sizes, self._deliver)  # the bucket being filled
         self.added: set[int] = set()  # id(param) of gradients added in this backward
 
     def _ready(self, p: Parameter) -> None:

@@ -70,7 +70,6 @@ class ShardGroup:
         self.persistent_buffers: dict[int, Any] = {}  # id(param) -> its whole copy
         self.grad_shard: Any = None  # the reduced gradient of this rank's chunks
         self.master: Any = None  # fp32 master of the chunks (mixed precision, offload)
-        self.master_grads: Any = None  # (never used at stage 3; read by the base class)
         for i, (name, p) in enumerate(named):
             full = None
             if p.partition is not None:  # built inside zero.Init: adopt this rank's chunk
@@ -133,7 +132,7 @@ def pack_rank_major(block: Any, grad: Any) -> None:
         assign(block[rows, :rest], grad[rows * chunk :])
 
 
-class GroupBuckets:
+class RankMajorBuckets:
     """One group's gradient buckets under the paper's schedule: fixed at start-up, filled as the
     gradients arrive, launched by ``queue`` strictly in bucket order."""
 
@@ -158,24 +157,23 @@ class Stage3(Strategy):
     def make_group(self, named: list[tuple[str, Parameter]], hyper: dict[str, Any]) -> ShardGroup:
         return ShardGroup(named, self, hyper)
 
-    def setup_gradients(self) -> None:
-        """Every group's gradient shard and the parameter → (group, index) map; then the
-        schedule's own state (``setup_schedule``)."""
-        self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (group, index)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.released = self.groups[0].xp.empty(0, dtype=self.dtype)  # a released param's data
-        for gi, g in enumerate(self.groups):
-            g.grad_shard = g.xp.zeros(g.partition.shard_numel, dtype=self.dtype)
-            for i, (_, p) in enumerate(g.named_params):
-                self.where[id(p)] = (gi, i)
-        self.setup_schedule()
-
-    def setup_schedule(self) -> None:
-        """The paper's state: each gathered parameter's buffer, each group's static buckets."""
         self.gathered: dict[int, Any] = {}  # id(param) -> its gathered buffer
-        self.buckets = [
-            GroupBuckets(g, self.comm.size, self.zero.reduce_bucket_size, partial(self._launch, gi))
+        self.buckets: list[RankMajorBuckets] = [  # per group, its static gradient buckets
+            RankMajorBuckets(
+                g, self.comm.size, self.zero.reduce_bucket_size, partial(self._launch_bucket, gi)
+            )
             for gi, g in enumerate(self.groups)
         ]
+        self.coordinator: Any = None  # attach(): gathers and releases parameters around modules
+        self.tracker: GradReadyTracker | None = None  # attach(): says when a gradient is final
+
+    def setup_gradients(self) -> None:
+        """Every group's gradient shard (this rank's chunks of every parameter's gradient)."""
+        for g in self.groups:
+            g.grad_shard = g.xp.zeros(g.partition.shard_numel, dtype=self.dtype)
 
     def attach(self, model: Any) -> None:
         self.coordinator = ParamCoordinator(self, model, self.zero)
@@ -189,7 +187,7 @@ class Stage3(Strategy):
         chunk = read_param_chunk(self, g, i)  # a file read under offload_param: nvme
         buf = g.xp.empty(chunk.size * self.comm.size, dtype=self.dtype)
         self.gathered[id(p)] = buf
-        return self.launch(self.comm.iall_gather, self.comm.all_gather, buf, chunk)
+        return self.start_or_run(self.comm.iall_gather, self.comm.all_gather, buf, chunk)
 
     def finish_gather(self, p: Parameter, handle: Any) -> None:
         """Wait for p's gather; p's data becomes a view of the gathered buffer."""
@@ -225,10 +223,10 @@ class Stage3(Strategy):
         if b not in buckets.buffers:
             width = sum(part.chunks[j] for j in buckets.members[b])
             shape = (self.comm.size, width)
-            buckets.buffers[b] = self.take_buffer(shape, self.wire_dtype(self.dtype))
+            buckets.buffers[b] = self.wire_buffer(shape)
         return buckets.buffers[b]
 
-    def _launch(self, gi: int, b: int) -> None:
+    def _launch_bucket(self, gi: int, b: int) -> None:
         """Reduce-scatter bucket b of group gi; its reduced row joins the gradient shard."""
         g, members = self.groups[gi], self.buckets[gi].members[b]
         for j in members:  # gradients of parameters whose uses never completed
@@ -237,16 +235,15 @@ class Stage3(Strategy):
         buf = self._bucket_buffer(gi, b)
         del self.buckets[gi].buffers[b]
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        self.before_reduction(buf)
-        out = self.take_buffer(width, buf.dtype)
-        start = g.partition.offsets[members[0]]
-        handle = self.reduce_bucket(out, buf)
-        self.pending.add(handle, out, g.grad_shard[start : start + width], (buf, out))
+        start = g.partition.offsets[members[0]]  # this rank's row lands in its gradient shard
+        self.reduce_bucket(buf, g.grad_shard[start : start + width], self.reduce_rows, width)
 
-    def reduce_bucket(self, out: Any, buf: Any) -> Any:
+    def reduce_rows(self, out: Any, buf: Any) -> Any:
         """Sum a rank-major (N, width) bucket over ranks into ``out`` (this rank's row): the
         reduce-scatter's handle, or None once it is done."""
-        return self.launch(self.comm.ireduce_scatter, self.comm.reduce_scatter, out, flat(buf))
+        return self.start_or_run(
+            self.comm.ireduce_scatter, self.comm.reduce_scatter, out, flat(buf)
+        )
 
     def flush_buckets(self) -> None:
         """End of backward: launch every bucket not launched yet."""

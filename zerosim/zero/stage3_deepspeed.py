@@ -91,8 +91,9 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
 
     boundary_rule = staticmethod(deepspeed_stage3_checks)
 
-    def setup_schedule(self) -> None:
-        """DeepSpeed's state: one open gradient bucket for every group, in ready order."""
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # DeepSpeed's state: one open gradient bucket for every group, in ready order
         self.open_bucket: list[Parameter] = []  # parameters whose gradients it holds
         self.open_numel = 0  # their elements, unpadded
 
@@ -112,7 +113,7 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
         xp = xp_of(chunks[0])
         send = chunks[0] if len(chunks) == 1 else xp.concat(chunks)
         buf = xp.empty(send.size * self.comm.size, dtype=self.dtype)
-        handle = self.launch(self.comm.iall_gather, self.comm.all_gather, buf, send)
+        handle = self.start_or_run(self.comm.iall_gather, self.comm.all_gather, buf, send)
         return CoalescedGather(params, [c.size for c in chunks], send, buf, handle)
 
     def finish_coalesced_gather(self, gather: CoalescedGather) -> None:
@@ -176,14 +177,11 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
             slots.append((g.grad_shard, g.partition.offsets[i], g.partition.chunks[i], width))
             width += g.partition.chunks[i]
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        buf = self.take_buffer((self.comm.size, width), self.wire_dtype(self.dtype))
+        buf = self.wire_buffer((self.comm.size, width))
         for p, (_, _, chunk, column) in zip(members, slots, strict=True):
             pack_rank_major(buf[:, column : column + chunk], flat(p.grad))
             p.grad = None
-        self.before_reduction(buf)
-        out = self.take_buffer(width, buf.dtype)
-        handle = self.reduce_bucket(out, buf)
-        self.pending.add(handle, out, ShardPieces(slots), (buf, out))
+        self.reduce_bucket(buf, ShardPieces(slots), self.reduce_rows, width)
 
     def _all_reduce_bucket(self, members: list[Parameter], numel: int) -> None:
         """``reduce_scatter: false`` with contiguous gradients (DeepSpeed's
@@ -191,7 +189,7 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
         unpadded, in the order they were added; each rank then keeps its chunk of each,
         elements [r·chunk_i, min((r + 1)·chunk_i, numel_i)) of parameter i."""
         self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        buf = self.take_buffer(numel, self.wire_dtype(self.dtype))
+        buf = self.wire_buffer(numel)
         slots, at = [], 0  # (grad_shard, chunk offset in the shard, valid elements, bucket at)
         for p in members:
             gi, i = self.where[id(p)]
@@ -204,9 +202,7 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
             if valid:
                 slots.append((g.grad_shard, g.partition.offsets[i], valid, at + lo))
             at += p.numel
-        self.before_reduction(buf)
-        handle = self.launch(self.comm.iall_reduce, self.comm.all_reduce, buf)
-        self.pending.add(handle, buf, ShardPieces(slots), (buf,))
+        self.reduce_bucket(buf, ShardPieces(slots), self.all_reduce)
 
     # -- the engine's calls ----------------------------------------------------------------------
     def before_backward(self, boundary: bool) -> None:

@@ -177,10 +177,7 @@ class Stage3ZeroPP(Stage3):
     def __init__(self, *, quantization_block_size: int = WEIGHT_BLOCK_SIZE, **kwargs: Any) -> None:
         self.quantization_block_size = quantization_block_size  # elements per scale, qwZ and qgZ
         super().__init__(**kwargs)
-
-    def setup_schedule(self) -> None:
-        """The paper's state, and ZeRO++'s: hpZ's groups and secondary chunks, qgZ's reducer."""
-        super().setup_schedule()
+        # ZeRO++'s state beside the paper's: hpZ's groups and secondary chunks, qgZ's reducer
         self.in_backward = False  # hpZ gathers secondary chunks in backward; qwZ only forward
         size = self.zero.zero_hpz_partition_size
         self.hpz_comm = None  # hpZ: this rank's group of `size` consecutive ranks
@@ -216,7 +213,7 @@ class Stage3ZeroPP(Stage3):
             )
             self.track_transient(pending.nbytes)
             return pending
-        return self.launch(comm.iall_gather, comm.all_gather, buf, chunk)
+        return self.start_or_run(comm.iall_gather, comm.all_gather, buf, chunk)
 
     def finish_gather(self, p: Parameter, handle: Any) -> None:
         """The paper's, after which a full gather's parameter gives hpZ its secondary chunk."""
@@ -228,10 +225,10 @@ class Stage3ZeroPP(Stage3):
         if secondary is not None and not secondary.fresh[i]:  # a full gather: cut the chunk
             secondary.store(i, self.gathered[id(p)])
 
-    def reduce_bucket(self, out: Any, buf: Any) -> Any:
+    def reduce_rows(self, out: Any, buf: Any) -> Any:
         """qgZ: the bucket's reduce-scatter as a blocking two-hop quantized all-to-all."""
         if self.grad_reducer is None:
-            return super().reduce_bucket(out, buf)
+            return super().reduce_rows(out, buf)
         out[...] = array_module(out).astype(self.grad_reducer.reduce(buf), out.dtype)
         return None
 

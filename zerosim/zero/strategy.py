@@ -67,8 +67,8 @@ class Tile:
 class FlatGroup:
     """One parameter group laid end to end in a flat buffer; module params become views of it.
 
-    The fields every flat-buffer stage has; a stage's subclass (``Stage0Group`` …) adds its
-    gradient storage.
+    The fields every flat-buffer stage has; a stage's subclass (``FullGradGroup``, ``Stage2Group``)
+    adds its gradient storage.
     """
 
     def __init__(
@@ -100,6 +100,15 @@ class FlatGroup:
         return xp_of(flat).reshape(flat[slot.range.start : slot.range.stop], slot.shape)
 
 
+class FullGradGroup(FlatGroup):
+    """A parameter group whose rank keeps full gradients (stages 0 and 1): its flat parameters
+    and a gradient buffer laid out like them."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.flat_grad: Any = None  # setup_gradients: gradients laid out like flat_param
+
+
 def sum_sq(v: Any) -> float:
     """Σ v² of a 1-D array as a Python float: BLAS's dot on NumPy, ``vecdot`` elsewhere."""
     if isinstance(v, np.ndarray):
@@ -120,6 +129,48 @@ def tiles(ranges: Sequence[Range], tile: int) -> list[Range]:
     for r in ranges:
         for start in range(r.start, r.stop, tile):
             out.append(Range(start, min(start + tile, r.stop)))
+    return out
+
+
+def cut_tiles(strategy: Any) -> tuple[list[list[Tile]], list[list[Range]]]:
+    """Cut each group's stepped ranges into ``sub_group_size`` tiles (``Tile``: a view of
+    the flat parameters and of the reduced gradient, or of the master copy); per group, the
+    tiles and their runs of the flat buffer."""
+    all_tiles, all_ranges = [], []
+    for gi, g in enumerate(strategy.groups):
+        cut = tiles(strategy.step_ranges(g), strategy.zero.sub_group_size)
+        if strategy.master_weights is None:  # the stepped parameters are their own master
+            shards = [Tile(g.flat_param[t.start : t.stop], strategy.grad_view(g, t)) for t in cut]
+        else:  # a master copy of the stepped ranges; its gradients made at step time
+            shards = [Tile(view, None) for view in strategy.master_weights.allocate(gi, g, cut)]
+        all_tiles.append(shards)
+        all_ranges.append(cut)
+    return all_tiles, all_ranges
+
+
+def flat_full_state(strategy: Any) -> dict[str, np.ndarray]:
+    """{name: host copy of the full parameter}, from the fp32 master under mixed precision.
+
+    Every rank holds the full model-dtype parameters here; the master exists only for the
+    stepped ranges, so under mixed precision it is all-gathered (one per partition unit).
+    """
+    out = {}
+    for g in strategy.groups:
+        full = g.flat_param
+        if strategy.master_dtype is not None:
+            full = xp_of(g.master).zeros(g.layout.padded_numel, dtype=strategy.master_dtype)
+            ranges = strategy.step_ranges(g)
+            if len(ranges) == 1 and ranges[0].size == full.size:  # stage 0: all of it
+                full[...] = g.master
+            else:
+                at = 0
+                for unit, own in zip(g.layout.units, g.owned, strict=True):
+                    strategy.comm.all_gather(
+                        full[unit.start : unit.stop], g.master[at : at + own.size]
+                    )
+                    at += own.size
+        for i, (name, _) in enumerate(g.named_params):
+            out[name] = to_host(g.param_view(i, full)).copy()
     return out
 
 
@@ -180,25 +231,20 @@ class Strategy(ABC):
         self.pool = BufferPool(xp, self.dtype)  # gradient bucket buffers (stages 0, 2 and 3)
         self.pending = PendingReductions(self.give_buffer)  # launched bucket reductions
         self.setup_gradients()
+        # per group, the optimizer's tiles (``Tile``) of this rank's stepped ranges and their runs
+        # of the flat buffer (``cut_tiles``)
+        self.shards: list[list[Tile]]
+        self.tile_ranges: list[list[Range]]
+        self.shards, self.tile_ranges = cut_tiles(self)
         self.optimizer = self.build_optimizer(optimizer_cls)
         self.offload.attach_optimizer(self)
 
     def build_optimizer(self, optimizer_cls: type) -> Any:
-        """Cut each group's stepped ranges into ``sub_group_size`` tiles (``Tile``: a view of
-        the flat parameters and of the reduced gradient, or of the master copy) and build the
-        optimizer over them."""
-        param_groups = []
-        self.shards: list[list[Tile]] = []
-        self.tile_ranges: list[list[Range]] = []
-        for gi, g in enumerate(self.groups):
-            cut = tiles(self.step_ranges(g), self.zero.sub_group_size)
-            if self.master_weights is None:  # the stepped parameters are their own master
-                shards = [Tile(g.flat_param[t.start : t.stop], self.grad_view(g, t)) for t in cut]
-            else:  # a master copy of the stepped ranges; its gradients made at step time
-                shards = [Tile(view, None) for view in self.master_weights.allocate(gi, g, cut)]
-            self.shards.append(shards)
-            self.tile_ranges.append(cut)
-            param_groups.append({"params": shards, **g.hyper})
+        """The optimizer over every group's tiles, with the group's hyperparameters."""
+        param_groups = [
+            {"params": shards, **g.hyper}
+            for g, shards in zip(self.groups, self.shards, strict=True)
+        ]
         optimizer = optimizer_cls(param_groups)
         if hasattr(optimizer, "piece_map"):  # LAMB: each parameter's norms (zero/lamb.py)
             optimizer.piece_map = LambNorms(self)
@@ -370,13 +416,39 @@ class Strategy(ABC):
         """The dtype gradients of this dtype are reduced in (communication_data_type)."""
         return np_dtype(grads) if self.comm_dtype is None else self.comm_dtype
 
-    def launch(self, start: Callable[..., Any], run: Callable[..., None], *args: Any) -> Any:
+    def start_or_run(self, start: Callable[..., Any], run: Callable[..., None], *args: Any) -> Any:
         """Overlap or block: with ``overlap_comm`` start the collective (``start``, non-blocking)
         and return its handle; without, run it to completion (``run``) and return None."""
         if self.zero.overlap_comm:
             return start(*args)
         run(*args)
         return None
+
+    def wire_buffer(self, shape: int | tuple[int, ...]) -> Any:
+        """A zero-filled pooled bucket buffer in the dtype gradients travel in (``wire_dtype``)."""
+        return self.take_buffer(shape, self.wire_dtype(self.dtype))
+
+    def reduce_bucket(
+        self,
+        bucket: Any,
+        into: Any,
+        collective: Callable[[Any, Any], Any],
+        out_numel: int | None = None,
+    ) -> None:
+        """The reduce sequence of every stage's filled bucket: scale it (``before_reduction``),
+        start ``collective(out, bucket)`` (``start_or_run``'s handle) and queue it in ``pending``,
+        which adds ``out`` into ``into`` (where the stage says the result lands; None: not on
+        this rank) and gives the pooled buffers back. ``out``: the bucket (in place) or, with
+        ``out_numel``, a pooled buffer."""
+        self.before_reduction(bucket)
+        out = bucket if out_numel is None else self.take_buffer(out_numel, bucket.dtype)
+        handle = collective(out, bucket)
+        views = (bucket,) if out is bucket else (bucket, out)
+        self.pending.add(handle, out, into, views)
+
+    def all_reduce(self, out: Any, bucket: Any) -> Any:
+        """A ``reduce_bucket`` collective: the bucket all-reduced in place (``out`` is it)."""
+        return self.start_or_run(self.comm.iall_reduce, self.comm.all_reduce, bucket)
 
     def take_buffer(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
         """A zero-filled bucket buffer from the pool (zerosim/zero/buckets.py); its bytes are
@@ -393,29 +465,9 @@ class Strategy(ABC):
         self.peak_transient = max(self.peak_transient, self.live_transient)
 
     def full_state_dict(self) -> dict[str, np.ndarray]:
-        """{name: host copy of the full parameter}, from the fp32 master under mixed precision.
-
-        Every rank holds the full model-dtype parameters here; the master exists only for the
-        stepped ranges, so under mixed precision it is all-gathered (one per partition unit).
-        """
-        out = {}
-        for g in self.groups:
-            full = g.flat_param
-            if self.master_dtype is not None:
-                full = xp_of(g.master).zeros(g.layout.padded_numel, dtype=self.master_dtype)
-                ranges = self.step_ranges(g)
-                if len(ranges) == 1 and ranges[0].size == full.size:  # stage 0: all of it
-                    full[...] = g.master
-                else:
-                    at = 0
-                    for unit, own in zip(g.layout.units, g.owned, strict=True):
-                        self.comm.all_gather(
-                            full[unit.start : unit.stop], g.master[at : at + own.size]
-                        )
-                        at += own.size
-            for i, (name, _) in enumerate(g.named_params):
-                out[name] = to_host(g.param_view(i, full)).copy()
-        return out
+        """{name: host copy of the full parameter}, from the fp32 master under mixed precision
+        (``flat_full_state``)."""
+        return flat_full_state(self)
 
     def iter_params(self) -> Iterator[tuple[str, np.ndarray]]:
         """(name, host copy of the full parameter in the model dtype), one at a time. Every
