@@ -42,7 +42,7 @@ from zerosim.nn.functional import (
     softmax_backward_,
     upcast,
 )
-from zerosim.nn.init import RngLike, as_generator, check_positive_int
+from zerosim.nn.init import RngLike, as_generator, check_last_axis, check_positive_int
 from zerosim.nn.linear import Linear
 from zerosim.nn.module import Module
 from zerosim.nn.positions import alibi_bias, alibi_slopes
@@ -103,11 +103,7 @@ class CausalSelfAttention(Module):
         self.resid_dropout = Dropout(dropout, rng=rng.spawn(1)[0])
 
     def forward(self, x: Any) -> Any:
-        if x.ndim != 3 or x.shape[-1] != self.n_embd:
-            raise ValueError(
-                f"CausalSelfAttention expects (B, T, {self.n_embd}) input; "
-                f"got shape {tuple(x.shape)}"
-            )
+        check_last_axis("CausalSelfAttention", x, self.n_embd, ndim=3)
         xp = xp_of(x)
         b, t, c = x.shape
         h, d = self.n_head, c // self.n_head

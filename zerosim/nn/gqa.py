@@ -35,7 +35,7 @@ from zerosim.nn.functional import (
     softmax_backward_,
     upcast,
 )
-from zerosim.nn.init import RngLike, as_generator, check_positive_int
+from zerosim.nn.init import RngLike, as_generator, check_last_axis, check_positive_int
 from zerosim.nn.linear import Linear
 from zerosim.nn.module import Module
 from zerosim.nn.positions import RotaryEmbedding, alibi_bias, alibi_slopes
@@ -94,11 +94,7 @@ class GroupedQueryAttention(Module):
         self.alibi_slopes = alibi_slopes(n_head) if positions == "alibi" else None
 
     def forward(self, x: Any) -> Any:
-        if x.ndim != 3 or x.shape[-1] != self.n_embd:
-            raise ValueError(
-                f"GroupedQueryAttention expects (B, T, {self.n_embd}) input; "
-                f"got shape {tuple(x.shape)}"
-            )
+        check_last_axis("GroupedQueryAttention", x, self.n_embd, ndim=3)
         xp = xp_of(x)
         b, t, _ = x.shape
         kv, d = self.n_kv_head, self.head_dim

@@ -64,3 +64,11 @@ def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
     return int(value)
+
+
+def check_last_axis(who: str, x: Any, size: int, ndim: int | None = None) -> None:
+    """A ValueError naming the module ``who`` unless ``x``'s last axis has ``size`` elements (and
+    ``x`` has ``ndim`` axes, where given: ``ndim=3`` is a (B, T, C) sequence)."""
+    if x.ndim == 0 or x.shape[-1] != size or (ndim is not None and x.ndim != ndim):
+        want = f"(B, T, {size}) input" if ndim == 3 else f"a last axis of {size}"
+        raise ValueError(f"{who} expects {want}; got shape {tuple(x.shape)}")

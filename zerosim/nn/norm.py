@@ -18,7 +18,7 @@ import numpy as np
 
 from zerosim.backend import resolve_dtype, xp_of
 from zerosim.nn.functional import downcast, host_ints, reduce, reshape, rowdot, upcast
-from zerosim.nn.init import check_positive_int
+from zerosim.nn.init import check_last_axis, check_positive_int
 from zerosim.nn.module import Module
 from zerosim.nn.parameter import Parameter, accumulate_grad
 
@@ -52,11 +52,7 @@ class LayerNorm(Module):
         self.bias = Parameter(np.zeros(self.normalized_shape, dt)) if affine and bias else None
 
     def forward(self, x: Any) -> Any:
-        if x.ndim == 0 or x.shape[-1] != self.normalized_shape:
-            raise ValueError(
-                f"LayerNorm expects a last axis of {self.normalized_shape}; "
-                f"got shape {tuple(x.shape)}"
-            )
+        check_last_axis("LayerNorm", x, self.normalized_shape)
         xp = xp_of(x)
         xc = upcast(x)
         mean = reduce("mean", xc, axis=-1, keepdims=True)
@@ -118,11 +114,7 @@ class RMSNorm(Module):
         self.weight = Parameter(np.ones(self.normalized_shape, resolve_dtype(dtype)))
 
     def forward(self, x: Any) -> Any:
-        if x.ndim == 0 or x.shape[-1] != self.normalized_shape:
-            raise ValueError(
-                f"RMSNorm expects a last axis of {self.normalized_shape}; "
-                f"got shape {tuple(x.shape)}"
-            )
+        check_last_axis("RMSNorm", x, self.normalized_shape)
         xp = xp_of(x)
         xc = upcast(x)
         ms = rowdot(xc, xc)[..., None]  # Σ x², then mean(x²) + ε, then rstd, in place
