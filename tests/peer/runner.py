@@ -10,12 +10,36 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from mpi_helpers import ROOT, run_mpi
 
 HERE = Path(__file__).resolve().parent
 NAMES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+
+# A build of one of DeepSpeed's CPU ops (fused_adam, the shared-memory communicator) takes a minute
+# or two here; a lock file older than this was left by a process killed while building or loading.
+STALE_LOCK_S = 15 * 60
+
+
+def clear_stale_extension_locks(now: float | None = None) -> list[Path]:
+    """Remove the lock files torch's extension builder left behind, and return them.
+
+    DeepSpeed builds its CPU ops on first use with ``torch.utils.cpp_extension``, which holds a
+    ``lock`` file in the op's build folder while it builds or loads it. A process killed there
+    (a test run interrupted, a time limit) leaves the file, and every later launch waits for it
+    to go away, for ever. Only files older than ``STALE_LOCK_S`` are removed: a build under way
+    is younger."""
+    root = Path(
+        os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    )
+    now = time.time() if now is None else now
+    stale = [p for p in root.glob("**/lock") if now - p.stat().st_mtime > STALE_LOCK_S]
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
 
 
 def run_deepspeed(n: int, plan: Path, out: Path, timeout: float = 1200) -> None:
@@ -29,6 +53,8 @@ def run_deepspeed(n: int, plan: Path, out: Path, timeout: float = 1200) -> None:
     cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(n)]
     cmd += [str(HERE / "ds_driver.py"), str(plan), str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for lock in clear_stale_extension_locks():
+        print(f"removed a stale build lock of DeepSpeed's CPU ops: {lock}", file=sys.stderr)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
         raise RuntimeError(
