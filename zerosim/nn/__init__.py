@@ -8,7 +8,7 @@ layers, the ``MLP``, ``Transformer`` (of a ``ModelDescription``: GPT, Llama, MPT
 from zerosim.nn.activation import GELU, Dropout, ReLU, Tanh
 from zerosim.nn.attention import CausalSelfAttention
 from zerosim.nn.containers import ModuleList, Sequential
-from zerosim.nn.description import ModelDescription, describe
+from zerosim.nn.description import ModelDescription
 from zerosim.nn.gqa import GroupedQueryAttention
 from zerosim.nn.grad_mode import enable_grad, is_grad_enabled, no_grad
 from zerosim.nn.grad_ready import GradReadyTracker
@@ -19,7 +19,7 @@ from zerosim.nn.module import LoadResult, Module, RemovableHandle, StateDictErro
 from zerosim.nn.norm import BatchNorm1d, LayerNorm, RMSNorm
 from zerosim.nn.parameter import Parameter, accumulate_grad
 from zerosim.nn.positions import RotaryEmbedding, alibi_slopes
-from zerosim.nn.presets import PRESETS
+from zerosim.nn.presets import PRESETS, describe
 from zerosim.nn.recompute import Checkpoint, checkpoint, saved_bytes
 from zerosim.nn.transformer import Block, DecoderBlock, FeedForward, SwiGLU
 

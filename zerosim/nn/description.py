@@ -18,8 +18,8 @@ it in closed form from the shapes alone (d = h/n, a = 1 with biases, else 0):
 
 GPT-2/3 (biases, 4h GELU, LayerNorm, learned positions): attention + MLP + 2 norms = 12h² + 13h,
 Narayanan et al.'s count. A description is read from a JSON or hjson file holding its fields
-(``from_file``); unknown keys are refused, naming the allowed ones. ``describe`` turns a preset
-name (``zerosim.nn.presets``) or a file path into a description.
+(``from_file``); unknown keys are refused, naming the allowed ones. ``describe``, in
+``zerosim.nn.presets`` beside the presets, turns a preset name or a file path into a description.
 """
 
 from __future__ import annotations
@@ -202,23 +202,3 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
     return value
-
-
-def describe(spec: str | Path | ModelDescription) -> ModelDescription:
-    """A description from a preset name (``zerosim.nn.presets.PRESETS``, each with a ``-tiny``
-    variant), a JSON/hjson file path, or a description (returned as it is)."""
-    from zerosim.nn.presets import PRESETS
-
-    if isinstance(spec, ModelDescription):
-        return spec
-    name = str(spec)
-    if name in PRESETS:
-        return PRESETS[name]
-    if name.endswith("-tiny") and name[: -len("-tiny")] in PRESETS:
-        return PRESETS[name[: -len("-tiny")]].tiny()
-    if Path(name).is_file():
-        return ModelDescription.from_file(name)
-    raise ValueError(
-        f"model {name!r} is neither a preset nor a model-description file; presets: "
-        f"{sorted(PRESETS)} (each also as NAME-tiny)"
-    )

@@ -24,13 +24,14 @@ import numpy as np
 from zerosim.backend import resolve_dtype, xp_of
 from zerosim.nn.activation import GELU, Dropout, ReLU, Tanh
 from zerosim.nn.containers import ModuleList, Sequential
-from zerosim.nn.description import ModelDescription, describe
+from zerosim.nn.description import ModelDescription
 from zerosim.nn.functional import compute_dtype, reduce, reshape
 from zerosim.nn.init import check_positive_int, normal
 from zerosim.nn.linear import Embedding, Linear
 from zerosim.nn.loss import CrossEntropyLoss, MSELoss
 from zerosim.nn.module import Module
 from zerosim.nn.norm import LayerNorm, RMSNorm
+from zerosim.nn.presets import describe
 from zerosim.nn.transformer import DecoderBlock, make_norm
 
 ACTIVATIONS = {"relu": ReLU, "gelu": GELU, "tanh": Tanh}

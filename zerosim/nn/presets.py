@@ -25,6 +25,8 @@ closed-form parameter count (``ModelDescription.num_parameters``) to the publish
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from zerosim.nn.description import ModelDescription
 
 _HF = "Hugging Face config.json of"
@@ -119,3 +121,21 @@ PRESETS: dict[str, ModelDescription] = dict(
         _bloom("bloomberggpt", 70, 7680, 40, 131072, "Wu et al. 2023, BloombergGPT, Table 4"),
     ]
 )
+
+
+def describe(spec: str | Path | ModelDescription) -> ModelDescription:
+    """A description from a preset name (``zerosim.nn.presets.PRESETS``, each with a ``-tiny``
+    variant), a JSON/hjson file path, or a description (returned as it is)."""
+    if isinstance(spec, ModelDescription):
+        return spec
+    name = str(spec)
+    if name in PRESETS:
+        return PRESETS[name]
+    if name.endswith("-tiny") and name[: -len("-tiny")] in PRESETS:
+        return PRESETS[name[: -len("-tiny")]].tiny()
+    if Path(name).is_file():
+        return ModelDescription.from_file(name)
+    raise ValueError(
+        f"model {name!r} is neither a preset nor a model-description file; presets: "
+        f"{sorted(PRESETS)} (each also as NAME-tiny)"
+    )

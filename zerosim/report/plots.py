@@ -95,17 +95,8 @@ def memory_vs_dp(
     (with the stage's markers where nothing was measured). The unit (B, kB, MB, GB; ``base``
     1024: KiB … GiB) fits the middle of the range. ``capacity``: (name, bytes) of a device's
     memory, drawn as a dotted line."""
-    if not dp_degrees:
-        raise ValueError("dp_degrees must list at least one data-parallel degree, got none")
     formula_by_stage = formula_by_stage or {}
-    checked = {"bytes_by_stage": bytes_by_stage, "formula_by_stage": formula_by_stage}
-    for what, series in checked.items():
-        for stage, values in series.items():
-            if len(values) != len(dp_degrees):
-                raise ValueError(
-                    f"{what}[{stage!r}] has {len(values)} values; expected one per "
-                    f"dp degree ({len(dp_degrees)})"
-                )
+    _check_per_degree(dp_degrees, bytes_by_stage=bytes_by_stage, formula_by_stage=formula_by_stage)
     series = (*bytes_by_stage.values(), *formula_by_stage.values())
     known = [float(v) for values in series for v in values if v is not None and v > 0] or [1.0]
     known += [float(capacity[1])] if capacity else []
@@ -133,20 +124,39 @@ def memory_vs_dp(
         ax.plot([], [], linestyle="none", marker="o", markerfacecolor="none", color="grey",
                 label="measured")  # fmt: skip
         ax.plot([], [], linestyle="--", color="grey", label="formula")
+    _log_log_axes(ax, dp_degrees, narrow=max(known) < 20 * min(known))
+    ax.set_ylabel(f"{unit} per rank")
+    _title(ax, title)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, path)
+
+
+def _check_per_degree(dp_degrees: Sequence[int], **named: Mapping[str, Sequence]) -> None:
+    """A ValueError unless every series of every mapping in ``named`` has one value per N."""
+    if not dp_degrees:
+        raise ValueError("dp_degrees must list at least one data-parallel degree, got none")
+    for what, series in named.items():
+        for stage, values in series.items():
+            if len(values) != len(dp_degrees):
+                raise ValueError(
+                    f"{what}[{stage!r}] has {len(values)} values; expected one per "
+                    f"dp degree ({len(dp_degrees)})"
+                )
+
+
+def _log_log_axes(ax: Any, dp_degrees: Sequence[int], narrow: bool) -> None:
+    """N on a base-2 axis ticked at the measured degrees; bytes on a log axis numbered plainly
+    (0.1, 1, 10, not 10⁻¹), its 2…9 ticks too when the range is ``narrow`` (within about a
+    decade the decades alone leave the axis bare)."""
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(list(dp_degrees), [f"{n:,}" for n in dp_degrees])
     ax.xaxis.set_minor_locator(NullLocator())
     plain = FuncFormatter(lambda v, _: f"{v:,.10g}")
-    ax.yaxis.set_major_formatter(plain)  # 0.1, 1, 10, …, not 10⁻¹
-    # within about a decade the decades alone leave the axis bare: number the 2…9 ticks too
-    ax.yaxis.set_minor_formatter(plain if max(known) < 20 * min(known) else NullFormatter())
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain if narrow else NullFormatter())
     ax.set_xlabel("data-parallel ranks N")
-    ax.set_ylabel(f"{unit} per rank")
-    _title(ax, title)
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return _save(fig, path)
 
 
 def stacked_bars(
