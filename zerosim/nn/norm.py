@@ -77,12 +77,7 @@ class LayerNorm(Module):
         g = upcast(grad)
         if self.weight is not None:
             g_rows = reshape(g, (-1, self.normalized_shape))
-            xhat_rows = reshape(xhat, g_rows.shape)
-            if xp is np:  # Σ g·x̂ without a (rows, C) temporary
-                dw = np.einsum("ij,ij->j", g_rows, xhat_rows)
-            else:
-                dw = reduce("sum", g_rows * xhat_rows, axis=0)
-            accumulate_grad(self.weight, dw)
+            accumulate_grad(self.weight, _column_dot(g_rows, reshape(xhat, g_rows.shape)))
             if self.bias is not None:
                 accumulate_grad(self.bias, reduce("sum", g_rows, axis=0))
             dx = g * upcast(self.weight.data)  # dx̂, turned into dx in place below
@@ -128,16 +123,10 @@ class RMSNorm(Module):
 
     def _backward(self, grad: Any) -> Any:
         x, rstd = self.pop_saved()
-        xp = xp_of(grad)
         xhat = upcast(x) * rstd
         g = upcast(grad)
         g_rows = reshape(g, (-1, self.normalized_shape))
-        xhat_rows = reshape(xhat, g_rows.shape)
-        if xp is np:  # Σ g·x̂ without a (rows, C) temporary
-            dw = np.einsum("ij,ij->j", g_rows, xhat_rows)
-        else:
-            dw = reduce("sum", g_rows * xhat_rows, axis=0)
-        accumulate_grad(self.weight, dw)
+        accumulate_grad(self.weight, _column_dot(g_rows, reshape(xhat, g_rows.shape)))
         dx = g * upcast(self.weight.data)  # dx̂, turned into dx in place below
         # dx = rstd · (dx̂ − x̂ · mean(dx̂ · x̂))
         mean_dxhat_xhat = rowdot(dx, xhat)[..., None]
@@ -149,6 +138,13 @@ class RMSNorm(Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
+
+
+def _column_dot(g_rows: Any, xhat_rows: Any) -> Any:
+    """Σ_rows g·x̂ per column: a norm's weight gradient (on NumPy without a (rows, C) temporary)."""
+    if xp_of(g_rows) is np:
+        return np.einsum("ij,ij->j", g_rows, xhat_rows)
+    return reduce("sum", g_rows * xhat_rows, axis=0)
 
 
 class BatchNorm1d(Module):
