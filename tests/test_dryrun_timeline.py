@@ -270,6 +270,25 @@ def test_a_dry_run_step_on_a_free_network_is_its_flops_at_the_device_rate(tmp_pa
         dry_run("gpt:2,32,40,32,2", 8, SMALL_CFG, trace=trace)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_matrix_products_run_at_the_peak_of_the_runs_dtype(tmp_path, bf16):
+    """On a free network, an fp32 step is its FLOPs at device_flops_fp32 (10¹⁰ here), a bf16
+    step its FLOPs at device_flops (10¹¹): the same products, ten times faster in bf16."""
+    cluster = _one_node_cluster(
+        tmp_path / "c.json", intra_bandwidth=1e30, inter_bandwidth=1e30, device_flops_fp32=1e10
+    )
+    cfg = {k: v for k, v in SMALL_CFG.items() if bf16 or k != "bf16"}
+    report = dry_run("gpt:2,32,40,32,2", 8, cfg, cluster=cluster)
+    peak = 1e11 if bf16 else 1e10
+    flops = max(e["flops"] for e in report["ranks"])
+    assert report["dtype"] == ("bfloat16" if bf16 else "float32")
+    assert report["time"]["step_s"] == pytest.approx(flops / peak, rel=1e-9)
+    assert report["time"]["cluster"]["device_flops"] == peak
+    with pytest.raises(ValueError, match="device_flops_fp32 must be a positive FLOP/s, got 0"):
+        _one_node_cluster(tmp_path / "bad.json", device_flops_fp32=0)
+        load_cluster_model(tmp_path / "bad.json")
+
+
 def test_the_cluster_is_resized_to_the_world(tmp_path):
     cluster = _small_cluster(tmp_path / "c.json")
     report = dry_run("gpt:2,32,40,32,2", 8, SMALL_CFG, cluster=cluster)
@@ -312,7 +331,7 @@ def test_the_zeropp_cluster_borrows_selenes_factors_and_the_published_hardware()
     spec = json.loads((CLUSTERS / "zeropp_v100.json").read_text())
     assert set(spec["comment"]) == {  # every number says where it comes from
         "nodes", "devices_per_node", "intra_bandwidth", "inter_bandwidth", "intra_latency",
-        "inter_latency", "device_flops", "device_memory_bytes",
+        "inter_latency", "device_flops", "device_flops_fp32", "device_memory_bytes",
     }  # fmt: skip
     assert v100.device_memory_bytes == 32 * 2**30  # V100-SXM3-32GB
     assert selene.device_memory_bytes == 80 * 2**30  # A100-80GB

@@ -88,13 +88,14 @@ def step_time(
     """The ``time`` entry: each representative's last step simulated on ``cluster`` (resized to
     ``world_size`` ranks), the slowest one reported (every rank waits for it at the next
     collective), with model TFLOP/s per device: Narayanan et al.'s formula for a GPT, else the
-    counted matmul FLOPs, over the step time."""
-    resized = cluster.resized(world_size)
+    counted matmul FLOPs, over the step time. Matrix products run at the peak of the run's
+    dtype (``ClusterModel.for_dtype``: fp32 runs at ``device_flops_fp32``)."""
+    facts = runs[0][1].facts
+    resized = cluster.resized(world_size).for_dtype(facts["model_dtype"])
     slowest, run = max(
         ((simulate(run.events, run.comm.calls, resized, spans), run) for _, run in runs),
         key=lambda pair: pair[0].step_s,
     )
-    facts = runs[0][1].facts
     flops = float(run.step_flops)
     shape = None if model is None else model.gpt
     if shape is not None:
@@ -112,6 +113,7 @@ def step_time(
             "name": cluster.name,
             "nodes": resized.cluster.nodes,
             "devices_per_node": resized.cluster.devices_per_node,
+            "device_flops": resized.cluster.device_flops,  # the peak of the run's dtype
             "compute_efficiency": cluster.compute_efficiency,
             "network_efficiency": cluster.network_efficiency,
         },
