@@ -11,6 +11,7 @@ import pytest
 from zerosim.analysis.timing import Cluster
 from zerosim.cli.dryrun import format_report
 from zerosim.dryrun import dry_run, recipe, records_of, run_world
+from zerosim.dryrun.plots import busy_fractions
 from zerosim.dryrun.report import against_device, step_time
 from zerosim.dryrun.timeline import (
     CLUSTERS,
@@ -335,3 +336,26 @@ def test_the_zeropp_cluster_borrows_selenes_factors_and_the_published_hardware()
     }  # fmt: skip
     assert v100.device_memory_bytes == 32 * 2**30  # V100-SXM3-32GB
     assert selene.device_memory_bytes == 80 * 2**30  # A100-80GB
+
+
+def test_busy_fractions_per_interval_by_hand():
+    """Four intervals of 1 s: compute busy over [0.5, 2.5] and [3, 3.25]; communication over
+    [1, 4]. Compute fills half of the first, all of the second, half of the third and a quarter
+    of the last."""
+    spans = [
+        ("compute", "matmul", 0.5, 2.5),
+        ("comm", "all_gather", 1.0, 4.0),
+        ("compute", "matmul", 3.0, 3.25),
+    ]
+    assert busy_fractions(spans, "compute", 4.0, 4) == pytest.approx([0.5, 1.0, 0.5, 0.25])
+    assert busy_fractions(spans, "comm", 4.0, 4) == pytest.approx([0.0, 1.0, 1.0, 1.0])
+    assert busy_fractions(spans, "comm", 0.0, 3) == [0.0, 0.0, 0.0]
+
+
+def test_phases_are_where_the_issued_collectives_change_phase():
+    calls = [_call("all_gather", 40, (0, 1), False) for _ in range(3)]
+    for call, phase in zip(calls, ("forward", "forward", "backward"), strict=True):
+        call.record.phase = phase
+    events = [("issue", 0), ("compute", 1000), ("issue", 1), ("compute", 1000), ("issue", 2)]
+    step = simulate(events, calls, ClusterModel(CLUSTER), spans=True)
+    assert step.phases == [(0.0, "forward"), (pytest.approx(2.0), "backward")]

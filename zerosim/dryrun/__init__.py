@@ -71,7 +71,7 @@ def dry_run(
         if cluster.device_memory_bytes is not None:
             report = against_device(report, cluster.device_memory_bytes)
         report["time"], step = step_time(
-            runs, world_size, cluster, model, recompute, spans=trace is not None
+            runs, world_size, cluster, model, recompute, spans=bool(trace or plot)
         )
         report["time"]["fits_device"] = report.get("fits_device", True)
         title = f"{model.name}, {world_size} ranks"

@@ -190,6 +190,8 @@ class StepTime:
     exposed_comm_s: float
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)  # stream, name, …
     memory: list[tuple[float, int]] = field(default_factory=list)  # (time, live bytes)
+    # (time, phase) where the phase of the issued collectives changes (forward, backward, step…)
+    phases: list[tuple[float, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -210,6 +212,7 @@ def simulate(
     ends: dict[int, float] = {}
     out_spans: list[tuple[str, str, float, float]] = []
     memory: list[tuple[float, int]] = []
+    phases: list[tuple[float, str]] = []
     for kind, value in events:
         if kind == "compute":
             dt = value / rate
@@ -226,6 +229,8 @@ def simulate(
             comm += dt
             if spans:
                 out_spans.append(("comm", f"{r.op} {r.phase} {r.group}", start, free))
+                if not phases or phases[-1][1] != r.phase:
+                    phases.append((now, r.phase))
             if r.blocking:
                 now = free
         elif kind == "wait":
@@ -235,7 +240,7 @@ def simulate(
     step = max(now, free)
     if memory:
         memory.append((step, memory[-1][1]))  # held until the step ends
-    return StepTime(step, compute, comm, step - compute, out_spans, memory)
+    return StepTime(step, compute, comm, step - compute, out_spans, memory, phases)
 
 
 def chrome_trace(step: StepTime, name: str = "rank 0") -> dict[str, Any]:
