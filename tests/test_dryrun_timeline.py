@@ -310,6 +310,7 @@ def test_a_peak_above_the_device_memory_is_marked_would_not_start(tmp_path):
         assert (
             e["would_not_start"] == f"peak {e['peak_bytes'] / 2**30:.3g} GiB > device 0.000244 GiB"
         )
+    assert report["time"]["peak_bytes"] == max(peaks)
     table = format_report(report)
     assert "would not start" in table and "step: OOM" in table and " s, communication" not in table
     assert json.loads(json.dumps(report))["fits_device"] is False and plot.stat().st_size > 1000

@@ -73,7 +73,6 @@ def dry_run(
         report["time"], step = step_time(
             runs, world_size, cluster, model, recompute, spans=bool(trace or plot)
         )
-        report["time"]["fits_device"] = report.get("fits_device", True)
         title = f"{model.name}, {world_size} ranks"
         if trace is not None:
             Path(trace).write_text(json.dumps(chrome_trace(step, title)))

@@ -89,7 +89,10 @@ def step_time(
     ``world_size`` ranks), the slowest one reported (every rank waits for it at the next
     collective), with model TFLOP/s per device: Narayanan et al.'s formula for a GPT, else the
     counted matmul FLOPs, over the step time. Matrix products run at the peak of the run's
-    dtype (``ClusterModel.for_dtype``: fp32 runs at ``device_flops_fp32``)."""
+    dtype (``ClusterModel.for_dtype``: fp32 runs at ``device_flops_fp32``). ``fits_device``:
+    every representative's step peak fits the cluster's device memory (true where the file
+    gives none); where it is false the step would not start, and its times are only what it
+    would take."""
     facts = runs[0][1].facts
     resized = cluster.resized(world_size).for_dtype(facts["model_dtype"])
     slowest, run = max(
@@ -103,8 +106,12 @@ def step_time(
         flops = narayanan_flops(
             batch, shape.seq, shape.layers, shape.hidden, shape.vocab, recompute
         )
+    peak = max(r.tracker["peak_bytes"] for _, r in runs)
+    memory = cluster.device_memory_bytes
     time = {
         **slowest.as_dict(),
+        "peak_bytes": peak,
+        "fits_device": memory is None or peak <= memory,
         "tflops_per_device": flops / slowest.step_s / 1e12 if slowest.step_s else 0.0,
         "counted_tflops_per_device": run.step_flops / slowest.step_s / 1e12
         if slowest.step_s
