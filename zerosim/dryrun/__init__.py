@@ -48,10 +48,7 @@ def dry_run(
         raise ValueError("trace and plot draw the simulated step: give a cluster too")
     if isinstance(cluster, str | Path):
         cluster = load_cluster_model(cluster)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    _check_positive_ints(world_size=world_size, steps=steps)
     model = recipe(model) if isinstance(model, str) else model
     runs, ranks_wall = run_world(
         model,
@@ -80,6 +77,12 @@ def dry_run(
             plot_step_memory(step, plot, title, cluster.device_memory_bytes)
     report["wall_s"] = round(perf_counter() - start, 3)
     return report
+
+
+def _check_positive_ints(**values: Any) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 __all__ = [
