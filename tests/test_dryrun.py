@@ -194,3 +194,30 @@ def test_a_recipe_from_a_shape_keeps_its_name_and_its_tied_embedding():
         assert sum(p.numel for p in untied.build().parameters()) == (
             round(shape.formula_params()) + 2 * 32 + 40 * 32
         )
+
+
+def test_wall_s_counts_the_report_over_every_rank_and_the_time_model(monkeypatch, tmp_path):
+    """On a clock that moves only while the report is summed over the ranks (100 s) and the step
+    simulated (7 s), ``wall_s`` is 107 s: what the dry run cost besides running the ranks."""
+    import zerosim.dryrun as dryrun
+
+    clock = [0.0]
+
+    def advancing(function, seconds):
+        def run(*args, **kwargs):
+            clock[0] += seconds
+            return function(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(dryrun, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(dryrun, "summarize", advancing(dryrun.summarize, 100.0))
+    monkeypatch.setattr(dryrun, "step_time", advancing(dryrun.step_time, 7.0))
+    cluster = tmp_path / "c.json"
+    cluster.write_text(
+        '{"nodes": 1, "devices_per_node": 4, "intra_bandwidth": 1e9, "inter_bandwidth": 1e9,'
+        ' "intra_latency": 0, "inter_latency": 0, "device_flops": 1e12}'
+    )
+    report = dry_run(MODEL, N, _config(), cluster=cluster)
+    assert report["wall_s"] == 107.0
+    assert report["ranks_wall_s"] > 0  # the ranks' runs, on the real clock

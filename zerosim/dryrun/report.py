@@ -88,13 +88,17 @@ def step_time(
     """The ``time`` entry: each representative's last step simulated on ``cluster`` (resized to
     ``world_size`` ranks), the slowest one reported (every rank waits for it at the next
     collective), with model TFLOP/s per device: Narayanan et al.'s formula for a GPT, else the
-    counted matmul FLOPs, over the step time."""
-    resized = cluster.resized(world_size)
+    counted matmul FLOPs, over the step time. Matrix products run at the peak of the run's
+    dtype (``ClusterModel.for_dtype``: fp32 runs at ``device_flops_fp32``). ``fits_device``:
+    every representative's step peak fits the cluster's device memory (true where the file
+    gives none); where it is false the step would not start, and its times are only what it
+    would take."""
+    facts = runs[0][1].facts
+    resized = cluster.resized(world_size).for_dtype(facts["model_dtype"])
     slowest, run = max(
         ((simulate(run.events, run.comm.calls, resized, spans), run) for _, run in runs),
         key=lambda pair: pair[0].step_s,
     )
-    facts = runs[0][1].facts
     flops = float(run.step_flops)
     shape = None if model is None else model.gpt
     if shape is not None:
@@ -102,8 +106,12 @@ def step_time(
         flops = narayanan_flops(
             batch, shape.seq, shape.layers, shape.hidden, shape.vocab, recompute
         )
+    peak = max(r.tracker["peak_bytes"] for _, r in runs)
+    memory = cluster.device_memory_bytes
     time = {
         **slowest.as_dict(),
+        "peak_bytes": peak,
+        "fits_device": memory is None or peak <= memory,
         "tflops_per_device": flops / slowest.step_s / 1e12 if slowest.step_s else 0.0,
         "counted_tflops_per_device": run.step_flops / slowest.step_s / 1e12
         if slowest.step_s
@@ -112,6 +120,7 @@ def step_time(
             "name": cluster.name,
             "nodes": resized.cluster.nodes,
             "devices_per_node": resized.cluster.devices_per_node,
+            "device_flops": resized.cluster.device_flops,  # the peak of the run's dtype
             "compute_efficiency": cluster.compute_efficiency,
             "network_efficiency": cluster.network_efficiency,
         },
@@ -143,10 +152,11 @@ def against_device(report: dict[str, Any], device_memory_bytes: float) -> dict[s
 
 
 def summarize(
-    runs: list[tuple[list[int], RankRun]], world_size: int, wall_s: float, all_ranks: bool
+    runs: list[tuple[list[int], RankRun]], world_size: int, ranks_wall_s: float, all_ranks: bool
 ) -> dict[str, Any]:
     """The report: ranks grouped by everything it shows (members of a class of rank that also
-    send the same bytes), with the formulas beside them."""
+    send the same bytes), with the formulas beside them. ``wall_s`` is ``ranks_wall_s`` until
+    ``dry_run`` sets it to its whole cost."""
     first = runs[0][1]
     facts = first.facts
     entries: dict[tuple, dict[str, Any]] = {}
@@ -170,7 +180,8 @@ def summarize(
         "accumulation": facts["accumulation"],
         "ranks_run": len(runs),
         "all_ranks": all_ranks,
-        "wall_s": round(wall_s, 3),
+        "wall_s": round(ranks_wall_s, 3),
+        "ranks_wall_s": round(ranks_wall_s, 3),
         "host_peak_rss_bytes": host_peak_rss_bytes(),
         "ranks": sorted(entries.values(), key=lambda e: e["ranks"][0]),
         "formula": formulas(facts, world_size),

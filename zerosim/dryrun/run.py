@@ -161,7 +161,7 @@ def run_rank(
         with shape_only_init():
             net = model.build()
         if recompute:
-            _recompute_blocks(net, model.name)
+            recompute_blocks(net, model.name)
         engine, *_ = initialize(net, config, comm=comm)
         init_peak = tracker.peak_total
         x, y = model.batch(engine.config.train_micro_batch_size_per_gpu)
@@ -193,7 +193,7 @@ def run_rank(
     return result
 
 
-def _recompute_blocks(net: Module, name: str) -> None:
+def recompute_blocks(net: Module, name: str) -> None:
     """Wrap every transformer block of ``net`` in activation checkpointing."""
     blocks = getattr(net, "blocks", None)
     if blocks is None:
