@@ -37,6 +37,7 @@ import numpy as np
 
 from zerosim.backend import array_module, flat, nbytes
 from zerosim.nn import Parameter
+from zerosim.zero.buckets import RankMajorReduceScatter
 from zerosim.zero.ds_schedule import DeepSpeedNormGroups
 from zerosim.zero.offload import read_param_chunk
 from zerosim.zero.schedule import deepspeed_stage3_checks
@@ -171,8 +172,22 @@ class HierarchicalReducer:
         return dequantize(got_codes, got_scales, width, self.bits, self.block)
 
 
+class QuantizedBuckets(RankMajorReduceScatter):
+    """The paper's rank-major buckets, each reduced under qgZ by the two-hop quantized
+    all-to-all (``HierarchicalReducer``, blocking) instead of a reduce-scatter."""
+
+    def reduce_rows(self, out: Any, buf: Any) -> Any:
+        qgz = self.strategy.qgz
+        if qgz is None:  # qgZ off: the paper's reduce-scatter
+            return super().reduce_rows(out, buf)
+        out[...] = array_module(out).astype(qgz.reduce(buf), out.dtype)
+        return None
+
+
 class Stage3ZeroPP(Stage3):
     """The paper's stage 3 with ZeRO++'s quantized and hierarchical collectives."""
+
+    reducer_cls = QuantizedBuckets  # the paper's buckets; qgZ's all-to-all when it is on
 
     def __init__(self, *, quantization_block_size: int = WEIGHT_BLOCK_SIZE, **kwargs: Any) -> None:
         self.quantization_block_size = quantization_block_size  # elements per scale, qwZ and qgZ
@@ -190,11 +205,9 @@ class Stage3ZeroPP(Stage3):
                 self.secondary[gi] = SecondaryPartition(
                     self.hpz_comm, numels, gathered, self.dtype, g.xp
                 )
-        self.grad_reducer = None  # qgZ: the two-hop quantized all-to-all
+        self.qgz: HierarchicalReducer | None = None  # qgZ: the two-hop quantized all-to-all
         if self.zero.zero_quantized_gradients:
-            self.grad_reducer = HierarchicalReducer(
-                self.comm, GRADIENT_BITS, self.quantization_block_size
-            )
+            self.qgz = HierarchicalReducer(self.comm, GRADIENT_BITS, self.quantization_block_size)
 
     def start_gather(self, p: Parameter) -> Any:
         """Start gathering p: the primary chunks over every rank (int8 codes in forward under
@@ -224,13 +237,6 @@ class Stage3ZeroPP(Stage3):
         secondary = self.secondary[gi]
         if secondary is not None and not secondary.fresh[i]:  # a full gather: cut the chunk
             secondary.store(i, self.gathered[id(p)])
-
-    def reduce_rows(self, out: Any, buf: Any) -> Any:
-        """qgZ: the bucket's reduce-scatter as a blocking two-hop quantized all-to-all."""
-        if self.grad_reducer is None:
-            return super().reduce_rows(out, buf)
-        out[...] = array_module(out).astype(self.grad_reducer.reduce(buf), out.dtype)
-        return None
 
     def before_forward(self) -> None:
         self.in_backward = False
