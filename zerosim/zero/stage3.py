@@ -45,6 +45,7 @@ from zerosim.backend import flat, nbytes, to_host, xp_of
 from zerosim.nn import Parameter
 from zerosim.zero.buckets import RankMajorReduceScatter
 from zerosim.zero.coordinator import ParamCoordinator
+from zerosim.zero.fetcher import ParamFetcher
 from zerosim.zero.init import ParamChunk
 from zerosim.zero.offload import read_param_chunk
 from zerosim.zero.partition import Range, per_param_partition
@@ -103,49 +104,29 @@ class ShardGroup:
         return self.flat_param[start : start + self.partition.chunks[index]]
 
 
-class Stage3(Strategy):
-    """Partitioned parameters gathered around each module; bucketed gradient reduce-scatter."""
+class GatherEach(ParamFetcher):
+    """The paper's fetcher: each parameter gathered in a call of its own, every rank's chunk
+    straight into one buffer of N · chunk elements, and freed after use; ``ParamCoordinator``
+    (``coordinator.py``) decides when, with prefetch and reuse once the module order is known."""
 
-    stage = 3
-    partitions_optimizer_states = True
-    partitions_params = True
-    reducer_cls = RankMajorReduceScatter  # the paper's fixed buckets, rank-major
-
-    def is_persistent(self, p: Parameter) -> bool:
-        return p.numel <= self.zero.stage3_param_persistence_threshold
-
-    def make_group(self, named: list[tuple[str, Parameter]], hyper: dict[str, Any]) -> ShardGroup:
-        return ShardGroup(named, self, hyper)
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.released = self.groups[0].xp.empty(0, dtype=self.dtype)  # a released param's data
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        s = strategy
+        self.released = s.groups[0].xp.empty(0, dtype=s.dtype)  # a released param's data
         self.gathered: dict[int, Any] = {}  # id(param) -> its gathered buffer
-        self.coordinator: Any = None  # attach(): gathers and releases parameters around modules
-
-    def setup_gradients(self) -> None:
-        """Every group's gradient shard (this rank's chunks of every parameter's gradient)."""
-        for g in self.groups:
-            g.grad_shard = g.xp.zeros(g.partition.shard_numel, dtype=self.dtype)
 
     def attach(self, model: Any) -> None:
-        self.coordinator = ParamCoordinator(self, model, self.zero)
-        self.reducer.attach(model)
+        self.coordinator = ParamCoordinator(self, model, self.strategy.zero)
 
-    def land(self, group: int, start: int, values: Any) -> None:
-        """This rank's reduced chunks (``values``, from shard position ``start``) are added
-        into its gradient shard (they accumulate across micro-steps)."""
-        self.groups[group].grad_shard[start : start + values.size] += values
-
-    # -- gathering (called by the coordinator) ---------------------------------------------------
     def start_gather(self, p: Parameter) -> Any:
         """Start gathering p: every rank's chunk of it, into a buffer of N · chunk elements."""
-        gi, i = self.where[id(p)]
-        g = self.groups[gi]
-        chunk = read_param_chunk(self, g, i)  # a file read under offload_param: nvme
-        buf = g.xp.empty(chunk.size * self.comm.size, dtype=self.dtype)
+        s = self.strategy
+        gi, i = s.where[id(p)]
+        g = s.groups[gi]
+        chunk = read_param_chunk(s, g, i)  # a file read under offload_param: nvme
+        buf = g.xp.empty(chunk.size * s.comm.size, dtype=s.dtype)
         self.gathered[id(p)] = buf
-        return self.start_or_run(self.comm.iall_gather, self.comm.all_gather, buf, chunk)
+        return s.start_or_run(s.comm.iall_gather, s.comm.all_gather, buf, chunk)
 
     def finish_gather(self, p: Parameter, handle: Any) -> None:
         """Wait for p's gather; p's data becomes a view of the gathered buffer."""
@@ -158,18 +139,56 @@ class Stage3(Strategy):
         self.gathered.pop(id(p), None)
         p.data = self.released  # no view of the gathered buffer survives, so it is freed
 
+
+class Stage3(Strategy):
+    """Partitioned parameters gathered around each module; bucketed gradient reduce-scatter."""
+
+    stage = 3
+    partitions_optimizer_states = True
+    partitions_params = True
+    reducer_cls = RankMajorReduceScatter  # the paper's fixed buckets, rank-major
+    fetcher_cls: type[ParamFetcher] = GatherEach  # the paper's per-parameter gathers
+
+    def is_persistent(self, p: Parameter) -> bool:
+        return p.numel <= self.zero.stage3_param_persistence_threshold
+
+    def make_group(self, named: list[tuple[str, Parameter]], hyper: dict[str, Any]) -> ShardGroup:
+        return ShardGroup(named, self, hyper)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # gathers and releases parameters around modules (its hooks: attach())
+        self.fetcher: ParamFetcher = self.fetcher_cls(self)
+
+    def setup_gradients(self) -> None:
+        """Every group's gradient shard (this rank's chunks of every parameter's gradient)."""
+        for g in self.groups:
+            g.grad_shard = g.xp.zeros(g.partition.shard_numel, dtype=self.dtype)
+
+    def attach(self, model: Any) -> None:
+        """The fetcher's hooks (gather before a module runs, release after), then the
+        reducer's (a gradient is final)."""
+        self.fetcher.attach(model)
+        self.reducer.attach(model)
+
+    def land(self, group: int, start: int, values: Any) -> None:
+        """This rank's reduced chunks (``values``, from shard position ``start``) are added
+        into its gradient shard (they accumulate across micro-steps)."""
+        self.groups[group].grad_shard[start : start + values.size] += values
+
     # -- the engine's calls ----------------------------------------------------------------------
     def before_forward(self) -> None:
-        self.coordinator.start_micro_step()
+        self.fetcher.start_micro_step()
 
     def before_backward(self, boundary: bool) -> None:
+        self.fetcher.start_backward()
         self.reducer.before_backward(boundary)
 
     def after_backward(self, boundary: bool) -> None:
         """The reducer has summed every gradient into the gradient shard; every gathered
         parameter is released; at the boundary the sums over ranks become means."""
         self.reducer.after_backward(boundary)
-        self.coordinator.end_micro_step()
+        self.fetcher.end_micro_step()
         if boundary:
             for g in self.groups:
                 self.average(g.grad_shard)
@@ -183,6 +202,11 @@ class Stage3(Strategy):
             for i, (_, p) in enumerate(g.named_params):
                 if id(p) in g.persistent_buffers:
                     self.comm.all_gather(g.persistent_buffers[id(p)], g.chunk(i))
+        self.fetcher.after_step()
+
+    def step_skipped(self) -> None:
+        super().step_skipped()
+        self.fetcher.step_skipped()
 
     def zero_grad(self) -> None:
         for g in self.groups:
@@ -243,7 +267,7 @@ class Stage3(Strategy):
         report["persistent_params"] = sum(
             nbytes(b) for g in self.groups for b in g.persistent_buffers.values()
         )
-        report["peak_gathered_params"] = self.coordinator.peak_live_bytes
+        report.update(self.fetcher.memory())
         return report
 
     @property

@@ -48,6 +48,7 @@ from zerosim.nn import GradReadyTracker, Linear, Parameter
 from zerosim.zero.buckets import MAX_IN_FLIGHT, pack_rank_major, reduce_rows
 from zerosim.zero.ds_coordinator import DeepSpeedCoordinator
 from zerosim.zero.ds_schedule import DeepSpeedNormGroups
+from zerosim.zero.fetcher import ParamFetcher
 from zerosim.zero.offload import read_param_chunk
 from zerosim.zero.reducer import GradReducer
 from zerosim.zero.schedule import deepspeed_stage3_checks
@@ -170,30 +171,31 @@ class OpenBucket(GradReducer):
         s.reduction.reduce(buf, ShardPieces(s.land, slots), s.reduction.all_reduce)
 
 
-class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
-    """Stage 3 with DeepSpeed's coalesced fetches and its open gradient bucket."""
+class CoalescedFetcher(ParamFetcher):
+    """DeepSpeed's fetcher: ``DeepSpeedCoordinator`` (``ds_coordinator.py``) decides which
+    parameters to gather when; each decision is ONE coalesced all-gather, moved here."""
 
-    boundary_rule = staticmethod(deepspeed_stage3_checks)
-
-    reducer_cls = OpenBucket  # DeepSpeed's open gradient bucket, in hook order
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        s = strategy
+        self.released = s.groups[0].xp.empty(0, dtype=s.dtype)  # a released param's data
 
     def attach(self, model: Any) -> None:
-        self.coordinator = DeepSpeedCoordinator(self, model, self.zero)
-        self.reducer.attach(model)
+        self.coordinator = DeepSpeedCoordinator(self, model, self.strategy.zero)
 
-    # -- gathering (called by the coordinator) ---------------------------------------------------
     def start_coalesced_gather(self, params: list[Parameter]) -> CoalescedGather:
         """Start ONE all-gather of several parameters (DeepSpeed's ``all_gather_coalesced``):
         each rank sends its chunks of them end to end, S = Σ chunk_i elements, and receives
         N·S, rank-major. One parameter alone is a call of its own chunk, as in DeepSpeed."""
+        s = self.strategy
         chunks = []
         for p in params:
-            gi, i = self.where[id(p)]
-            chunks.append(read_param_chunk(self, self.groups[gi], i))
+            gi, i = s.where[id(p)]
+            chunks.append(read_param_chunk(s, s.groups[gi], i))
         xp = xp_of(chunks[0])
         send = chunks[0] if len(chunks) == 1 else xp.concat(chunks)
-        buf = xp.empty(send.size * self.comm.size, dtype=self.dtype)
-        handle = self.start_or_run(self.comm.iall_gather, self.comm.all_gather, buf, send)
+        buf = xp.empty(send.size * s.comm.size, dtype=s.dtype)
+        handle = s.start_or_run(s.comm.iall_gather, s.comm.all_gather, buf, send)
         return CoalescedGather(params, [c.size for c in chunks], send, buf, handle)
 
     def finish_coalesced_gather(self, gather: CoalescedGather) -> None:
@@ -202,11 +204,11 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
             gather.handle.wait()
             gather.handle = None
         xp = xp_of(gather.buf)
-        rows = xp.reshape(gather.buf, (self.comm.size, gather.send.size))
+        rows = xp.reshape(gather.buf, (self.strategy.comm.size, gather.send.size))
         column = 0
         for p, chunk in zip(gather.params, gather.chunks, strict=True):
             full = xp.reshape(rows[:, column : column + chunk], (-1,))  # a copy unless alone
-            home = self._persistent_buffer(p)
+            home = self.persistent_buffer(p)
             if home is not None:  # persistent: the gathered value lands in its whole copy
                 home[...] = full
                 full = home
@@ -214,21 +216,26 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
             column += chunk
 
     def free(self, p: Parameter) -> None:
-        if self._persistent_buffer(p) is None:  # a persistent one keeps its whole copy
+        if self.persistent_buffer(p) is None:  # a persistent one keeps its whole copy
             p.data = self.released
 
-    def _persistent_buffer(self, p: Parameter) -> Any:
+    def persistent_buffer(self, p: Parameter) -> Any:
         """p's whole copy if p is persistent, else None."""
-        gi, _ = self.where[id(p)]
-        return self.groups[gi].persistent_buffers.get(id(p))
+        gi, _ = self.strategy.where[id(p)]
+        return self.strategy.groups[gi].persistent_buffers.get(id(p))
 
-    # -- the engine's calls ----------------------------------------------------------------------
-    def gather(self) -> None:
-        """After the step, as the paper's; and the coordinator learns that every persistent
-        parameter is whole again (DeepSpeed's ``_post_step``)."""
-        super().gather()
+    def after_step(self) -> None:
+        """Every persistent parameter is whole again (DeepSpeed's ``_post_step``)."""
         self.coordinator.persistent_gathered()
 
     def step_skipped(self) -> None:
-        super().step_skipped()
         self.coordinator.persistent_released()
+
+
+class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
+    """Stage 3 with DeepSpeed's coalesced fetches and its open gradient bucket."""
+
+    boundary_rule = staticmethod(deepspeed_stage3_checks)
+
+    reducer_cls = OpenBucket  # DeepSpeed's open gradient bucket, in hook order
+    fetcher_cls = CoalescedFetcher  # DeepSpeed's coalesced gathers, prefetched by trace
