@@ -91,7 +91,7 @@ class PendingReductions:
 
     def __init__(self, give: Callable[[Any], None]) -> None:
         self.items: list[tuple[Any, Any, Any, tuple]] = []  # oldest first
-        self.give = give  # gives a pooled view back (``Strategy.give_buffer``)
+        self.give = give  # gives a pooled view back (``BufferPool.give``)
 
     def add(self, handle: Any, out: Any, land: Callable[[Any], None] | None, views: tuple) -> None:
         self.items.append((handle, out, land, views))
@@ -419,6 +419,8 @@ class RankMajorReduceScatter(GradReducer):
     bucket rank-major (its module copy dropped), so that one even reduce-scatter of a full
     bucket hands each rank the sum of its own chunks, which land through ``strategy.land``."""
 
+    collective = staticmethod(reduce_rows)  # a bucket's collective (ZeRO++'s qgZ swaps it)
+
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         s = strategy
@@ -469,11 +471,7 @@ class RankMajorReduceScatter(GradReducer):
         del self.buckets[gi].buffers[b]
         s.reduction.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
         start = g.partition.offsets[members[0]]  # this rank's row: shard positions start…
-        s.reduction.reduce(buf, partial(s.land, gi, start), self.reduce_rows, width)
-
-    def reduce_rows(self, out: Any, buf: Any) -> Any:
-        """The bucket's collective (``reduce_rows``; ZeRO++'s qgZ swaps it)."""
-        return reduce_rows(self.strategy, out, buf)
+        s.reduction.reduce(buf, partial(s.land, gi, start), partial(self.collective, s), width)
 
     def before_backward(self, boundary: bool) -> None:
         for buckets in self.buckets:

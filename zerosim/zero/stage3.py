@@ -29,9 +29,11 @@ Parameters with at most ``stage3_param_persistence_threshold`` elements stay who
 are reduce-scattered like the others, and after the step their updated chunks are all-gathered
 back into the whole copies (phase ``step``): 2(N−1)/N·Ψ_persist·b per step.
 
-Beside this file, as subclasses of ``Stage3``: DeepSpeed 0.19.8's schedule (``stage3_deepspeed.py``:
-coalesced fetches, prefetch by trace, buckets in hook order) and ZeRO++ (``stage3_zeropp.py``:
-quantized and hierarchical gathers, quantized gradient reduction).
+The gathers are the stage's fetcher (``GatherEach`` below, ``fetcher.py``), the buckets its
+reducer (``buckets.RankMajorReduceScatter``); each reduced row lands through ``Stage3.land``.
+Beside this file, the same stage given other parts: DeepSpeed 0.19.8's schedule
+(``stage3_deepspeed.py``: coalesced fetches, prefetch by trace, buckets in hook order) and ZeRO++
+(``stage3_zeropp.py``: quantized and hierarchical gathers, quantized gradient reduction).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import numpy as np
 
 from zerosim.backend import array_module, flat, nbytes
 from zerosim.nn import Parameter
-from zerosim.zero.buckets import RankMajorReduceScatter
+from zerosim.zero.buckets import RankMajorReduceScatter, reduce_rows
 from zerosim.zero.ds_schedule import DeepSpeedNormGroups
 from zerosim.zero.offload import read_param_chunk
 from zerosim.zero.schedule import deepspeed_stage3_checks
@@ -172,16 +172,20 @@ class HierarchicalReducer:
         return dequantize(got_codes, got_scales, width, self.bits, self.block)
 
 
+def quantized_reduce_rows(strategy: Any, out: Any, buf: Any) -> Any:
+    """qgZ's collective of a rank-major bucket: the blocking two-hop quantized all-to-all
+    (``HierarchicalReducer``) when qgZ is on, else the paper's reduce-scatter."""
+    if strategy.qgz is None:
+        return reduce_rows(strategy, out, buf)
+    out[...] = array_module(out).astype(strategy.qgz.reduce(buf), out.dtype)
+    return None
+
+
 class QuantizedBuckets(RankMajorReduceScatter):
     """The paper's rank-major buckets, each reduced under qgZ by the two-hop quantized
-    all-to-all (``HierarchicalReducer``, blocking) instead of a reduce-scatter."""
+    all-to-all instead of a reduce-scatter."""
 
-    def reduce_rows(self, out: Any, buf: Any) -> Any:
-        qgz = self.strategy.qgz
-        if qgz is None:  # qgZ off: the paper's reduce-scatter
-            return super().reduce_rows(out, buf)
-        out[...] = array_module(out).astype(qgz.reduce(buf), out.dtype)
-        return None
+    collective = staticmethod(quantized_reduce_rows)
 
 
 class ZeroPPFetcher(GatherEach):

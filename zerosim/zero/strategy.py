@@ -14,12 +14,14 @@ The engine drives a strategy through a few calls. Once, after construction: ``at
 ``grad_norm_sq(inv_scale)`` (or ``grad_norm_sq_parts``, one per norm group) when the schedule's
 checks ask for them (``schedule.py``; the engine all-reduces them), ``unscale_grads(inv_scale)``,
 ``clip(coef)``,
-``optimizer.step()``, ``master_to_params()``, ``gather()``, ``zero_grad()``. Subclasses decide
-where gradients live (each declares its per-group state in a ``FlatGroup`` subclass), how they are
-reduced and what is gathered: the paper's stages in ``stage0.py`` … ``stage3.py``, DeepSpeed's
-schedule and Megatron's layout as subclasses beside them, and ``registry.py`` picks one for a
-config. The bucket machinery that reducing stages share is ``zerosim/zero/buckets.py``,
-DeepSpeed's gradient buckets of stages 1-2 ``zerosim/zero/ipg.py``.
+``optimizer.step()``, ``master_to_params()``, ``gather()``, ``zero_grad()``. Subclasses, the
+paper's stages in ``stage0.py`` … ``stage3.py``, decide where gradients live (each declares its
+per-group state in a ``FlatGroup`` subclass), where a reduced piece lands (``land``) and what is
+gathered; how gradients are reduced is a part each is given, its *reducer* (``reducer_cls``,
+``zerosim/zero/reducer.py``: the paper's fixed buckets in ``buckets.py``, DeepSpeed's IPG
+buckets in ``ipg.py``, …), every reducer running the one reduce sequence
+(``buckets.ReduceSequence``, ``self.reduction``). DeepSpeed's schedule and Megatron's layout are
+the stages given other parts, and ``registry.py`` picks one for a config.
 
 Beside the flat buffers: the optimizer's master copy under mixed precision or offload
 (``zerosim/zero/precision.py``) and the layout-free segments checkpoints are made of
