@@ -126,10 +126,6 @@ class ReduceSequence:
         (``bucket_buffers``), not transient."""
         return self.pool.take(shape, dtype)
 
-    def give(self, view: Any) -> None:
-        """Give a buffer from ``take`` back to the pool."""
-        self.pool.give(view)
-
     def wire_buffer(self, shape: int | tuple[int, ...]) -> Any:
         """A zero-filled pooled bucket buffer in the dtype gradients travel in (``wire_dtype``)."""
         s = self.strategy

@@ -260,15 +260,15 @@ class IpgBuckets:
         views = extra + ((bucket,) if last else ())
         mine = r.root is None or r.root == self.comm.rank  # a reduce leaves nothing elsewhere
         land = Delivery(self, r) if mine else None
-        s.reduction.reduce(message, land, partial(self.collective, r.root), pooled=views)
+        s.reduction.reduce(message, land, partial(self.collective, r), pooled=views)
 
-    def collective(self, root: int | None, out: Any, message: Any) -> Any:
-        """A reduce sequence's collective: the message all-reduced (``root`` None) or reduced to
-        ``root``, in place."""
+    def collective(self, r: Reduction, out: Any, message: Any) -> Any:
+        """A reduce-sequence collective: the message all-reduced or reduced to ``r.root``, in
+        place, as ``r.op`` says."""
         s, comm = self.strategy, self.comm
-        if root is None:
+        if r.op == "all_reduce":
             return s.start_or_run(comm.iall_reduce, comm.all_reduce, message)
-        return s.start_or_run(comm.ireduce, comm.reduce, message, root)
+        return s.start_or_run(comm.ireduce, comm.reduce, message, r.root)
 
     def finish(self) -> None:
         """End of backward: reduce the last bucket and wait for every collective."""

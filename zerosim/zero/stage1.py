@@ -56,6 +56,8 @@ class UnitReduceScatter(GradReducer):
         self.strategy.comm.reduce_scatter(unit[piece.start : piece.stop], unit)
 
     def land_piece(self, gi: int, start: int, piece: Range, unit: Any) -> None:
+        """Where a cast copy's reduced unit lands: this rank's ``piece`` of it, through the
+        stage's ``land`` at flat position ``start``."""
         self.strategy.land(gi, start, unit[piece.start : piece.stop])
 
 
