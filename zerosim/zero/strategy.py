@@ -279,12 +279,12 @@ class Strategy(ABC):
     def grad_view(self, group: FlatGroup, rng: Range) -> Any:
         """The reduced, averaged gradient of flat-buffer range ``rng`` (an owned range)."""
 
+    @abstractmethod
     def land(self, group: int, start: int, values: Any) -> None:
         """Where a reduced piece lands: ``values``, the sum over ranks of elements ``start`` …
         of group ``group``'s gradients (flat-buffer positions; shard positions at stage 3),
         which this rank keeps. Each stage says: added into its gradient shard (stages 2-3),
         written into its gradient buffer (stages 0-1)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no reduced pieces")
 
     def step_ranges(self, group: FlatGroup) -> list[Range]:
         """The flat-buffer ranges this rank's optimizer updates (its owned shard)."""
