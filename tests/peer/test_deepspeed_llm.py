@@ -19,9 +19,9 @@ steps to ``GPT_ATOL`` = 1e-5: Adam's m/√v divides each element's rounding by t
 gradient [6.0e-7 for every weight but one; 5.4e-6 for one element of blocks.1.mlp.c_proj.weight
 in s1_mpt_adamw_gas2 at N = 3, whose first gradient is the smallest of its matrix, 1.4e-7 against
 a median of 9e-3: a sum that nearly cancels, so its rounding is a part in 1e2 of it]; still far
-below one lr-sized step (2e-3). bf16 (SGD, stage 3): ``BF16_LOSS_RTOL`` [6.6e-3] and
-``BF16_ATOL`` [2.7e-4]; the gradient norms to 1e-5 relative in fp32 [2.2e-7], 1e-2 in bf16
-[1.3e-3].
+below one lr-sized step (2e-3). bf16 (SGD, stage 2): ``BF16_LOSS_RTOL`` [6.6e-3] and
+``BF16_ATOL`` [2.3e-4]; the gradient norms to 1e-5 relative in fp32 [2.2e-7], 1e-2 in bf16
+[9.9e-4].
 
 What no loss can see (unseen.py's list, gone through for these models): nothing that the
 optimizer moves by rounding alone. The key bias, the one GPT weight whose every element has a
@@ -113,7 +113,8 @@ def _case(name, stage, model, optimizer=ADAMW, zero=None, **top):
 
 def cases() -> list[dict]:
     """Each model at stages 1, 2 and 3 in fp32 with AdamW and DeepSpeed's default clipping
-    (accumulation 2 once per model), and the Llama-style one in bf16 at stage 3."""
+    (accumulation 2 once per model), and the Llama-style one in bf16 at stage 2 (at stage 3 it
+    would double the case's time: DeepSpeed's stage 3 gathers module by module)."""
     return [
         _case("s1_llama_adamw", 1, LLAMA),
         _case("s2_llama_adamw_gas2", 2, LLAMA, gradient_accumulation_steps=2),
@@ -121,7 +122,7 @@ def cases() -> list[dict]:
         _case("s1_mpt_adamw_gas2", 1, MPT, gradient_accumulation_steps=2),
         _case("s2_mpt_adamw", 2, MPT),
         _case("s3_mpt_adamw", 3, MPT),
-        _case("s3_llama_sgd_bf16", 3, LLAMA, optimizer=SGD, bf16={"enabled": True}),
+        _case("s2_llama_sgd_bf16", 2, LLAMA, optimizer=SGD, bf16={"enabled": True}),
     ]
 
 
@@ -207,3 +208,17 @@ def test_the_models_are_the_families_parts():
     assert "blocks.0.attn.c_attn.weight" in names and "lm_head.weight" not in names  # tied
     assert not any(k.endswith(".bias") or k.startswith("wpe") for k in names)
     assert mpt.blocks[0].attn.alibi_slopes is not None
+
+
+def test_a_case_may_name_a_preset_or_state_the_fields():
+    """The case JSON's description: a preset name or the fields, refused by name when wrong."""
+    from cases import description_of
+
+    import zerosim as zs
+
+    spec = {"kind": "transformer", "description": "llama3-8b-tiny"}
+    assert description_of(spec) == zs.nn.PRESETS["llama3-8b"].tiny()
+    fields = description_of(LLAMA).to_dict()
+    assert description_of({"kind": "transformer", "description": fields}) == description_of(LLAMA)
+    with pytest.raises(ValueError, match=r"unknown keys \['kv_head'\]"):
+        description_of({"kind": "transformer", "description": {**fields, "kv_head": 2}})
