@@ -15,10 +15,11 @@ from zerosim.dryrun.plots import plot_step_memory
 from zerosim.dryrun.report import against_device, step_time, summarize
 from zerosim.dryrun.run import ModelRecipe, RankRun, recipe, records_of, run_world
 from zerosim.dryrun.timeline import ClusterModel, chrome_trace, load_cluster_model
+from zerosim.nn.description import ModelDescription
 
 
 def dry_run(
-    model: str | ModelRecipe,
+    model: str | ModelDescription | ModelRecipe,
     world_size: int,
     config: dict | str | Path,
     *,
@@ -33,7 +34,7 @@ def dry_run(
     plot: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``model`` (a name ``recipe`` knows, or a recipe) on ``world_size`` virtual ranks with
+    """Run ``model`` (a name or description ``recipe`` knows, or a recipe) on ``world_size`` virtual ranks with
     ``config`` (a DeepSpeed JSON config, dict or path; its ``zerosim.backend`` becomes "meta")
     for ``steps`` optimizer steps; return the report of the last one (docs/dryrun.md). With
     ``cluster`` (a cluster JSON or a ``ClusterModel``) the report has the step's ``time``, and
@@ -49,7 +50,7 @@ def dry_run(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
-    model = recipe(model) if isinstance(model, str) else model
+    model = model if isinstance(model, ModelRecipe) else recipe(model)
     runs, wall = run_world(
         model,
         world_size,
