@@ -92,11 +92,11 @@ def test_the_family_flop_count_of_a_gpt_is_narayanans_eq_3(name, recompute):
     from zerosim.nn import GPT
 
     s = PRESETS[name]
-    l, h, v, seq = s.layers, s.hidden, s.vocab, s.seq
+    layers, h, v, seq = s.layers, s.hidden, s.vocab, s.seq
     if recompute:
-        want = 96 * seq * l * h * h * (1 + seq / (6 * h) + v / (16 * l * h))
+        want = 96 * seq * layers * h * h * (1 + seq / (6 * h) + v / (16 * layers * h))
     else:
-        want = 72 * seq * l * h * h * (1 + seq / (6 * h) + v / (12 * l * h))
-    desc = GPT.description(v, seq, l, s.heads, h, tie_weights=True)
+        want = 72 * seq * layers * h * h * (1 + seq / (6 * h) + v / (12 * layers * h))
+    desc = GPT.description(v, seq, layers, s.heads, h, tie_weights=True)
     got = transformer_flops_per_token(desc, recompute) * seq
     assert got == pytest.approx(want, rel=1e-12)

@@ -499,8 +499,8 @@ def test_project_model_equals_project_params_of_the_same_size(capsys):
         for key in ("padded_numel", "memory", "collectives", "comm_s"):
             assert by_model["stages"][stage][key] == row[key]
     # compute: 6Ψ per token from Ψ; the model's own 6·N_matmul + 12·l·h·s (Narayanan et al.)
-    l, h, v, s = 32, 4096, 32000, 4096  # gpt-7b
-    per_token = 6 * (12 * l * h * h + v * h) + 12 * l * h * s
+    layers, h, v, s = 32, 4096, 32000, 4096  # gpt-7b
+    per_token = 6 * (12 * layers * h * h + v * h) + 12 * layers * h * s
     tokens = by_model["compute_flops_per_device"] / per_token
     assert by_params["compute_flops_per_device"] == pytest.approx(6 * psi * tokens, rel=1e-12)
     line = refusal(capsys, "project", "--cluster", cluster, "--model", "llama")

@@ -186,7 +186,9 @@ def test_memory_volume_and_project_commands_follow_llama3_70b(capsys):
         assert main([*args, "--json"]) == 0
         return json.loads(capsys.readouterr().out)
 
-    memory = run_json("memory", "--model", name, "--dp", str(N), "--stage", "3", "--dtype", "bfloat16")
+    memory = run_json(
+        "memory", "--model", name, "--dp", str(N), "--stage", "3", "--dtype", "bfloat16"
+    )
     (row,) = memory["rows"]
     assert memory["num_params"] == psi and row["total"] == 16 * padded(name, 3) // N
     volume = run_json("volume", "--model", name, "--dp", str(N), "--dtype", "bfloat16")

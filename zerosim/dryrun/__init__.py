@@ -34,14 +34,14 @@ def dry_run(
     plot: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``model`` (a name or description ``recipe`` knows, or a recipe) on ``world_size`` virtual ranks with
-    ``config`` (a DeepSpeed JSON config, dict or path; its ``zerosim.backend`` becomes "meta")
-    for ``steps`` optimizer steps; return the report of the last one (docs/dryrun.md). With
-    ``cluster`` (a cluster JSON or a ``ClusterModel``) the report has the step's ``time``, and
-    ``trace`` / ``plot`` write the simulated step as a Chrome trace / the memory over it; where
-    the cluster gives its device memory, ``fits_device`` says whether every rank's peak fits
-    (``time["fits_device"]`` false: a step that would not start, its time only what it would
-    take)."""
+    """Run ``model`` (a name or description ``recipe`` knows, or a recipe) on ``world_size``
+    virtual ranks with ``config`` (a DeepSpeed JSON config, dict or path; its
+    ``zerosim.backend`` becomes "meta") for ``steps`` optimizer steps; return the report of the
+    last one (docs/dryrun.md). With ``cluster`` (a cluster JSON or a ``ClusterModel``) the
+    report has the step's ``time``, and ``trace`` / ``plot`` write the simulated step as a
+    Chrome trace / the memory over it; where the cluster gives its device memory,
+    ``fits_device`` says whether every rank's peak fits (``time["fits_device"]`` false: a step
+    that would not start, its time only what it would take)."""
     if (trace or plot) and cluster is None:
         raise ValueError("trace and plot draw the simulated step: give a cluster too")
     if isinstance(cluster, str | Path):

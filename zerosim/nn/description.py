@@ -21,9 +21,10 @@ Narayanan et al.'s count. ``parameter_shapes`` lists every parameter's name and 
 ``Transformer`` creates them (a tied weight once), the one source of the per-layer shapes: the
 count above is their sum, and the dry run's padding, the volume of DeepSpeed's buckets and the
 FLOP count (``matmul_parameters``: the weights every token is multiplied by, the output layer
-included even when tied) are read from them. A description is read from a JSON or hjson file holding its fields
-(``from_file``); unknown keys are refused, naming the allowed ones. ``describe``, in
-``zerosim.nn.presets`` beside the presets, turns a preset name or a file path into a description.
+included even when tied) are read from them. A description is read from a JSON or hjson file
+holding its fields (``from_file``); unknown keys are refused, naming the allowed ones.
+``describe``, in ``zerosim.nn.presets`` beside the presets, turns a preset name or a file path
+into a description.
 """
 
 from __future__ import annotations
