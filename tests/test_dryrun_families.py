@@ -149,6 +149,7 @@ def test_published_totals_are_the_shapes_counted():
     assert sum(numels("bloom-176b")) == 176_247_271_424  # bigscience/bloom's card
 
 
+@pytest.mark.slow
 def test_parameters_and_model_states_per_rank_equal_the_paper(run):
     name, stage, report = run
     assert report["params"] == sum(numels(name))
@@ -159,6 +160,7 @@ def test_parameters_and_model_states_per_rank_equal_the_paper(run):
     assert report["formula"]["paper"]["model_states_bytes"] == model_states(name, stage)
 
 
+@pytest.mark.slow
 def test_bytes_sent_and_received_per_rank_equal_the_stages_collectives(run):
     """The clip norm's float64 all-reduce of one element aside (8 bytes on the end ranks, 16 on
     the others), every rank sends and receives the stage's collectives over Ψ_pad."""
@@ -171,6 +173,7 @@ def test_bytes_sent_and_received_per_rank_equal_the_stages_collectives(run):
         assert received.pop("clip") > 0 and received == want
 
 
+@pytest.mark.slow
 def test_flops_per_step_are_the_familys_count(run):
     name, _, report = run
     assert {e["flops"] for e in report["ranks"]} == {counted_flops(name)}
