@@ -59,7 +59,9 @@ def test_the_report_has_the_issue_fields_and_covers_every_rank(report):
         assert {"model_states_bytes", "peak_bytes", "activation_peak_bytes"} <= e.keys()
         assert {"bytes_sent", "flops"} <= e.keys()
         assert e["peak_bytes"] >= e["activation_peak_bytes"] > 0
-    assert {"paper", "deepspeed_estimator"} == report["formula"].keys()
+    assert {"paper", "deepspeed_estimator", "model_flops"} == report["formula"].keys()
+    for e in report["ranks"]:  # a ring all-gather or reduce-scatter receives what it sends
+        assert e["bytes_received"]["forward"] == e["bytes_sent"]["forward"]
 
 
 def test_model_states_and_bytes_equal_the_paper_formula(report):
@@ -87,6 +89,8 @@ def test_flops_per_step_are_narayanans_formula(recompute):
     got = dry_run(MODEL, 2, _config(stage=2), recompute=recompute)
     want = narayanan_flops(B, S, L, H, V, recompute)
     assert {e["flops"] for e in got["ranks"]} == {int(round(want))}
+    # the model FLOPs of the report: its family's count, for a GPT Narayanan et al.'s eq. 3
+    assert got["formula"]["model_flops"] == int(round(want))
 
 
 def test_recompute_keeps_less_activation_memory(report):

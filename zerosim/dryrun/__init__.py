@@ -16,10 +16,11 @@ from zerosim.dryrun.plots import plot_step_memory
 from zerosim.dryrun.report import against_device, step_time, summarize
 from zerosim.dryrun.run import ModelRecipe, RankRun, recipe, records_of, run_world
 from zerosim.dryrun.timeline import ClusterModel, chrome_trace, load_cluster_model
+from zerosim.nn.description import ModelDescription
 
 
 def dry_run(
-    model: str | ModelRecipe,
+    model: str | ModelDescription | ModelRecipe,
     world_size: int,
     config: dict | str | Path,
     *,
@@ -34,22 +35,23 @@ def dry_run(
     plot: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``model`` (a name ``recipe`` knows, or a recipe) on ``world_size`` virtual ranks with
-    ``config`` (a DeepSpeed JSON config, dict or path; its ``zerosim.backend`` becomes "meta")
-    for ``steps`` optimizer steps; return the report of the last one (docs/dryrun.md). With
-    ``cluster`` (a cluster JSON or a ``ClusterModel``) the report has the step's ``time``, and
-    ``trace`` / ``plot`` write the simulated step as a Chrome trace / the memory over it; where
-    the cluster gives its device memory, ``fits_device`` says whether every rank's peak fits
-    (``time["fits_device"]`` false: a step that would not start, its time only what it would
-    take). ``wall_s`` is the whole call's cost on this machine (the ranks run, the report over
-    every rank, the time model, the trace and plot), ``ranks_wall_s`` the ranks' runs alone."""
+    """Run ``model`` (a name or description ``recipe`` knows, or a recipe) on ``world_size``
+    virtual ranks with ``config`` (a DeepSpeed JSON config, dict or path; its
+    ``zerosim.backend`` becomes "meta") for ``steps`` optimizer steps; return the report of the
+    last one (docs/dryrun.md). With ``cluster`` (a cluster JSON or a ``ClusterModel``) the
+    report has the step's ``time``, and ``trace`` / ``plot`` write the simulated step as a
+    Chrome trace / the memory over it; where the cluster gives its device memory,
+    ``fits_device`` says whether every rank's peak fits (``time["fits_device"]`` false: a step
+    that would not start, its time only what it would take). ``wall_s`` is the whole call's
+    cost on this machine (the ranks run, the report over every rank, the time model, the trace
+    and plot), ``ranks_wall_s`` the ranks' runs alone."""
     start = perf_counter()
     if (trace or plot) and cluster is None:
         raise ValueError("trace and plot draw the simulated step: give a cluster too")
     if isinstance(cluster, str | Path):
         cluster = load_cluster_model(cluster)
     _check_positive_ints(world_size=world_size, steps=steps)
-    model = recipe(model) if isinstance(model, str) else model
+    model = model if isinstance(model, ModelRecipe) else recipe(model)
     runs, ranks_wall = run_world(
         model,
         world_size,
