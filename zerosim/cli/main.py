@@ -76,11 +76,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from zerosim.cli.train import UsageError
 
-    if args.model not in ("gpt", "mlp"):
-        from zerosim.nn import describe
+    if args.model not in ("gpt", "mlp"):  # the forms zerosim dryrun takes, checked alike
+        from zerosim.dryrun import recipe
 
         try:
-            describe(args.model)
+            recipe(args.model)
         except ValueError as err:
             return refuse("train", f"--model: {err}")
     try:

@@ -63,10 +63,10 @@ def recipe(spec: Any, name: str | None = None) -> ModelRecipe:
             lambda: MLP(sizes),
             lambda b: (xp.zeros((b, sizes[0]), np.float32), xp.zeros((b,), np.int64)),
         )
-    elif spec == "gpt":  # report.workloads' character-level GPT on the shipped corpus
+    elif spec == "gpt":  # zerosim train's GPT at its defaults (--block-size 32 … --n-embd 64)
         from zerosim.data import CharDataset
 
-        shape = GPTShape(2, 64, 4, CharDataset(block_size=64).vocab_size, 64, tied=False)
+        shape = GPTShape(2, 64, 4, CharDataset(block_size=32).vocab_size, 32, tied=False)
     elif spec in PRESETS or spec.startswith("gpt:"):
         shape = gpt_shape(spec)
     else:  # a model description: a zerosim.nn preset (or its -tiny) or a JSON/hjson file
