@@ -77,6 +77,12 @@ def add_subcommand(sub: Any) -> None:
         help="simulate the step on this cluster (a JSON file, or selene, zeropp_v100): adds `time`",
     )
     p.add_argument(
+        "--backend",
+        choices=["numpy", "cupy"],
+        help="the array backend the run stands for, whose code path the shape-only arrays take "
+        "(memory, operations); default: the cluster's (a calibrated host: numpy), else cupy",
+    )
+    p.add_argument(
         "--trace", metavar="FILE.json", help="the simulated step as a Chrome/Perfetto trace"
     )
     p.add_argument("--plot", metavar="FILE.png", help="memory over the simulated step")
@@ -158,6 +164,7 @@ def cmd_dryrun(args: argparse.Namespace) -> int:
             trace=args.trace,
             plot=args.plot,
             progress=progress,
+            backend=args.backend,
         )
     except (OSError, ValueError, ConfigError) as err:  # bad input: the model, config, cluster
         return refuse("dryrun", str(err))

@@ -32,6 +32,7 @@ def dry_run(
     trace: str | Path | None = None,
     plot: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
+    backend: str | None = None,
 ) -> dict[str, Any]:
     """Run ``model`` (a name ``recipe`` knows, or a recipe) on ``world_size`` virtual ranks with
     ``config`` (a DeepSpeed JSON config, dict or path; its ``zerosim.backend`` becomes "meta")
@@ -40,7 +41,9 @@ def dry_run(
     ``trace`` / ``plot`` write the simulated step as a Chrome trace / the memory over it; where
     the cluster gives its device memory, ``fits_device`` says whether every rank's peak fits
     (``time["fits_device"]`` false: a step that would not start, its time only what it would
-    take)."""
+    take). ``backend`` ("numpy" or "cupy") is the array backend the run stands for, whose code
+    path the shape-only arrays follow (memory, operations); None follows the cluster's
+    ``backend`` (a host from ``zerosim calibrate``: numpy; GPU clusters: cupy), else cupy."""
     if (trace or plot) and cluster is None:
         raise ValueError("trace and plot draw the simulated step: give a cluster too")
     if isinstance(cluster, str | Path):
@@ -49,6 +52,8 @@ def dry_run(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
+    if backend is None:
+        backend = "cupy" if cluster is None else cluster.backend
     model = recipe(model) if isinstance(model, str) else model
     runs, wall = run_world(
         model,
@@ -62,8 +67,9 @@ def dry_run(
         fill=fill,
         memory_events=plot is not None,
         progress=progress,
+        backend=backend,
     )
-    report = summarize(runs, world_size, wall, all_ranks)
+    report = {**summarize(runs, world_size, wall, all_ranks), "backend": backend}
     if cluster is not None:
         if cluster.device_memory_bytes is not None:
             report = against_device(report, cluster.device_memory_bytes)

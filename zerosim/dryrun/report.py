@@ -183,6 +183,7 @@ def _entry(run: RankRun, by_phase: dict[str, int], inter: dict[str, int]) -> dic
         "ranks": [],
         "model_states_bytes": model_states_bytes(run.memory),
         "peak_bytes": tracker["peak_bytes"],
+        "step_start_bytes": run.step_start_bytes,
         "activation_peak_bytes": tracker["peak"]["activations"],
         "peak_bytes_by_category": tracker["peak"],
         "init_peak_bytes": run.init_peak_bytes,
@@ -190,4 +191,5 @@ def _entry(run: RankRun, by_phase: dict[str, int], inter: dict[str, int]) -> dic
         "bytes_sent": by_phase,
         "inter_node_bytes_sent": inter,
         "flops": run.step_flops,
+        "ops": run.tracker["ops"],
     }

@@ -122,6 +122,7 @@ class RankRun:
     # the last step as the time model reads it (dryrun/timeline.py): ("compute", flops),
     # ("issue", i), ("wait", i) and, when asked for, ("memory", live bytes)
     events: list[tuple[str, Any]] = field(default_factory=list)
+    step_start_bytes: int = 0  # live bytes when the last step began (its peak rises from here)
 
 
 def _prepare_config(config: dict | str | Path, micro_batch: int | None) -> dict:
@@ -153,11 +154,13 @@ def run_rank(
     overflow: bool = False,
     fill: float = 0.0,
     memory_events: bool = False,
+    backend: str = "cupy",
 ) -> RankRun:
     """Build, initialize and train virtual rank ``rank`` for ``steps`` optimizer steps, writing
-    the last one's events (with every change of the live bytes when ``memory_events``)."""
+    the last one's events (with every change of the live bytes when ``memory_events``), on the
+    code path of ``backend`` ("numpy" or "cupy", ``meta.Values.backend``)."""
     comm = world.comm(rank)
-    with meta.tracking(overflow=overflow, fill=fill) as tracker:
+    with meta.tracking(overflow=overflow, fill=fill, backend=backend) as tracker:
         with shape_only_init():
             net = model.build()
         if recompute:
@@ -168,7 +171,9 @@ def run_rank(
         for _ in range(steps - 1):
             _train_step(engine, x, y)
         tracker.reset_peaks()  # the last step is the one measured and written as events
+        step_start = tracker.live_total
         flops_before = tracker.matmul_flops
+        tracker.ops.clear()  # the operations of the last step
         last_step = engine.global_steps
         events: list[tuple[str, Any]] = []
         tracker.listeners.append(_event_writer(events, tracker, memory_events))
@@ -185,6 +190,7 @@ def run_rank(
             tracker.matmul_flops - flops_before,
             last_step,
             events=events,
+            step_start_bytes=step_start,
         )
         if rank == 0:
             result.fingerprint = fingerprint(engine, world.size)
@@ -274,17 +280,19 @@ def run_world(
     fill: float = 0.0,
     memory_events: bool = False,
     progress: Callable[[str], None] | None = None,
+    backend: str = "cupy",
 ) -> tuple[list[tuple[list[int], RankRun]], float]:
-    """Run the representatives (or every rank): [(member ranks, the run standing for them)] and
-    the wall time in seconds."""
+    """Run the representatives (or every rank) on the code path of ``backend`` ("numpy" or
+    "cupy"): [(member ranks, the run standing for them)] and the wall time in seconds."""
     say = progress or (lambda _: None)
     cfg = _prepare_config(config, micro_batch)
     load_config(cfg, world_size)  # a bad config fails here, before any rank runs
     world = VirtualWorld(world_size)
     start = time.perf_counter()
     options = dict(
-        steps=steps, recompute=recompute, overflow=overflow, fill=fill, memory_events=memory_events
-    )
+        steps=steps, recompute=recompute, overflow=overflow, fill=fill,
+        memory_events=memory_events, backend=backend,
+    )  # fmt: skip
     say(f"rank 0 of {world_size}: building {model.name} and running {steps} step(s)")
     first = run_rank(world, 0, model, cfg, **options)
     if all_ranks:

@@ -45,6 +45,7 @@ CLUSTER_KEYS = (
 )
 EFFICIENCY_KEYS = ("compute_efficiency", "network_efficiency")
 MEMORY_KEY = "device_memory_bytes"
+BACKEND_KEY = "backend"  # the array backend whose code path a dry run follows: numpy | cupy
 NOTE_KEYS = ("name", "comment", "calibration")
 
 
@@ -58,8 +59,11 @@ class ClusterModel:
     network_efficiency: float = 1.0
     name: str = ""
     device_memory_bytes: float | None = None
+    backend: str = "cupy"  # a host (zerosim calibrate): "numpy"
 
     def __post_init__(self) -> None:
+        if self.backend not in ("numpy", "cupy"):
+            raise ValueError(f"{BACKEND_KEY} must be 'numpy' or 'cupy', got {self.backend!r}")
         for key in EFFICIENCY_KEYS:
             value = getattr(self, key)
             if not 0 < value <= 1:
@@ -109,7 +113,7 @@ def load_cluster_model(path: str | Path) -> ClusterModel:
             f"{cluster_names()}"
         )
     spec = json.loads(Path(path).read_text())
-    optional = [*EFFICIENCY_KEYS, MEMORY_KEY]
+    optional = [*EFFICIENCY_KEYS, MEMORY_KEY, BACKEND_KEY]
     unknown = sorted(set(spec) - {*CLUSTER_KEYS, *optional, *NOTE_KEYS})
     missing = [k for k in CLUSTER_KEYS if k not in spec]
     if unknown or missing:
@@ -125,6 +129,7 @@ def load_cluster_model(path: str | Path) -> ClusterModel:
             **extra,
             name=str(spec.get("name", "")),
             device_memory_bytes=spec.get(MEMORY_KEY),
+            backend=spec.get(BACKEND_KEY, "cupy"),
         )
     except ValueError as err:
         raise ValueError(f"cluster file {path}: {err}") from None

@@ -138,6 +138,7 @@ class MetaNamespace:
         """The ufunc ``fn`` (a NumPy function) on these operands: NumPy's broadcast shape and
         result dtype; into ``out`` when given. inf/nan tests answer ``Values.overflow``;
         ``logical_and``/``_or``/``_not`` of known answers are known."""
+        current().op(fn.__name__)
         shape = broadcast_shapes(*(shape_of(x) for x in operands))
         if out is not None:
             return _write(out, shape)
@@ -170,6 +171,7 @@ class MetaNamespace:
 
     # -- reductions --------------------------------------------------------------------------
     def _reduce(self, fn: Any, x: Any, axis: Any, keepdims: bool, dtype: Any = None) -> MetaArray:
+        current().op(fn.__name__)
         shape = _reduced(shape_of(x), axis, keepdims)
         kw = () if dtype is None else (("dtype", np.dtype(dtype)),)
         rdtype = result_dtype(fn, (probe(x),), kw)
@@ -204,6 +206,7 @@ class MetaNamespace:
         return MetaArray(_reduced(shape, axis, keepdims), np.int64, value=counted)
 
     def vecdot(self, a: Any, b: Any, axis: int = -1) -> MetaArray:
+        current().op("vecdot")
         shape = broadcast_shapes(shape_of(a), shape_of(b))
         return MetaArray(
             _reduced(shape, axis, False), result_dtype(np.vecdot, (probe(a), probe(b)))
@@ -212,6 +215,7 @@ class MetaNamespace:
     # -- matrix products ---------------------------------------------------------------------
     def matmul(self, a: Any, b: Any, out: Any = None, **_: Any) -> MetaArray:
         """NumPy's matmul shapes; 2·m·k·n FLOPs per product, counted for the dry run."""
+        current().op("matmul")
         sa, sb = shape_of(a), shape_of(b)
         if not sa or not sb:
             raise ValueError("matmul: Input operand does not have enough dimensions")
@@ -288,7 +292,13 @@ class MetaNamespace:
 
     # -- writes ------------------------------------------------------------------------------
     def copyto(self, dst: MetaArray, src: Any, **_: Any) -> None:
+        current().op("copyto")
         _write(dst, shape_of(src))
+
+    def kernel(self, *arrays: Any) -> None:
+        """One call of a compiled update rule (``optim/functional/fused.py``'s numba kernels)
+        on these arrays: it writes them in place, so it allocates nothing; counted as ``kernel``."""
+        current().op("kernel")
 
     def add_at(self, target: MetaArray, indices: Any, values: Any) -> None:
         """NumPy's ``np.add.at(target, indices, values)``: in place, nothing allocated."""
