@@ -46,12 +46,11 @@ def dry_run(
     ``backend`` (a host from ``zerosim calibrate``: numpy; GPU clusters: cupy), else cupy."""
     if (trace or plot) and cluster is None:
         raise ValueError("trace and plot draw the simulated step: give a cluster too")
+    for name, value in (("world_size", world_size), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     if isinstance(cluster, str | Path):
         cluster = load_cluster_model(cluster)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
     if backend is None:
         backend = "cupy" if cluster is None else cluster.backend
     model = recipe(model) if isinstance(model, str) else model
@@ -71,17 +70,32 @@ def dry_run(
     )
     report = {**summarize(runs, world_size, wall, all_ranks), "backend": backend}
     if cluster is not None:
-        if cluster.device_memory_bytes is not None:
-            report = against_device(report, cluster.device_memory_bytes)
-        report["time"], step = step_time(
-            runs, world_size, cluster, model, recompute, spans=trace is not None
-        )
-        report["time"]["fits_device"] = report.get("fits_device", True)
-        title = f"{model.name}, {world_size} ranks"
-        if trace is not None:
-            Path(trace).write_text(json.dumps(chrome_trace(step, title)))
-        if plot is not None:
-            plot_step_memory(step, plot, title, cluster.device_memory_bytes)
+        report = _with_time(report, runs, cluster, model, recompute, trace, plot)
+    return report
+
+
+def _with_time(
+    report: dict[str, Any],
+    runs: list[tuple[list[int], RankRun]],
+    cluster: ClusterModel,
+    model: ModelRecipe,
+    recompute: bool,
+    trace: str | Path | None,
+    plot: str | Path | None,
+) -> dict[str, Any]:
+    """The report with the step simulated on ``cluster`` (and the trace and plot written)."""
+    world_size = report["world_size"]
+    if cluster.device_memory_bytes is not None:
+        report = against_device(report, cluster.device_memory_bytes)
+    report["time"], step = step_time(
+        runs, world_size, cluster, model, recompute, spans=trace is not None
+    )
+    report["time"]["fits_device"] = report.get("fits_device", True)
+    title = f"{model.name}, {world_size} ranks"
+    if trace is not None:
+        Path(trace).write_text(json.dumps(chrome_trace(step, title)))
+    if plot is not None:
+        plot_step_memory(step, plot, title, cluster.device_memory_bytes)
     return report
 
 
