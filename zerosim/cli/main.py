@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     from zerosim.cli import dryrun as cli_dryrun  # the dry run over N virtual ranks
 
     cli_dryrun.add_subcommand(sub)
+    from zerosim.cli import calibrate as cli_calibrate  # measure this host for the dry run
+
+    cli_calibrate.add_subcommand(sub)
     return parser
 
 

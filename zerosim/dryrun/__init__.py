@@ -67,6 +67,7 @@ def dry_run(
         memory_events=plot is not None,
         progress=progress,
         backend=backend,
+        op_events=cluster is not None and cluster.prices_elementwise,
     )
     report = {**summarize(runs, world_size, wall, all_ranks), "backend": backend}
     if cluster is not None:

@@ -155,10 +155,12 @@ def run_rank(
     fill: float = 0.0,
     memory_events: bool = False,
     backend: str = "cupy",
+    op_events: bool = False,
 ) -> RankRun:
     """Build, initialize and train virtual rank ``rank`` for ``steps`` optimizer steps, writing
     the last one's events (with every change of the live bytes when ``memory_events``), on the
-    code path of ``backend`` ("numpy" or "cupy", ``meta.Values.backend``)."""
+    code path of ``backend`` ("numpy" or "cupy", ``meta.Values.backend``), and with ``op_events``
+    the element-wise operations between collectives (a host's time model prices them)."""
     comm = world.comm(rank)
     with meta.tracking(overflow=overflow, fill=fill, backend=backend) as tracker:
         with shape_only_init():
@@ -174,9 +176,10 @@ def run_rank(
         step_start = tracker.live_total
         flops_before = tracker.matmul_flops
         tracker.ops.clear()  # the operations of the last step
+        tracker.op_bytes = 0
         last_step = engine.global_steps
         events: list[tuple[str, Any]] = []
-        tracker.listeners.append(_event_writer(events, tracker, memory_events))
+        tracker.listeners.append(_event_writer(events, tracker, memory_events, op_events))
         comm.record_events(events)
         _train_step(engine, x, y)
         comm.record_events(None)
@@ -243,9 +246,11 @@ def engine_facts(engine: Engine) -> dict[str, Any]:
     }
 
 
-def _event_writer(events: list, tracker: meta.Tracker, memory: bool) -> Callable:
+def _event_writer(events: list, tracker: meta.Tracker, memory: bool, ops: bool) -> Callable:
     """A tracker listener: matmul FLOPs added into the last compute event (a new one after a
-    collective event), and with ``memory`` the live bytes after every allocation and free."""
+    collective event), with ``ops`` every other array operation added into this stretch's
+    ("elementwise", (operations, bytes)) event, and with ``memory`` the live bytes after every
+    allocation and free."""
 
     def write(kind: str, amount: int, category: str) -> None:
         if kind == "matmul":
@@ -253,10 +258,26 @@ def _event_writer(events: list, tracker: meta.Tracker, memory: bool) -> Callable
                 events[-1] = ("compute", events[-1][1] + amount)
             else:
                 events.append(("compute", amount))
+        elif kind == "op":
+            if ops:
+                _add_elementwise(events, amount)
         elif memory:
             events.append(("memory", tracker.live_total))
 
     return write
+
+
+def _add_elementwise(events: list, nbytes: int) -> None:
+    """One operation of ``nbytes`` into the elementwise event of the stretch since the last
+    collective event (the one before a compute event, or a new one)."""
+    for i in (-1, -2):
+        if len(events) < -i or events[i][0] not in ("compute", "elementwise"):
+            break
+        if events[i][0] == "elementwise":
+            count, total = events[i][1]
+            events[i] = ("elementwise", (count + 1, total + nbytes))
+            return
+    events.append(("elementwise", (1, nbytes)))
 
 
 def classes_of(keys: list[tuple]) -> list[list[int]]:
@@ -281,6 +302,7 @@ def run_world(
     memory_events: bool = False,
     progress: Callable[[str], None] | None = None,
     backend: str = "cupy",
+    op_events: bool = False,
 ) -> tuple[list[tuple[list[int], RankRun]], float]:
     """Run the representatives (or every rank) on the code path of ``backend`` ("numpy" or
     "cupy"): [(member ranks, the run standing for them)] and the wall time in seconds."""
@@ -291,7 +313,7 @@ def run_world(
     start = time.perf_counter()
     options = dict(
         steps=steps, recompute=recompute, overflow=overflow, fill=fill,
-        memory_events=memory_events, backend=backend,
+        memory_events=memory_events, backend=backend, op_events=op_events,
     )  # fmt: skip
     say(f"rank 0 of {world_size}: building {model.name} and running {steps} step(s)")
     first = run_rank(world, 0, model, cfg, **options)

@@ -26,7 +26,8 @@ and function (first match wins, cached per call site):
 
 **Operations**: ``ops`` counts the array operations by kind (a ufunc's name such as ``multiply``,
 ``matmul``, a reduction's name, ``kernel`` for one call of a fused update rule): the calls a
-backend makes, each with a fixed cost on top of its bytes.
+backend makes, each with a fixed cost on top of its bytes; ``op_bytes`` the bytes they read and
+wrote (operands and result; a matrix product's are priced by its FLOPs instead and count none).
 
 **The backend it stands for** (``Values.backend``): where zerosim's code branches on the array
 type (``backend.is_host_array``: NumPy's cache-sized optimizer blocks and numba kernels, a few
@@ -121,7 +122,9 @@ class Tracker:
         self.allocations = 0
         self.matmul_flops = 0
         self.ops: dict[str, int] = {}  # array operations by kind (module docstring)
-        # called as listener(kind, amount, category) for "alloc", "free" and "matmul" events
+        self.op_bytes = 0  # the bytes they read and wrote
+        # called as listener(kind, amount, category) for "alloc", "free" and "matmul" events,
+        # and listener("op", bytes, operation kind) for each array operation
         self.listeners: list[Callable[[str, int, str], None]] = []
 
     def allocate(self, nbytes: int, category: str) -> None:
@@ -147,9 +150,12 @@ class Tracker:
         for listener in self.listeners:
             listener("matmul", flops, "")
 
-    def op(self, kind: str) -> None:
-        """Count one array operation of ``kind``."""
+    def op(self, kind: str, nbytes: int = 0) -> None:
+        """Count one array operation of ``kind`` that reads and writes ``nbytes``."""
         self.ops[kind] = self.ops.get(kind, 0) + 1
+        self.op_bytes += nbytes
+        for listener in self.listeners:
+            listener("op", nbytes, kind)
 
     def reset_peaks(self) -> None:
         """Peaks from now on: each starts at what is live now."""
@@ -165,6 +171,7 @@ class Tracker:
             "allocations": self.allocations,
             "matmul_flops": self.matmul_flops,
             "ops": dict(self.ops),
+            "op_bytes": self.op_bytes,
         }
 
 
