@@ -121,8 +121,9 @@ def cluster_names() -> list[str]:
 
 def load_cluster_model(path: str | Path) -> ClusterModel:
     """A ``ClusterModel`` from JSON: ``Cluster``'s seven keys, optionally the two efficiencies
-    (default 1), ``device_memory_bytes`` and ``name``/``comment``/``calibration`` notes; other
-    keys are refused.
+    (default 1), ``device_memory_bytes``, ``backend`` (numpy | cupy, default cupy), a host's
+    ``HOST_KEYS`` (``zerosim calibrate``) and ``name``/``comment``/``calibration``/
+    ``measurements`` notes; other keys are refused.
 
     ``path``: a cluster JSON file, or the name of one shipped in ``zerosim/dryrun/clusters/``
     (``cluster_names()``: "selene", "zeropp_v100")."""
