@@ -7,9 +7,11 @@ of the grid (GPT shapes from about 25 ms to about 1 s a step, N = 1 and 2, stage
 paper's and DeepSpeed's schedules, fp32, micro-batch 4) ``zerosim train --json`` runs under
 ``mpirun -n N`` and reports ``step_s`` (the median step after two warm-up steps), and
 ``zerosim dryrun --cluster host.json`` predicts it. Nothing is fitted on a step time. The target
-is predicted / measured within 0.85-1.15 per row. On a machine shared with other jobs both the
-calibration and the step times move with the load: the table prints the load average beside
-each row.
+is predicted / measured within 0.85-1.15 per row. On a machine shared with other jobs the step
+times move with the load (the table prints the load average beside each row): the calibration
+counts CPU time, and the table also gives rank 0's CPU seconds per step (``step_cpu_s``) and the
+prediction against it, the step a rank would take with its cores to itself (less its waits on
+the other ranks).
 """
 
 from __future__ import annotations
@@ -66,15 +68,15 @@ def predict(model: str, ranks: int, cfg: Path, host: Path) -> dict:
     return json.loads(out)
 
 
-def grid(quick: bool) -> list[tuple[str, int, int, str]]:
+def grid(quick: bool, shapes: int, schedules: list[str]) -> list[tuple[str, int, int, str]]:
     if quick:
         return [(SHAPES[0][0], 2, 3, s) for s in ("paper", "deepspeed")]
     return [
         (model, n, stage, schedule)
-        for model, _ in SHAPES
+        for model, _ in SHAPES[:shapes]
         for n in (1, 2)
         for stage in (2, 3)
-        for schedule in ("paper", "deepspeed")
+        for schedule in schedules
     ]
 
 
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per measured run")
     p.add_argument("--host", help="a calibrated host file to use instead of calibrating")
     p.add_argument("--json", help="write the rows here too")
+    p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many shapes")
+    p.add_argument("--schedules", nargs="+", default=["paper", "deepspeed"])
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="dryrun_host_"))
     host = Path(args.host) if args.host else tmp / "host.json"
@@ -94,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"{'model':>24} {'N':>2} {'stage':>5} {'schedule':>9} {'measured s':>11} "
           f"{'predicted s':>12} {'pred/meas':>9} {'compute s':>10} {'comm s':>8} "
-          f"{'load':>5}")  # fmt: skip
-    for model, n, stage, schedule in grid(args.quick):
+          f"{'load':>5} {'CPU s':>8} {'pred/CPU':>8}")  # fmt: skip
+    for model, n, stage, schedule in grid(args.quick, args.shapes, args.schedules):
         cfg = tmp / f"stage{stage}_{schedule}.json"
         cfg.write_text(json.dumps(config(stage, schedule)))
         real = measure(model, n, cfg, args.steps)
@@ -105,13 +109,14 @@ def main(argv: list[str] | None = None) -> int:
             "model": model, "ranks": n, "stage": stage, "schedule": schedule,
             "measured_s": real["step_s"], "step_wall_s": real["step_wall_s"],
             "predicted_s": dry["step_s"], "compute_s": dry["compute_s"], "comm_s": dry["comm_s"],
-            "ratio": ratio, "load": os.getloadavg()[0],
+            "ratio": ratio, "load": os.getloadavg()[0], "cpu_s": real.get("step_cpu_s"),
         }  # fmt: skip
         rows.append(row)
         mark = "" if TARGET[0] <= ratio <= TARGET[1] else "  MISS"
         print(f"{model:>24} {n:>2} {stage:>5} {schedule:>9} {real['step_s']:>11.4f} "
               f"{dry['step_s']:>12.4f} {ratio:>9.2f} {dry['compute_s']:>10.4f} "
-              f"{dry['comm_s']:>8.4f} {row['load']:>5.1f}{mark}", flush=True)  # fmt: skip
+              f"{dry['comm_s']:>8.4f} {row['load']:>5.1f} {row['cpu_s'] or 0:>8.4f} "
+              f"{dry['step_s'] / (row['cpu_s'] or 1):>8.2f}{mark}", flush=True)  # fmt: skip
     inside = sum(TARGET[0] <= r["ratio"] <= TARGET[1] for r in rows)
     print(f"{inside} of {len(rows)} rows within ±15%")
     if args.json:

@@ -172,7 +172,9 @@ def step_timing(comm: Communicator, clocks: np.ndarray) -> dict[str, Any]:
     ``WARMUP_STEPS``, None when there are none (``--steps`` 2 or fewer). The median, not the
     mean: on a shared machine a step in which another process held a core is 1.6-2.2x slower.
     ``step_cpu_share``: per step, the smallest share of its wall time any rank spent on the CPU
-    (MPICH sleeps while it waits, so a waiting rank shows a share below 1 too).
+    (MPICH sleeps while it waits, so a waiting rank shows a share below 1 too); ``step_cpu_s``:
+    the median CPU seconds of rank 0's timed steps (on a machine whose cores other processes
+    hold, the step a single process would take alone; it leaves out the waits on other ranks).
     A collective: every rank calls it with as many steps."""
     mine = np.ascontiguousarray(clocks, dtype=np.float64).reshape(-1)
     every = np.empty(comm.size * mine.size, dtype=np.float64)
@@ -186,6 +188,7 @@ def step_timing(comm: Communicator, clocks: np.ndarray) -> dict[str, Any]:
         share = np.full_like(share, np.nan)
     return {
         "step_s": float(np.median(timed)) if timed.size else None,
+        "step_cpu_s": float(np.median(cpu[0, WARMUP_STEPS:])) if timed.size else None,
         "steps_timed": int(timed.size),
         "step_wall_s": [float(t) for t in wall[0]],
         "step_cpu_share": [None if np.isnan(v) else float(v) for v in share],

@@ -38,14 +38,16 @@ COLLECTIVE_SIZES = [2**k for k in range(2, 25, 2)]  # bytes: 4 B to 16 MiB
 
 
 def seconds_per_call(fn: Callable[[], Any], budget_s: float, min_calls: int = 3) -> float:
-    """The median seconds of one ``fn()`` over repeats lasting about ``budget_s``."""
+    """The median CPU seconds of one ``fn()`` over repeats lasting about ``budget_s``: CPU time,
+    not wall time, so that other processes holding a core of a shared machine do not count
+    (run with one BLAS thread, ``OMP_NUM_THREADS=1``, as ``zerosim train``'s ranks are run)."""
     fn()  # first call: allocator and library warm-up
     times: list[float] = []
     spent = 0.0
     while spent < budget_s or len(times) < min_calls:
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        dt = time.perf_counter() - start
+        dt = max(time.process_time() - start, 1e-9)
         times.append(dt)
         spent += dt
     return statistics.median(times)
