@@ -42,12 +42,14 @@ def test_train_json_under_mpirun_prints_the_median_step_time_after_two_warmup_st
     assert data["step_s"] == pytest.approx(statistics.median(walls[2:]))
     assert len(data["step_cpu_share"]) == 5
     assert all(0 < c <= 1.5 for c in data["step_cpu_share"])
+    assert 0 < data["step_cpu_s"] <= max(walls[2:]) * 1.5
 
 
 @pytest.mark.mpi
 def test_train_json_with_two_steps_or_fewer_has_no_step_time():
     data = _train_json(2)
     assert data["step_s"] is None and data["steps_timed"] == 0 and data["steps"] == 2
+    assert data["step_cpu_s"] is None
 
 
 def _params(model) -> int:
