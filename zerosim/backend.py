@@ -324,6 +324,14 @@ def _cupy_namespace() -> Any:
     return array_api_compat.cupy
 
 
+def is_host_array(x: Any) -> bool:
+    """True for a NumPy array, and for the dry run's shape-only array when the run stands for a
+    NumPy host (``zerosim.meta``'s ``Values.backend``): the test of every branch that takes a
+    faster NumPy-only path (cache-sized blocks, numba kernels), so that a dry run follows the
+    path of the backend it predicts."""
+    return isinstance(x, np.ndarray) or getattr(x, "__zerosim_host__", False)
+
+
 def is_device_array(x: Any) -> bool:
     """True for an array whose memory NumPy cannot read: CuPy's, or another namespace's."""
     if isinstance(x, np.ndarray | np.generic):

@@ -77,6 +77,12 @@ def add_subcommand(sub: Any) -> None:
         help="simulate the step on this cluster (a JSON file, or selene, zeropp_v100): adds `time`",
     )
     p.add_argument(
+        "--backend",
+        choices=["numpy", "cupy"],
+        help="the array backend the run stands for, whose code path the shape-only arrays take "
+        "(memory, operations); default: the cluster's (a calibrated host: numpy), else cupy",
+    )
+    p.add_argument(
         "--trace", metavar="FILE.json", help="the simulated step as a Chrome/Perfetto trace"
     )
     p.add_argument("--plot", metavar="FILE.png", help="memory over the simulated step")
@@ -100,7 +106,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"{r['world_size']} virtual ranks, stage {r['stage']} ({r['schedule']} schedule), "
         f"{r['dtype']}, micro-batch {r['micro_batch']} × {r['accumulation']}: "
         f"Ψ = {r['params']:,} (padded {r['padded_params']:,})",
-        f"{r['ranks_run']} rank(s) run in {r['ranks_wall_s']:.1f} s, the whole dry run "
+        f"{r['ranks_run']} rank(s) run on {r.get('backend', 'cupy')}'s code path in "
+        f"{r['ranks_wall_s']:.1f} s, the whole dry run "
         f"{r['wall_s']:.1f} s, host peak RSS "
         f"{r['host_peak_rss_bytes'] / GIB:.2f} GiB",
         f"{'ranks':>16} {'states GiB':>11} {'peak GiB':>10} {'activ. GiB':>11} "
@@ -159,6 +166,7 @@ def cmd_dryrun(args: argparse.Namespace) -> int:
             trace=args.trace,
             plot=args.plot,
             progress=progress,
+            backend=args.backend,
         )
     except (OSError, ValueError, ConfigError) as err:  # bad input: the model, config, cluster
         return refuse("dryrun", str(err))

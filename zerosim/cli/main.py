@@ -76,11 +76,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from zerosim.cli.train import UsageError
 
-    if args.model not in ("gpt", "mlp"):
-        from zerosim.nn import describe
+    if args.model not in ("gpt", "mlp"):  # the forms zerosim dryrun takes, checked alike
+        from zerosim.dryrun import recipe
 
         try:
-            describe(args.model)
+            recipe(args.model)
         except ValueError as err:
             return refuse("train", f"--model: {err}")
     try:
@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     from zerosim.cli import dryrun as cli_dryrun  # the dry run over N virtual ranks
 
     cli_dryrun.add_subcommand(sub)
+    from zerosim.cli import calibrate as cli_calibrate  # measure this host for the dry run
+
+    cli_calibrate.add_subcommand(sub)
     return parser
 
 

@@ -24,7 +24,7 @@ from zerosim.analysis import (
 )
 from zerosim.analysis.volume import stage3_backward_gathers
 from zerosim.checkpoint import load_checkpoint, save_checkpoint
-from zerosim.comm import Communicator
+from zerosim.comm import Communicator, LocalComm
 from zerosim.engine import initialize
 from zerosim.report import workloads
 from zerosim.zero.stage3_deepspeed import Stage3DeepSpeed
@@ -82,7 +82,10 @@ class UsageError(ValueError):
 def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
     # a path goes to initialize as it is: load_config reads it (JSON or hjson, no repeated key)
     config = args.config or DEFAULT_CONFIG
-    model, data = build(args)
+    try:
+        model, data = build(args)
+    except ValueError as err:  # a model the corpus does not fit, alike on every rank
+        raise UsageError(f"--model: {err}") from None
     from zerosim.report.compare import gradient_order
 
     order = gradient_order(model)  # DeepSpeed's schedule buckets gradients in this order
@@ -95,7 +98,7 @@ def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
                 f"{engine.global_steps} and --steps counts from the start of training; "
                 f"pass a number > {engine.global_steps} to train more"
             )
-    show = comm.rank == 0 and not args.quiet
+    show = comm.rank == 0 and not args.quiet and not getattr(args, "json", False)
     bar = None
     if show:
         from tqdm import tqdm
@@ -105,30 +108,7 @@ def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
             initial=engine.global_steps,
             desc=f"stage {engine.strategy.stage}, {comm.size} ranks",
         )
-    losses, last_step = [], {}
-    t0 = time.perf_counter()
-    batches = iter(loader)
-    while engine.global_steps < args.steps:
-        try:
-            x, y = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            continue
-        comm.ledger.step = engine.global_steps
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        if engine.micro_steps % engine.gradient_accumulation_steps == 0:
-            losses.append(float(loss))
-            last_step = {
-                p: comm.ledger.bytes_sent(phase=p, step=engine.global_steps - 1) for p in PHASES
-            }
-            if bar is not None:
-                bar.set_postfix(
-                    loss=f"{np.mean(losses[-10:]):.3f}",
-                    step_ms=f"{(time.perf_counter() - t0) * 1e3 / len(losses):.0f}",
-                )
-                bar.update(1)
+    losses, last_step, clocks = _train_steps(comm, engine, loader, args.steps, bar)
     if bar is not None:
         bar.close()
     if getattr(args, "save", None):
@@ -139,6 +119,79 @@ def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
         "losses": losses,
         "step_bytes": last_step,
         "ds_summary": getattr(args, "ds_summary", False),
+        "clocks": clocks,
+        "model": args.model,
+    }
+
+
+def _train_steps(
+    comm: Communicator, engine: Any, loader: Any, steps: int, bar: Any
+) -> tuple[list[float], dict[str, int], np.ndarray]:
+    """Train until optimizer step ``steps``: the losses, the bytes of the last step by phase, and
+    each optimizer step's (wall, CPU) seconds on this rank, from its first forward to the end of
+    its ``engine.step()`` (the loader's batches and this loop's bookkeeping left out)."""
+    losses, last_step, clocks = [], {}, []
+    t0 = time.perf_counter()
+    batches = iter(loader)
+    start = None
+    while engine.global_steps < steps:
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            continue
+        if start is None:  # the first micro-batch of an optimizer step
+            start = (time.perf_counter(), time.process_time())
+        comm.ledger.step = engine.global_steps
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        if engine.micro_steps % engine.gradient_accumulation_steps == 0:
+            clocks.append((time.perf_counter() - start[0], time.process_time() - start[1]))
+            start = None
+            losses.append(float(loss))
+            last_step = {
+                p: comm.ledger.bytes_sent(phase=p, step=engine.global_steps - 1) for p in PHASES
+            }
+            if bar is not None:
+                bar.set_postfix(
+                    loss=f"{np.mean(losses[-10:]):.3f}",
+                    step_ms=f"{(time.perf_counter() - t0) * 1e3 / len(losses):.0f}",
+                )
+                bar.update(1)
+    return losses, last_step, np.array(clocks, dtype=np.float64).reshape(-1, 2)
+
+
+# The steps left out of ``step_s``: the first builds the optimizer state and the buckets, the
+# second still warms caches and the allocator.
+WARMUP_STEPS = 2
+
+
+def step_timing(comm: Communicator, clocks: np.ndarray) -> dict[str, Any]:
+    """``step_s``: the median wall time of rank 0's optimizer steps after the first
+    ``WARMUP_STEPS``, None when there are none (``--steps`` 2 or fewer). The median, not the
+    mean: on a shared machine a step in which another process held a core is 1.6-2.2x slower.
+    ``step_cpu_share``: per step, the smallest share of its wall time any rank spent on the CPU
+    (MPICH sleeps while it waits, so a waiting rank shows a share below 1 too); ``step_cpu_s``:
+    the median CPU seconds of rank 0's timed steps (on a machine whose cores other processes
+    hold, the step a single process would take alone; it leaves out the waits on other ranks).
+    A collective: every rank calls it with as many steps."""
+    mine = np.ascontiguousarray(clocks, dtype=np.float64).reshape(-1)
+    every = np.empty(comm.size * mine.size, dtype=np.float64)
+    with comm.phase("report"):
+        comm.all_gather(every, mine)
+    every = every.reshape(comm.size, -1, 2)
+    wall, cpu = every[..., 0], every[..., 1]
+    timed = wall[0, WARMUP_STEPS:]
+    share = np.min(cpu / np.maximum(wall, 1e-12), axis=0)
+    if isinstance(comm, LocalComm):  # threads of one process share one CPU clock
+        share = np.full_like(share, np.nan)
+    return {
+        "step_s": float(np.median(timed)) if timed.size else None,
+        "step_cpu_s": float(np.median(cpu[0, WARMUP_STEPS:])) if timed.size else None,
+        "steps_timed": int(timed.size),
+        "step_wall_s": [float(t) for t in wall[0]],
+        "step_cpu_share": [None if np.isnan(v) else float(v) for v in share],
     }
 
 
@@ -217,6 +270,7 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
         memory.get("peak_gathered_params", 0),
     ]
     held = _gather_rows(comm, mine)
+    timing = step_timing(comm, result["clocks"])
     if comm.rank != 0:
         return {"text": ""}
     losses = result["losses"]
@@ -285,7 +339,13 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
         **extra,
         "text": text,
         "crossings": moved,
+        "model": result["model"],
+        "params": sum(p.numel for p in engine.module.parameters()),
+        "schedule": engine.config.zerosim.schedule,
+        "steps": engine.global_steps,
+        **timing,
         "world_size": comm.size,
+        "ranks": comm.size,
         "stage": strategy.stage,
         "padded_numel": strategy.padded_numel,
         "persistent_numel": persistent,

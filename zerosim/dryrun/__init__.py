@@ -34,6 +34,7 @@ def dry_run(
     trace: str | Path | None = None,
     plot: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
+    backend: str | None = None,
 ) -> dict[str, Any]:
     """Run ``model`` (a name or description ``recipe`` knows, or a recipe) on ``world_size``
     virtual ranks with ``config`` (a DeepSpeed JSON config, dict or path; its
@@ -42,15 +43,20 @@ def dry_run(
     report has the step's ``time``, and ``trace`` / ``plot`` write the simulated step as a
     Chrome trace / the memory over it; where the cluster gives its device memory,
     ``fits_device`` says whether every rank's peak fits (``time["fits_device"]`` false: a step
-    that would not start, its time only what it would take). ``wall_s`` is the whole call's
-    cost on this machine (the ranks run, the report over every rank, the time model, the trace
-    and plot), ``ranks_wall_s`` the ranks' runs alone."""
+    that would not start, its time only what it would take). ``backend`` ("numpy" or "cupy")
+    is the array backend the run stands for, whose code path the shape-only arrays follow
+    (memory, operations); None follows the cluster's ``backend`` (a host from ``zerosim
+    calibrate``: numpy; GPU clusters: cupy), else cupy. ``wall_s`` is the whole call's cost on
+    this machine (the ranks run, the report over every rank, the time model, the trace and
+    plot), ``ranks_wall_s`` the ranks' runs alone."""
     start = perf_counter()
     if (trace or plot) and cluster is None:
         raise ValueError("trace and plot draw the simulated step: give a cluster too")
     if isinstance(cluster, str | Path):
         cluster = load_cluster_model(cluster)
     _check_positive_ints(world_size=world_size, steps=steps)
+    if backend is None:
+        backend = "cupy" if cluster is None else cluster.backend
     model = model if isinstance(model, ModelRecipe) else recipe(model)
     runs, ranks_wall = run_world(
         model,
@@ -64,20 +70,37 @@ def dry_run(
         fill=fill,
         memory_events=plot is not None,
         progress=progress,
+        backend=backend,
+        op_events=cluster is not None and cluster.prices_elementwise,
     )
-    report = summarize(runs, world_size, ranks_wall, all_ranks)
+    report = {**summarize(runs, world_size, ranks_wall, all_ranks), "backend": backend}
     if cluster is not None:
-        if cluster.device_memory_bytes is not None:
-            report = against_device(report, cluster.device_memory_bytes)
-        report["time"], step = step_time(
-            runs, world_size, cluster, model, recompute, spans=bool(trace or plot)
-        )
-        title = f"{model.name}, {world_size} ranks"
-        if trace is not None:
-            Path(trace).write_text(json.dumps(chrome_trace(step, title)))
-        if plot is not None:
-            plot_step_memory(step, plot, title, cluster.device_memory_bytes)
+        report = _with_time(report, runs, cluster, model, recompute, trace, plot)
     report["wall_s"] = round(perf_counter() - start, 3)
+    return report
+
+
+def _with_time(
+    report: dict[str, Any],
+    runs: list[tuple[list[int], RankRun]],
+    cluster: ClusterModel,
+    model: ModelRecipe,
+    recompute: bool,
+    trace: str | Path | None,
+    plot: str | Path | None,
+) -> dict[str, Any]:
+    """The report with the step simulated on ``cluster`` (and the trace and plot written)."""
+    world_size = report["world_size"]
+    if cluster.device_memory_bytes is not None:
+        report = against_device(report, cluster.device_memory_bytes)
+    report["time"], step = step_time(
+        runs, world_size, cluster, model, recompute, spans=bool(trace or plot)
+    )
+    title = f"{model.name}, {world_size} ranks"
+    if trace is not None:
+        Path(trace).write_text(json.dumps(chrome_trace(step, title)))
+    if plot is not None:
+        plot_step_memory(step, plot, title, cluster.device_memory_bytes)
     return report
 
 

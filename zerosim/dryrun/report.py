@@ -207,6 +207,7 @@ def _entry(
         "ranks": [],
         "model_states_bytes": model_states_bytes(run.memory),
         "peak_bytes": tracker["peak_bytes"],
+        "step_start_bytes": run.step_start_bytes,
         "activation_peak_bytes": tracker["peak"]["activations"],
         "peak_bytes_by_category": tracker["peak"],
         "init_peak_bytes": run.init_peak_bytes,
@@ -215,4 +216,5 @@ def _entry(
         "bytes_received": received,
         "inter_node_bytes_sent": inter,
         "flops": run.step_flops,
+        "ops": run.tracker["ops"],
     }

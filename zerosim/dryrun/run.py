@@ -67,10 +67,10 @@ def recipe(spec: Any, name: str | None = None) -> ModelRecipe:
             lambda: MLP(sizes),
             lambda b: (xp.zeros((b, sizes[0]), np.float32), xp.zeros((b,), np.int64)),
         )
-    elif spec == "gpt":  # report.workloads' character-level GPT on the shipped corpus
+    elif spec == "gpt":  # zerosim train's GPT at its defaults (--block-size 32 … --n-embd 64)
         from zerosim.data import CharDataset
 
-        shape = GPTShape(2, 64, 4, CharDataset(block_size=64).vocab_size, 64, tied=False)
+        shape = GPTShape(2, 64, 4, CharDataset(block_size=32).vocab_size, 32, tied=False)
     elif spec in PRESETS or spec.startswith("gpt:"):
         shape = gpt_shape(spec)
     else:  # a model description: a zerosim.nn preset (or its -tiny) or a JSON/hjson file
@@ -129,6 +129,7 @@ class RankRun:
     # the last step as the time model reads it (dryrun/timeline.py): ("compute", flops),
     # ("issue", i), ("wait", i) and, when asked for, ("memory", live bytes)
     events: list[tuple[str, Any]] = field(default_factory=list)
+    step_start_bytes: int = 0  # live bytes when the last step began (its peak rises from here)
 
 
 def _prepare_config(config: dict | str | Path, micro_batch: int | None) -> dict:
@@ -160,11 +161,15 @@ def run_rank(
     overflow: bool = False,
     fill: float = 0.0,
     memory_events: bool = False,
+    backend: str = "cupy",
+    op_events: bool = False,
 ) -> RankRun:
     """Build, initialize and train virtual rank ``rank`` for ``steps`` optimizer steps, writing
-    the last one's events (with every change of the live bytes when ``memory_events``)."""
+    the last one's events (with every change of the live bytes when ``memory_events``), on the
+    code path of ``backend`` ("numpy" or "cupy", ``meta.Values.backend``), and with ``op_events``
+    the element-wise operations between collectives (a host's time model prices them)."""
     comm = world.comm(rank)
-    with meta.tracking(overflow=overflow, fill=fill) as tracker:
+    with meta.tracking(overflow=overflow, fill=fill, backend=backend) as tracker:
         with shape_only_init():
             net = model.build()
         if recompute:
@@ -175,10 +180,13 @@ def run_rank(
         for _ in range(steps - 1):
             _train_step(engine, x, y)
         tracker.reset_peaks()  # the last step is the one measured and written as events
+        step_start = tracker.live_total
         flops_before = tracker.matmul_flops
+        tracker.ops.clear()  # the operations of the last step
+        tracker.op_bytes = 0
         last_step = engine.global_steps
         events: list[tuple[str, Any]] = []
-        tracker.listeners.append(_event_writer(events, tracker, memory_events))
+        tracker.listeners.append(_event_writer(events, tracker, memory_events, op_events))
         comm.record_events(events)
         _train_step(engine, x, y)
         comm.record_events(None)
@@ -192,6 +200,7 @@ def run_rank(
             tracker.matmul_flops - flops_before,
             last_step,
             events=events,
+            step_start_bytes=step_start,
         )
         if rank == 0:
             result.fingerprint = fingerprint(engine, world.size)
@@ -245,9 +254,11 @@ def engine_facts(engine: Engine) -> dict[str, Any]:
     }
 
 
-def _event_writer(events: list, tracker: meta.Tracker, memory: bool) -> Callable:
+def _event_writer(events: list, tracker: meta.Tracker, memory: bool, ops: bool) -> Callable:
     """A tracker listener: matmul FLOPs added into the last compute event (a new one after a
-    collective event), and with ``memory`` the live bytes after every allocation and free."""
+    collective event), with ``ops`` every other array operation added into this stretch's
+    ("elementwise", (operations, bytes)) event, and with ``memory`` the live bytes after every
+    allocation and free."""
 
     def write(kind: str, amount: int, category: str) -> None:
         if kind == "matmul":
@@ -255,10 +266,26 @@ def _event_writer(events: list, tracker: meta.Tracker, memory: bool) -> Callable
                 events[-1] = ("compute", events[-1][1] + amount)
             else:
                 events.append(("compute", amount))
+        elif kind == "op":
+            if ops:
+                _add_elementwise(events, amount)
         elif memory:
             events.append(("memory", tracker.live_total))
 
     return write
+
+
+def _add_elementwise(events: list, nbytes: int) -> None:
+    """One operation of ``nbytes`` into the elementwise event of the stretch since the last
+    collective event (the one before a compute event, or a new one)."""
+    for i in (-1, -2):
+        if len(events) < -i or events[i][0] not in ("compute", "elementwise"):
+            break
+        if events[i][0] == "elementwise":
+            count, total = events[i][1]
+            events[i] = ("elementwise", (count + 1, total + nbytes))
+            return
+    events.append(("elementwise", (1, nbytes)))
 
 
 def classes_of(keys: list[tuple]) -> list[list[int]]:
@@ -282,17 +309,20 @@ def run_world(
     fill: float = 0.0,
     memory_events: bool = False,
     progress: Callable[[str], None] | None = None,
+    backend: str = "cupy",
+    op_events: bool = False,
 ) -> tuple[list[tuple[list[int], RankRun]], float]:
-    """Run the representatives (or every rank): [(member ranks, the run standing for them)] and
-    the wall time in seconds."""
+    """Run the representatives (or every rank) on the code path of ``backend`` ("numpy" or
+    "cupy"): [(member ranks, the run standing for them)] and the wall time in seconds."""
     say = progress or (lambda _: None)
     cfg = _prepare_config(config, micro_batch)
     load_config(cfg, world_size)  # a bad config fails here, before any rank runs
     world = VirtualWorld(world_size)
     start = time.perf_counter()
     options = dict(
-        steps=steps, recompute=recompute, overflow=overflow, fill=fill, memory_events=memory_events
-    )
+        steps=steps, recompute=recompute, overflow=overflow, fill=fill,
+        memory_events=memory_events, backend=backend, op_events=op_events,
+    )  # fmt: skip
     say(f"rank 0 of {world_size}: building {model.name} and running {steps} step(s)")
     first = run_rank(world, 0, model, cfg, **options)
     if all_ranks:

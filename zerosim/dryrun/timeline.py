@@ -24,6 +24,12 @@ nothing.
 collective goes on one communication stream, in issue order, starting when it is issued and the
 stream is free. A blocking collective holds compute until it ends; a wait holds compute until
 its collective ends. step = when both streams are done; exposed communication = step − compute.
+
+**A host** (a cluster file written by ``zerosim calibrate``, ``HOST_KEYS``): the trace also has
+("elementwise", (operations, bytes)) events, every array operation between two collective
+events that is not a matrix product, priced at ``op_overhead_s`` a call plus the bytes at
+``memory_bandwidth``; and with ``overlap`` false (MPICH has no progress thread) a non-blocking
+collective moves only while it is waited: it starts at its wait, not at its issue.
 """
 
 from __future__ import annotations
@@ -49,7 +55,11 @@ CLUSTER_KEYS = (
 EFFICIENCY_KEYS = ("compute_efficiency", "network_efficiency")
 MEMORY_KEY = "device_memory_bytes"
 FP32_KEY = "device_flops_fp32"  # the fp32 peak, where device_flops is the 16-bit one
-NOTE_KEYS = ("name", "comment", "calibration")
+BACKEND_KEY = "backend"  # the array backend whose code path a dry run follows: numpy | cupy
+# a host's rates (zerosim calibrate, docs/dryrun.md): bytes/s of element-wise work, seconds of
+# one array call's fixed cost, and whether communication overlaps compute (MPICH: it does not)
+HOST_KEYS = ("memory_bandwidth", "op_overhead_s", "overlap")
+NOTE_KEYS = ("name", "comment", "calibration", "measurements")
 
 
 @dataclass(frozen=True)
@@ -63,8 +73,23 @@ class ClusterModel:
     name: str = ""
     device_memory_bytes: float | None = None
     device_flops_fp32: float | None = None  # None: fp32 products at device_flops too
+    backend: str = "cupy"  # a host (zerosim calibrate): "numpy"
+    memory_bandwidth: float | None = None  # HOST_KEYS: None leaves element-wise work unpriced
+    op_overhead_s: float | None = None
+    overlap: bool = True
+
+    @property
+    def prices_elementwise(self) -> bool:
+        """Whether element-wise operations cost time here (a calibrated host)."""
+        return self.memory_bandwidth is not None or self.op_overhead_s is not None
 
     def __post_init__(self) -> None:
+        for key in HOST_KEYS[:2]:
+            value = getattr(self, key)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"{key} must be a positive number, got {value!r}")
+        if self.backend not in ("numpy", "cupy"):
+            raise ValueError(f"{BACKEND_KEY} must be 'numpy' or 'cupy', got {self.backend!r}")
         for key in EFFICIENCY_KEYS:
             value = getattr(self, key)
             if not 0 < value <= 1:
@@ -115,8 +140,9 @@ def cluster_names() -> list[str]:
 
 def load_cluster_model(path: str | Path) -> ClusterModel:
     """A ``ClusterModel`` from JSON: ``Cluster``'s seven keys, optionally the two efficiencies
-    (default 1), ``device_memory_bytes`` and ``name``/``comment``/``calibration`` notes; other
-    keys are refused.
+    (default 1), ``device_memory_bytes``, ``backend`` (numpy | cupy, default cupy), a host's
+    ``HOST_KEYS`` (``zerosim calibrate``) and ``name``/``comment``/``calibration``/
+    ``measurements`` notes; other keys are refused.
 
     ``path``: a cluster JSON file, or the name of one shipped in ``zerosim/dryrun/clusters/``
     (``cluster_names()``: "selene", "zeropp_v100")."""
@@ -128,7 +154,7 @@ def load_cluster_model(path: str | Path) -> ClusterModel:
             f"{cluster_names()}"
         )
     spec = json.loads(Path(path).read_text())
-    optional = [*EFFICIENCY_KEYS, MEMORY_KEY, FP32_KEY]
+    optional = [*EFFICIENCY_KEYS, MEMORY_KEY, FP32_KEY, BACKEND_KEY, *HOST_KEYS]
     unknown = sorted(set(spec) - {*CLUSTER_KEYS, *optional, *NOTE_KEYS})
     missing = [k for k in CLUSTER_KEYS if k not in spec]
     if unknown or missing:
@@ -145,6 +171,10 @@ def load_cluster_model(path: str | Path) -> ClusterModel:
             name=str(spec.get("name", "")),
             device_memory_bytes=spec.get(MEMORY_KEY),
             device_flops_fp32=spec.get(FP32_KEY),
+            backend=spec.get(BACKEND_KEY, "cupy"),
+            memory_bandwidth=spec.get("memory_bandwidth"),
+            op_overhead_s=spec.get("op_overhead_s"),
+            overlap=bool(spec.get("overlap", True)),
         )
     except ValueError as err:
         raise ValueError(f"cluster file {path}: {err}") from None
@@ -168,6 +198,13 @@ def group_seconds(model: ClusterModel, op: str, size_bytes: float, members: tupl
         )  # fmt: skip
         return group.collective_time(op, size)
     return collective_time(op, size, p, c.inter_latency, c.inter_bandwidth * eff)
+
+
+def elementwise_seconds(model: ClusterModel, operations: int, nbytes: int) -> float:
+    """Seconds of ``operations`` array calls moving ``nbytes``: each call's fixed cost plus the
+    bytes at the memory bandwidth, where the cluster file gives them (``HOST_KEYS``)."""
+    fixed = operations * (model.op_overhead_s or 0.0)
+    return fixed + (nbytes / model.memory_bandwidth if model.memory_bandwidth else 0.0)
 
 
 @lru_cache(maxsize=4096)
@@ -205,42 +242,73 @@ class StepTime:
 def simulate(
     events: list[tuple[str, Any]], calls: list[Any], model: ClusterModel, spans: bool = False
 ) -> StepTime:
-    """Run one step's ``events`` (("compute", flops), ("issue", i), ("wait", i), ("memory",
-    live bytes)) on ``model``; ``calls[i]`` is the collective of index i (``VirtualComm.calls``)."""
+    """Run one step's ``events`` (("compute", flops), ("elementwise", (operations, bytes)),
+    ("issue", i), ("wait", i), ("memory", live bytes)) on ``model``; ``calls[i]`` is the
+    collective of index i (``VirtualComm.calls``)."""
     rate = model.cluster.device_flops * model.compute_efficiency
-    now = free = compute = comm = 0.0  # compute stream, comm stream free at, busy totals
-    ends: dict[int, float] = {}
-    out_spans: list[tuple[str, str, float, float]] = []
+    now = compute = 0.0  # the compute stream's clock and busy time
+    stream = _CommStream(spans)
+    pending: dict[int, tuple[float, str]] = {}  # without overlap: issued, moved when waited
+    # a call waited before its record is written (VirtualComm notes a wait that runs inside
+    # the call with the next index): it acts as a blocking call when it is issued
+    waited_early: set[int] = set()
     memory: list[tuple[float, int]] = []
     phases: list[tuple[float, str]] = []
     for kind, value in events:
-        if kind == "compute":
-            dt = value / rate
+        if kind in ("compute", "elementwise"):  # elementwise: a host's rates, else free
+            dt = value / rate if kind == "compute" else elementwise_seconds(model, *value)
             if spans:
-                out_spans.append(("compute", "matmul", now, now + dt))
+                label = "matmul" if kind == "compute" else kind
+                stream.spans.append(("compute", label, now, now + dt))
             now += dt
             compute += dt
         elif kind == "issue":
-            call = calls[value]
-            r = call.record
-            dt = group_seconds(model, r.op, r.size_bytes, call.comm.members)
-            start = max(now, free)
-            free = ends[value] = start + dt
-            comm += dt
-            if spans:
-                out_spans.append(("comm", f"{r.op} {r.phase} {r.group}", start, free))
-                if not phases or phases[-1][1] != r.phase:
-                    phases.append((now, r.phase))
-            if r.blocking:
-                now = free
+            r = calls[value].record
+            dt = group_seconds(model, r.op, r.size_bytes, calls[value].comm.members)
+            label = f"{r.op} {r.phase} {r.group}"
+            if spans and (not phases or phases[-1][1] != r.phase):
+                phases.append((now, r.phase))
+            blocking = r.blocking or value in waited_early
+            if model.overlap or blocking:
+                end = stream.run(value, dt, label, now)
+                now = end if blocking else now
+            else:  # no progress thread: it moves when it is waited
+                pending[value] = (dt, label)
         elif kind == "wait":
-            now = max(now, ends[value])
+            if value not in stream.ends and value not in pending:
+                waited_early.add(value)
+                continue
+            for i in sorted(i for i in pending if i <= value):  # MPI progresses these in order
+                stream.run(i, *pending.pop(i), now)
+            now = max(now, stream.ends[value])
         elif kind == "memory":
             memory.append((now, value))
-    step = max(now, free)
+    for i in sorted(pending):  # issued and never waited in this step: moved at its end
+        stream.run(i, *pending.pop(i), now)
+    step = max(now, stream.free)
     if memory:
         memory.append((step, memory[-1][1]))  # held until the step ends
-    return StepTime(step, compute, comm, step - compute, out_spans, memory, phases)
+    return StepTime(step, compute, stream.busy, step - compute, stream.spans, memory, phases)
+
+
+class _CommStream:
+    """The communication stream: collectives one after another, each from when it may start."""
+
+    def __init__(self, spans: bool) -> None:
+        self.free = 0.0  # when the stream is free
+        self.busy = 0.0  # seconds it moved data
+        self.ends: dict[int, float] = {}  # call index → when it ended
+        self.keep = spans
+        self.spans: list[tuple[str, str, float, float]] = []  # compute's spans are kept here too
+
+    def run(self, index: int, seconds: float, label: str, now: float) -> float:
+        """Run call ``index`` for ``seconds`` from max(now, free); return when it ends."""
+        start = max(now, self.free)
+        self.free = self.ends[index] = start + seconds
+        self.busy += seconds
+        if self.keep:
+            self.spans.append(("comm", label, start, self.free))
+        return self.free
 
 
 def chrome_trace(step: StepTime, name: str = "rank 0") -> dict[str, Any]:

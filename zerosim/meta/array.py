@@ -235,6 +235,11 @@ class MetaArray:
         axes[-2], axes[-1] = axes[-1], axes[-2]
         return self.transpose(axes)
 
+    @property
+    def __zerosim_host__(self) -> bool:  # noqa: PLW3201  (read by backend.is_host_array)
+        """True when the dry run stands for a NumPy host: take NumPy's branches."""
+        return values().backend == "numpy"
+
     def __array_namespace__(self, api_version: str | None = None) -> Any:
         return self.__zerosim_namespace__
 

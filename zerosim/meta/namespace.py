@@ -51,6 +51,11 @@ def _reduced(shape: tuple[int, ...], axis: Any, keepdims: bool) -> tuple[int, ..
     return tuple(d for i, d in enumerate(shape) if i not in axes)
 
 
+def _nbytes(*operands: Any) -> int:
+    """The bytes of the array operands (scalars: none)."""
+    return sum(x.nbytes for x in operands if isinstance(x, MetaArray | np.ndarray))
+
+
 def _write(out: MetaArray, shape: tuple[int, ...]) -> MetaArray:
     """``out`` receiving a result of ``shape`` (NumPy's error when it cannot)."""
     if broadcast_shapes(shape, out.shape) != out.shape:
@@ -140,11 +145,14 @@ class MetaNamespace:
         ``logical_and``/``_or``/``_not`` of known answers are known."""
         shape = broadcast_shapes(*(shape_of(x) for x in operands))
         if out is not None:
-            return _write(out, shape)
-        if dtype is None:
-            kinds = tuple(probe(x) for x in operands)
-            dtype = result_dtype(fn, kinds, tuple(sorted(kw.items())))
-        return MetaArray(shape, dtype, value=self._known(fn, operands))
+            result = _write(out, shape)
+        else:
+            if dtype is None:
+                kinds = tuple(probe(x) for x in operands)
+                dtype = result_dtype(fn, kinds, tuple(sorted(kw.items())))
+            result = MetaArray(shape, dtype, value=self._known(fn, operands))
+        current().op(fn.__name__, _nbytes(*operands) + result.nbytes)  # read and written
+        return result
 
     @staticmethod
     def _known(fn: Any, operands: tuple) -> Any:
@@ -170,6 +178,7 @@ class MetaNamespace:
 
     # -- reductions --------------------------------------------------------------------------
     def _reduce(self, fn: Any, x: Any, axis: Any, keepdims: bool, dtype: Any = None) -> MetaArray:
+        current().op(fn.__name__, _nbytes(x))
         shape = _reduced(shape_of(x), axis, keepdims)
         kw = () if dtype is None else (("dtype", np.dtype(dtype)),)
         rdtype = result_dtype(fn, (probe(x),), kw)
@@ -204,6 +213,7 @@ class MetaNamespace:
         return MetaArray(_reduced(shape, axis, keepdims), np.int64, value=counted)
 
     def vecdot(self, a: Any, b: Any, axis: int = -1) -> MetaArray:
+        current().op("vecdot", _nbytes(a, b))
         shape = broadcast_shapes(shape_of(a), shape_of(b))
         return MetaArray(
             _reduced(shape, axis, False), result_dtype(np.vecdot, (probe(a), probe(b)))
@@ -212,6 +222,7 @@ class MetaNamespace:
     # -- matrix products ---------------------------------------------------------------------
     def matmul(self, a: Any, b: Any, out: Any = None, **_: Any) -> MetaArray:
         """NumPy's matmul shapes; 2·m·k·n FLOPs per product, counted for the dry run."""
+        current().op("matmul")
         sa, sb = shape_of(a), shape_of(b)
         if not sa or not sb:
             raise ValueError("matmul: Input operand does not have enough dimensions")
@@ -288,7 +299,14 @@ class MetaNamespace:
 
     # -- writes ------------------------------------------------------------------------------
     def copyto(self, dst: MetaArray, src: Any, **_: Any) -> None:
+        current().op("copyto", 2 * _nbytes(dst))
         _write(dst, shape_of(src))
+
+    def kernel(self, *arrays: Any) -> None:
+        """One call of a compiled update rule (``optim/functional/fused.py``'s numba kernels)
+        on these arrays: it writes them in place, so it allocates nothing; counted as ``kernel``,
+        its bytes each array's once read and, but the gradient (the second), once written."""
+        current().op("kernel", 2 * _nbytes(*arrays) - _nbytes(*arrays[1:2]))
 
     def add_at(self, target: MetaArray, indices: Any, values: Any) -> None:
         """NumPy's ``np.add.at(target, indices, values)``: in place, nothing allocated."""

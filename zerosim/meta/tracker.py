@@ -24,6 +24,17 @@ and function (first match wins, cached per call site):
 **FLOPs**: every matrix product (``matmul``, ``@``) adds 2·m·k·n per product of an (m, k) and a
 (k, n) matrix, over its batch dimensions, to ``matmul_flops``.
 
+**Operations**: ``ops`` counts the array operations by kind (a ufunc's name such as ``multiply``,
+``matmul``, a reduction's name, ``kernel`` for one call of a fused update rule): the calls a
+backend makes, each with a fixed cost on top of its bytes; ``op_bytes`` the bytes they read and
+wrote (operands and result; a matrix product's are priced by its FLOPs instead and count none).
+
+**The backend it stands for** (``Values.backend``): where zerosim's code branches on the array
+type (``backend.is_host_array``: NumPy's cache-sized optimizer blocks and numba kernels, a few
+layer shortcuts), a shape-only array takes the branch of the backend the dry run predicts,
+``"numpy"`` (a CPU host) or ``"cupy"`` (a GPU), so its allocations and operations are that
+backend's.
+
 The rules of the dry run's data-dependent branches (``Values``) live here too: a shape-only
 array has no values, so what the engine reads from one is a documented default.
 """
@@ -110,7 +121,10 @@ class Tracker:
         self.peak_total = 0
         self.allocations = 0
         self.matmul_flops = 0
-        # called as listener(kind, amount, category) for "alloc", "free" and "matmul" events
+        self.ops: dict[str, int] = {}  # array operations by kind (module docstring)
+        self.op_bytes = 0  # the bytes they read and wrote
+        # called as listener(kind, amount, category) for "alloc", "free" and "matmul" events,
+        # and listener("op", bytes, operation kind) for each array operation
         self.listeners: list[Callable[[str, int, str], None]] = []
 
     def allocate(self, nbytes: int, category: str) -> None:
@@ -136,6 +150,13 @@ class Tracker:
         for listener in self.listeners:
             listener("matmul", flops, "")
 
+    def op(self, kind: str, nbytes: int = 0) -> None:
+        """Count one array operation of ``kind`` that reads and writes ``nbytes``."""
+        self.ops[kind] = self.ops.get(kind, 0) + 1
+        self.op_bytes += nbytes
+        for listener in self.listeners:
+            listener("op", nbytes, kind)
+
     def reset_peaks(self) -> None:
         """Peaks from now on: each starts at what is live now."""
         self.peak = dict(self.live)
@@ -149,6 +170,8 @@ class Tracker:
             "peak": dict(self.peak),
             "allocations": self.allocations,
             "matmul_flops": self.matmul_flops,
+            "ops": dict(self.ops),
+            "op_bytes": self.op_bytes,
         }
 
 
@@ -180,12 +203,24 @@ class Values:
     host): the loss, Σg² and so the gradient norm, token ids' bounds. 0.0, the default, gives
     a norm of 0, so gradient clipping never scales (its collective still runs); a value above
     (gradient_clipping)² makes every step clip. Counts (``count_nonzero``) are of every element.
+    ``backend``: the array backend the run stands for, ``"numpy"`` or ``"cupy"`` (the default):
+    the branch a shape-only array takes where the code asks ``backend.is_host_array``.
     """
 
     overflow: bool = False
     fill: float = 0.0
     read_limit: int = field(default=1 << 20)  # elements a host read may return
+    backend: str = "cupy"
 
+    def __post_init__(self) -> None:
+        if self.backend not in PREDICTED_BACKENDS:
+            raise ValueError(
+                f"backend must be one of {list(PREDICTED_BACKENDS)}, got {self.backend!r}"
+            )
+
+
+# the backends a dry run can stand for
+PREDICTED_BACKENDS = ("numpy", "cupy")
 
 _local = threading.local()
 
@@ -209,7 +244,8 @@ def values() -> Values:
 @contextmanager
 def tracking(tracker: Tracker | None = None, **rules: object) -> Iterator[Tracker]:
     """Count the allocations made inside the block in ``tracker`` (a new one by default), with
-    the ``Values`` rules given (``overflow=``, ``fill=``); both are restored afterwards."""
+    the ``Values`` rules given (``overflow=``, ``fill=``, ``backend=``); both are restored
+    afterwards."""
     tracker = Tracker() if tracker is None else tracker
     before_tracker = getattr(_local, "tracker", None)
     before_values = getattr(_local, "values", None)

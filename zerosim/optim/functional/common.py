@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import DTYPES, dtype_name, np_dtype, xp_of
+from zerosim.backend import DTYPES, dtype_name, is_host_array, np_dtype, xp_of
 
 # Elements per block on the CPU: a 32nd of the parameter, between 64 Ki and 256 Ki. Each
 # block costs ~12 ufunc calls of ~0.4 µs each on top of the arithmetic, so longer blocks are
@@ -87,7 +87,7 @@ def has_layout(x: Any) -> bool:
 def block_length(param: Any) -> int:
     """How many elements of ``param`` one block holds (at least 1)."""
     size = int(param.size)
-    if isinstance(param, np.ndarray):
+    if is_host_array(param):  # a dry run standing for NumPy too
         limit = min(CPU_BLOCK_LENGTH, max(CPU_MIN_BLOCK_LENGTH, size // 32))
     elif has_layout(param):
         limit = GPU_BLOCK_LENGTH

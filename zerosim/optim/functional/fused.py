@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from zerosim.backend import is_host_array, xp_of
 from zerosim.optim.functional.common import blocks, lerp_scale, state_dtype
 
 ENV_VAR = "ZEROSIM_FUSED"  # "0": NumPy path; "1" or unset: fused when numba is importable
@@ -95,7 +96,7 @@ def applies(param: Any, grad: Any, *states: Any) -> bool:
     if not fused_enabled():
         return False
     arrays = (param, grad, *(s for s in states if s is not None))
-    return all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays)
+    return all(is_host_array(a) and a.flags.c_contiguous for a in arrays)
 
 
 def kernels() -> ModuleType:
@@ -121,6 +122,8 @@ def run(
     of ``common.blocks`` (16-bit values upcast into ``scratch``, then rounded back).
     """
     states = [s for s in states if s is not None]
+    if not isinstance(param, np.ndarray):  # a dry run standing for NumPy: the call is counted
+        kernel = shape_only_kernel(xp_of(param))
     want = state_dtype(param.dtype)
     if param.dtype == want and grad.dtype == want:
         flat = [a.reshape(-1) for a in (param, grad, *states)]
@@ -128,6 +131,16 @@ def run(
         return
     for p, g, state_blocks, _ in blocks(param, grad, states, 0, scratch):
         kernel(p, g, *state_blocks, coefficients)
+
+
+def shape_only_kernel(xp: Any) -> Callable[..., None]:
+    """A kernel's stand-in on the dry run's shape-only arrays: counts the call (in place, it
+    allocates nothing)."""
+
+    def call(*arrays_and_coefficients: Any) -> None:
+        xp.kernel(*arrays_and_coefficients[:-1])
+
+    return call
 
 
 def rounder(param: Any) -> Callable[[float], Any]:

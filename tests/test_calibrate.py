@@ -1,0 +1,95 @@
+"""``zerosim calibrate``: a cluster file of this host from microbenchmarks, loadable by the dry
+run, its rates positive and its measurements ordered as physics orders them."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from zerosim.analysis.timing import collective_time
+from zerosim.cli.main import main
+from zerosim.dryrun import dry_run, load_cluster_model
+from zerosim.dryrun.calibrate import fit_alpha_bandwidth
+from zerosim.dryrun.timeline import CLUSTER_KEYS, HOST_KEYS
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    out = tmp_path_factory.mktemp("host") / "host.json"
+    start = time.perf_counter()
+    assert main(["calibrate", "--out", str(out), "--ranks", "2", "--quick"]) == 0
+    return out, time.perf_counter() - start
+
+
+@pytest.mark.mpi
+def test_quick_calibration_writes_a_cluster_file_the_dry_run_loads(host):
+    path, _ = host
+    spec = json.loads(path.read_text())
+    for key in (*CLUSTER_KEYS, *HOST_KEYS, "backend", "device_memory_bytes"):
+        assert key in spec, key
+    assert spec["backend"] == "numpy" and spec["overlap"] is False
+    assert spec["devices_per_node"] == 2 and spec["nodes"] == 1
+    for key in (*CLUSTER_KEYS, "memory_bandwidth", "op_overhead_s", "device_memory_bytes"):
+        assert spec[key] > 0, key
+    model = load_cluster_model(path)
+    assert model.backend == "numpy" and model.prices_elementwise and not model.overlap
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "zerosim": {"schedule": "paper"},
+    }
+    report = dry_run("gpt:1,32,80,16,2", 2, cfg, cluster=path)
+    assert report["backend"] == "numpy" and report["time"]["step_s"] > 0
+
+
+@pytest.mark.mpi
+def test_every_collective_is_measured_at_every_size_and_products_span_sizes(host):
+    """What was measured, not how fast: timings on a shared machine order as load orders them
+    (whether bigger messages take longer is printed by ``benchmarks/dryrun_host.py``)."""
+    m = json.loads(host[0].read_text())["measurements"]
+    rows = m["collectives"]
+    sizes = sorted({s for _, s, _ in rows})
+    ops = {op for op, _, _ in rows}
+    assert ops == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    assert {(op, s) for op, s, _ in rows} == {(op, s) for op in ops for s in sizes}
+    assert sizes[0] <= 8 and sizes[-1] >= 2**22 and all(t > 0 for *_, t in rows)
+    products = sorted(a * b * c for a, b, c, _ in m["matmul"])
+    assert products[-1] >= 8 * products[0] and all(rate > 0 for *_, rate in m["matmul"])
+
+
+def test_the_fit_recovers_alpha_and_bandwidth_of_the_ring_formula():
+    alpha, bandwidth, p = 7e-6, 3e9, 2
+    rows = [
+        [op, s, collective_time(op, s, p, alpha, bandwidth)]
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+        for s in (8, 1024, 2**16, 2**20, 2**24)
+    ]
+    got_alpha, got_bandwidth = fit_alpha_bandwidth(rows, p)
+    assert got_alpha == pytest.approx(alpha, rel=1e-6)
+    assert got_bandwidth == pytest.approx(bandwidth, rel=1e-6)
+
+
+def test_a_host_file_prices_elementwise_work_and_moves_collectives_when_waited(tmp_path):
+    from zerosim.analysis.timing import Cluster
+    from zerosim.dryrun.timeline import ClusterModel, simulate
+
+    class Call:  # a stand-in of VirtualComm.calls' entries: a record and its group
+        def __init__(self, blocking):
+            self.record = type("R", (), dict(op="all_reduce", size_bytes=1000, phase="p",
+                                             group=0, blocking=blocking))()  # fmt: skip
+            self.comm = type("C", (), dict(members=(0, 1)))()
+
+    cluster = Cluster(1, 2, 1e9, 1e9, 1e-5, 1e-5, 1e10)
+    host = ClusterModel(cluster, backend="numpy", memory_bandwidth=1e9, op_overhead_s=1e-6,
+                        overlap=False)  # fmt: skip
+    comm_s = 2 * 1e-5 + 1000 / 1e9  # all-reduce on 2 ranks: 2(p−1)α + 2(p−1)/p·S/B
+    events = [("issue", 0), ("compute", 1e8), ("elementwise", (10, 4000)), ("wait", 0)]
+    step = simulate(events, [Call(False)], host)
+    work = 1e8 / 1e10 + 10 * 1e-6 + 4000 / 1e9
+    assert step.step_s == pytest.approx(work + comm_s)  # no overlap: after the work
+    gpu = ClusterModel(cluster)
+    step = simulate(events, [Call(False)], gpu)
+    assert step.step_s == pytest.approx(max(1e8 / 1e10, comm_s))  # overlapped, elementwise free

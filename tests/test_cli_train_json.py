@@ -1,0 +1,81 @@
+"""``zerosim train --json`` under a real mpirun: one JSON object on stdout with the step time, and
+``train`` and ``dryrun`` taking the same ``--model`` forms."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import pytest
+from mpi_helpers import run_mpi
+
+from zerosim.cli.main import main
+from zerosim.cli.train import build
+from zerosim.dryrun import recipe
+from zerosim.meta import tracking
+
+TINY = "gpt:1,32,80,16,2"  # 1 layer, hidden 32, vocabulary 80, sequence 16, 2 heads
+
+
+def _train_json(steps: int) -> dict:
+    proc = run_mpi(
+        2, ["-m", "zerosim", "train", "--model", TINY, "--steps", str(steps), "--json"], 240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout[:2000]  # nothing but the one object on stdout
+    return json.loads(lines[0])
+
+
+@pytest.mark.mpi
+def test_train_json_under_mpirun_prints_the_median_step_time_after_two_warmup_steps():
+    data = _train_json(5)
+    assert data["steps"] == 5 and data["ranks"] == 2 and data["stage"] == 3
+    assert data["model"] == TINY
+    # 1 layer of 12h² + 13h, embeddings V·h + s·h, final norm 2h, untied head V·h
+    h, v, s = 32, 80, 16
+    assert data["params"] == 12 * h * h + 13 * h + v * h + s * h + 2 * h + v * h
+    walls = data["step_wall_s"]
+    assert len(walls) == 5 and all(t > 0 for t in walls)
+    assert data["steps_timed"] == 3
+    assert data["step_s"] == pytest.approx(statistics.median(walls[2:]))
+    assert len(data["step_cpu_share"]) == 5
+    assert all(0 < c <= 1.5 for c in data["step_cpu_share"])
+    assert 0 < data["step_cpu_s"] <= max(walls[2:]) * 1.5
+
+
+@pytest.mark.mpi
+def test_train_json_with_two_steps_or_fewer_has_no_step_time():
+    data = _train_json(2)
+    assert data["step_s"] is None and data["steps_timed"] == 0 and data["steps"] == 2
+    assert data["step_cpu_s"] is None
+
+
+def _params(model) -> int:
+    return sum(p.numel for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "spec", ["gpt", "mlp", "gpt:2,32,80,16,2", "gpt:1,64,96,32", "mpt-125m-tiny"]
+)
+def test_train_builds_the_model_the_dry_run_builds(spec):
+    args = argparse.Namespace(
+        model=spec, seed=0, block_size=32, n_layer=2, n_head=4, n_embd=64
+    )  # zerosim train's defaults
+    trained, _ = build(args)
+    with tracking():
+        dry = recipe(spec).build()
+    assert _params(trained) == _params(dry)
+    assert [n for n, _ in trained.named_parameters()] == [n for n, _ in dry.named_parameters()]
+
+
+def test_train_refuses_a_model_the_dry_run_refuses_with_the_same_forms_named(capsys):
+    assert main(["train", "--local", "1", "--model", "gpt3-9b", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--model 'gpt3-9b' is not a model" in err and "gpt:LAYERS,HIDDEN,VOCAB,SEQ" in err
+
+
+def test_train_refuses_a_gpt_whose_vocabulary_cannot_hold_the_corpus(capsys):
+    assert main(["train", "--local", "1", "--model", "gpt:1,32,10,16,2", "--steps", "1"]) == 2
+    assert "has vocab 10; the corpus needs at least" in capsys.readouterr().err

@@ -1,0 +1,119 @@
+"""``zerosim calibrate``: measure this machine and write a cluster file for ``zerosim dryrun``.
+
+    zerosim calibrate --out host.json [--ranks N] [--quick] [--json]
+
+Microbenchmarks only (``zerosim/dryrun/calibrate.py``), never a training step: matrix products,
+element-wise bandwidth and a call's fixed cost in this process, then zerosim's collectives under
+``mpirun -n N`` (launched here). ``zerosim dryrun --cluster host.json`` reads the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from zerosim.cli.arguments import int_at_least, refuse
+from zerosim.comm import world_size_from_env
+
+# seconds each measurement repeats for: full, and --quick (the whole run under 20 s)
+BUDGET_S = {False: 0.2, True: 0.02}
+
+
+def add_subcommand(sub: Any) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure this machine (microbenchmarks only) and write a cluster file for dryrun",
+        description="Matrix products, element-wise bandwidth, a call's fixed cost and zerosim's "
+        "collectives on N ranks, written as a cluster file (docs/dryrun.md) that zerosim dryrun "
+        "--cluster reads. Run it without mpirun: it launches mpirun -n N for the collectives.",
+    )
+    p.add_argument("--out", required=True, metavar="HOST.json", help="the cluster file to write")
+    p.add_argument(
+        "--ranks",
+        type=int_at_least(1),
+        default=1,
+        metavar="N",
+        help="ranks of the runs to predict: collectives measured under mpirun -n N (default 1)",
+    )
+    p.add_argument("--quick", action="store_true", help="small grids and budgets (seconds)")
+    p.add_argument("--json", action="store_true", help="print the written file's contents")
+    p.add_argument("--collectives-worker", metavar="FILE", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from zerosim.dryrun import calibrate
+
+    if args.collectives_worker:  # under mpirun, launched by the command below
+        return _collectives_worker(args)
+    if world_size_from_env() > 1:
+        return refuse("calibrate", "run it without mpirun: --ranks N launches mpirun -n N itself")
+    budget = BUDGET_S[args.quick]
+    matmul = calibrate.measure_matmul(
+        budget, calibrate.GPT_SHAPES[:2] + [(256, 256, 256)] if args.quick else None
+    )
+    elementwise = calibrate.measure_elementwise(budget, [2**20, 2**22] if args.quick else None)
+    overhead = calibrate.measure_op_overhead(budget)
+    collectives: list = []
+    if args.ranks > 1:
+        try:
+            collectives = _launch_collectives(args.ranks, args.quick)
+        except (OSError, RuntimeError) as err:
+            return refuse("calibrate", str(err))
+    spec = calibrate.cluster_file(args.ranks, matmul, elementwise, overhead, collectives)
+    Path(args.out).write_text(json.dumps(spec, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(spec))
+    else:
+        print(
+            f"wrote {args.out}: matmul {spec['device_flops'] / 1e9:.1f} GFLOP/s, element-wise "
+            f"{spec['memory_bandwidth'] / 1e9:.1f} GB/s, {spec['op_overhead_s'] * 1e6:.2f} µs a "
+            f"call, collectives α {spec['intra_latency'] * 1e6:.1f} µs, "
+            f"{spec['intra_bandwidth'] / 1e9:.2f} GB/s on {args.ranks} rank(s)"
+        )
+    return 0
+
+
+def _mpirun() -> str:
+    """The mpirun next to this Python (the mpich wheel's), else the first on PATH."""
+    here = Path(sys.executable).parent
+    found = shutil.which("mpirun", path=str(here)) or shutil.which("mpirun")
+    if found is None:
+        raise RuntimeError("--ranks N needs mpirun: none next to this Python or on PATH")
+    return found
+
+
+def _launch_collectives(ranks: int, quick: bool) -> list:
+    """Run the collective benchmarks under ``mpirun -n ranks``; rank 0's rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "collectives.json"
+        cmd = [_mpirun(), "-n", str(ranks), sys.executable, "-m", "zerosim", "calibrate"]
+        cmd += ["--out", os.devnull, "--collectives-worker", str(out)]
+        cmd += ["--quick"] if quick else []
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(
+                f"mpirun -n {ranks} for the collectives failed ({proc.returncode}): "
+                f"{proc.stderr.strip()[-500:]}"
+            )
+        return json.loads(out.read_text())
+
+
+def _collectives_worker(args: argparse.Namespace) -> int:
+    from zerosim.comm import MPIComm
+    from zerosim.dryrun import calibrate
+
+    comm = MPIComm()
+    sizes = calibrate.COLLECTIVE_SIZES[::2] if args.quick else None
+    rows = calibrate.measure_collectives(comm, BUDGET_S[args.quick], sizes)
+    if comm.rank == 0:
+        Path(args.collectives_worker).write_text(json.dumps(rows))
+    return 0

@@ -1,0 +1,190 @@
+"""Measure this machine for the dry run's time model: microbenchmarks only, never a training step.
+
+``zerosim calibrate --out host.json [--ranks N]`` runs these and writes a cluster file in the
+format of ``clusters/*.json`` (docs/dryrun.md), so that ``zerosim dryrun --cluster host.json``
+predicts what ``zerosim train --json`` measures here. Each benchmark runs in the conditions of a
+step: operands too large for the cache where they would be, a fresh output for every call.
+
+- **matrix products** (``matmul``): float32 products at GPT-like shapes, (T, h) · (h, c·h), and
+  square ones; FLOP/s = 2·m·k·n / seconds. ``device_flops`` is their median.
+- **element-wise work** (``elementwise``): ``np.add`` of two arrays beyond the cache into a new
+  one; bytes/s = 3·n·4 / seconds. ``memory_bandwidth`` is the median over the large sizes.
+- **a call's fixed cost** (``op_overhead_s``): ``np.add`` on one-element arrays with ``out=``,
+  the part of every array operation that does not grow with its size.
+- **collectives** (``collectives``, measured by ``measure_collectives`` on N ranks): zerosim's own
+  ``MPIComm`` calls (argument checks, cross-rank check, ledger) over a grid of sizes; the α and
+  bandwidth of the time model's ring formula c_α·α + c_β·S/B (``analysis.timing``) fitted to them
+  by least squares, as ``intra_latency`` and ``intra_bandwidth``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from zerosim.analysis.timing import alpha_beta_coefficients
+
+# (tokens T, hidden h, columns c·h): the products of a GPT layer (QKV 3h, MLP 4h, output h)
+GPT_SHAPES = [(512, 256, 768), (512, 256, 1024), (1024, 512, 1536), (1024, 512, 2048),
+              (2048, 768, 3072)]  # fmt: skip
+SQUARE_SIZES = [128, 256, 512, 1024]
+ELEMENTWISE_SIZES = [2**20, 2**22, 2**24]  # 4 MiB to 64 MiB per float32 operand
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+COLLECTIVE_SIZES = [2**k for k in range(2, 25, 2)]  # bytes: 4 B to 16 MiB
+
+
+def seconds_per_call(fn: Callable[[], Any], budget_s: float, min_calls: int = 3) -> float:
+    """The median CPU seconds of one ``fn()`` over repeats lasting about ``budget_s``: CPU time,
+    not wall time, so that other processes holding a core of a shared machine do not count
+    (run with one BLAS thread, ``OMP_NUM_THREADS=1``, as ``zerosim train``'s ranks are run)."""
+    fn()  # first call: allocator and library warm-up
+    times: list[float] = []
+    spent = 0.0
+    while spent < budget_s or len(times) < min_calls:
+        start = time.process_time()
+        fn()
+        dt = max(time.process_time() - start, 1e-9)
+        times.append(dt)
+        spent += dt
+    return statistics.median(times)
+
+
+def measure_matmul(budget_s: float, shapes: list[tuple[int, int, int]] | None = None) -> list:
+    """[[m, k, n, FLOP/s], …] of float32 products with a fresh output each."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for m, k, n in shapes or [*GPT_SHAPES, *((s, s, s) for s in SQUARE_SIZES)]:
+        a = rng.standard_normal((m, k), dtype=np.float32)
+        b = rng.standard_normal((k, n), dtype=np.float32)
+        dt = seconds_per_call(lambda a=a, b=b: a @ b, budget_s)
+        rows.append([m, k, n, 2 * m * k * n / dt])
+    return rows
+
+
+def measure_elementwise(budget_s: float, sizes: list[int] | None = None) -> list:
+    """[[elements, bytes/s], …] of float32 ``a + b`` into a new array (3 arrays' bytes moved)."""
+    rows = []
+    for n in sizes or ELEMENTWISE_SIZES:
+        a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+        dt = seconds_per_call(lambda a=a, b=b: np.add(a, b), budget_s)
+        rows.append([n, 3 * 4 * n / dt])
+    return rows
+
+
+def measure_op_overhead(budget_s: float) -> float:
+    """Seconds of one ufunc call on one-element arrays (``out=`` given): a call's fixed cost."""
+    a, out = np.ones(1, np.float32), np.empty(1, np.float32)
+
+    def hundred() -> None:
+        for _ in range(100):
+            np.add(a, a, out=out)
+
+    return seconds_per_call(hundred, budget_s) / 100
+
+
+def measure_collectives(comm: Any, budget_s: float, sizes: list[int] | None = None) -> list:
+    """[[op, S bytes, seconds], …] on ``comm`` (every rank calls it; rank 0's medians, each
+    the slowest rank's time of that repeat): zerosim's calls with their checks and ledger.
+    S is nccl-tests' size, as the ledger records it (an all-gather's output, a reduce-scatter's
+    input, an all-reduce's and a broadcast's buffer)."""
+    p = comm.size
+    rows = []
+    for op in COLLECTIVES:
+        for size in sizes or COLLECTIVE_SIZES:
+            n = max(p, size // 4 // p * p)  # float32 elements, a multiple of p
+            full, part = np.ones(n, np.float32), np.ones(n // p, np.float32)
+            call = {
+                "all_reduce": lambda full=full: comm.all_reduce(full),
+                "all_gather": lambda full=full, part=part: comm.all_gather(full, part),
+                "reduce_scatter": lambda full=full, part=part: comm.reduce_scatter(part, full),
+                "broadcast": lambda full=full: comm.broadcast(full, 0),
+            }[op]
+            dt = _synchronized_seconds(comm, call, budget_s)
+            rows.append([op, 4 * n, dt])
+            comm.ledger.reset()  # the ledger grows with every call: keep it small
+    return rows
+
+
+def _synchronized_seconds(comm: Any, call: Callable[[], None], budget_s: float) -> float:
+    """The median over repeats of the slowest rank's seconds for ``call``; every rank runs as
+    many repeats (rank 0's budget decides, broadcast), each after a barrier."""
+    call()
+    repeats = np.array([0], np.int64)
+    if comm.rank == 0:
+        start = time.perf_counter()
+        call()
+        repeats[0] = max(3, min(200, int(budget_s / max(time.perf_counter() - start, 1e-6))))
+    else:
+        call()
+    comm.broadcast(repeats, 0)
+    times = np.empty(int(repeats[0]), np.float64)
+    for i in range(times.size):
+        comm.barrier()
+        start = time.perf_counter()
+        call()
+        times[i] = time.perf_counter() - start
+    slowest = np.empty_like(times)
+    comm.mpi.Allreduce(times, slowest, op=_mpi_max())
+    return float(np.median(slowest))
+
+
+def _mpi_max() -> Any:
+    from mpi4py import MPI  # noqa: PLC0415  (only under mpirun)
+
+    return MPI.MAX
+
+
+def fit_alpha_bandwidth(rows: list, p: int) -> tuple[float, float]:
+    """α (s) and B (bytes/s) of t = c_α(op, p)·α + c_β(op, p)·S/B, by least squares on every
+    measured (op, S, t) (broadcast as the time model prices it: a tree)."""
+    a = np.array([alpha_beta_coefficients(op, p) for op, _, _ in rows], dtype=np.float64)
+    sizes = np.array([s for _, s, _ in rows], dtype=np.float64)
+    t = np.array([dt for _, _, dt in rows], dtype=np.float64)
+    design = np.stack([a[:, 0], a[:, 1] * sizes], axis=1)
+    weights = 1.0 / t  # relative errors: a 4-byte call counts as much as a 16 MiB one
+    (alpha, inverse_bandwidth), *_ = np.linalg.lstsq(
+        design * weights[:, None], t * weights, rcond=None
+    )
+    return max(float(alpha), 1e-9), 1.0 / max(float(inverse_bandwidth), 1e-15)
+
+
+def cluster_file(
+    ranks: int, matmul: list, elementwise: list, op_overhead_s: float, collectives: list
+) -> dict[str, Any]:
+    """The cluster file of this host (``timeline.load_cluster_model`` reads it)."""
+    import os  # noqa: PLC0415
+    import platform  # noqa: PLC0415
+
+    alpha, bandwidth = fit_alpha_bandwidth(collectives, ranks) if ranks > 1 else (1e-6, 1e10)
+    large = [rate for n, rate in elementwise if n >= 2**22] or [r for _, r in elementwise]
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "name": f"this host ({platform.node()}): {ranks} rank(s), NumPy, measured by "
+        "zerosim calibrate",
+        "comment": "every rate measured here by microbenchmarks (zerosim/dryrun/calibrate.py), "
+        "none fitted on a step time: device_flops the median float32 matmul rate, "
+        "memory_bandwidth element-wise bytes/s beyond the cache, op_overhead_s one ufunc "
+        "call's fixed cost, intra_latency/intra_bandwidth the ring formula fitted to zerosim's "
+        "MPIComm collectives; device_memory_bytes the RAM shared by the ranks",
+        "backend": "numpy",
+        "nodes": 1,
+        "devices_per_node": ranks,
+        "intra_bandwidth": bandwidth,
+        "inter_bandwidth": bandwidth,
+        "intra_latency": alpha,
+        "inter_latency": alpha,
+        "device_flops": statistics.median(rate for *_, rate in matmul),
+        "device_memory_bytes": memory // ranks,
+        "memory_bandwidth": statistics.median(large),
+        "op_overhead_s": op_overhead_s,
+        "overlap": False,  # MPICH has no progress thread: a collective moves while it is waited
+        "measurements": {
+            "matmul": matmul,
+            "elementwise": elementwise,
+            "collectives": collectives,
+        },
+    }
