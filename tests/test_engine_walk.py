@@ -1,6 +1,6 @@
 """docs/engine.md's "Follow one gradient" walks equal the call stack recorded at the MPI call.
 
-``tests/walk_worker.py`` runs stage 2 and stage 3 under both schedules, and stage 2 with
+``tests/helpers/walk_worker.py`` runs stage 2 and stage 3 under both schedules, and stage 2 with
 DeepSpeed's defaults (no ``zerosim`` key: the default path), on 2 ranks of a real ``mpirun`` with
 mpi4py's communicator wrapped, and records zerosim's frames from ``Engine.backward`` down to the
 first mpi4py call of a gradient reduction (and, at stage 3, of a parameter gather) during
@@ -54,7 +54,7 @@ def collapsed(frames: list[list[str]]) -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     out = tmp_path_factory.mktemp("walk") / "walk.json"
-    proc = run_mpi(2, ["tests/walk_worker.py", str(out)], timeout=300)
+    proc = run_mpi(2, ["tests/helpers/walk_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -6,7 +6,8 @@ and is remembered in a ring of the last K calls (``zerosim.flight_records``, def
 ``zerosim.timeout`` seconds, or ``ZEROSIM_TIMEOUT``) or a rank raises under ``mpirun``, the rank
 prints its record; with ``zerosim.flight_dir`` (or ``ZEROSIM_FLIGHT_DIR``) it also writes it to
 ``<dir>/rank<R>.json``. ``zerosim flight DIR`` reads those files (``faults/flight_files.py``) and
-says which rank is behind and on which call. PyTorch's NCCL flight recorder is the model (``TORCH_NCCL_TRACE_*``).
+says which rank is behind and on which call. PyTorch's NCCL flight recorder is the model
+(``TORCH_NCCL_TRACE_*``).
 
 The files hold, besides this rank's records, what the rank could see of the other ranks on its
 node (``node_ranks``, from the MPI world's shared progress table; see ``comm/watchdog.py``): how

@@ -1,4 +1,4 @@
-"""``mpirun -n 2 python tests/walk_worker.py OUT.json``: the call stack at the MPI call.
+"""``mpirun -n 2 python tests/helpers/walk_worker.py OUT.json``: the call stack at the MPI call.
 
 For stage 2 and stage 3 under both schedules with ``overlap_comm: true``, and for stage 2 with
 DeepSpeed's defaults (no ``zerosim`` key, no ``overlap_comm``: what runs when nothing is chosen),
@@ -24,7 +24,7 @@ import zerosim as zs
 from zerosim.comm import MPIComm
 from zerosim.nn.models import MLP
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class RecordingComm:
