@@ -288,7 +288,7 @@ class Check:
             part.status, part.note = "failed", f"exit status {code} (benchmark.log)"
 
     def mpirun_here(self) -> str | None:
-        """Where the environment part did not say: the ``mpirun`` tests/mpi_helpers.py would
+        """Where the environment part did not say: the ``mpirun`` tests/helpers/mpi_helpers.py would
         take, next to this Python, else on the parts' PATH."""
         here = Path(sys.executable).parent
         return shutil.which("mpirun", path=str(here)) or shutil.which(

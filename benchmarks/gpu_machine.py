@@ -51,7 +51,8 @@ def mpi_works() -> str | None:
 
 
 def mpirun() -> str | None:
-    """The ``mpirun`` tests/mpi_helpers.py would launch: next to this Python, else on PATH."""
+    """The ``mpirun`` tests/helpers/mpi_helpers.py would launch: next to this Python, else on
+    PATH."""
     here = Path(sys.executable).parent
     return shutil.which("mpirun", path=str(here)) or shutil.which("mpirun")
 

@@ -35,7 +35,7 @@ states (they equal the formula to the byte) and the buffers besides them: the gr
 pool (``bucket_buffers``) and the most gathered parameters alive at once
 (``peak_gathered_params``). The measured figure is each process's peak RSS (``ru_maxrss``) over
 the RSS it had after start-up (libraries imported, the fused Adam kernel compiled, as in
-tests/zero_init_worker.py); it also holds what no formula counts: activations, a gathered
+tests/helpers/zero_init_worker.py); it also holds what no formula counts: activations, a gathered
 parameter's full-size gradient before it is packed into a bucket, MPI's buffers, and freed
 blocks the allocator keeps (the workers run with training_step.py's ``RETAIN_FREED``, as the
 training-step benchmark does; ``--glibc-default`` runs without it).

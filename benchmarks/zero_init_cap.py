@@ -2,9 +2,10 @@
 
     python -m benchmarks.zero_init_cap [--layers 40] [--margin-mib 150] [--json rows.json]
 
-Runs ``tests/zero_init_worker.py`` twice under ``mpirun -n 8``: each rank caps its private memory
-with ``RLIMIT_DATA`` (enforced by the kernel) at what it holds after start-up plus an allowance,
-and builds an MLP of square 1024-wide layers whose fp32 weights exceed that allowance. Outside
+Runs ``tests/helpers/zero_init_worker.py`` twice under ``mpirun -n 8``: each rank caps its
+private memory with ``RLIMIT_DATA`` (enforced by the kernel) at what it holds after start-up plus
+an allowance, and builds an MLP of square 1024-wide layers whose fp32 weights exceed that
+allowance. Outside
 ``zero.Init`` every rank fails to build it; inside, every rank trains it at stage 3 with Adam.
 Per rank the table sets the measured peaks (tracemalloc's peak of traced allocations during
 training; VmData, the kernel's count the cap applies to) beside the formula of the ZeRO paper
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
 
 from mpi_helpers import run_mpi  # noqa: E402
 
@@ -29,7 +30,13 @@ MIB = 2**20
 
 
 def run(inside: bool, args: argparse.Namespace) -> tuple[int, list[dict]]:
-    cmd = ["tests/zero_init_worker.py", "--layers", str(args.layers), "--width", str(args.width)]
+    cmd = [
+        "tests/helpers/zero_init_worker.py",
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+    ]
     cmd += ["--margin-mib", str(args.margin_mib), "--steps", str(args.steps), "--optimizer", "Adam"]
     proc = run_mpi(args.ranks, [*cmd, "--inside"] if inside else cmd, timeout=1200)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -1,4 +1,11 @@
-"""Shared pytest set-up: make the helper modules in tests/ importable."""
+"""Shared pytest set-up: make the helper modules importable by name.
+
+The test files are in tests/; what they share (the mpirun launcher ``mpi_helpers``, the engine and
+collective cases, the scripts ``mpirun`` runs) is in tests/helpers/, and ``torch_twins`` (the
+torch models the nn tests compare with) beside the tests. Both folders go on ``sys.path``, so a
+test says ``from mpi_helpers import run_mpi`` and a worker started as ``python
+tests/helpers/X_worker.py`` finds its siblings the same way.
+"""
 
 import logging
 import os
@@ -9,6 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 # --- DeepSpeed in this process (tests/test_deepspeed_config.py, test_deepspeed_fp16_stage0.py) ---

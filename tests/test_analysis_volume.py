@@ -1,6 +1,6 @@
 """zerosim.analysis.volume: the paper's schedule and DeepSpeed's, against numbers written out here
-(the measured side is tests/engine_cases.py's check_case, which holds every engine run's ledger
-to these formulas, and tests/peer/test_deepspeed_collectives.py, which holds the engine to
+(the measured side is tests/helpers/engine_cases.py's check_case, which holds every engine run's
+ledger to these formulas, and tests/peer/test_deepspeed_collectives.py, which holds the engine to
 DeepSpeed's own comms logger)."""
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The closed forms of zerosim/analysis/whole_params.py against the ledger of real runs.
 
-Muon and the same model and config under Adam (tests/zero_muon_cases.py) train on
+Muon and the same model and config under Adam (tests/helpers/zero_muon_cases.py) train on
 a LocalWorld; every phase of a Muon step equals ``muon_step_bytes`` (stages 0-2; at stage 3 its
 own phase ``muon`` and the norm scalars), and the Muon run's bytes less the Adam run's equal
 ``muon_extra_bytes``. LAMB's norm all-reduce equals ``lamb_norm_bytes`` of ``split_parameters``,
-whose count also equals the one tests/zero_lamb_cases.py derives on its own. By hand: stage 3's
-Muon step on N equal matrices sends 4(N−1)/N · Ψ_muon elements.
+whose count also equals the one tests/helpers/zero_lamb_cases.py derives on its own. By hand: stage
+3's Muon step on N equal matrices sends 4(N−1)/N · Ψ_muon elements.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def test_zeropp_and_ring_collectives_on_the_device_at_four_ranks(case, extra):
 
 @pytest.mark.mpi
 def test_every_stage_on_the_device_under_mpirun_2():
-    proc = run_mpi(2, ["tests/mpi_worker.py", "array_api_parity"], timeout=600)
+    proc = run_mpi(2, ["tests/helpers/mpi_worker.py", "array_api_parity"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the ranks share one stdout: their lines may run together
     results = re.findall(r"OK rank (\d+) result ([0-9.e+-]+)", proc.stdout)

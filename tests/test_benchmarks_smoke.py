@@ -18,8 +18,8 @@ import subprocess
 import sys
 
 import pytest
+from mpi_helpers import ROOT
 
-from tests.mpi_helpers import ROOT
 from zerosim.data import CharDataset
 
 

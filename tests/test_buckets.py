@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 import pytest
+from mpi_helpers import ROOT
 
-from tests.mpi_helpers import ROOT
 from zerosim.analysis import bucket_pool_bytes
 from zerosim.comm import LocalWorld
 from zerosim.engine import initialize

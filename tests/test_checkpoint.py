@@ -450,7 +450,7 @@ def test_save_killed_at_random_times_leaves_a_loadable_latest_checkpoint(tmp_pat
         ckpt = tmp_path / f"run{trial}"
         env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
         proc = subprocess.Popen(
-            [sys.executable, "tests/ckpt_worker.py", "save_loop", str(ckpt)],
+            [sys.executable, "tests/helpers/ckpt_worker.py", "save_loop", str(ckpt)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,

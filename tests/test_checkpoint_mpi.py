@@ -15,7 +15,7 @@ pytestmark = pytest.mark.mpi
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("mpi_ckpt")
-    proc = run_mpi(3, ["tests/ckpt_worker.py", "save", str(ckpt)], timeout=120)
+    proc = run_mpi(3, ["tests/helpers/ckpt_worker.py", "save", str(ckpt)], timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("OK rank") == 3
     return ckpt
@@ -23,7 +23,9 @@ def saved(tmp_path_factory):
 
 @pytest.mark.parametrize("n, variant", [(2, "1"), (4, "megatron")])
 def test_stage2_checkpoint_of_3_ranks_continues_on_other_ranks_and_stage(saved, n, variant):
-    proc = run_mpi(n, ["tests/ckpt_worker.py", "load", str(saved), "3", variant], timeout=120)
+    proc = run_mpi(
+        n, ["tests/helpers/ckpt_worker.py", "load", str(saved), "3", variant], timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("OK rank") == n
 
@@ -39,7 +41,7 @@ def test_corrupted_shard_fails_on_every_rank_naming_the_file(saved, tmp_path):
     raw[200] ^= 1
     path.write_bytes(bytes(raw))
     t0 = time.monotonic()
-    proc = run_mpi(3, ["tests/ckpt_worker.py", "load_corrupt", str(ckpt), bad], timeout=120)
+    proc = run_mpi(3, ["tests/helpers/ckpt_worker.py", "load_corrupt", str(ckpt), bad], timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert time.monotonic() - t0 < 60
     assert all(f"rank {r}: CheckpointError" in proc.stdout for r in range(3)), proc.stdout
@@ -50,7 +52,7 @@ def test_save_failing_on_one_rank_for_a_file_size_limit_leaves_the_previous_chec
     """Rank 1 meets a real EFBIG (RLIMIT_FSIZE) while saving: every rank raises an OSError
     naming rank 1's file, no partial tag or temporary file is left, the last save loads."""
     t0 = time.monotonic()
-    proc = run_mpi(3, ["tests/ckpt_worker.py", "save_too_large", str(tmp_path / "c"), "1"])
+    proc = run_mpi(3, ["tests/helpers/ckpt_worker.py", "save_too_large", str(tmp_path / "c"), "1"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert time.monotonic() - t0 < 120
     lines = [line for line in proc.stdout.splitlines() if ": OSError: " in line]
@@ -116,7 +118,7 @@ def test_train_resumed_at_other_world_sizes_reads_the_sample_stream_exactly_once
         config["zero_optimization"] = {"stage": 1}
         (tmp_path / f"{policy}.json").write_text(json.dumps(config))
     for launch, (n, targets) in enumerate(CHAIN):
-        args = ["tests/ckpt_worker.py", "resume_stream", str(tmp_path), str(launch)]
+        args = ["tests/helpers/ckpt_worker.py", "resume_stream", str(tmp_path), str(launch)]
         proc = run_mpi(n, [*args, json.dumps(targets)], timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert proc.stdout.count("OK rank") == n

@@ -1,7 +1,9 @@
 """The zerosim command and the README's main-job script."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mpi_helpers import ROOT
@@ -365,3 +367,62 @@ def test_train_saved_on_4_ranks_resumes_on_3(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "memory matches the formula on every rank" in proc.stdout
     assert (tmp_path / "ck" / "latest").read_text() == "global_step6"
+
+
+def _stage2_config(tmp_path, **zerosim):
+    import json
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "zerosim": zerosim,
+    }
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    return cfg, path
+
+
+def test_train_names_the_paper_stage_file_it_runs_before_training(tmp_path, capsys):
+    from zerosim.cli import main
+
+    _, path = _stage2_config(tmp_path, schedule="paper")
+    assert (
+        main(["train", "--local", "2", "--model", "mlp", "--steps", "1", "--config", str(path)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    # the paper's stage 2 is the stage file a learner reads (docs/concepts.md, DESIGN.md)
+    assert out.splitlines()[0] == "strategy: Stage2 (zerosim/zero/stage2.py)"
+    assert out.count("strategy: ") == 1  # rank 0 alone
+
+
+def test_train_names_the_class_that_runs_under_the_default_schedule(tmp_path, capsys):
+    import inspect
+
+    import zerosim as zs
+    from zerosim.cli import main
+    from zerosim.cli.main import build_parser
+    from zerosim.cli.train import build
+
+    cfg, path = _stage2_config(tmp_path)
+    argv = ["train", "--local", "2", "--model", "mlp", "--steps", "1", "--config", str(path)]
+    assert main(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    model, _ = build(build_parser().parse_args(argv))  # the model train builds
+    engine = zs.LocalWorld(2).run(lambda comm: zs.initialize(model, cfg, comm=comm)[0])[0]
+    runs = type(engine.strategy)
+    file = Path(inspect.getfile(runs)).relative_to(ROOT).as_posix()
+    assert first == f"strategy: {runs.__name__} ({file})"
+    assert f"class {runs.__name__}" in (ROOT / file).read_text()  # the file defines it
+
+
+def test_train_quiet_or_json_prints_no_strategy_line(tmp_path, capsys):
+    from zerosim.cli import main
+
+    _, path = _stage2_config(tmp_path, schedule="paper")
+    base = ["train", "--local", "2", "--model", "mlp", "--steps", "1", "--config", str(path)]
+    assert main([*base, "--quiet"]) == 0
+    assert "strategy:" not in capsys.readouterr().out
+    assert main([*base, "--json"]) == 0
+    json.loads(capsys.readouterr().out)  # stdout is the JSON report alone

@@ -18,7 +18,8 @@ or silently does something other than the config says, or builds a feature zeros
 and looser only where DeepSpeed fails for want of what this machine lacks (an accelerator, a
 package, its launcher's environment). Every row must still be needed.
 
-The keys DeepSpeed reads come from its code (tests/deepspeed_keys.py walks its config readers
+The keys DeepSpeed reads come from its code (tests/helpers/deepspeed_keys.py walks its config
+readers
 and pydantic models), not from zerosim's list: the tests at the end hold zerosim to declare every
 one of them, with DeepSpeed's default, and to declare no key DeepSpeed does not read.
 
@@ -640,7 +641,7 @@ DSKEY_BASE = {"train_batch_size": 2, "optimizer": ADAM}
 @functools.cache
 def ds_keys() -> dict:
     """{key path: Key} of every key DeepSpeed 0.19.8's config readers and models read
-    (tests/deepspeed_keys.py walks its code)."""
+    (tests/helpers/deepspeed_keys.py walks its code)."""
     return deepspeed_keys()
 
 

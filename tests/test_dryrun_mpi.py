@@ -43,7 +43,7 @@ def _start_mpi(n: int, args: list[str]) -> subprocess.Popen:
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
 def test_dry_run_ledger_and_memory_equal_the_mpirun_ones(n, tmp_path):
-    job = _start_mpi(n, ["tests/dryrun_worker.py", str(tmp_path)])
+    job = _start_mpi(n, ["tests/helpers/dryrun_worker.py", str(tmp_path)])
     model = recipe(dryrun_cases.MODEL_SPEC)
     dry = {}
     try:  # the dry runs, while the real ones run

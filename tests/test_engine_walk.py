@@ -1,12 +1,13 @@
 """docs/engine.md's "Follow one gradient" walks equal the call stack recorded at the MPI call.
 
-``tests/walk_worker.py`` runs stage 2 and stage 3 under both schedules on 2 ranks of a real
-``mpirun`` with mpi4py's communicator wrapped, and records zerosim's frames from
-``Engine.backward`` down to the first mpi4py call of a gradient reduction (and, at stage 3, of a
-parameter gather) during backward. Each walk in the doc, a numbered list under a
-``<!-- walk: STAGE SCHEDULE KIND -->`` marker whose items begin with ``path`` ``function``,
-must name exactly those frames in that order, the model's own layers collapsed into one
-``zerosim/nn/module.py`` ``Module.backward`` step.
+``tests/helpers/walk_worker.py`` runs stage 2 and stage 3 under both schedules, and stage 2 with
+DeepSpeed's defaults (no ``zerosim`` key: the default path), on 2 ranks of a real ``mpirun`` with
+mpi4py's communicator wrapped, and records zerosim's frames from ``Engine.backward`` down to the
+first mpi4py call of a gradient reduction (and, at stage 3, of a parameter gather) during
+backward; at stage 2 also down to the first in-place add into ``grad_shard`` (the landing). Each
+walk in the doc, a numbered list under a ``<!-- walk: STAGE SCHEDULE KIND -->`` marker whose
+items begin with ``path`` ``function``, must name exactly those frames in that order, the
+model's own layers collapsed into one ``zerosim/nn/module.py`` ``Module.backward`` step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from mpi_helpers import ROOT, run_mpi
 
 DOC = ROOT / "docs" / "engine.md"
-MARKER = re.compile(r"<!-- walk: (\d) (paper|deepspeed) (reduction|gather) -->")
+MARKER = re.compile(r"<!-- walk: (\d) (paper|deepspeed|default) (reduction|gather|landing) -->")
 STEP = re.compile(r"^\d+\. (?:\*\(callback\)\* )?`(zerosim/[\w/]+\.py)` `([\w.<>]+)`")
 MODEL = ("zerosim/nn/module.py", "Module.backward")
 
@@ -53,18 +54,21 @@ def collapsed(frames: list[list[str]]) -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     out = tmp_path_factory.mktemp("walk") / "walk.json"
-    proc = run_mpi(2, ["tests/walk_worker.py", str(out)], timeout=300)
+    proc = run_mpi(2, ["tests/helpers/walk_worker.py", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 def test_the_doc_has_a_walk_for_each_stage_schedule_and_kind():
-    assert sorted(doc_walks()) == sorted(
+    kinds = {2: ("reduction", "landing"), 3: ("reduction", "gather")}
+    chosen = [
         f"{stage} {schedule} {kind}"
         for stage in (2, 3)
         for schedule in ("paper", "deepspeed")
-        for kind in (("reduction", "gather") if stage == 3 else ("reduction",))
-    )
+        for kind in kinds[stage]
+    ]
+    default = ["2 default reduction", "2 default landing"]  # what runs with no zerosim key
+    assert sorted(doc_walks()) == sorted(chosen + default)
 
 
 @pytest.mark.parametrize("key", sorted(doc_walks()))

@@ -1,4 +1,5 @@
-"""Faults as users meet them, under a real ``mpirun -n 3`` (tests/fault_worker.py): every job ends,
+"""Faults as users meet them, under a real ``mpirun -n 3`` (tests/helpers/fault_worker.py): every
+job ends,
 non-zero, in well under a minute, saying what happened; a checkpoint being written when a rank
 died leaves the previous one loadable. docs/faults.md tabulates these cases and their times.
 """
@@ -36,7 +37,7 @@ def _run(fault, *args, timeout_s=5, limit=30.0, env=None, monkeypatch=None, n=3)
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)
     t0 = time.monotonic()
-    proc = run_mpi(n, ["tests/fault_worker.py", fault, *args], timeout=120)
+    proc = run_mpi(n, ["tests/helpers/fault_worker.py", fault, *args], timeout=120)
     took = time.monotonic() - t0
     output = proc.stdout + proc.stderr
     sys.__stderr__.write(f"{fault}: exit code {proc.returncode} after {took:.1f} s\n")
@@ -248,7 +249,7 @@ def test_a_stopped_rank_is_named_with_its_count_and_no_rank_inside_a_call_is_bla
     folder = tmp_path / "flight"
     monkeypatch.setenv("ZEROSIM_FLIGHT_DIR", str(folder))
     errors = open(tmp_path / "stderr.txt", "w+")  # noqa: SIM115  (read back below)
-    proc = _start_mpi(n, ["tests/fault_worker.py", "train_until_stopped"], errors)
+    proc = _start_mpi(n, ["tests/helpers/fault_worker.py", "train_until_stopped"], errors)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
     pids, training, out = {}, 0, []

@@ -134,7 +134,7 @@ def _expected_route() -> str:
 
 @pytest.mark.mpi
 def test_collectives_on_gpu_arrays_say_how_they_travelled_under_mpirun():
-    proc = run_mpi(2, ["tests/mpi_worker.py", "gpu_transport"], timeout=600)
+    proc = run_mpi(2, ["tests/helpers/mpi_worker.py", "gpu_transport"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     routes = re.findall(r"OK rank \d+ result ([a-z-]+)", proc.stdout)
     want = _expected_route()
@@ -144,7 +144,7 @@ def test_collectives_on_gpu_arrays_say_how_they_travelled_under_mpirun():
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_every_stage_on_the_gpu_under_mpirun_2(dtype):
-    proc = run_mpi(2, ["tests/mpi_worker.py", "device_parity", "cupy", dtype], timeout=600)
+    proc = run_mpi(2, ["tests/helpers/mpi_worker.py", "device_parity", "cupy", dtype], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = re.findall(r"OK rank (\d) result (\S+) (\S+)", proc.stdout)
     assert sorted(rank for rank, _, _ in results) == ["0", "1"], proc.stdout

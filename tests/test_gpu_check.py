@@ -16,11 +16,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from mpi_helpers import ROOT
 
 from benchmarks import gpu_prepare, gpu_report
 from benchmarks.gpu_check import FAIL_ENV, PARTS, Part
 from benchmarks.gpu_machine import route_facts
-from tests.mpi_helpers import ROOT
 
 OUT_FILES = {"setup", "environment", "mpi", "tests", "benchmark", "mpirun"}
 MACHINE_FILE_LIMIT = 8  # files a lent machine sends back from $OUT

@@ -60,7 +60,7 @@ def test_one_rank_sum_is_mean():
 
 @pytest.mark.mpi
 def test_sum_matches_n_times_the_gradient_under_mpirun_on_3_ranks():
-    proc = run_mpi(3, ["tests/mpi_worker.py", "engine_sum"], timeout=300)
+    proc = run_mpi(3, ["tests/helpers/mpi_worker.py", "engine_sum"], timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("OK rank") == 3
 

@@ -1,6 +1,6 @@
 """A nan or an inf gradient never reaches the weights where DeepSpeed 0.19.8 would skip the step
-(DESIGN.md invariant 5), and does where it would not: tests/nonfinite_worker.py says how, and
-runs here on a LocalWorld and under mpirun. tests/peer/test_deepspeed_parity.py holds the same
+(DESIGN.md invariant 5), and does where it would not: tests/helpers/nonfinite_worker.py says how,
+and runs here on a LocalWorld and under mpirun. tests/peer/test_deepspeed_parity.py holds the same
 injections to DeepSpeed's own weights, skipped steps, loss scale and collectives."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_without_a_gradient_norm_only_the_overflow_flag_skips(stage):
 @pytest.mark.parametrize("n, schedules", [(3, ["deepspeed"]), (2, ["deepspeed", "paper"])])
 def test_every_stage_and_precision_skips_as_deepspeed_under_mpirun(n, schedules):
     """The first test's checks, every stage and precision, on N real processes."""
-    proc = run_mpi(n, ["tests/nonfinite_worker.py", *schedules], timeout=600)
+    proc = run_mpi(n, ["tests/helpers/nonfinite_worker.py", *schedules], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     skips = sum(
         deepspeed_skips(stage, precision, schedule)

@@ -39,7 +39,11 @@ def test_notebook_runs_top_to_bottom_as_a_learner_runs_it(notebook):
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "notebook_runner.py"), notebook.name],
+        [
+            sys.executable,
+            str(Path(__file__).parent / "helpers" / "notebook_runner.py"),
+            notebook.name,
+        ],
         cwd=notebook.parent,
         env=env,
         capture_output=True,

@@ -317,6 +317,7 @@ LAYERS = (
     ("zero",),
     ("optim", "nn", "analysis", "data"),
     ("comm",),
+    ("faults",),
     ("backend", "errors"),
     ("meta",),
 )

@@ -15,8 +15,9 @@ from mpi_helpers import ROOT
 
 import zerosim as zs
 from zerosim.cli.main import main
-from zerosim.comm import flight
-from zerosim.comm.flight import FlightRecorder, format_summary, read_reports, summarize
+from zerosim.comm.flight import DEFAULT_TIMEOUT, FlightRecorder
+from zerosim.faults import diagnosis
+from zerosim.faults.flight_files import format_summary, read_reports, summarize
 
 
 def _stall_rank_1(comm, seconds=2.0):
@@ -74,7 +75,7 @@ def test_timeout_comes_from_the_environment_unless_given(monkeypatch):
     with pytest.raises(ValueError, match="ZEROSIM_TIMEOUT must be a number of seconds >= 0"):
         zs.LocalWorld(2)
     monkeypatch.delenv("ZEROSIM_TIMEOUT")
-    assert zs.LocalWorld(2).timeout == flight.DEFAULT_TIMEOUT == 600
+    assert zs.LocalWorld(2).timeout == DEFAULT_TIMEOUT == 600
 
 
 def test_set_watchdog_applies_the_config_and_the_environment_wins(monkeypatch, tmp_path):
@@ -247,21 +248,21 @@ def test_diagnose_sorts_ranks_by_what_holds_the_call_up():
         3: _seen(5, silent_s=1.5),  # no sign of life, wherever it is
         4: _seen(5),  # began the call and is past it
     }
-    assert flight.diagnose(5, states) == {
+    assert diagnosis.diagnose(5, states) == {
         "exited": [],
         "silent": [3],
         "absent": [1],
         "inside": [0, 2],
     }
-    assert flight.rank_state(states[0]) == (
+    assert diagnosis.rank_state(states[0]) == (
         "began 5 calls, waits in call #5 (all_reduce, data exchange) for 10.0 s"
     )
-    assert flight.rank_state(_seen(5, 5, "data exchange", silent_s=3.0)) == (
+    assert diagnosis.rank_state(_seen(5, 5, "data exchange", silent_s=3.0)) == (
         "began 5 calls, is inside call #5 (all_reduce); no sign of life for 3.0 s "
         "(its process does not run)"  # what it waits for there is not now's
     )
-    assert flight.rank_state(_seen(5, 5)) == "began 5 calls, is inside call #5"
-    assert not flight.is_silent(_seen(5, silent_s=flight.SILENT_S))
+    assert diagnosis.rank_state(_seen(5, 5)) == "began 5 calls, is inside call #5"
+    assert not diagnosis.is_silent(_seen(5, silent_s=diagnosis.SILENT_S))
 
 
 def test_a_rank_that_left_the_program_is_exited_not_silent_and_never_arrives_at_later_calls():
@@ -270,24 +271,24 @@ def test_a_rank_that_left_the_program_is_exited_not_silent_and_never_arrives_at_
         1: _seen(4, silent_s=3.0, left="exited"),  # its exit hook ran after call #4
         2: _seen(5, silent_s=2.0, left="vanished"),  # silent, and its process is gone
     }
-    assert flight.diagnose(5, states) == {
+    assert diagnosis.diagnose(5, states) == {
         "exited": [1, 2],
         "silent": [],
         "absent": [],
         "inside": [0],
     }
-    assert flight.rank_state(states[1]) == (
+    assert diagnosis.rank_state(states[1]) == (
         "began 4 calls, is not in a collective; exited 3.0 s ago (it left the program)"
     )
-    assert flight.rank_state(states[2]) == (
+    assert diagnosis.rank_state(states[2]) == (
         "began 5 calls, is not in a collective; its process is gone (no sign of life for 2.0 s)"
     )
     # it never begins call #5; it began call #5 itself, and a running rank may yet arrive
-    assert flight.never_arrives(5, states[1]) and not flight.never_arrives(5, states[2])
-    assert not flight.never_arrives(5, _seen(4))
+    assert diagnosis.never_arrives(5, states[1]) and not diagnosis.never_arrives(5, states[2])
+    assert not diagnosis.never_arrives(5, _seen(4))
     # a set-up step after call #4 (a split, a barrier of MPIComm's own) that it never reached
-    assert flight.never_arrives(4, states[1], setup=True)
-    assert not flight.never_arrives(4, states[1])
+    assert diagnosis.never_arrives(4, states[1], setup=True)
+    assert not diagnosis.never_arrives(4, states[1])
 
 
 def test_summary_names_a_rank_that_left_and_the_last_call_it_began():
@@ -317,12 +318,12 @@ def test_summary_names_a_rank_that_left_and_the_last_call_it_began():
 def test_a_process_that_ended_is_gone_and_a_running_one_is_not():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 60
-    while not flight.process_gone(child.pid) and time.monotonic() < deadline:
+    while not diagnosis.process_gone(child.pid) and time.monotonic() < deadline:
         time.sleep(0.01)  # ended, not yet collected: a zombie, which counts as gone
-    assert flight.process_gone(child.pid)
+    assert diagnosis.process_gone(child.pid)
     child.wait()  # collected: no such process
-    assert flight.process_gone(child.pid)
-    assert not flight.process_gone(os.getpid())
+    assert diagnosis.process_gone(child.pid)
+    assert not diagnosis.process_gone(os.getpid())
 
 
 def test_summary_of_a_rank_that_raised_and_of_ranks_that_agree():

@@ -205,7 +205,7 @@ def test_a_model_larger_than_the_os_memory_cap_trains_at_stage_3_only_inside_ini
     """8 ranks, each capped by RLIMIT_DATA at start-up + 120 MiB; the MLP's fp32 weights are
     128 MiB. Outside zero.Init the build fails with MemoryError on every rank; inside, each rank
     holds 1/8 and trains (SGD: 8Ψ/N bytes of parameters and gradients, plus buffers)."""
-    common = ["tests/zero_init_worker.py", "--layers", "32", "--margin-mib", "120"]
+    common = ["tests/helpers/zero_init_worker.py", "--layers", "32", "--margin-mib", "120"]
     common += ["--optimizer", "SGD", "--steps", "2"]
     outside = run_mpi(8, common, timeout=240)
     assert outside.returncode != 0

@@ -1,5 +1,5 @@
-"""LAMB under ZeRO stages 0-3 equals its single-process run (tests/zero_lamb_cases.py), in one
-process (LocalWorld) and under a real mpirun, with the partial-norm all-reduce counted."""
+"""LAMB under ZeRO stages 0-3 equals its single-process run (tests/helpers/zero_lamb_cases.py), in
+one process (LocalWorld) and under a real mpirun, with the partial-norm all-reduce counted."""
 
 from __future__ import annotations
 
@@ -60,6 +60,6 @@ def test_lamb_with_nvme_optimizer_offload_is_refused(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_lamb_at_every_stage_equals_the_single_process_run_under_mpirun(n):
-    proc = run_mpi(n, ["tests/zero_lamb_cases.py"], timeout=600)
+    proc = run_mpi(n, ["tests/helpers/zero_lamb_cases.py"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.count("OK rank") == n

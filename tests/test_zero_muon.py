@@ -1,5 +1,5 @@
-"""Muon under ZeRO stages 0-3 equals its single-process oracle (tests/zero_muon_cases.py), in
-one process (LocalWorld) and under a real mpirun; what splitting a matrix costs, counted."""
+"""Muon under ZeRO stages 0-3 equals its single-process oracle (tests/helpers/zero_muon_cases.py),
+in one process (LocalWorld) and under a real mpirun; what splitting a matrix costs, counted."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_the_stage_0_oracle_differs_from_the_zero_oracle_when_clipping_bites():
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_muon_at_every_stage_equals_the_single_process_run_under_mpirun(n):
-    proc = run_mpi(n, ["tests/zero_muon_cases.py"], timeout=600)
+    proc = run_mpi(n, ["tests/helpers/zero_muon_cases.py"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.count("OK rank") == n
 
@@ -106,10 +106,10 @@ def test_a_muon_checkpoint_resumes_with_and_without_offload(tmp_path, saved, res
 def test_a_muon_checkpoint_saved_by_2_ranks_resumes_on_3_under_mpirun(tmp_path):
     """mpirun -n 2 (stage 2) saves after step 2; mpirun -n 3 (stage 3) resumes: the
     single-process run's weights (checked in the job)."""
-    proc = run_mpi(2, ["tests/zero_muon_cases.py", "save", str(tmp_path)], timeout=600)
+    proc = run_mpi(2, ["tests/helpers/zero_muon_cases.py", "save", str(tmp_path)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.count("OK rank") == 2
-    proc = run_mpi(3, ["tests/zero_muon_cases.py", "resume", str(tmp_path)], timeout=600)
+    proc = run_mpi(3, ["tests/helpers/zero_muon_cases.py", "resume", str(tmp_path)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.count("OK rank") == 3
 

@@ -164,7 +164,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_flight(args: argparse.Namespace) -> int:
     """Read a job's flight records (zerosim.flight_dir): which rank is stopped or behind."""
-    from zerosim.comm.flight import format_summary, read_reports, summarize
+    from zerosim.faults.flight_files import format_summary, read_reports, summarize
 
     try:
         summary = summarize(read_reports(args.dir))

@@ -11,7 +11,9 @@ and each rank's memory next to ``analysis.full_precision_model_states``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -75,6 +77,15 @@ def _gather_rows(comm: Communicator, values: list[int]) -> np.ndarray:
     return every.reshape(comm.size, mine.size)
 
 
+def strategy_line(strategy: Any) -> str:
+    """``strategy: Stage2DeepSpeed (zerosim/zero/stage2_deepspeed.py)``: the class that runs the
+    stage and the file to read it in, path from the folder that holds the package."""
+    cls = type(strategy)
+    path = Path(inspect.getfile(cls)).resolve()
+    root = Path(__file__).resolve().parents[2]  # zerosim/cli/train.py → the package's folder
+    return f"strategy: {cls.__name__} ({path.relative_to(root).as_posix()})"
+
+
 class UsageError(ValueError):
     """A command-line value that does not fit the run (raised alike on every rank)."""
 
@@ -102,6 +113,9 @@ def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
     bar = None
     if show:
         from tqdm import tqdm
+
+        if not args.json:  # which file to read for what runs (stdout stays JSON with --json)
+            print(strategy_line(engine.strategy), flush=True)
 
         bar = tqdm(
             total=args.steps,

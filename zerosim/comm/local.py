@@ -31,8 +31,9 @@ import numpy as np
 from zerosim.backend import array_module, flat
 from zerosim.comm import checks
 from zerosim.comm.base import Communicator
-from zerosim.comm.flight import check_timeout, default_timeout, describe
+from zerosim.comm.flight import check_timeout, default_timeout
 from zerosim.comm.ledger import Ledger
+from zerosim.faults.diagnosis import describe
 
 
 class WorldAborted(RuntimeError):

@@ -36,8 +36,9 @@ stopped process's thread does not look: when the thread copied everything, a sto
 the count of a quarter second before it stopped (hundreds of calls behind its neighbours). From
 the table the report tells a rank inside a call (its argument check, its data exchange, the
 ``wait()`` of a non-blocking one) from one that never arrived, and either from one whose process
-does not run (``flight.diagnose``); it used to call every rank with fewer calls begun one that
-"stopped calling collectives", a rank waiting inside an earlier call included.
+does not run (``diagnose`` in ``faults/diagnosis.py``, which words the whole verdict); it used to
+call every rank with fewer calls begun one that "stopped calling collectives", a rank waiting
+inside an earlier call included.
 Ranks on other nodes are not visible.
 
 A rank that leaves the program while the others train on (``sys.exit``, a return from the main
@@ -66,15 +67,15 @@ from typing import TYPE_CHECKING, Any
 from mpi4py import MPI
 
 from zerosim.comm.agreement import OP_CODES
-from zerosim.comm.flight import (
-    LEFT,
+from zerosim.comm.flight import live_recorders
+from zerosim.faults.diagnosis import (
     SILENT_S,
     describe,
     diagnose,
-    live_recorders,
     never_arrives,
     process_gone,
     rank_state,
+    verdict,
 )
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ class Progress:
         node.Free()
 
     def read(self) -> dict[int, dict[str, Any]]:
-        """{world rank: state} for every rank of this node, as ``flight.rank_state`` reads it:
+        """{world rank: state} for every rank of this node, as ``diagnosis.rank_state`` reads it:
         ``calls`` begun and ``waiting``, the call it is inside (None: none), as they are now;
         ``op``, ``stage`` and ``waited_s`` of that wait once its watchdog thread has seen it
         (else None); ``silent_s``, how long ago that thread last looked; ``left``: None, or
@@ -347,7 +348,7 @@ def report(
         if w != me:
             others[w] = state
     found = diagnose(seq, others)
-    lines += _verdict(head, f"{comm.group!r}", (seq, record, stage), found, others, mine)
+    lines += verdict(head, f"{comm.group!r}", (seq, record, stage), found, others, mine)
     if table is not None and not any(found[k] for k in ("exited", "silent", "absent")):
         lines.append(
             f"{head} no rank of this node is missing, gone or stopped: each is inside a call; "
@@ -355,47 +356,6 @@ def report(
         )
     waiting = {"call": seq, "what": what, "stage": stage, "waited_s": round(waited, 3), **found}
     return "\n".join(lines), waiting
-
-
-def _verdict(
-    head: str,
-    group: str,
-    pending: tuple,
-    found: dict[str, list[int]],
-    others: dict[int, dict[str, Any]],
-    mine: dict[int, Any],
-) -> list[str]:
-    """The report's verdict on call ``pending`` of ``group``: the ranks that left the program
-    (with the last call each began: ``mine``, this rank's flight entries, names it), those that
-    show no sign of life, those that never arrived, and those held up inside other calls."""
-    seq, record, stage = pending
-    name = f"call #{seq} ({record.op if record else stage}) of group {group}"
-    lines = []
-    for w in found["exited"]:
-        state = others[w]
-        calls = state["calls"]
-        last = describe(calls, mine[calls]) if calls in mine else f"call #{calls}"
-        lines.append(
-            f"{head} rank {w} {state['left']} {state['left_s']:.1f} s ago ({LEFT[state['left']]}); "
-            + (f"the last call it began was {last}" if calls else "it began no call")
-            + (f", so it never reaches {name}" if never_arrives(seq, state, record is None) else "")
-        )
-    if found["silent"]:
-        lines.append(
-            f"{head} rank(s) {found['silent']} show no sign of life: their process does not run "
-            f"(stopped: SIGSTOP, a debugger; or frozen), so {name} cannot complete"
-        )
-    if found["absent"]:
-        lines.append(
-            f"{head} rank(s) {found['absent']} never arrived at {name}: they are in no "
-            f"collective (computing, sleeping, or stuck outside zerosim)"
-        )
-    elsewhere = [w for w in found["inside"] if others[w]["waiting"] != seq]
-    if elsewhere and lines:
-        lines.append(
-            f"{head} rank(s) {elsewhere} are inside calls of their own (above), held up as well"
-        )
-    return lines
 
 
 def expire(

@@ -1,8 +1,8 @@
 """DeepSpeed's keys for what zerosim does not build: each one declared, none ignored in silence.
 
 DeepSpeed 0.19.8 reads keys for much more than ZeRO: monitors and profilers, other kinds of
-parallelism, data pipelines, a graph compiler, I/O tuning. tests/deepspeed_keys.py finds every
-key DeepSpeed's config readers and pydantic models read, in DeepSpeed's code, and
+parallelism, data pipelines, a graph compiler, I/O tuning. tests/helpers/deepspeed_keys.py finds
+every key DeepSpeed's config readers and pydantic models read, in DeepSpeed's code, and
 tests/test_deepspeed_config.py fails on one zerosim does not declare. This module declares the
 ones whose feature zerosim does not build, with the reason, in three kinds:
 

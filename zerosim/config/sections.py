@@ -3,7 +3,7 @@
 Each class is a frozen dataclass; each field is one JSON key with DeepSpeed's name and the
 default of DeepSpeed 0.19.8's code (deepspeed/runtime/zero/config.py, zero/offload_config.py,
 precision_config.py, constants.py). Rules that involve two keys of one section live in its
-``finish``; rules across sections live in ``config/__init__.py``.
+``finish``; rules across sections live in ``rules.py``.
 
 ``zero_optimization``, the two offload sections, ``fp16`` and ``bf16`` are pydantic models in
 DeepSpeed. They are read here as pydantic reads them (``lax_boolean``, ``lax_integer``; null

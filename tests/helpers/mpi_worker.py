@@ -1,4 +1,4 @@
-"""What the mpirun tests launch: ``mpirun -n N python tests/mpi_worker.py CHECK [ARGS]``.
+"""What the mpirun tests launch: ``mpirun -n N python tests/helpers/mpi_worker.py CHECK [ARGS]``.
 
 Each check runs on an ``MPIComm`` over COMM_WORLD; an assertion error on any rank aborts the job
 (zerosim's abort hook), so the launching test sees a non-zero exit code and the rank's traceback.

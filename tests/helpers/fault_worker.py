@@ -1,5 +1,5 @@
-"""Faults as users meet them, under a real mpirun: ``mpirun -n 3 python tests/fault_worker.py FAULT
-[DIR]``.
+"""Faults as users meet them, under a real mpirun: ``mpirun -n 3 python
+tests/helpers/fault_worker.py FAULT [DIR]``.
 
 Every rank trains a small MLP (ZeRO stage 2, or 3 where the fault is in forward or backward, so that
 the phase moves data); rank 1 meets the fault at micro-step ``AT``:

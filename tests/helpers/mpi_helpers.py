@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parent.parent  # tests/ (this file is in tests/helpers/)
 ROOT = TESTS.parent
 
 

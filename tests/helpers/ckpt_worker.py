@@ -1,8 +1,8 @@
 """Checkpoint runs shared by the LocalWorld tests, the mpirun tests and the kill test, and oracles.
 
-``mpirun -n N python tests/ckpt_worker.py CHECK DIR [ARGS]`` runs a check on an MPIComm;
-``python tests/ckpt_worker.py save_loop DIR`` trains on LocalWorld(2), saving after every step,
-until the test kills it.
+``mpirun -n N python tests/helpers/ckpt_worker.py CHECK DIR [ARGS]`` runs a check on an MPIComm;
+``python tests/helpers/ckpt_worker.py save_loop DIR`` trains on LocalWorld(2), saving after every
+step, until the test kills it.
 
 The oracles do not use the checkpoint code: ``snapshot`` reads each rank's owned master weights
 and optimizer states through ``Strategy.segments`` and ``assemble`` puts the ranks' pieces into

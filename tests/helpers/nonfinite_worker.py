@@ -1,6 +1,6 @@
 """A nan or an inf in one rank's micro-batch, in-process and under ``mpirun``.
 
-``mpirun -n N python tests/nonfinite_worker.py SCHEDULE…`` runs ``check_every_config`` for
+``mpirun -n N python tests/helpers/nonfinite_worker.py SCHEDULE…`` runs ``check_every_config`` for
 those schedules on COMM_WORLD; test_nonfinite.py runs the same functions on a ``LocalWorld``.
 
 Each run trains an MLP for ``STEPS`` optimizer steps of two micro-batches per rank, and may put
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from zerosim.engine import initialize  # noqa: E402
 from zerosim.nn import MLP  # noqa: E402

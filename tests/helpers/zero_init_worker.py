@@ -1,4 +1,5 @@
-"""One rank of the zero.Init memory-cap job: ``mpirun -n 8 python tests/zero_init_worker.py``.
+"""One rank of the zero.Init memory-cap job: ``mpirun -n 8 python
+tests/helpers/zero_init_worker.py``.
 
 Each rank caps its own private memory (``RLIMIT_DATA``, enforced by the kernel) at what it holds
 after start-up (modules and the optimizer's kernels loaded) plus an allowance of
@@ -18,7 +19,8 @@ import resource
 import sys
 import tracemalloc
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))  # tests/helpers
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository
 
 import numpy as np  # noqa: E402
 

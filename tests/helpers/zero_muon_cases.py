@@ -1,8 +1,8 @@
 """Muon under ZeRO stages 0-3: the runs the LocalWorld test and the mpirun job share, and their
 single-process oracle.
 
-``mpirun -n N python tests/zero_muon_cases.py`` runs ``check_all`` on an MPIComm. The oracle,
-``reference``, is written here without the engine or zerosim/zero/muon.py: the model on the
+``mpirun -n N python tests/helpers/zero_muon_cases.py`` runs ``check_all`` on an MPIComm. The
+oracle, ``reference``, is written here without the engine or zerosim/zero/muon.py: the model on the
 global batch, whole gradients, ``functional.muon_update`` on each Muon matrix with its own
 momentum, ``functional.adam`` on the rest, and DeepSpeed's two clipping rules: at stage 0 its
 engine clips the raw gradients before ``MuonWithAuxAdam.step`` makes the updates; at stages

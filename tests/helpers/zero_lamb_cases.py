@@ -1,6 +1,6 @@
 """LAMB under ZeRO stages 0-3: the runs the LocalWorld test and the mpirun job share.
 
-``mpirun -n N python tests/zero_lamb_cases.py`` runs ``check_all`` on an MPIComm. Each case
+``mpirun -n N python tests/helpers/zero_lamb_cases.py`` runs ``check_all`` on an MPIComm. Each case
 trains with the engine and is held (``engine_cases.check_case``) to the single-process run of
 ``zerosim.optim.Lamb`` on whole parameters, to the byte formulas of training's own phases and
 to the memory formulas; then the partial-norm all-reduce (phase ``lamb_norms``) to its count,

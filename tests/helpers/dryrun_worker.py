@@ -1,4 +1,4 @@
-"""``mpirun -n N python tests/dryrun_worker.py OUT``: every dry-run case trained for real.
+"""``mpirun -n N python tests/helpers/dryrun_worker.py OUT``: every dry-run case trained for real.
 
 Each rank trains every configuration of ``dryrun_cases`` on an MPIComm of its own (so that each
 case's sub-groups are numbered from 1) and writes ``OUT/rank<R>.json``: per case, its ledger
