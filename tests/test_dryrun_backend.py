@@ -27,7 +27,7 @@ CONFIG = {
 def real(tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "ds.json"
     path.write_text(json.dumps(CONFIG))
-    proc = run_mpi(2, ["tests/dryrun_backend_worker.py", MODEL, str(path)], timeout=300)
+    proc = run_mpi(2, ["tests/helpers/dryrun_backend_worker.py", MODEL, str(path)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("MEMORY")]
     return {int(r[1]): tuple(int(v) for v in r[2:]) for r in rows}

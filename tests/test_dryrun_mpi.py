@@ -103,7 +103,7 @@ def test_dry_run_schedule_equals_the_mpirun_one(n, tmp_path):
     """Each representative's step, as the time model replays it (issues and waits in order),
     equals the same rank's real step under mpirun: stages 2 and 3, both schedules, with
     recomputation, and with a binding ``stage3_max_live_parameters``."""
-    job = _start_mpi(n, ["tests/schedule_worker.py", str(tmp_path)])
+    job = _start_mpi(n, ["tests/helpers/schedule_worker.py", str(tmp_path)])
     model = recipe(schedule_cases.MODEL_SPEC)
     dry = {}
     try:  # the dry runs, while the real ones run

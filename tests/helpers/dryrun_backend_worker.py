@@ -1,4 +1,4 @@
-"""``mpirun -n 2 python tests/dryrun_backend_worker.py MODEL CONFIG.json``: one real NumPy run,
+"""``mpirun -n 2 python tests/helpers/dryrun_backend_worker.py MODEL CONFIG.json``: one real NumPy run,
 measured from outside zerosim with ``tracemalloc`` (NumPy reports every buffer it allocates to
 it, in its own domain), traced from ``initialize`` on: the NumPy bytes live when the last of two
 optimizer steps begins, and how far the traced memory rises above it during that step; and the
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from zerosim.comm import MPIComm  # noqa: E402
 from zerosim.dryrun import recipe  # noqa: E402
