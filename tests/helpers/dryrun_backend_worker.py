@@ -1,8 +1,8 @@
-"""``mpirun -n 2 python tests/helpers/dryrun_backend_worker.py MODEL CONFIG.json``: one real
-NumPy run, measured from outside zerosim with ``tracemalloc`` (NumPy reports every buffer it allocates to
-it, in its own domain), traced from ``initialize`` on: the NumPy bytes live when the last of two
-optimizer steps begins, and how far the traced memory rises above it during that step; and the
-calls of numba's Adam kernel in that step, counted by wrapping the compiled function. Prints
+"""``mpirun -n 2 python tests/helpers/dryrun_backend_worker.py MODEL CONFIG.json``: one real NumPy
+run, measured from outside zerosim with ``tracemalloc`` (NumPy reports every buffer it allocates
+to it, in its own domain), traced from ``initialize`` on: the NumPy bytes live when the last of
+two optimizer steps begins, and how far the traced memory rises above it during that step; and
+the calls of numba's Adam kernel in that step, counted by wrapping the compiled function. Prints
 ``MEMORY <rank> <live bytes> <rise bytes> <kernel calls>``."""
 
 import json

@@ -1,4 +1,5 @@
-"""``mpirun -n N python tests/helpers/schedule_worker.py OUT``: every schedule case trained for real.
+"""``mpirun -n N python tests/helpers/schedule_worker.py OUT``: every schedule case trained
+for real.
 
 Each rank trains every configuration of ``schedule_cases`` on an MPIComm of its own (so that each
 case's sub-groups are numbered from 1), records the last optimizer step's collective issues and
