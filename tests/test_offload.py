@@ -132,7 +132,7 @@ def test_nvme_files_hold_the_master_weights_and_optimizer_states(tmp_path, stage
                 np.concatenate(
                     [np.asarray(s.data if kind == "master" else state[s][kind]) for s in g]
                 )
-                for g in strategy.shards
+                for g in strategy.sharded_step.tiles
             ]
             for kind in ("master", *keys)
         }
@@ -142,7 +142,7 @@ def test_nvme_files_hold_the_master_weights_and_optimizer_states(tmp_path, stage
         files = {
             kind: [
                 np.fromfile(store.path(f"group{gi}.{kind}"), dtype=np.float32)
-                for gi in range(len(strategy.shards))
+                for gi in range(len(strategy.sharded_step.tiles))
             ]
             for kind in ("master", *keys)
         }
