@@ -37,10 +37,10 @@ one, unscales): DeepSpeed takes the norm, and clips, over the *updates* of the M
 Newton–Schulz returns the same update at any loss scale, so the update written into the
 gradient storage does not carry the scale the other gradients carry: DeepSpeed marks such a
 group ("lacks loss scale") and multiplies its norm, and its fp32 gradient, by the scale before
-unscaling. zerosim leaves the update unscaled (``lacks_scale``: the strategy does not unscale
-that group), the same numbers; under fp16 the scaled update would not even fit the gradient's
-dtype. The optimizer steps θ ← θ·(1 − lr·λ) − lr·update. Collectives made here are in the
-ledger under phase ``muon``.
+unscaling. zerosim leaves the update unscaled (``lacks_scale``: the sharded step,
+``sharded_step.py``, does not unscale that group), the same numbers; under fp16 the scaled
+update would not even fit the gradient's dtype. The optimizer steps θ ← θ·(1 − lr·λ) −
+lr·update. Collectives made here are in the ledger under phase ``muon``.
 
 **Precision** (DeepSpeed's dtypes under bf16 / fp16). Stage 0: its FP16_UnfusedOptimizer hands
 MuonWithAuxAdam fp32 copies of the whole matrices, unscaled and clipped, so the momentum and
@@ -112,7 +112,6 @@ class MuonUpdates:
         self.whole = not strategy.partitions_optimizer_states  # every rank steps them whole
         self.chunked = strategy.partitions_params  # each cut into N chunks (stage 3)
         self.flat = not (self.whole or self.chunked)  # cut by flat partitions (stages 1-2)
-        self.in_step = self.whole  # the update is made in the optimizer's step (before_step)
         self.made = False  # this step's updates are in the gradient storage
         self.groups = muon_groups(strategy)  # indices of the Muon parameter groups
         self.matrices: list[Matrix] = []  # every matrix of those groups, in order
@@ -179,7 +178,7 @@ class MuonUpdates:
 
     def lacks_scale(self, group: int) -> bool:
         """Whether ``group``'s gradient storage holds Muon updates, which carry no loss scale
-        (stages 1-3): the strategy neither unscales them nor their norm."""
+        (stages 1-3): the sharded step neither unscales them nor their norm."""
         return not self.whole and group in self.groups
 
     # -- stages 1-2: the bucket plan's copy ranks and the copied slices --------------------------

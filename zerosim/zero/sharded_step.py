@@ -73,10 +73,10 @@ class ShardedStep:
     """One strategy's optimizer step over the tiles of its shard; see the module docstring."""
 
     def __init__(self, strategy: Any, muon: MuonUpdates | None) -> None:
-        self.strategy = strategy  # the stage: its groups and where their reduced gradients lie
-        self.muon = muon  # Muon's whole-matrix updates (zero/muon.py), or None
+        self.strategy: Any = strategy  # the stage: its groups, where reduced gradients lie
+        self.muon: MuonUpdates | None = muon  # Muon's whole-matrix updates (zero/muon.py)
         # the optimizer's own copy of the stepped ranges (mixed precision, offload), or None
-        self.master_weights = (
+        self.master_weights: MasterWeights | None = (
             None if strategy.master_dtype is None else MasterWeights(self, strategy.master_dtype)
         )
         # per group, the optimizer's tiles of this rank's stepped ranges and their runs of the
@@ -119,7 +119,7 @@ class ShardedStep:
         optimizer = optimizer_cls(param_groups)
         if isinstance(optimizer, Lamb):  # the trust ratio needs each parameter's norms
             optimizer.piece_map = LambNorms(self.strategy)
-        if self.muon is not None and self.muon.in_step:
+        if self.muon is not None and self.muon.whole:  # every rank holds whole matrices
             optimizer.before_step = self.muon.before_step
         return optimizer
 

@@ -27,7 +27,8 @@ how gradients are reduced (a split matrix's slices go to all its owners) and the
 
 Offload (``zero.offload_optimizer`` / ``offload_param``, ``zerosim/zero/offload.py``): whenever
 anything is offloaded the optimizer steps a separate master copy (of the model dtype in fp32/fp64
-training), which lives in host memory or in swap files; ``master_to_params`` copies it back.
+training), which lives in host memory or in swap files; ``sharded_step.master_to_params`` copies
+it back.
 """
 
 from __future__ import annotations
