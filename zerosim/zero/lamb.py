@@ -60,7 +60,7 @@ class LambNorms:
                 "'none' or 'cpu' with Lamb (the NVMe swapper steps a shard part by part; the "
                 "trust ratio needs every slice of a parameter at once)",
             )
-        self.comm = strategy.comm  # the all-reduce of the split parameters' sums
+        self.comm: Any = strategy.comm  # the all-reduce of the split parameters' sums
         # id(tile) -> (parameter name, start, stop) of each run of the tile
         self._pieces: dict[int, list[tuple[Hashable, int, int]]] = {}
         for seg in strategy.segments("stepped"):
@@ -68,7 +68,7 @@ class LambNorms:
             self._pieces.setdefault(id(tile), []).append(
                 (seg.name, seg.offset, seg.offset + seg.size)
             )
-        self.split = [  # the parameters no rank steps whole, in one order on every rank
+        self.split: list[str] = [  # the parameters no rank steps whole, in one order everywhere
             name
             for g in strategy.groups
             for (name, _), count in zip(g.named_params, holders(strategy, g), strict=True)

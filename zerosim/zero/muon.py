@@ -106,14 +106,14 @@ class MuonUpdates:
     PHASE = PHASE  # the ledger phase of the collectives made here
 
     def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy  # its groups, dtypes and offload; grad_view at the step
-        self.comm = strategy.comm
+        self.strategy: Any = strategy  # its groups, dtypes and offload; grad_view at the step
+        self.comm: Any = strategy.comm  # the collectives of phase ``muon``
         # how the matrices are held (module docstring): exactly one of the three is True
-        self.whole = not strategy.partitions_optimizer_states  # every rank steps them whole
-        self.chunked = strategy.partitions_params  # each cut into N chunks (stage 3)
-        self.flat = not (self.whole or self.chunked)  # cut by flat partitions (stages 1-2)
+        self.whole: bool = not strategy.partitions_optimizer_states  # every rank steps them all
+        self.chunked: bool = strategy.partitions_params  # each cut into N chunks (stage 3)
+        self.flat: bool = not (self.whole or self.chunked)  # cut by flat partitions (stages 1-2)
         self.made = False  # this step's updates are in the gradient storage
-        self.groups = muon_groups(strategy)  # indices of the Muon parameter groups
+        self.groups: list[int] = muon_groups(strategy)  # indices of the Muon parameter groups
         self.matrices: list[Matrix] = []  # every matrix of those groups, in order
         self.where: dict[tuple[int, int], Matrix] = {}  # (group, index) -> its matrix
         n, rank = self.comm.size, self.comm.rank

@@ -74,7 +74,7 @@ class OffloadedMuon:
     """The updates of one strategy's Muon matrices under optimizer offload (module docstring)."""
 
     def __init__(self, muon: Any) -> None:
-        self.muon = muon  # the matrices (zero/muon.py) whose updates are made here
+        self.muon: Any = muon  # the matrices (zero/muon.py) whose updates are made here
         # stage 3 creates the momentum with the sub-group; stages 1-2 at the first update
         self.momentum_exists = muon.chunked
 

@@ -28,9 +28,9 @@ class MasterWeights:
     """The master copy of one sharded step's stepped ranges; see the module docstring."""
 
     def __init__(self, step: Any, dtype: Any) -> None:
-        self.step = step  # the sharded step (sharded_step.py) whose tiles step this copy
-        self.strategy = step.strategy  # where the gradients lie (grad_view) and where it lives
-        self.dtype = dtype  # the master's dtype (fp32, or the model's under offload)
+        self.step: Any = step  # the sharded step (sharded_step.py) whose tiles step this copy
+        self.strategy: Any = step.strategy  # where gradients lie (grad_view), where it lives
+        self.dtype: Any = dtype  # the master's dtype (fp32, or the model's under offload)
         self.transient: list[Any] = []  # unscale's fp32 gradient copies, until the step ends
 
     def allocate(self, gi: int, g: Any, cut: Sequence[Range]) -> list[Any]:
