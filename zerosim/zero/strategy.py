@@ -188,8 +188,8 @@ class Strategy(ABC):
         self.pending = PendingReductions(self.give_buffer)  # launched bucket reductions
         self.setup_gradients()
         # the sharded optimizer step: this rank's stepped ranges cut into tiles (sharded_step.py)
-        self.sharded_step = ShardedStep(self, self.muon)
-        self.optimizer = self.sharded_step.make_optimizer(optimizer_cls)  # over those tiles
+        self.sharded_step: ShardedStep = ShardedStep(self, self.muon)
+        self.optimizer: Any = self.sharded_step.make_optimizer(optimizer_cls)  # over its tiles
         self.offload.attach_optimizer(self)
 
     # -- what a stage decides ------------------------------------------------------------------
