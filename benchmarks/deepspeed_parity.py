@@ -2,8 +2,9 @@
 
     python -m benchmarks.deepspeed_parity [--ranks 2 3] [--out docs/deepspeed_parity.md]
 
-Runs the peer cases of ``tests/peer/test_deepspeed_parity.py`` (DeepSpeed under torchrun,
-zerosim under mpirun, same config, initial weights and data) and writes, per world size and case,
+Runs the peer cases of ``tests/peer/test_deepspeed_parity.py`` and ``test_deepspeed_llm.py`` (the
+Llama- and MPT-style models; DeepSpeed under torchrun, zerosim under mpirun, same config, initial
+weights and data) and writes, per world size and case,
 the worst relative loss difference and the worst absolute weight difference against the bound the
 test holds them to, plus the collectives per optimizer step on both sides (op, calls, bytes in
 DeepSpeed's comms-logger convention: all-gather = the input shard, the others = the buffer).
@@ -26,6 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "peer"), str(ROOT / "tests")]
 
+import test_deepspeed_llm as llm  # noqa: E402
 import test_deepspeed_parity as peer  # noqa: E402
 from runner import run_both  # noqa: E402
 from unseen import differences  # noqa: E402
@@ -94,11 +96,24 @@ UNSEEN = [
     "and c_attn's and c_fc's first Muon step, while γ = 1 and β = 0 give their LayerNorm "
     "outputs zero mean. Losses see none of these. Gradient norms carry their rounding squared, "
     "far below the norms' bound (Muon in bf16 has a bound of its own: MUON_BF16_NORM_RTOL).",
+    "",
+    "The Llama-style and MPT-style models have no bias, so no key bias, and their rotary "
+    "positions and ALiBi slopes are not parameters: what no loss sees there (a vector added to "
+    "every row of lm_head; under the MPT-style LayerNorms, a number added to every feature of "
+    "the residual stream; the rescalings) is a sum of elements that each have a gradient of "
+    "their own, and every weight is compared whole (tests/peer/test_deepspeed_llm.py).",
 ]
+
+
+def peer_cases() -> list[dict]:
+    """The cases of both peer modules (their names differ: the models' names are in them)."""
+    return [*peer.cases(), *llm.cases()]
 
 
 def bound_of(name: str) -> tuple[float, float]:
     """(loss rtol, weight atol) the peer test uses for a case."""
+    if name in {case["name"] for case in llm.cases()}:
+        return llm.bounds(name)
     if "fp16" in name:
         return peer.BF16_LOSS_RTOL, peer.FP16_ATOL
     if "bf16" in name:
@@ -151,17 +166,19 @@ def main(argv: list[str] | None = None) -> int:
         "## Training runs: same config, weights and data",
         "",
         "Each case runs 5 optimizer steps on both sides (s0_muon_bf16 one; "
-        "tests/peer/test_deepspeed_parity.py gives the cases and why each bound is what it is). "
+        "tests/peer/test_deepspeed_parity.py gives the cases and why each bound is what it is, "
+        "test_deepspeed_llm.py those of the Llama-style and MPT-style models, the *_llama_* "
+        "and *_mpt_* rows). "
         "Loss: the worst relative difference of any rank's loss at any micro-step. Weights: the "
         "worst absolute difference of any fp32 weight after the last step, less the components "
         "no loss can see (next section), as the test compares them.",
     ]
     lines += ["", *UNSEEN]
     failures = 0
-    cases = {case["name"]: case for case in peer.cases()}
+    cases = {case["name"]: case for case in peer_cases()}
     for n in args.ranks:
         with tempfile.TemporaryDirectory(prefix="zerosim-peer-") as work:
-            results = run_both(n, copy.deepcopy(peer.cases()), Path(work))
+            results = run_both(n, copy.deepcopy(peer_cases()), Path(work))
         lines += ["", f"### N = {n}", ""]
         lines += ["| case | loss (bound) | weights (bound) | met |", "|---|---:|---:|---|"]
         comms, unseen = [], []

@@ -191,9 +191,28 @@ def selene_rows() -> list[dict]:
                 "fitted": fitted,
                 "step_s": t["step_s"],
                 "exposed_comm_s": t["exposed_comm_s"],
+                **_memory(t, cluster),
             }
         )
     return out
+
+
+def _memory(t: dict, cluster) -> dict:
+    """Whether the step's peak fits the device (``step_time``'s verdict) and the two numbers."""
+    return {
+        "fits_device": t["fits_device"],
+        "peak_gib": t["peak_bytes"] / 2**30,
+        "device_gib": None
+        if cluster.device_memory_bytes is None
+        else cluster.device_memory_bytes / 2**30,
+    }
+
+
+def oom_note(row: dict) -> str:
+    """'' for a row whose step fits the device; else what says it would not start."""
+    if row.get("fits_device", True):
+        return ""
+    return f"OOM: peak {row['peak_gib']:.1f} GiB > device {row['device_gib']:.0f} GiB"
 
 
 def zeropp_rows() -> list[dict]:
@@ -235,6 +254,7 @@ def zeropp_rows() -> list[dict]:
                     "predicted_tflops": t["tflops_per_device"],
                     "step_s": t["step_s"],
                     "exposed_comm_s": t["exposed_comm_s"],
+                    **_memory(t, cluster),
                 }
             out.append(row)
     return out
@@ -249,6 +269,8 @@ def print_predictions(rows: list[dict]) -> None:
     for r in rows:
         if r["predicted_tflops"] is None:
             rest = "— | no shape published | — | —"
+        elif oom_note(r):  # the step would not start: no throughput, no step time
+            rest = f"— | {oom_note(r)} (would take {r['step_s']:.2f} s) | — | —"
         else:
             note = " (fitted)" if r["fitted"] else ""
             ratio = r["predicted_tflops"] / r["published_tflops"]

@@ -174,6 +174,14 @@ def main(argv: list[str] | None = None) -> int:
                       "published_tflops": published, "predicted_tflops": pred,
                       "fitted": fitted, "time": t})  # fmt: skip
         note = "fitted" if fitted else "predicted"
+        if not t["fits_device"]:  # the step would not start: no throughput to set beside
+            print(
+                f"{model:>10} {n:>5} {micro:>5} {published:>9.0f} {'OOM':>9} {'—':>6}  {note}; "
+                f"peak {t['peak_bytes'] / 2**30:.1f} GiB > device "
+                f"{cluster.device_memory_bytes / 2**30:.0f} GiB: would not start "
+                f"(would take {t['step_s']:.1f} s)"
+            )
+            continue
         print(
             f"{model:>10} {n:>5} {micro:>5} {published:>9.0f} {pred:>9.1f} "
             f"{pred / published:>6.3f}  {note}; step {t['step_s']:.1f} s, exposed comm "

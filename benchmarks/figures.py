@@ -311,10 +311,14 @@ def large_gpt(rows: Rows, path: str | Path) -> Path:
 
 def dryrun(rows: Rows, path: str | Path) -> Path:
     """Left: each world size's wall time against its target. Right: predicted against published
-    model TFLOP/s per GPU for every published run with a prediction, on the y = x line with ±10%,
-    the fitted rows filled."""
+    model TFLOP/s per GPU for every published run with a prediction whose step fits the device,
+    on the y = x line with ±10%, the fitted rows filled."""
     targets = [r for r in rows if r["kind"] == "target"]
-    predicted = [r for r in rows if r["kind"] == "prediction" and r["predicted_tflops"]]
+    predicted = [
+        r
+        for r in rows
+        if r["kind"] == "prediction" and r["predicted_tflops"] and r.get("fits_device", True)
+    ]  # a row whose peak exceeds the device would not start: not drawn as a throughput
     fig, (left, right) = _figure(11, 4.2, 2)
     x = np.arange(len(targets))
     left.bar(x, [r["wall_s"] for r in targets], 0.5, color=_colors(1)[0], label="wall time")

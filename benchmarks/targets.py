@@ -206,9 +206,13 @@ def dryrun(rows: Rows) -> tuple[str, bool]:
     5 minutes (and 4 GB); model states and bytes per step equal to the formulas and matmul FLOPs
     within 2% of Narayanan et al.'s on every class of rank; the three 174.6B rows of Narayanan et
     al.'s Table 2, which selene.json was fitted on, within 10%. The predictions nothing was
-    fitted on are summarised, not judged."""
+    fitted on are summarised, not judged; rows whose step peak exceeds the device's memory are
+    named as not starting, not set beside a published figure."""
     runs = {r["n"]: r for r in rows if r["kind"] == "target"}
-    predictions = [r for r in rows if r["kind"] == "prediction" and r["predicted_tflops"]]
+    predicted = [r for r in rows if r["kind"] == "prediction" and r["predicted_tflops"]]
+    # a step whose peak exceeds the device would not start: no throughput to judge
+    predictions = [r for r in predicted if r.get("fits_device", True)]
+    oom = [f"{r['model']} on {r['gpus']} GPUs" for r in predicted if r not in predictions]
     ratios = [(r["predicted_tflops"] / r["published_tflops"], r["fitted"]) for r in predictions]
     fitted = [x for x, was_fitted in ratios if was_fitted]
     unfitted = [x for x, was_fitted in ratios if not was_fitted]
@@ -236,6 +240,8 @@ def dryrun(rows: Rows) -> tuple[str, bool]:
             f"{len(unfitted)} unfitted predictions at {min(unfitted):.2f}-{max(unfitted):.2f} "
             "of published (reported, not judged)"
         )
+    if oom:
+        parts.append(f"would not start (peak over the device's memory): {', '.join(oom)}")
     within = len(fitted) == 3 and all(abs(x - 1) <= 0.10 for x in fitted)
     return "; ".join(parts), met and complete and within
 

@@ -63,7 +63,8 @@ def test_the_project_form_is_the_project_model():
     assert (s.layers, s.hidden, s.vocab, s.seq, s.heads, s.tied) == (3, 256, 1000, 128, 2, False)
     with meta.tracking(), shape_only_init():
         model = recipe("gpt:3,256,1000,128").build()
-    assert model.num_parameters() == gpt_params(3, 256, 1000, 128)
+    untied = standard_count(3, 256, 1000, 128) + 2 * 256 + 1000 * 256  # final LayerNorm, head
+    assert model.num_parameters() == gpt_params(3, 256, 1000, 128) == untied
     assert parse_gpt("gpt:2,96,50,16,3").heads == 3
     assert parse_gpt("gpt:2,96,50,16").heads == 1
 
@@ -80,3 +81,22 @@ def test_the_project_form_is_the_project_model():
 def test_bad_model_names_are_refused_naming_what_is_allowed(spec, message):
     with pytest.raises(ValueError, match=message):
         gpt_shape(spec)
+
+
+@pytest.mark.parametrize("name", ["gpt3-175b", "gpt-529b", "gpt3-1.3b"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_family_flop_count_of_a_gpt_is_narayanans_eq_3(name, recompute):
+    """Per token, Narayanan et al.'s 72·l·h²·(1 + s/6h + V/12lh) (96·…·(1 + s/6h + V/16lh) with
+    recomputation) for one sequence of s tokens, from the preset's shape alone."""
+    from zerosim.analysis import transformer_flops_per_token
+    from zerosim.nn import GPT
+
+    s = PRESETS[name]
+    layers, h, v, seq = s.layers, s.hidden, s.vocab, s.seq
+    if recompute:
+        want = 96 * seq * layers * h * h * (1 + seq / (6 * h) + v / (16 * layers * h))
+    else:
+        want = 72 * seq * layers * h * h * (1 + seq / (6 * h) + v / (12 * layers * h))
+    desc = GPT.description(v, seq, layers, s.heads, h, tie_weights=True)
+    got = transformer_flops_per_token(desc, recompute) * seq
+    assert got == pytest.approx(want, rel=1e-12)

@@ -82,6 +82,15 @@ MODULES: dict[str, Case] = {
         lambda: nn.CausalSelfAttention(8, 2, dropout=0.2, rng=2, dtype="float64"),
         normal(2, 70, 8),
     ),
+    # ALiBi's bias is built where the scores live (MPT's and BLOOM's attention, and GQA's)
+    "attention_alibi": (
+        lambda: nn.CausalSelfAttention(8, 2, alibi=True, rng=2, dtype="float64"),
+        normal(2, 70, 8),
+    ),
+    "gqa_alibi": (
+        lambda: nn.GroupedQueryAttention(8, 4, 2, positions="alibi", rng=2, dtype="float64"),
+        normal(2, 9, 8),
+    ),
     "feedforward": (
         lambda: nn.FeedForward(8, dropout=0.1, rng=2, dtype="float64"),
         normal(2, 5, 8),

@@ -211,6 +211,15 @@ def test_dryrun_needs_both_world_sizes_of_gpt3_175b_and_the_fitted_rows_within_t
     wrong = [{**r, "bytes_equal": False} if r.get("n") == 1024 else r for r in rows]
     assert not targets.dryrun(wrong)[1]
     assert not targets.dryrun([r for r in rows if r["kind"] == "target"])[1]  # no fitted rows
+    oom = [
+        {**r, "fits_device": False, "model": "529.6B", "gpus": 640}
+        if r.get("published_tflops") == 138
+        else r
+        for r in rows
+    ]
+    text, met = targets.dryrun(oom)  # a step that would not start: named, not a ratio
+    assert met and "2 unfitted predictions" in text
+    assert "would not start (peak over the device's memory): 529.6B on 640 GPUs" in text
 
 
 def test_long_run_judges_the_train_queries_paired_against_the_bounded_ledger():

@@ -494,7 +494,15 @@ def test_project_model_equals_project_params_of_the_same_size(capsys):
     by_model = run_json(capsys, "project", "--cluster", cluster, "--model", "gpt-7b", "--json")
     psi = model_params("gpt-7b")
     by_params = run_json(capsys, "project", "--cluster", cluster, "--params", str(psi), "--json")
-    assert by_model == by_params and 6.5e9 < psi < 7e9
+    assert 6.5e9 < psi < 7e9
+    for stage, row in by_params["stages"].items():  # memory and collectives: Ψ's
+        for key in ("padded_numel", "memory", "collectives", "comm_s"):
+            assert by_model["stages"][stage][key] == row[key]
+    # compute: 6Ψ per token from Ψ; the model's own 6·N_matmul + 12·l·h·s (Narayanan et al.)
+    layers, h, v, s = 32, 4096, 32000, 4096  # gpt-7b
+    per_token = 6 * (12 * layers * h * h + v * h) + 12 * layers * h * s
+    tokens = by_model["compute_flops_per_device"] / per_token
+    assert by_params["compute_flops_per_device"] == pytest.approx(6 * psi * tokens, rel=1e-12)
     line = refusal(capsys, "project", "--cluster", cluster, "--model", "llama")
     assert line.startswith("zerosim project: --model 'llama' is not a model")
 

@@ -158,3 +158,19 @@ def test_representatives_and_all_ranks_agree(stage, schedule, zeropp):
             (own,) = [x for m, x in every if m == [r]]
             assert _key(records_of(run, r)) == _key(records_of(own, r)), f"rank {r}"
             assert run.memory == own.memory and run.tracker == own.tracker, f"rank {r}"
+
+
+def test_ledger_events_note_issues_and_completing_waits_in_program_order():
+    comm = VirtualWorld(2).comm(0)
+    comm.ledger.events = []
+    a, b = np.ones(4, np.float32), np.ones(6, np.float32)
+    handle = comm.iall_reduce(a)
+    comm.all_reduce(b)
+    handle.wait()
+    handle.wait()  # already complete: no second wait
+    kinds = [(kind, r.elements, r.blocking) for kind, r in comm.ledger.events]
+    assert kinds == [("issue", 4, False), ("issue", 6, True), ("wait", 4, False)]
+    assert comm.ledger.events[2][1] is comm.ledger.events[0][1]  # the same call's record
+    comm.ledger.events = None
+    comm.all_reduce(b)
+    assert len(comm.ledger.records) == 3

@@ -59,7 +59,9 @@ def test_the_report_has_the_issue_fields_and_covers_every_rank(report):
         assert {"model_states_bytes", "peak_bytes", "activation_peak_bytes"} <= e.keys()
         assert {"bytes_sent", "flops"} <= e.keys()
         assert e["peak_bytes"] >= e["activation_peak_bytes"] > 0
-    assert {"paper", "deepspeed_estimator"} == report["formula"].keys()
+    assert {"paper", "deepspeed_estimator", "model_flops"} == report["formula"].keys()
+    for e in report["ranks"]:  # a ring all-gather or reduce-scatter receives what it sends
+        assert e["bytes_received"]["forward"] == e["bytes_sent"]["forward"]
 
 
 def test_model_states_and_bytes_equal_the_paper_formula(report):
@@ -87,6 +89,8 @@ def test_flops_per_step_are_narayanans_formula(recompute):
     got = dry_run(MODEL, 2, _config(stage=2), recompute=recompute)
     want = narayanan_flops(B, S, L, H, V, recompute)
     assert {e["flops"] for e in got["ranks"]} == {int(round(want))}
+    # the model FLOPs of the report: its family's count, for a GPT Narayanan et al.'s eq. 3
+    assert got["formula"]["model_flops"] == int(round(want))
 
 
 def test_recompute_keeps_less_activation_memory(report):
@@ -194,3 +198,30 @@ def test_a_recipe_from_a_shape_keeps_its_name_and_its_tied_embedding():
         assert sum(p.numel for p in untied.build().parameters()) == (
             round(shape.formula_params()) + 2 * 32 + 40 * 32
         )
+
+
+def test_wall_s_counts_the_report_over_every_rank_and_the_time_model(monkeypatch, tmp_path):
+    """On a clock that moves only while the report is summed over the ranks (100 s) and the step
+    simulated (7 s), ``wall_s`` is 107 s: what the dry run cost besides running the ranks."""
+    import zerosim.dryrun as dryrun
+
+    clock = [0.0]
+
+    def advancing(function, seconds):
+        def run(*args, **kwargs):
+            clock[0] += seconds
+            return function(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(dryrun, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(dryrun, "summarize", advancing(dryrun.summarize, 100.0))
+    monkeypatch.setattr(dryrun, "step_time", advancing(dryrun.step_time, 7.0))
+    cluster = tmp_path / "c.json"
+    cluster.write_text(
+        '{"nodes": 1, "devices_per_node": 4, "intra_bandwidth": 1e9, "inter_bandwidth": 1e9,'
+        ' "intra_latency": 0, "inter_latency": 0, "device_flops": 1e12}'
+    )
+    report = dry_run(MODEL, N, _config(), cluster=cluster)
+    assert report["wall_s"] == 107.0
+    assert report["ranks_wall_s"] > 0  # the ranks' runs, on the real clock

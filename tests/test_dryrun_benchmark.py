@@ -97,3 +97,17 @@ def test_calibrate_refuses_an_unknown_size_and_a_write_without_the_fitted_rows(c
             calibrate.main(argv)
         assert stop.value.code == 2 and message in capsys.readouterr().err
     assert [row[4] for row in calibrate.select_rows("174.6")] == [144.0, 88.0, 44.0]
+
+
+def test_a_row_whose_step_would_not_start_prints_oom_and_no_step_time(capsys):
+    row = {
+        "source": "Narayanan et al. SC21, Table 2", "model": "529.6B", "gpus": 640,
+        "tokens_per_gpu": 8192, "cluster": "selene.json", "scheme": "ZeRO-3",
+        "published_tflops": 138, "predicted_tflops": 86.2, "fitted": False, "step_s": 408.9,
+        "exposed_comm_s": 165.8, "fits_device": False, "peak_gib": 81.7, "device_gib": 80.0,
+    }  # fmt: skip
+    bench.print_predictions([row, {**row, "fits_device": True, "gpus": 1120}])
+    oom, ran = capsys.readouterr().out.splitlines()[2:]
+    assert "OOM: peak 81.7 GiB > device 80 GiB (would take 408.90 s)" in oom
+    assert "86.2" not in oom and "0.625" not in oom  # no throughput, no ratio
+    assert "| 86.2 | 0.625 | 408.90 | 165.80 |" in ran

@@ -5,6 +5,11 @@ stage, both schedules, fp32 and bf16, ZeRO++ on and off) on real arrays; the dry
 model and config (its representatives of each class of rank, as ``zerosim dryrun`` runs by
 default) must give every rank the same ledger, record for record (op, phase, group, dtype,
 elements, bytes sent and received, order), and the same ``memory_report()``, to the byte.
+
+For N = 2 and 3, a second launch trains the cases of ``schedule_cases`` (stages 2 and 3, both
+schedules, recomputation, a binding ``stage3_max_live_parameters``) and records each rank's last
+step as the ordered collective issues and waits (``ledger.events``); the dry run's timeline events
+of each representative must be the same list.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import sys
 
 import dryrun_cases
 import pytest
+import schedule_cases
 from mpi_helpers import ROOT, mpirun_path
 
 from zerosim.dryrun import recipe, records_of, run_world
@@ -82,3 +88,55 @@ def test_dry_run_ledger_and_memory_equal_the_mpirun_ones(n, tmp_path):
                         f"{case.name} rank {r}: memory {run.memory} real {want['memory']}"
                     )
     assert not mismatches, "\n".join(mismatches[:20])
+
+
+def _dry_schedule(run) -> list[list]:
+    """The issues and waits the dry run's time model reads for ``run``'s last step."""
+    calls = run.comm.calls
+    return schedule_cases.schedule_of(
+        [(kind, calls[i].record) for kind, i in run.events if kind in ("issue", "wait")]
+    )
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_dry_run_schedule_equals_the_mpirun_one(n, tmp_path):
+    """Each representative's step, as the time model replays it (issues and waits in order),
+    equals the same rank's real step under mpirun: stages 2 and 3, both schedules, with
+    recomputation, and with a binding ``stage3_max_live_parameters``."""
+    job = _start_mpi(n, ["tests/schedule_worker.py", str(tmp_path)])
+    model = recipe(schedule_cases.MODEL_SPEC)
+    dry = {}
+    try:  # the dry runs, while the real ones run
+        for case in schedule_cases.cases():
+            dry[case.name], _ = run_world(
+                model,
+                n,
+                schedule_cases.config(case),
+                micro_batch=schedule_cases.MICRO_BATCH,
+                steps=schedule_cases.STEPS,
+                recompute=case.recompute,
+            )
+        out, err = job.communicate(timeout=600)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out[-3000:] + err[-3000:]
+    real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
+    mismatches = []
+    for case in schedule_cases.cases():
+        for _, run in dry[case.name]:
+            want, got = real[run.rank][case.name], _dry_schedule(run)
+            assert any(e[0] == "wait" for e in want), f"{case.name}: no wait to compare"
+            if got != want:
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                    min(len(got), len(want)),
+                )
+                mismatches.append(
+                    f"{case.name} rank {run.rank}: event {first} of {len(want)}: "
+                    f"dry {got[first : first + 2]} real {want[first : first + 2]}"
+                )
+    assert not mismatches, "\n".join(mismatches[:20])
+    # the cap binds: without it DeepSpeed's coordinator prefetches, with it it cannot
+    capped = schedule_cases.Case(3, "deepspeed", False, schedule_cases.BINDING_MAX_LIVE)
+    assert real[0][capped.name] != real[0]["stage3-deepspeed"]

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
 
 from zerosim.analysis.timing import Cluster
 from zerosim.cli.dryrun import format_report
-from zerosim.dryrun import dry_run
-from zerosim.dryrun.report import against_device
+from zerosim.dryrun import dry_run, recipe, records_of, run_world
+from zerosim.dryrun.plots import busy_fractions
+from zerosim.dryrun.report import against_device, step_time
 from zerosim.dryrun.timeline import (
     CLUSTERS,
     ClusterModel,
@@ -48,6 +50,62 @@ def test_a_step_on_two_streams_by_hand():
     )
     waiting = simulate([("issue", 0), ("wait", 0), ("compute", 1000)], calls, ClusterModel(CLUSTER))
     assert waiting.step_s == pytest.approx(2.2)  # compute waits for the gather
+
+
+def test_two_buckets_one_overlap_by_hand(tmp_path):
+    """A backward pass with two gradient buckets, written out by hand from a hand-made cluster
+    file: 2 ranks on one node at 100 B/s and 1,000 FLOP/s, both at half efficiency (50 B/s,
+    500 FLOP/s), no latency. A reduce-scatter of S bytes takes (1/2)·S/50 s.
+
+    compute  |0 fwd 2|2 bw 3|3 bw 4|4 bw 6|     wait      |
+    comm                    |3 rs1 5|5 rs2 7|7 ar 7.16|
+
+    bucket 1 (200 B, 2 s) starts when issued at 3; bucket 2 (200 B), issued at 4, queues behind
+    it (5 → 7); compute ends at 6 and waits for both (1 s exposed); the gradient norm's blocking
+    all-reduce of 8 B takes 2·(1/2)·8/50 = 0.16 s."""
+    path = tmp_path / "hand.json"
+    path.write_text(
+        json.dumps(
+            dict(
+                nodes=1,
+                devices_per_node=2,
+                intra_bandwidth=100.0,
+                inter_bandwidth=10.0,
+                intra_latency=0.0,
+                inter_latency=0.0,
+                device_flops=1000.0,
+                compute_efficiency=0.5,
+                network_efficiency=0.5,
+            )  # fmt: skip
+        )
+    )
+    calls = [
+        _call("reduce_scatter", 200, (0, 1), False),
+        _call("reduce_scatter", 200, (0, 1), False),
+        _call("all_reduce", 8, (0, 1), True),
+    ]
+    events = [
+        ("compute", 1000),  # forward, 0 → 2
+        ("compute", 500),  # backward of the last layers, 2 → 3
+        ("issue", 0),
+        ("compute", 500),  # 3 → 4
+        ("issue", 1),
+        ("compute", 1000),  # 4 → 6
+        ("wait", 0),
+        ("wait", 1),
+        ("issue", 2),
+    ]
+    step = simulate(events, calls, load_cluster_model(path), spans=True)
+    assert step.step_s == pytest.approx(7.16)
+    assert step.exposed_comm_s == pytest.approx(1.16)
+    busy = {
+        stream: sum(b - a for s, _, a, b in step.spans if s == stream)
+        for stream in ("compute", "comm")
+    }
+    assert busy == pytest.approx({"compute": 6.0, "comm": 4.16})
+    assert (step.compute_s, step.comm_s) == pytest.approx((6.0, 4.16))
+    comm = [t for s, _, a, b in step.spans if s == "comm" for t in (a, b)]
+    assert comm == pytest.approx([3.0, 5.0, 5.0, 7.0, 7.0, 7.16])
 
 
 def test_efficiencies_scale_compute_and_bandwidth():
@@ -142,21 +200,100 @@ def _small_cluster(path, **extra):
     return path
 
 
-def test_dry_run_reports_time_and_writes_trace_and_plot(tmp_path):
-    cluster = _small_cluster(tmp_path / "c.json", device_memory_bytes=2**40)
+def _one_node_cluster(path, **rates):
+    """8 devices on one node, no latency: a collective of S bytes on p ranks takes its ring's
+    c_β(p)·S/B, c_β written out by hand in ``_ring_seconds``."""
+    spec = dict(
+        nodes=1, devices_per_node=8, intra_bandwidth=1e9, inter_bandwidth=1e9, intra_latency=0.0,
+        inter_latency=0.0, device_flops=1e11, device_memory_bytes=2**40,
+    )  # fmt: skip
+    path.write_text(json.dumps({**spec, **rates}))
+    return path
+
+
+def _ring_seconds(record, bandwidth):
+    """A ring's time without latency: all-gather and reduce-scatter (p−1)/p·S/B, all-reduce
+    2(p−1)/p·S/B, broadcast (binary tree) ⌈log₂ p⌉·S/B."""
+    p, s = record.peers, record.size_bytes
+    if p == 1:
+        return 0.0
+    factor = {"all_gather": (p - 1) / p, "reduce_scatter": (p - 1) / p}.get(record.op)
+    if record.op == "all_reduce":
+        factor = 2 * (p - 1) / p
+    if record.op == "broadcast":
+        factor = math.ceil(math.log2(p))
+    assert factor is not None, record.op  # the step issues nothing else
+    return factor * s / bandwidth
+
+
+def test_a_dry_run_step_on_free_compute_is_its_collectives_back_to_back(tmp_path):
+    """Compute at 10³⁰ FLOP/s: nothing delays an issue, so the step is the sum of the step's
+    collectives (the ledger's, held to mpirun elsewhere), each timed by hand; the trace has one
+    span per collective and the plot is drawn."""
+    bandwidth = 1e9
+    cluster = _one_node_cluster(tmp_path / "c.json", device_flops=1e30)
+    runs, _ = run_world(recipe("gpt:2,32,40,32,2"), 8, SMALL_CFG)
+    time, step = step_time(runs, 8, load_cluster_model(cluster), spans=True)
+    run = runs[0][1]
+    records = [r for r in records_of(run, run.rank) if r.step == run.last_step]
+    assert len(records) == sum(1 for kind, _ in run.events if kind == "issue") > 10
+    by_hand = sum(_ring_seconds(r, bandwidth) for r in records)
+    assert time["step_s"] == pytest.approx(by_hand, rel=1e-9)
+    assert time["comm_s"] == pytest.approx(by_hand, rel=1e-9)
+    assert time["exposed_comm_s"] == pytest.approx(by_hand, rel=1e-9)  # nothing hides it
+    assert time["compute_s"] < 1e-15
+    trace = chrome_trace(step)["traceEvents"]
+    assert sum(1 for e in trace if e["ph"] == "X" and e["tid"] == 2) == len(records)
+
+
+def test_a_dry_run_step_on_a_free_network_is_its_flops_at_the_device_rate(tmp_path):
+    """Links at 10³⁰ B/s: the step is the counted matmul FLOPs (held to the layers' shapes in
+    tests/test_meta.py) at device_flops × compute_efficiency."""
+    cluster = _one_node_cluster(
+        tmp_path / "c.json", intra_bandwidth=1e30, inter_bandwidth=1e30, compute_efficiency=0.5
+    )
     trace, plot = tmp_path / "t.json", tmp_path / "m.png"
     report = dry_run("gpt:2,32,40,32,2", 8, SMALL_CFG, cluster=cluster, trace=trace, plot=plot)
-    t = report["time"]
-    assert t["step_s"] >= max(t["compute_s"], t["comm_s"]) > 0
-    assert t["exposed_comm_s"] == pytest.approx(t["step_s"] - t["compute_s"])
-    assert t["cluster"]["nodes"] == 2  # resized to the 8 ranks, 4 per node
-    assert json.loads(trace.read_text())["traceEvents"] and plot.stat().st_size > 1000
+    t, flops = report["time"], max(e["flops"] for e in report["ranks"])
+    assert t["step_s"] == pytest.approx(flops / 0.5e11, rel=1e-9)
+    assert t["compute_s"] == pytest.approx(flops / 0.5e11, rel=1e-9)
+    assert t["exposed_comm_s"] < 1e-15 and t["comm_s"] < 1e-15
+    assert t["cluster"]["nodes"] == 1
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    compute = sum(e["dur"] for e in spans if e["tid"] == 1) / 1e6
+    assert compute == pytest.approx(flops / 0.5e11, rel=1e-9)
+    assert plot.stat().st_size > 1000
     # a peak under the device's memory: the step runs
     assert report["fits_device"] and t["fits_device"]
     assert all(e["fits_device"] and "would_not_start" not in e for e in report["ranks"])
     assert "OOM" not in format_report(report) and "step " in format_report(report)
     with pytest.raises(ValueError, match="give a cluster"):
         dry_run("gpt:2,32,40,32,2", 8, SMALL_CFG, trace=trace)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_matrix_products_run_at_the_peak_of_the_runs_dtype(tmp_path, bf16):
+    """On a free network, an fp32 step is its FLOPs at device_flops_fp32 (10¹⁰ here), a bf16
+    step its FLOPs at device_flops (10¹¹): the same products, ten times faster in bf16."""
+    cluster = _one_node_cluster(
+        tmp_path / "c.json", intra_bandwidth=1e30, inter_bandwidth=1e30, device_flops_fp32=1e10
+    )
+    cfg = {k: v for k, v in SMALL_CFG.items() if bf16 or k != "bf16"}
+    report = dry_run("gpt:2,32,40,32,2", 8, cfg, cluster=cluster)
+    peak = 1e11 if bf16 else 1e10
+    flops = max(e["flops"] for e in report["ranks"])
+    assert report["dtype"] == ("bfloat16" if bf16 else "float32")
+    assert report["time"]["step_s"] == pytest.approx(flops / peak, rel=1e-9)
+    assert report["time"]["cluster"]["device_flops"] == peak
+    with pytest.raises(ValueError, match="device_flops_fp32 must be a positive FLOP/s, got 0"):
+        _one_node_cluster(tmp_path / "bad.json", device_flops_fp32=0)
+        load_cluster_model(tmp_path / "bad.json")
+
+
+def test_the_cluster_is_resized_to_the_world(tmp_path):
+    cluster = _small_cluster(tmp_path / "c.json")
+    report = dry_run("gpt:2,32,40,32,2", 8, SMALL_CFG, cluster=cluster)
+    assert report["time"]["cluster"]["nodes"] == 2  # 8 ranks, 4 per node
 
 
 def test_a_peak_above_the_device_memory_is_marked_would_not_start(tmp_path):
@@ -173,6 +310,7 @@ def test_a_peak_above_the_device_memory_is_marked_would_not_start(tmp_path):
         assert (
             e["would_not_start"] == f"peak {e['peak_bytes'] / 2**30:.3g} GiB > device 0.000244 GiB"
         )
+    assert report["time"]["peak_bytes"] == max(peaks)
     table = format_report(report)
     assert "would not start" in table and "step: OOM" in table and " s, communication" not in table
     assert json.loads(json.dumps(report))["fits_device"] is False and plot.stat().st_size > 1000
@@ -195,7 +333,30 @@ def test_the_zeropp_cluster_borrows_selenes_factors_and_the_published_hardware()
     spec = json.loads((CLUSTERS / "zeropp_v100.json").read_text())
     assert set(spec["comment"]) == {  # every number says where it comes from
         "nodes", "devices_per_node", "intra_bandwidth", "inter_bandwidth", "intra_latency",
-        "inter_latency", "device_flops", "device_memory_bytes",
+        "inter_latency", "device_flops", "device_flops_fp32", "device_memory_bytes",
     }  # fmt: skip
     assert v100.device_memory_bytes == 32 * 2**30  # V100-SXM3-32GB
     assert selene.device_memory_bytes == 80 * 2**30  # A100-80GB
+
+
+def test_busy_fractions_per_interval_by_hand():
+    """Four intervals of 1 s: compute busy over [0.5, 2.5] and [3, 3.25]; communication over
+    [1, 4]. Compute fills half of the first, all of the second, half of the third and a quarter
+    of the last."""
+    spans = [
+        ("compute", "matmul", 0.5, 2.5),
+        ("comm", "all_gather", 1.0, 4.0),
+        ("compute", "matmul", 3.0, 3.25),
+    ]
+    assert busy_fractions(spans, "compute", 4.0, 4) == pytest.approx([0.5, 1.0, 0.5, 0.25])
+    assert busy_fractions(spans, "comm", 4.0, 4) == pytest.approx([0.0, 1.0, 1.0, 1.0])
+    assert busy_fractions(spans, "comm", 0.0, 3) == [0.0, 0.0, 0.0]
+
+
+def test_phases_are_where_the_issued_collectives_change_phase():
+    calls = [_call("all_gather", 40, (0, 1), False) for _ in range(3)]
+    for call, phase in zip(calls, ("forward", "forward", "backward"), strict=True):
+        call.record.phase = phase
+    events = [("issue", 0), ("compute", 1000), ("issue", 1), ("compute", 1000), ("issue", 2)]
+    step = simulate(events, calls, ClusterModel(CLUSTER), spans=True)
+    assert step.phases == [(0.0, "forward"), (pytest.approx(2.0), "backward")]

@@ -142,7 +142,7 @@ def test_allocation_sites_decide_the_category():
     assert category_of("zerosim.optim.functional.common", "_work_buffers") == "temporaries"
     assert category_of("zerosim.zero.stage2", "Stage2.setup_gradients") == "gradients"
     assert category_of("zerosim.zero.buckets", "BufferPool.take") == "buckets"
-    assert category_of("zerosim.zero.stage3", "Stage3.start_gather") == "gathered_params"
+    assert category_of("zerosim.zero.stage3", "GatherEach.start_gather") == "gathered_params"
     assert category_of("zerosim.engine", "Engine.__call__") == "temporaries"
 
 

@@ -90,6 +90,8 @@ def test_every_tiny_variant_builds_to_its_closed_form_count(name):
     model = nn.Transformer(desc)
     assert model.num_parameters() == desc.num_parameters()
     assert sum(p.numel for _, p in model.named_parameters()) == desc.num_parameters()
+    built = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert built == desc.parameter_shapes()  # the shapes every count is read from
     parent = nn.PRESETS[name]
     assert (desc.mlp, desc.norm, desc.positions, desc.bias, desc.tied) == (
         parent.mlp,
@@ -105,8 +107,24 @@ def test_presets_build_shape_only_to_the_published_count(name):
     with meta.tracking(), shape_only_init():
         model = nn.Transformer(name)
     assert model.num_parameters() == PUBLISHED[name]
+    built = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert built == nn.PRESETS[name].parameter_shapes()
     if nn.PRESETS[name].positions != "learned":
         assert not any(n.startswith("wpe") for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama2-70b", "mpt-7b", "bloom-176b"])
+def test_matmul_parameters_are_the_blocks_matrices_and_the_output_layer(name):
+    """N_matmul from the published shapes: Llama per layer q, o h², k, v h·(h/heads·kv_heads),
+    three h·F; MPT and BLOOM 4h² of attention and 8h² of a 4h MLP; all + V·h, tied or not."""
+    d = nn.PRESETS[name]
+    h = d.hidden
+    if d.mlp == "swiglu":
+        kv = h // d.heads * d.kv_heads
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * d.mlp_hidden
+    else:
+        per_layer = 12 * h * h
+    assert d.matmul_parameters() == d.layers * per_layer + d.vocab * h
 
 
 # --- the model against torch ------------------------------------------------------------------

@@ -4,6 +4,7 @@ layout), and that the paper's stage files hold the paper's schedule only."""
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,32 @@ def test_each_schedule_has_its_own_class_and_deepspeeds_extends_the_papers(stage
     assert (paper, deepspeed) == (PAPER[stage], DEEPSPEED[stage])
     assert issubclass(deepspeed, paper) and deepspeed is not paper
     assert paper.stage == deepspeed.stage == stage
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeeds_schedule_is_the_papers_stage_given_other_parts(stage):
+    """DeepSpeed's class overrides no method of the paper's stage: it names other parts (a
+    reducer; at stage 3 a fetcher too) and its boundary rule, so no inherited method reads state
+    it never built."""
+    from zerosim.zero.fetcher import ParamFetcher
+    from zerosim.zero.reducer import GradReducer
+
+    paper, deepspeed = PAPER[stage], DEEPSPEED[stage]
+    methods = [name for name, value in vars(deepspeed).items() if inspect.isfunction(value)]
+    assert methods == []
+    assert issubclass(deepspeed.reducer_cls, GradReducer)
+    assert deepspeed.reducer_cls is not paper.reducer_cls
+    if stage == 3:
+        assert issubclass(deepspeed.fetcher_cls, ParamFetcher)
+        assert deepspeed.fetcher_cls is not paper.fetcher_cls
+
+
+def test_a_method_defined_on_a_variant_is_seen():
+    class Variant(zero.Stage2):
+        def after_backward(self, boundary):
+            pass
+
+    assert [n for n, v in vars(Variant).items() if inspect.isfunction(v)] == ["after_backward"]
 
 
 def test_megatrons_layout_is_a_stage_1_class_in_both_schedules():

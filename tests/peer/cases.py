@@ -1,7 +1,9 @@
 """The cases the DeepSpeed peer tests run on both sides, and the data both sides feed them.
 
-A case is plain JSON: a DeepSpeed config, a model (zerosim's MLP or GPT, built with a seed; its
-torch twin loads the same weights by name) and a number of optimizer steps. Every micro-batch is
+A case is plain JSON: a DeepSpeed config, a model (zerosim's MLP, GPT or ``Transformer`` of a
+model description, built with a seed; its torch twin loads the same weights by name) and a
+number of optimizer steps. A transformer is ``{"kind": "transformer", "description": D}``, D a
+preset name (``"llama3-8b-tiny"``) or a ``ModelDescription``'s fields. Every micro-batch is
 drawn from ``numpy.random.default_rng([data_seed, step, micro, rank])``, so each rank of each
 side sees the same numbers without any communication. An MLP case may list ``inject``:
 ``{"step": s, "rank": r, "value": "nan" | "inf"}`` puts that value into one input of rank r's
@@ -26,14 +28,32 @@ import zerosim as zs  # noqa: E402
 MICRO = 4  # train_micro_batch_size_per_gpu
 
 
+def description_of(spec: dict[str, Any]) -> Any:
+    """The ``ModelDescription`` of a ``"transformer"`` model: a preset name or its fields."""
+    fields = spec["description"]
+    if isinstance(fields, str):
+        return zs.nn.describe(fields)
+    return zs.nn.ModelDescription.from_dict(fields, "the case's model description")
+
+
 def model_of(case: dict[str, Any]) -> Any:
     """The zerosim model of a case, in float32, built with its seed."""
     spec = case["model"]
     if spec["kind"] == "mlp":
         return zs.nn.MLP(spec["sizes"], seed=case.get("seed", 0))
+    if spec["kind"] == "transformer":
+        return zs.nn.Transformer(description_of(spec), seed=0)
     return zs.nn.GPT(
         spec["vocab"], spec["block"], spec["layers"], spec["heads"], spec["embd"], seed=0
     )
+
+
+def tokens_of(spec: dict[str, Any]) -> tuple[int, int]:
+    """(vocabulary, sequence length) of a language model's spec."""
+    if spec["kind"] == "transformer":
+        desc = description_of(spec)
+        return desc.vocab, desc.seq
+    return spec["vocab"], spec["block"]
 
 
 def micro_batch(case: dict[str, Any], step: int, micro: int, rank: int) -> tuple[Any, Any]:
@@ -47,8 +67,8 @@ def micro_batch(case: dict[str, Any], step: int, micro: int, rank: int) -> tuple
             if (bad["step"], bad["rank"], 0) == (step, rank, micro):
                 x[1, 3] = float(bad["value"])
         return x, rng.integers(0, spec["sizes"][-1], size)
-    shape = (size, spec["block"])
-    return rng.integers(0, spec["vocab"], shape), rng.integers(0, spec["vocab"], shape)
+    vocab, seq = tokens_of(spec)
+    return rng.integers(0, vocab, (size, seq)), rng.integers(0, vocab, (size, seq))
 
 
 def zerosim_config(case: dict[str, Any]) -> dict[str, Any]:

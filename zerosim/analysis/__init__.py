@@ -46,6 +46,7 @@ from zerosim.analysis.timing import (
     ring_all_reduce_time,
     ring_reduce_scatter_time,
     step_time,
+    transformer_flops_per_token,
     transformer_training_flops,
 )
 from zerosim.analysis.volume import (
@@ -98,6 +99,7 @@ __all__ = [
     "step_time",
     "table1",
     "table1_markdown",
+    "transformer_flops_per_token",
     "transformer_training_flops",
     "zero_model_states",
     "zero_paper_bytes",

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -191,6 +192,29 @@ def transformer_training_flops(num_params: float, tokens: float, recompute: bool
     _check_nonnegative("num_params", num_params)
     _check_nonnegative("tokens", tokens)
     return (8.0 if recompute else 6.0) * num_params * tokens
+
+
+def transformer_flops_per_token(desc: Any, recompute: bool = False) -> int:
+    """Model FLOPs per trained token of the decoder a ``ModelDescription`` states, its own family's
+    count (every product counted 2·m·k·n; softmax, norms and elementwise work left out):
+
+        6·N_matmul + 12·l·h·s            (forward 2·N_matmul + 4·l·h·s, backward twice it)
+        with recomputation of every block: + 2·N_blocks + 4·l·h·s  (one more forward of them)
+
+    N_matmul = ``desc.matmul_parameters()``: the blocks' matrices (GQA's k and v of h·n_kv·d
+    each, SwiGLU's three h·F matrices, GELU's two) and the output layer V·h, tied or not;
+    N_blocks = N_matmul − V·h. Attention's scores q·kᵀ and its P·v are 2·s·h each per token and
+    layer: every one of the n query heads meets all s keys, however few key/value heads they
+    share, and the count is the whole s×s matrix (causal masking is not subtracted). For GPT
+    (N_matmul = 12·l·h² + V·h) this is Narayanan et al.'s eq. 3 per token
+    (``analysis.presets.narayanan_flops``); position tables, rotary and ALiBi add no product.
+    """
+    n_matmul = desc.matmul_parameters()
+    attention = 4 * desc.layers * desc.hidden * desc.seq
+    flops = 3 * (2 * n_matmul + attention)
+    if recompute:
+        flops += 2 * (n_matmul - desc.vocab * desc.hidden) + attention
+    return flops
 
 
 def step_time(compute_s: float, comm_s: float, overlap: bool) -> float:

@@ -100,7 +100,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"{r['world_size']} virtual ranks, stage {r['stage']} ({r['schedule']} schedule), "
         f"{r['dtype']}, micro-batch {r['micro_batch']} × {r['accumulation']}: "
         f"Ψ = {r['params']:,} (padded {r['padded_params']:,})",
-        f"{r['ranks_run']} rank(s) run in {r['wall_s']:.1f} s, host peak RSS "
+        f"{r['ranks_run']} rank(s) run in {r['ranks_wall_s']:.1f} s, the whole dry run "
+        f"{r['wall_s']:.1f} s, host peak RSS "
         f"{r['host_peak_rss_bytes'] / GIB:.2f} GiB",
         f"{'ranks':>16} {'states GiB':>11} {'peak GiB':>10} {'activ. GiB':>11} "
         f"{'sent GiB/step':>14} {'TFLOP/step':>11}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from fractions import Fraction
 from typing import Any
 
@@ -56,7 +57,7 @@ def _dtype(args: argparse.Namespace) -> str:
 
 def _volume(args: argparse.Namespace) -> dict[str, Any]:
     knobs = (args.accumulation, args.dtype, args.persistent_numel, args.stage3_reuse)
-    return volume_data(args.params, args.dp, *knobs)
+    return volume_data(args.params, args.dp, *knobs, numels=getattr(args, "numels", None))
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
@@ -87,6 +88,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
             args.num_states,
             args.offload_optimizer,
             args.offload_param,
+            numels=args.numels,
         )
     except ValueError as err:
         return refuse("memory", str(err))
@@ -169,11 +171,12 @@ def cmd_volume(args: argparse.Namespace) -> int:
 
 def cmd_project(args: argparse.Namespace) -> int:
     from zerosim.report import plots
-    from zerosim.report.tables import model_params
+    from zerosim.report.tables import model_description
 
     try:
-        if args.model is not None:
-            args.params = model_params(args.model)
+        model = None if args.model is None else model_description(args.model)
+        if model is not None:
+            args.params = model.num_parameters()
         cluster = load_cluster(args.cluster)
         data = project_data(
             cluster,
@@ -183,6 +186,7 @@ def cmd_project(args: argparse.Namespace) -> int:
             args.accumulation,
             args.efficiency,
             args.recompute,
+            model,
         )
     except (OSError, ValueError) as err:
         return refuse("project", str(err))
@@ -193,6 +197,8 @@ def cmd_project(args: argparse.Namespace) -> int:
         f"{c.inter_bandwidth / 1e9:g} GB/s {c.inter_latency * 1e6:g} µs, "
         f"{c.device_flops / 1e12:g} TFLOP/s × {args.efficiency}",
         f"Ψ = {args.params:,}, {args.tokens_per_step:,.0f} tokens per step, {args.dtype}",
+        f"compute {data['compute_flops_per_device']:.4g} FLOPs per device per step: "
+        + ("6Ψ per token" if model is None else f"{model.name}'s 6·N_matmul + 12·l·h·s per token"),
     ]
     head = ["stage", "GB/device", "compute s", "comm s", "step s (no overlap)", "step s (overlap)"]
     rows = [
@@ -286,7 +292,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
         return code
     if args.what == "memory":
         dtype = _dtype(args)
-        data = memory_data(args.params, args.dp, list(STAGES), dtype, args.num_states)
+        data = memory_data(
+            args.params, args.dp, list(STAGES), dtype, args.num_states, numels=args.numels
+        )
         series = {
             f"stage {s}": [r["device"] for r in data["rows"] if r["stage"] == s] for s in STAGES
         }
@@ -378,15 +386,19 @@ MODEL_HELP = (
 
 
 def _model_params(args: argparse.Namespace, command: str) -> int | None:
-    """Set ``args.params`` from ``--model`` when given; the exit code 2 of a refusal, else None."""
-    from zerosim.report.tables import model_params
+    """Set ``args.params`` (Ψ) and ``args.numels`` (every parameter's elements, None without a
+    model) from ``--model`` when given; the exit code 2 of a refusal, else None."""
+    from zerosim.report.tables import model_description
 
+    args.numels = None
     if getattr(args, "model", None) is None:
         return None
     try:
-        args.params = model_params(args.model)
+        desc = model_description(args.model)
     except ValueError as err:
         return refuse(command, str(err))
+    args.numels = [math.prod(shape) for _, shape in desc.parameter_shapes()]
+    args.params = sum(args.numels)
     return None
 
 

@@ -60,7 +60,10 @@ class Handle:
         self._finish()
         self._comm.waiting = None
         self.done = True
-        self._record.wall_time = self._comm.ledger.now() - self._record.start
+        ledger = self._comm.ledger
+        self._record.wall_time = ledger.now() - self._record.start
+        if ledger.events is not None:
+            ledger.events.append(("wait", self._record))
 
 
 class Bookkeeping:
@@ -166,6 +169,8 @@ class Bookkeeping:
         if self.finish is None:
             record.wall_time = comm.ledger.now() - record.start
         comm.ledger.append(record)
+        if comm.ledger.events is not None:
+            comm.ledger.events.append(("issue", record))
         if comm.after_record is not None:
             comm.after_record(record, self.root, self.counts)
 

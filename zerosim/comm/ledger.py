@@ -47,6 +47,12 @@ collective's path), so asking once per step costs the same after a thousand step
 1.4 times as slow as its first at N = 4: ``benchmarks/long_run.py``). Records enter by
 ``append`` (or by assigning ``records``, which counts them again).
 
+**The schedule.** With ``ledger.events`` a list (None by default), every call of this rank's
+groups appends ``("issue", record)`` once its record is written and every ``Handle.wait()`` that
+completes a non-blocking call appends ``("wait", record)``: the order in which the program issued
+and waited on its collectives, which the dry run's time model replays (tests hold the dry run's
+order to a real run's). Nothing else changes while it is on.
+
 **Flight recorder.** ``ledger.flight`` numbers every call as it starts and keeps the last K of
 them, whatever ``reset()`` clears: what the watchdog prints when a collective stalls
 (``comm/flight.py``).
@@ -145,6 +151,8 @@ class Ledger:
         self.node: int | None = None  # this rank's node (None: unknown, one node for all)
         self.node_version = 0  # bumped when ``node`` is set, so sub-groups learn it again
         self.flight = FlightRecorder()  # the last K calls, numbered; survives ``reset()``
+        # when a list: ("issue", record) per call and ("wait", record) per completing wait
+        self.events: list[tuple[str, Record]] | None = None
 
     @property
     def current_phase(self) -> str:

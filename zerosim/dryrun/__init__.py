@@ -9,16 +9,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 from zerosim.dryrun.plots import plot_step_memory
 from zerosim.dryrun.report import against_device, step_time, summarize
 from zerosim.dryrun.run import ModelRecipe, RankRun, recipe, records_of, run_world
 from zerosim.dryrun.timeline import ClusterModel, chrome_trace, load_cluster_model
+from zerosim.nn.description import ModelDescription
 
 
 def dry_run(
-    model: str | ModelRecipe,
+    model: str | ModelDescription | ModelRecipe,
     world_size: int,
     config: dict | str | Path,
     *,
@@ -33,24 +35,24 @@ def dry_run(
     plot: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``model`` (a name ``recipe`` knows, or a recipe) on ``world_size`` virtual ranks with
-    ``config`` (a DeepSpeed JSON config, dict or path; its ``zerosim.backend`` becomes "meta")
-    for ``steps`` optimizer steps; return the report of the last one (docs/dryrun.md). With
-    ``cluster`` (a cluster JSON or a ``ClusterModel``) the report has the step's ``time``, and
-    ``trace`` / ``plot`` write the simulated step as a Chrome trace / the memory over it; where
-    the cluster gives its device memory, ``fits_device`` says whether every rank's peak fits
-    (``time["fits_device"]`` false: a step that would not start, its time only what it would
-    take)."""
+    """Run ``model`` (a name or description ``recipe`` knows, or a recipe) on ``world_size``
+    virtual ranks with ``config`` (a DeepSpeed JSON config, dict or path; its
+    ``zerosim.backend`` becomes "meta") for ``steps`` optimizer steps; return the report of the
+    last one (docs/dryrun.md). With ``cluster`` (a cluster JSON or a ``ClusterModel``) the
+    report has the step's ``time``, and ``trace`` / ``plot`` write the simulated step as a
+    Chrome trace / the memory over it; where the cluster gives its device memory,
+    ``fits_device`` says whether every rank's peak fits (``time["fits_device"]`` false: a step
+    that would not start, its time only what it would take). ``wall_s`` is the whole call's
+    cost on this machine (the ranks run, the report over every rank, the time model, the trace
+    and plot), ``ranks_wall_s`` the ranks' runs alone."""
+    start = perf_counter()
     if (trace or plot) and cluster is None:
         raise ValueError("trace and plot draw the simulated step: give a cluster too")
     if isinstance(cluster, str | Path):
         cluster = load_cluster_model(cluster)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    model = recipe(model) if isinstance(model, str) else model
-    runs, wall = run_world(
+    _check_positive_ints(world_size=world_size, steps=steps)
+    model = model if isinstance(model, ModelRecipe) else recipe(model)
+    runs, ranks_wall = run_world(
         model,
         world_size,
         config,
@@ -63,20 +65,26 @@ def dry_run(
         memory_events=plot is not None,
         progress=progress,
     )
-    report = summarize(runs, world_size, wall, all_ranks)
+    report = summarize(runs, world_size, ranks_wall, all_ranks)
     if cluster is not None:
         if cluster.device_memory_bytes is not None:
             report = against_device(report, cluster.device_memory_bytes)
         report["time"], step = step_time(
-            runs, world_size, cluster, model, recompute, spans=trace is not None
+            runs, world_size, cluster, model, recompute, spans=bool(trace or plot)
         )
-        report["time"]["fits_device"] = report.get("fits_device", True)
         title = f"{model.name}, {world_size} ranks"
         if trace is not None:
             Path(trace).write_text(json.dumps(chrome_trace(step, title)))
         if plot is not None:
             plot_step_memory(step, plot, title, cluster.device_memory_bytes)
+    report["wall_s"] = round(perf_counter() - start, 3)
     return report
+
+
+def _check_positive_ints(**values: Any) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 __all__ = [

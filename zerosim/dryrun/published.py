@@ -10,10 +10,17 @@ ZeRO-3 and no model parallelism on Selene, model TFLOP/s per GPU. The cluster fi
 **Wang et al. 2023, ZeRO++**: ZeRO-3 and ZeRO++ on 384 V100s, TFLOP/s per GPU as printed on the
 bars of the ZeRO++ blog's Figures 6-8. The cluster file ``zeropp_v100`` keeps Selene's factors:
 nothing is fitted to these figures.
+
+**MosaicML llm-foundry**, ``scripts/train/benchmarking/README.md``: MPT models 125M-70B trained
+with PyTorch FSDP on 8-128 A100s (80 GB and 40 GB, 1600 Gb/s RoCE between nodes), 139 rows kept
+cell for cell in ``examples/published/llm_foundry/a100.csv`` with their source and FLOP
+convention beside them (``read_sweep``).
 """
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from zerosim.analysis.presets import GPTShape
@@ -103,3 +110,48 @@ def zeropp_config(micro: int, zeropp: bool) -> dict[str, Any]:
         "zerosim": {"ranks_per_node": ZEROPP_GPUS_PER_NODE},
         "steps_per_print": 10**9,
     }
+
+
+class SweepRow(NamedTuple):
+    """One row of llm-foundry's A100 throughput tables (``examples/published/llm_foundry/``)."""
+
+    line: int  # the row's line in the source file
+    model: str  # a preset name: ``mpt-7b`` for the table's ``7b``
+    seq: int
+    gpus: int
+    gpu: str  # ``a100_80gb`` or ``a100_40gb``
+    micro_batch: int  # sequences per GPU per micro-batch
+    grad_accum: int  # micro-batches per optimizer step
+    global_batch: int  # sequences per optimizer step
+    tokens_per_s: int  # the whole cluster's
+    mfu: float  # per cent, model FLOPs (6·N + 12·L·d·s per token) over 312 TFLOP/s per GPU
+    precision: str  # Composer's ``precision``: ``bf16`` or ``amp_bf16``
+    mixed_precision: str  # Composer FSDP: PURE reduces in bf16, DEFAULT in fp32
+    sharding: str  # FSDP's sharding strategy: FULL_SHARD (ZeRO-3) or SHARD_GRAD_OP (ZeRO-2)
+    recompute: bool  # activation checkpointing
+    num_params: int  # as printed: the position table (``seq`` rows) and tied embedding included
+
+
+def read_sweep(path: str | Path) -> list[SweepRow]:
+    """The rows of a published sweep kept as CSV with the source's own column names."""
+    with open(path, newline="") as f:
+        return [
+            SweepRow(
+                int(r["line"]),
+                f"mpt-{r['Model']}",
+                int(r["SeqLen (T)"]),
+                int(r["# GPUs"]),
+                r["GPU"],
+                int(r["MicroBatchSize"]),
+                int(r["GradAccum"]),
+                int(r["GlobalBatchSize"]),
+                int(r["Throughput (T/s)"]),
+                float(r["MFU"]),
+                r["Precision"],
+                r["MP Mode"],
+                r["Sharding Strategy"],
+                r["Activation Checkpointing"] == "True",
+                int(r["NumParams"]),
+            )
+            for r in csv.DictReader(f)
+        ]

@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 from zerosim import analysis
-from zerosim.analysis.presets import narayanan_flops
 from zerosim.analysis.volume import stage3_backward_gathers
 from zerosim.dryrun.run import ModelRecipe, RankRun, host_peak_rss_bytes
 from zerosim.dryrun.timeline import ClusterModel, StepTime, simulate
@@ -71,10 +70,23 @@ def formulas(facts: dict[str, Any], world_size: int) -> dict[str, Any]:
         _, estimator = analysis.estimate_zero2_model_states_mem_needs(
             psi, min(per_node, n), nodes, cpu_offload=False
         )
-    return {
+    out = {
         "paper": {"model_states_bytes": int(states.total), "bytes_sent": sent},
         "deepspeed_estimator": {"model_states_bytes": estimator},
     }
+    if (flops := model_flops(facts)) is not None:
+        out["model_flops"] = flops
+    return out
+
+
+def model_flops(facts: dict[str, Any]) -> int | None:
+    """The model FLOPs of one step of a transformer (its family's count per token,
+    ``analysis.transformer_flops_per_token``, times the step's tokens); None for other models."""
+    desc = facts.get("description")
+    if desc is None:
+        return None
+    tokens = facts["micro_batch"] * facts["accumulation"] * desc.seq
+    return analysis.transformer_flops_per_token(desc, facts.get("recompute", False)) * tokens
 
 
 def step_time(
@@ -87,23 +99,29 @@ def step_time(
 ) -> tuple[dict[str, Any], StepTime]:
     """The ``time`` entry: each representative's last step simulated on ``cluster`` (resized to
     ``world_size`` ranks), the slowest one reported (every rank waits for it at the next
-    collective), with model TFLOP/s per device: Narayanan et al.'s formula for a GPT, else the
-    counted matmul FLOPs, over the step time."""
-    resized = cluster.resized(world_size)
+    collective), with model TFLOP/s per device: the family's model FLOPs for a transformer
+    (``model_flops``; Narayanan et al.'s eq. 3 for a GPT), else the counted matmul FLOPs, over
+    the step time. Matrix products run at the peak of the run's dtype
+    (``ClusterModel.for_dtype``: fp32 runs at ``device_flops_fp32``). ``fits_device``: every
+    representative's step peak fits the cluster's device memory (true where the file gives
+    none); where it is false the step would not start, and its times are only what it would
+    take."""
+    resized = cluster.resized(world_size).for_dtype(runs[0][1].facts["model_dtype"])
     slowest, run = max(
         ((simulate(run.events, run.comm.calls, resized, spans), run) for _, run in runs),
         key=lambda pair: pair[0].step_s,
     )
-    facts = runs[0][1].facts
-    flops = float(run.step_flops)
-    shape = None if model is None else model.gpt
-    if shape is not None:
-        batch = facts["micro_batch"] * facts["accumulation"]
-        flops = narayanan_flops(
-            batch, shape.seq, shape.layers, shape.hidden, shape.vocab, recompute
-        )
+    facts = {**runs[0][1].facts, "recompute": recompute}
+    if model is not None and model.desc is not None:
+        facts["description"] = model.desc
+    counted = model_flops(facts)
+    flops = float(run.step_flops if counted is None else counted)
+    peak = max(r.tracker["peak_bytes"] for _, r in runs)
+    memory = cluster.device_memory_bytes
     time = {
         **slowest.as_dict(),
+        "peak_bytes": peak,
+        "fits_device": memory is None or peak <= memory,
         "tflops_per_device": flops / slowest.step_s / 1e12 if slowest.step_s else 0.0,
         "counted_tflops_per_device": run.step_flops / slowest.step_s / 1e12
         if slowest.step_s
@@ -112,6 +130,7 @@ def step_time(
             "name": cluster.name,
             "nodes": resized.cluster.nodes,
             "devices_per_node": resized.cluster.devices_per_node,
+            "device_flops": resized.cluster.device_flops,  # the peak of the run's dtype
             "compute_efficiency": cluster.compute_efficiency,
             "network_efficiency": cluster.network_efficiency,
         },
@@ -143,10 +162,11 @@ def against_device(report: dict[str, Any], device_memory_bytes: float) -> dict[s
 
 
 def summarize(
-    runs: list[tuple[list[int], RankRun]], world_size: int, wall_s: float, all_ranks: bool
+    runs: list[tuple[list[int], RankRun]], world_size: int, ranks_wall_s: float, all_ranks: bool
 ) -> dict[str, Any]:
     """The report: ranks grouped by everything it shows (members of a class of rank that also
-    send the same bytes), with the formulas beside them."""
+    send the same bytes), with the formulas beside them. ``wall_s`` is ``ranks_wall_s`` until
+    ``dry_run`` sets it to its whole cost."""
     first = runs[0][1]
     facts = first.facts
     entries: dict[tuple, dict[str, Any]] = {}
@@ -155,8 +175,9 @@ def summarize(
             sent = run.comm.bytes_by_phase(r, step=run.last_step)
             sent.pop("init", None)  # initialize()'s calls share step 0 with the first step
             by_phase = {phase: t["sent"] for phase, t in sorted(sent.items())}
+            received = {phase: t["recv"] for phase, t in sorted(sent.items())}
             inter = {phase: t["inter"] for phase, t in sorted(sent.items())}
-            entry = _entry(run, by_phase, inter)
+            entry = _entry(run, by_phase, received, inter)
             key = json.dumps(entry, sort_keys=True)  # ranks showing the same are one entry
             entries.setdefault(key, entry)["ranks"].append(r)
     return {
@@ -170,14 +191,17 @@ def summarize(
         "accumulation": facts["accumulation"],
         "ranks_run": len(runs),
         "all_ranks": all_ranks,
-        "wall_s": round(wall_s, 3),
+        "wall_s": round(ranks_wall_s, 3),
+        "ranks_wall_s": round(ranks_wall_s, 3),
         "host_peak_rss_bytes": host_peak_rss_bytes(),
         "ranks": sorted(entries.values(), key=lambda e: e["ranks"][0]),
         "formula": formulas(facts, world_size),
     }
 
 
-def _entry(run: RankRun, by_phase: dict[str, int], inter: dict[str, int]) -> dict[str, Any]:
+def _entry(
+    run: RankRun, by_phase: dict[str, int], received: dict[str, int], inter: dict[str, int]
+) -> dict[str, Any]:
     tracker = run.tracker
     return {
         "ranks": [],
@@ -188,6 +212,7 @@ def _entry(run: RankRun, by_phase: dict[str, int], inter: dict[str, int]) -> dic
         "init_peak_bytes": run.init_peak_bytes,
         "memory_report": run.memory,
         "bytes_sent": by_phase,
+        "bytes_received": received,
         "inter_node_bytes_sent": inter,
         "flops": run.step_flops,
     }

@@ -34,6 +34,7 @@ from zerosim.config import load_config, read_config_file
 from zerosim.config.values import as_mapping
 from zerosim.engine import Engine, initialize
 from zerosim.nn import GPT, MLP, Module, Transformer, checkpoint
+from zerosim.nn.description import ModelDescription
 
 
 @dataclass(frozen=True)
@@ -44,16 +45,19 @@ class ModelRecipe:
     build: Callable[[], Module]
     batch: Callable[[int], tuple[Any, Any]]  # micro-batch size → (x, y), shape-only
     gpt: Any = None  # the GPTShape, for GPT models
+    desc: ModelDescription | None = None  # the transformer's description (a GPT's too)
 
 
 def recipe(spec: Any, name: str | None = None) -> ModelRecipe:
     """``gpt``/``mlp`` (``zerosim train``'s models), a GPT preset, ``gpt:L,H,V,S[,HEADS]``, a
     ``GPTShape`` (then ``name`` names it; a shape's ``tied`` is kept, as ``gpt:…`` cannot say),
-    or a model description: a ``zerosim.nn.PRESETS`` name (Llama, MPT, BLOOM; also ``-tiny``)
-    or a JSON/hjson description file."""
+    or a model description: a ``ModelDescription``, a ``zerosim.nn.PRESETS`` name (Llama, MPT,
+    BLOOM; also ``-tiny``) or a JSON/hjson description file."""
     from zerosim.analysis.presets import PRESETS, GPTShape, gpt_shape
 
     xp = meta.NAMESPACE
+    if isinstance(spec, ModelDescription):
+        return _description_recipe(spec)
     if isinstance(spec, GPTShape):
         shape, spec = spec, name or repr(spec)
     elif spec == "mlp":  # report.workloads' MLP
@@ -80,17 +84,20 @@ def recipe(spec: Any, name: str | None = None) -> ModelRecipe:
         ids = xp.zeros((b, shape.seq), np.int64)
         return ids, xp.zeros((b, shape.seq), np.int64)
 
-    return ModelRecipe(spec, build, batch, shape)
+    s = shape
+    desc = GPT.description(s.vocab, s.seq, s.layers, s.heads, s.hidden, tie_weights=s.tied)
+    return ModelRecipe(spec, build, batch, shape, desc)
 
 
-def _description_recipe(spec: str) -> ModelRecipe:
+def _description_recipe(spec: str | ModelDescription) -> ModelRecipe:
     """The recipe of ``Transformer(describe(spec))``; a name that is neither a description nor
     a GPT is refused with the GPT forms and the description presets both named."""
     from zerosim.analysis.presets import PRESETS as GPT_PRESETS
     from zerosim.nn import PRESETS as DESCRIPTIONS
     from zerosim.nn import describe
 
-    named = spec in DESCRIPTIONS or spec.removesuffix("-tiny") in DESCRIPTIONS
+    given = isinstance(spec, ModelDescription)
+    named = given or spec in DESCRIPTIONS or spec.removesuffix("-tiny") in DESCRIPTIONS
     if not (named or Path(spec).is_file()):
         raise ValueError(
             f"--model {spec!r} is not a model; allowed: {sorted(GPT_PRESETS)}, 'gpt', 'mlp', "
@@ -103,7 +110,7 @@ def _description_recipe(spec: str) -> ModelRecipe:
     def batch(b: int) -> tuple[Any, Any]:
         return xp.zeros((b, desc.seq), np.int64), xp.zeros((b, desc.seq), np.int64)
 
-    return ModelRecipe(desc.name, lambda: Transformer(desc), batch)
+    return ModelRecipe(desc.name, lambda: Transformer(desc), batch, desc=desc)
 
 
 @dataclass
@@ -161,7 +168,7 @@ def run_rank(
         with shape_only_init():
             net = model.build()
         if recompute:
-            _recompute_blocks(net, model.name)
+            recompute_blocks(net, model.name)
         engine, *_ = initialize(net, config, comm=comm)
         init_peak = tracker.peak_total
         x, y = model.batch(engine.config.train_micro_batch_size_per_gpu)
@@ -188,12 +195,12 @@ def run_rank(
         )
         if rank == 0:
             result.fingerprint = fingerprint(engine, world.size)
-            result.facts = engine_facts(engine)
+            result.facts = {**engine_facts(engine), "recompute": recompute}
         del engine, net
     return result
 
 
-def _recompute_blocks(net: Module, name: str) -> None:
+def recompute_blocks(net: Module, name: str) -> None:
     """Wrap every transformer block of ``net`` in activation checkpointing."""
     blocks = getattr(net, "blocks", None)
     if blocks is None:
@@ -234,6 +241,7 @@ def engine_facts(engine: Engine) -> dict[str, Any]:
         "accumulation": cfg.gradient_accumulation_steps,
         "ranks_per_node": cfg.zerosim.ranks_per_node,
         "zero": zero,
+        "description": getattr(model, "desc", None),  # a Transformer's (GPT's too), else None
     }
 
 

@@ -7,15 +7,18 @@ wait on a non-blocking one (("wait", i)): so stage 3's prefetches, ``overlap_com
 reductions and their order are the engine's own.
 
 **The cluster.** ``ClusterModel``: ``analysis.Cluster`` (nodes × devices, intra/inter-node α and
-bandwidth per device, device FLOP/s) plus two achieved-efficiency factors, ``compute_efficiency``
-(the fraction of peak FLOP/s the matrix products reach) and ``network_efficiency`` (the fraction
-of link bandwidth a collective reaches), and optionally ``device_memory_bytes``, what one device
-holds (a rank whose peak exceeds it would not start: the report says so). Rank r sits on node
-r // devices_per_node. A collective on a group takes the α-β time of ``analysis.timing`` for
-that group: one node's ring at intra-node α and bandwidth; over several nodes with k ranks each,
-the two-level decomposition of ``Cluster.collective_time`` (k intra-node rings and k inter-node
-rings of one rank per node); unevenly placed groups, a flat ring at inter-node α and bandwidth.
-``reduce`` costs a broadcast, ``barrier`` a broadcast of nothing.
+bandwidth per device, device FLOP/s) plus two achieved-efficiency factors,
+``compute_efficiency`` (the fraction of peak FLOP/s the matrix products reach) and
+``network_efficiency`` (the fraction of link bandwidth a collective reaches), and optionally
+``device_memory_bytes``, what one device holds (a rank whose peak exceeds it would not start:
+the report says so), and ``device_flops_fp32``, the fp32 peak at which a float32 run's matrix
+products are timed (``device_flops`` is the 16-bit tensor-core peak; a file without it times
+both at that). Rank r sits on node r // devices_per_node. A collective on a group takes the α-β
+time of ``analysis.timing`` for that group: one node's ring at intra-node α and bandwidth; over
+several nodes with k ranks each, the two-level decomposition of ``Cluster.collective_time`` (k
+intra-node rings and k inter-node rings of one rank per node); unevenly placed groups, a flat
+ring at inter-node α and bandwidth. ``reduce`` costs a broadcast, ``barrier`` a broadcast of
+nothing.
 
 **The step.** Two streams, as a GPU has: compute runs the trace's compute in order; every
 collective goes on one communication stream, in issue order, starting when it is issued and the
@@ -45,6 +48,7 @@ CLUSTER_KEYS = (
 )
 EFFICIENCY_KEYS = ("compute_efficiency", "network_efficiency")
 MEMORY_KEY = "device_memory_bytes"
+FP32_KEY = "device_flops_fp32"  # the fp32 peak, where device_flops is the 16-bit one
 NOTE_KEYS = ("name", "comment", "calibration")
 
 
@@ -58,6 +62,7 @@ class ClusterModel:
     network_efficiency: float = 1.0
     name: str = ""
     device_memory_bytes: float | None = None
+    device_flops_fp32: float | None = None  # None: fp32 products at device_flops too
 
     def __post_init__(self) -> None:
         for key in EFFICIENCY_KEYS:
@@ -69,6 +74,20 @@ class ClusterModel:
             isinstance(memory, bool) or not isinstance(memory, int | float) or not memory > 0
         ):
             raise ValueError(f"{MEMORY_KEY} must be a positive number of bytes, got {memory!r}")
+        fp32 = self.device_flops_fp32
+        if fp32 is not None and (
+            isinstance(fp32, bool) or not isinstance(fp32, int | float) or not fp32 > 0
+        ):
+            raise ValueError(f"{FP32_KEY} must be a positive FLOP/s, got {fp32!r}")
+
+    def for_dtype(self, model_dtype: str) -> ClusterModel:
+        """The cluster as a run in ``model_dtype`` sees it: a float32 run's matrix products at the
+        fp32 peak (``device_flops_fp32``, where the file gives it); 16-bit runs, whose products
+        take 16-bit operands into tensor cores (zerosim upcasts them to accumulate in fp32, as
+        those cores do), at ``device_flops``."""
+        if model_dtype != "float32" or self.device_flops_fp32 is None:
+            return self
+        return replace(self, cluster=replace(self.cluster, device_flops=self.device_flops_fp32))
 
     def with_efficiencies(self, compute: float, network: float) -> ClusterModel:
         return replace(self, compute_efficiency=compute, network_efficiency=network)
@@ -109,7 +128,7 @@ def load_cluster_model(path: str | Path) -> ClusterModel:
             f"{cluster_names()}"
         )
     spec = json.loads(Path(path).read_text())
-    optional = [*EFFICIENCY_KEYS, MEMORY_KEY]
+    optional = [*EFFICIENCY_KEYS, MEMORY_KEY, FP32_KEY]
     unknown = sorted(set(spec) - {*CLUSTER_KEYS, *optional, *NOTE_KEYS})
     missing = [k for k in CLUSTER_KEYS if k not in spec]
     if unknown or missing:
@@ -125,6 +144,7 @@ def load_cluster_model(path: str | Path) -> ClusterModel:
             **extra,
             name=str(spec.get("name", "")),
             device_memory_bytes=spec.get(MEMORY_KEY),
+            device_flops_fp32=spec.get(FP32_KEY),
         )
     except ValueError as err:
         raise ValueError(f"cluster file {path}: {err}") from None
@@ -170,6 +190,8 @@ class StepTime:
     exposed_comm_s: float
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)  # stream, name, …
     memory: list[tuple[float, int]] = field(default_factory=list)  # (time, live bytes)
+    # (time, phase) where the phase of the issued collectives changes (forward, backward, step…)
+    phases: list[tuple[float, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -190,6 +212,7 @@ def simulate(
     ends: dict[int, float] = {}
     out_spans: list[tuple[str, str, float, float]] = []
     memory: list[tuple[float, int]] = []
+    phases: list[tuple[float, str]] = []
     for kind, value in events:
         if kind == "compute":
             dt = value / rate
@@ -206,6 +229,8 @@ def simulate(
             comm += dt
             if spans:
                 out_spans.append(("comm", f"{r.op} {r.phase} {r.group}", start, free))
+                if not phases or phases[-1][1] != r.phase:
+                    phases.append((now, r.phase))
             if r.blocking:
                 now = free
         elif kind == "wait":
@@ -215,7 +240,7 @@ def simulate(
     step = max(now, free)
     if memory:
         memory.append((step, memory[-1][1]))  # held until the step ends
-    return StepTime(step, compute, comm, step - compute, out_spans, memory)
+    return StepTime(step, compute, comm, step - compute, out_spans, memory, phases)
 
 
 def chrome_trace(step: StepTime, name: str = "rank 0") -> dict[str, Any]:

@@ -59,10 +59,10 @@ SITE_RULES: tuple[tuple[str, str, str], ...] = (
     ("zerosim.zero.offload", "", "optimizer_states"),  # the master copy (new_master)
     ("zerosim.zero.buckets", "", "buckets"),
     ("zerosim.zero.ipg", "", "buckets"),
-    ("zerosim.zero.stage3", "Stage3.start_gather", "gathered_params"),
+    ("zerosim.zero.stage3", "GatherEach.start_gather", "gathered_params"),
     ("zerosim.zero.stage3", "ShardGroup", "parameters"),
-    ("zerosim.zero.stage3_deepspeed", "Stage3DeepSpeed.start_coalesced_gather", "gathered_params"),
-    ("zerosim.zero.stage3_zeropp", "Stage3ZeroPP.start_gather", "gathered_params"),
+    ("zerosim.zero.stage3_deepspeed", "CoalescedFetcher.start_coalesced_gather", "gathered_params"),
+    ("zerosim.zero.stage3_zeropp", "ZeroPPFetcher.start_gather", "gathered_params"),
     ("zerosim.zero.stage3_zeropp", "SecondaryPartition", "parameters"),
     ("zerosim.zero.stage3_zeropp", "QuantizedGather", "gathered_params"),
     ("zerosim.zero.strategy", "FlatGroup", "parameters"),

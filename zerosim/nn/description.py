@@ -17,14 +17,20 @@ it in closed form from the shapes alone (d = h/n, a = 1 with biases, else 0):
         (+ norm after the embedding)  (+ V·h untied output layer)
 
 GPT-2/3 (biases, 4h GELU, LayerNorm, learned positions): attention + MLP + 2 norms = 12h² + 13h,
-Narayanan et al.'s count. A description is read from a JSON or hjson file holding its fields
-(``from_file``); unknown keys are refused, naming the allowed ones. ``describe``, in
-``zerosim.nn.presets`` beside the presets, turns a preset name or a file path into a description.
+Narayanan et al.'s count. ``parameter_shapes`` lists every parameter's name and shape as
+``Transformer`` creates them (a tied weight once), the one source of the per-layer shapes: the
+count above is their sum, and the dry run's padding, the volume of DeepSpeed's buckets and the
+FLOP count (``matmul_parameters``: the weights every token is multiplied by, the output layer
+included even when tied) are read from them. A description is read from a JSON or hjson file
+holding its fields (``from_file``); unknown keys are refused, naming the allowed ones.
+``describe``, in ``zerosim.nn.presets`` beside the presets, turns a preset name or a file path
+into a description.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -104,24 +110,76 @@ class ModelDescription:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    def num_parameters(self) -> int:
-        """Ψ in closed form from the shapes (module docstring)."""
-        h, f, a = self.hidden, self.mlp_hidden, int(self.bias)
-        kv_width = self.kv_heads * self.head_dim
-        attention = 2 * h * h + 2 * h * kv_width + a * (2 * h + 2 * kv_width)
-        if self.mlp == "swiglu":
-            mlp = 3 * h * f + a * (2 * f + h)
-        else:
-            mlp = 2 * h * f + a * (f + h)
-        norm = h + a * h if self.norm == "layernorm" else h
-        total = self.layers * (attention + mlp + 2 * norm) + norm + self.vocab * h
+    @property
+    def packed_attention(self) -> bool:
+        """GPT-2's one packed ``c_attn`` (q, k, v in one h → 3h matrix): every head has its own
+        keys and values and no rotation enters attention. Otherwise q/k/v/o_proj apart."""
+        return self.kv_heads == self.heads and self.positions != "rotary"
+
+    def parameter_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every parameter in ``Transformer``'s definition order, a tied output
+        layer once (as ``wte.weight``): the shapes every count of this model is read from."""
+        h, v = self.hidden, self.vocab
+        out: list[tuple[str, tuple[int, ...]]] = [("wte.weight", (v, h))]
         if self.positions == "learned":
-            total += self.seq * h
+            out.append(("wpe.weight", (self.seq, h)))
         if self.embedding_norm:
-            total += norm
+            out += self._norm_shapes("ln_e")
+        for i in range(self.layers):
+            out += self._block_shapes(f"blocks.{i}")
+        out += self._norm_shapes("ln_f")
         if not self.tied:
-            total += self.vocab * h
-        return total
+            out.append(("lm_head.weight", (v, h)))
+        return out
+
+    def _norm_shapes(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
+        with_bias = self.norm == "layernorm" and self.bias
+        return [(f"{name}.weight", (self.hidden,))] + (
+            [(f"{name}.bias", (self.hidden,))] if with_bias else []
+        )
+
+    def _block_shapes(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
+        """A block's parameters: ln_1, attention (packed, or GQA's smaller k and v), ln_2, MLP
+        (GELU's two matrices or SwiGLU's three), each Linear as (out, in) + its bias."""
+        h, f, kv = self.hidden, self.mlp_hidden, self.kv_heads * self.head_dim
+        if self.packed_attention:
+            attention = [("c_attn", 3 * h, h), ("c_proj", h, h)]
+        else:
+            attention = [("q_proj", h, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, h)]
+        if self.mlp == "swiglu":
+            mlp = [("gate_proj", f, h), ("up_proj", f, h), ("down_proj", h, f)]
+        else:
+            mlp = [("c_fc", f, h), ("c_proj", h, f)]
+
+        def linears(part: str, layers: list) -> list[tuple[str, tuple[int, ...]]]:
+            out = []
+            for layer, rows, cols in layers:
+                out.append((f"{name}.{part}.{layer}.weight", (rows, cols)))
+                if self.bias:
+                    out.append((f"{name}.{part}.{layer}.bias", (rows,)))
+            return out
+
+        return (
+            self._norm_shapes(f"{name}.ln_1")
+            + linears("attn", attention)
+            + self._norm_shapes(f"{name}.ln_2")
+            + linears("mlp", mlp)
+        )
+
+    def num_parameters(self) -> int:
+        """Ψ: the sum of ``parameter_shapes`` (its closed form in the module docstring)."""
+        return sum(math.prod(shape) for _, shape in self.parameter_shapes())
+
+    def matmul_parameters(self) -> int:
+        """N_matmul: the elements of every weight a token's activations are multiplied by, the
+        blocks' matrices and the output layer (V·h, tied or not); embeddings are looked up, and
+        norms and biases are not matrix products."""
+        blocks = sum(
+            math.prod(shape)
+            for name, shape in self.parameter_shapes()
+            if name.startswith("blocks.") and len(shape) == 2
+        )
+        return blocks + self.vocab * self.hidden
 
     def with_(self, **changes: Any) -> ModelDescription:
         """A copy with ``changes`` (validated again)."""

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.backend import from_host, np_dtype, xp_of
+from zerosim.backend import from_host, xp_of
 from zerosim.nn.functional import compute_dtype
 from zerosim.nn.init import check_positive_int
 from zerosim.nn.module import Module
@@ -124,8 +124,12 @@ def alibi_slopes(n_heads: int) -> np.ndarray:
 
 def alibi_bias(slopes: np.ndarray, rows: range, cols: int, like: Any) -> Any:
     """(h, len(rows), cols) additive scores −m_h·(i − j) for query rows i, key columns j < cols
-    (positive for j > i: the causal mask hides those), in ``like``'s dtype and place."""
-    i = np.arange(rows.start, rows.stop, dtype=np.float64)[:, None]
-    j = np.arange(cols, dtype=np.float64)[None, :]
-    bias = (-slopes[:, None, None] * (i - j)[None, :, :]).astype(np_dtype(like.dtype))
-    return from_host(bias, like=like)
+    (positive for j > i: the causal mask hides those), in ``like``'s dtype and place: computed
+    in float64 where ``like`` lives (only the h slopes cross from the host; a dry run's
+    shape-only arrays compute nothing)."""
+    xp = xp_of(like)
+    m = from_host(-np.asarray(slopes, dtype=np.float64), like=like)
+    i = xp.arange(rows.start, rows.stop, dtype=xp.float64)[:, None]
+    j = xp.arange(cols, dtype=xp.float64)[None, :]
+    bias = m[:, None, None] * (i - j)[None, :, :]
+    return xp.astype(bias, like.dtype)

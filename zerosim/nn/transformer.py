@@ -168,7 +168,7 @@ class DecoderBlock(Block):
         rng = as_generator(rng)
         c = desc.hidden
         self.ln_1 = make_norm(desc, dtype)
-        if desc.kv_heads == desc.heads and desc.positions != "rotary":
+        if desc.packed_attention:
             alibi = desc.positions == "alibi"
             self.attn = CausalSelfAttention(
                 c, desc.heads, dropout, desc.bias, alibi=alibi, rng=rng, dtype=dtype

@@ -19,7 +19,7 @@ from zerosim import analysis
 from zerosim.analysis.stages import STAGES, stage_info
 from zerosim.backend import resolve_dtype
 from zerosim.config import read_config_file
-from zerosim.zero.partition import padded_size
+from zerosim.zero.partition import chunk_numel, padded_size
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 # DeepSpeed's names for the training precision -> the dtype of the parameters
@@ -78,15 +78,26 @@ def memory_data(
     num_states: int = 2,
     offload_optimizer: str = "none",
     offload_param: str = "none",
+    numels: list[int] | None = None,
 ) -> dict[str, Any]:
-    """Bytes per rank by category for every (N, stage); what ``zerosim memory --json`` prints."""
+    """Bytes per rank by category for every (N, stage); what ``zerosim memory --json`` prints.
+
+    With a model's parameter sizes (``numels``), stage 3 counts Ψ_pad as its partition pads
+    it: every parameter cut into N chunks of ceil(numel/N) (``stage3_padded_numel``)."""
     offload = {"offload_optimizer": offload_optimizer, "offload_param": offload_param}
     rows = []
     for n in dp:
         for s in stages:
-            m = model_states(s, params, n, dtype, num_states, **offload)
+            psi = params if s != "3" or numels is None else stage3_padded_numel(numels, n)
+            m = model_states(s, psi, n, dtype, num_states, **offload)
             rows.append({"dp": n, "stage": s, **m.as_dict(), **m.split()})
     return {"num_params": params, "dtype": dtype, "num_states": num_states, **offload, "rows": rows}
+
+
+def stage3_padded_numel(numels: list[int], world_size: int) -> int:
+    """Stage 3's Ψ_pad: Σ ceil(numel_i / N)·N, each parameter cut into N equal chunks (at least
+    one element each)."""
+    return sum(chunk_numel(m, world_size) * world_size for m in numels)
 
 
 def volume_data(
@@ -96,6 +107,7 @@ def volume_data(
     dtype: str = "float32",
     persistent_numel: int = 0,
     reuse: bool = False,
+    numels: list[int] | None = None,
 ) -> dict[str, Any]:
     """Bytes one rank sends per optimizer step, by phase and stage (``zerosim volume --json``).
 
@@ -110,7 +122,10 @@ def volume_data(
     Ψ all-reduced unpadded (in 5e8-element messages), the stage 1-2 all-gather of Ψ padded to a
     multiple of 2N, and ``ratio`` = its total / the paper's. The gradients are taken as parameters
     much smaller than a bucket, so its buckets hold exactly ``reduce_bucket_size`` elements (one
-    bucket when Ψ ≤ 5e8: exact for any model); stage 3 is given by the paper's formula in both
+    bucket when Ψ ≤ 5e8: exact for any model), unless a model's parameter sizes are given
+    (``numels``, definition order): then its buckets are the model's, and stage 3's Ψ_pad is
+    its parameters padded one by one (``stage3_padded_numel``); stage 3 is given by the paper's
+    formula in both
     (DeepSpeed's coalesces each module's gathers into one call; with a prefetch bucket or live
     cap smaller than the model its bytes follow the module trace: docs/formulas.md).
     """
@@ -119,6 +134,8 @@ def volume_data(
     for s in STAGES:
         multiple = math.lcm(dp, 128) if s == "megatron" else dp
         pad = padded_size(int(params), multiple)
+        if s == "3" and numels is not None:
+            pad = stage3_padded_numel(numels, dp)
         stage = 1 if s == "megatron" else int(s)
         extra = {"persistent_numel": persistent_numel, "backward_gather": not reuse}
         phases = analysis.step_bytes(
@@ -127,7 +144,7 @@ def volume_data(
         stages[s] = {"padded_numel": pad, **phases, "total": sum(phases.values())}
     clip = {"end_ranks": analysis.clip_bytes(dp, 0)}
     clip["middle_ranks"] = analysis.clip_bytes(dp, 1) if dp > 2 else None
-    deepspeed = _deepspeed_volume(int(params), dp, b, accumulation, stages)
+    deepspeed = _deepspeed_volume(int(params), dp, b, accumulation, stages, numels)
     return {
         "num_params": params,
         "dp": dp,
@@ -142,15 +159,26 @@ def volume_data(
 
 
 def _deepspeed_volume(
-    params: int, dp: int, b: int, accumulation: int, paper: dict[str, dict[str, Any]]
+    params: int,
+    dp: int,
+    b: int,
+    accumulation: int,
+    paper: dict[str, dict[str, Any]],
+    numels: list[int] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """``volume_data``'s "deepspeed" section: stages 0-2 under DeepSpeed's schedule, the
     gradients in buckets of exactly ``reduce_bucket_size`` elements
     (``analysis.deepspeed_bucketed_step_bytes``: per bucket size, not per bucket, so any Ψ
-    answers at once), beside ``paper``'s totals."""
+    answers at once) or, given a model's ``numels``, in the model's own buckets
+    (``analysis.step_bytes``), beside ``paper``'s totals."""
     deepspeed = {}
     for s in ("0", "1", "2"):
-        phases = analysis.deepspeed_bucketed_step_bytes(int(s), dp, params, b, accumulation)
+        if numels is None:
+            phases = analysis.deepspeed_bucketed_step_bytes(int(s), dp, params, b, accumulation)
+        else:
+            phases = analysis.step_bytes(
+                int(s), dp, 0, b, accumulation, schedule="deepspeed", numels=numels
+            )
         total = sum(phases.values())
         pad = params if s == "0" else analysis.deepspeed_padded_numel(params, dp)
         paper_total = paper[s]["total"]
@@ -215,14 +243,20 @@ def project_data(
     accumulation: int = 1,
     efficiency: float = 0.5,
     recompute: bool = False,
+    model: Any = None,
 ) -> dict[str, Any]:
     """Step time and memory per GPU for each stage on ``cluster`` (``zerosim project --json``).
 
-    compute = 6ΨT/N FLOPs (8ΨT/N with recomputation) at device_flops · efficiency; communication
-    = the stage's collectives (``stage_collectives``) on the two-level α-β model.
+    compute = 6ΨT/N FLOPs (8ΨT/N with recomputation), or with a ``model`` description its
+    family's count, (6·N_matmul + 12·l·h·s)·T/N (``analysis.transformer_flops_per_token``), at
+    device_flops · efficiency; communication = the stage's collectives (``stage_collectives``)
+    on the two-level α-β model.
     """
     n = cluster.world_size
-    flops = analysis.transformer_training_flops(params, tokens_per_step / n, recompute)
+    if model is None:
+        flops = analysis.transformer_training_flops(params, tokens_per_step / n, recompute)
+    else:
+        flops = analysis.transformer_flops_per_token(model, recompute) * tokens_per_step / n
     compute = cluster.compute_time(flops, efficiency)
     out: dict[str, Any] = {"world_size": n, "compute_flops_per_device": flops, "stages": {}}
     for s in STAGES:
@@ -308,32 +342,41 @@ GPT_PRESETS = {
 
 
 def gpt_params(n_layer: int, n_embd: int, vocab_size: int, block_size: int) -> int:
-    """Ψ of ``zerosim.nn.GPT`` (biases on, untied head), counted the way the model builds it.
-
-    Per block: two LayerNorms 4d, attention 3d² + 3d (c_attn) + d² + d (c_proj), MLP 4d² + 4d
-    + 4d² + d: 12d² + 13d. Plus token and position embeddings (V + T)·d, the final LayerNorm 2d
-    and the LM head V·d.
-    """
-    d = n_embd
-    return n_layer * (12 * d * d + 13 * d) + (vocab_size + block_size) * d + 2 * d + vocab_size * d
+    """Ψ of ``zerosim.nn.GPT`` (biases on, untied head): its description's count, per block
+    12d² + 13d (two LayerNorms 4d, c_attn 3d² + 3d, c_proj d² + d, MLP 8d² + 5d), plus the
+    token and position embeddings (V + T)·d, the final LayerNorm 2d and the LM head V·d."""
+    return gpt_description(n_layer, n_embd, vocab_size, block_size).num_parameters()
 
 
-def model_params(spec: str) -> int:
-    """Ψ of a ``--model`` value: a GPT preset name, ``gpt:n_layer,n_embd,vocab_size,block_size``,
-    or a model description (a ``zerosim.nn.PRESETS`` name, its ``-tiny``, or a JSON/hjson file:
-    ``ModelDescription.num_parameters``)."""
+def gpt_description(n_layer: int, n_embd: int, vocab_size: int, block_size: int) -> Any:
+    """The description of ``zerosim project``'s untied GPT, with one head (the number of heads
+    changes neither the parameters nor the FLOPs)."""
+    from zerosim.nn import GPT
+
+    return GPT.description(vocab_size, block_size, n_layer, 1, n_embd)
+
+
+def model_description(spec: str) -> Any:
+    """The ``ModelDescription`` of a ``--model`` value: a GPT preset name,
+    ``gpt:n_layer,n_embd,vocab_size,block_size``, a ``zerosim.nn.PRESETS`` name, its ``-tiny``,
+    or a JSON/hjson file; a ValueError naming the allowed forms otherwise."""
     from zerosim.nn import PRESETS, describe
 
     if spec in GPT_PRESETS:
-        return gpt_params(*GPT_PRESETS[spec])
+        return gpt_description(*GPT_PRESETS[spec])
     if spec.startswith("gpt:"):
         parts = spec[4:].split(",")
         if len(parts) == 4 and all(p.strip().isdigit() and int(p) > 0 for p in parts):
-            return gpt_params(*(int(p) for p in parts))
+            return gpt_description(*(int(p) for p in parts))
     if spec in PRESETS or spec.removesuffix("-tiny") in PRESETS or Path(spec).is_file():
-        return describe(spec).num_parameters()  # a bad file: its own message
+        return describe(spec)  # a bad file: its own message
     raise ValueError(
         f"--model {spec!r} is not a model; allowed: {sorted(GPT_PRESETS)}, "
         "gpt:n_layer,n_embd,vocab_size,block_size with positive integers, a model preset "
         f"({', '.join(sorted(PRESETS))}, each also as NAME-tiny) or a model-description file"
     )
+
+
+def model_params(spec: str) -> int:
+    """Ψ of a ``--model`` value (``model_description``): its description's parameter count."""
+    return model_description(spec).num_parameters()

@@ -40,8 +40,10 @@ log = logging.getLogger(__name__)
 class ParamCoordinator:
     """Fetches, prefetches and releases the partitioned parameters of a stage-3 model."""
 
-    def __init__(self, strategy: Any, model: Module, zero: Any) -> None:
-        self.strategy = strategy
+    def __init__(self, fetcher: Any, model: Module, zero: Any) -> None:
+        strategy = fetcher.strategy
+        self.fetcher = fetcher  # moves the bytes: start_gather, finish_gather, free
+        self.itemsize = strategy.dtype.itemsize  # bytes of a gathered element
         self.zero = zero
         self.prefetch = bool(zero.overlap_comm) and zero.stage3_prefetch_bucket_size > 0
         self.modules: dict[int, list[Parameter]] = {}
@@ -112,21 +114,21 @@ class ParamCoordinator:
                 self._drop(p)
 
     def _start(self, p: Parameter) -> None:
-        self.handles[id(p)] = self.strategy.start_gather(p)
+        self.handles[id(p)] = self.fetcher.start_gather(p)
         self.state[id(p)] = "inflight"
         self.live += p.numel
-        self.peak_live_bytes = max(self.peak_live_bytes, self.live * self.strategy.dtype.itemsize)
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live * self.itemsize)
 
     def _finish(self, p: Parameter) -> None:
         if self.state[id(p)] == "inflight":
-            self.strategy.finish_gather(p, self.handles.pop(id(p)))
+            self.fetcher.finish_gather(p, self.handles.pop(id(p)))
             self.state[id(p)] = "available"
 
     def _drop(self, p: Parameter) -> None:
         if self.state[id(p)] == "released":
             return
         self._finish(p)  # a prefetch that was never used still has to complete
-        self.strategy.free(p)
+        self.fetcher.free(p)
         self.state[id(p)] = "released"
         self.live -= p.numel
 

@@ -57,8 +57,10 @@ NEVER = -(10**10)  # DeepSpeed's "not fetched for any step yet"
 class DeepSpeedCoordinator:
     """Fetches, prefetches and releases stage-3 parameters as DeepSpeed 0.19.8 does."""
 
-    def __init__(self, strategy: Any, model: Module, zero: Any) -> None:
-        self.strategy = strategy
+    def __init__(self, fetcher: Any, model: Module, zero: Any) -> None:
+        strategy = fetcher.strategy
+        self.fetcher = fetcher  # moves the bytes: start_coalesced_gather, finish_…, free
+        self.itemsize = strategy.dtype.itemsize  # bytes of a gathered element
         self.zero = zero
         self.modules: dict[int, list[Parameter]] = {}  # module id -> its own parameters
         self.order: dict[int, int] = {}  # parameter id -> definition order (DeepSpeed's ds_id)
@@ -231,24 +233,24 @@ class DeepSpeedCoordinator:
     def _gather(self, params: list[Parameter]) -> None:
         if not params:
             return
-        handle = self.strategy.start_coalesced_gather(params)
+        handle = self.fetcher.start_coalesced_gather(params)
         for p in params:
             self.inflight[id(p)] = handle
             self.state[id(p)] = "inflight"
             self.live += p.numel
-        self.peak_live_bytes = max(self.peak_live_bytes, self.live * self.strategy.dtype.itemsize)
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live * self.itemsize)
 
     def _finish(self, p: Parameter) -> None:
         if self.state[id(p)] == "inflight":
             handle = self.inflight[id(p)]
-            self.strategy.finish_coalesced_gather(handle)
+            self.fetcher.finish_coalesced_gather(handle)
             for q in handle.params:
                 self.inflight.pop(id(q), None)
                 self.state[id(q)] = "available"
 
     def _release(self, p: Parameter) -> None:
         if self.state[id(p)] == "available" and not self.active[id(p)]:
-            self.strategy.free(p)
+            self.fetcher.free(p)
             self.state[id(p)] = "released"
             self.live -= p.numel
 

@@ -28,17 +28,23 @@ After an all-reduce every rank keeps the slices it owns; after a reduce only the
 With the defaults a bucket is one all-reduce, so every gradient element is all-reduced once:
 2(N−1)/N · Ψ per reduction where the paper's reduce-scatter sends (N−1)/N · Ψ_pad.
 
-``plan_bucket`` is the pure part (what a notebook can print); ``IpgBuckets`` runs it for a stage.
+``plan_bucket`` is the pure part (what a notebook can print); ``IpgBuckets`` runs it for a stage;
+``IpgAtBoundary`` (stage 1) and ``IpgInBackward`` (stage 2) are the reducers a stage is given
+(``reducer.py``): when gradients join the bucket, each reduced piece landing through the stage's
+``land``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 from zerosim.backend import assign, flat
-from zerosim.zero.buckets import MAX_IN_FLIGHT, PendingReductions
+from zerosim.nn import GradReadyTracker, Parameter
+from zerosim.zero.buckets import MAX_IN_FLIGHT
+from zerosim.zero.reducer import GradReducer
 
 
 class BucketGradient(NamedTuple):
@@ -176,8 +182,8 @@ class IpgBuckets:
     end of backward. ``deliver(group, flat_start, values)`` receives each reduced piece this rank
     owns (values are the sum over ranks, in the bucket's dtype).
 
-    ``strategy`` lends pooled buffers (``take_buffer``/``give_buffer``), the communicator, the
-    wire dtype, the pre-reduction scaling and overlap-or-block (``start_or_run``);
+    ``strategy`` lends its reduce sequence (``strategy.reduction``: pooled buffers, scaling,
+    reductions pending), the communicator, the wire dtype and overlap-or-block (``start_or_run``);
     ``flat_starts[g][i]`` is where parameter i of group g starts in its flat buffer;
     ``partition_sizes[g]`` is P of group g.
     """
@@ -204,8 +210,7 @@ class IpgBuckets:
         self.muon = getattr(strategy, "muon", None)  # split Muon matrices go to all their owners
         self.entries: list[BucketGradient] = []  # the bucket being filled
         self.grads: list[Any] = []  # their gradients (flattened views), until the bucket goes
-        self.numel = 0
-        self.pending = PendingReductions(strategy.give_buffer)  # launched, oldest first
+        self.numel = 0  # their elements
 
     def add(self, group: int, index: int, grad: Any) -> None:
         """Parameter ``index`` of ``group`` joins the bucket (which is reduced first if full)."""
@@ -226,48 +231,53 @@ class IpgBuckets:
         plan = plan_bucket(self.entries, self.partition_sizes, self.limit, **self.switches)
         s = self.strategy
         wire = s.wire_dtype(self.grads[0].dtype)
-        bucket = s.take_buffer(self.numel, wire)
+        bucket = s.reduction.take(self.numel, wire)
         at = 0
         for g in self.grads:
             assign(bucket[at : at + g.size], g)
             at += g.size
         self.entries, self.grads, self.numel = [], [], 0
-        s.before_reduction(bucket)
         for i, r in enumerate(plan):
             last = i == len(plan) - 1
             self._start_reduction(r, bucket, last)
 
     def _start_reduction(self, r: Reduction, bucket: Any, last: bool) -> None:
-        """Start one collective of a bucket; the bucket buffer is given back with its last."""
+        """Start one collective of a bucket (the strategy's reduce sequence: each message is
+        scaled as it goes, so every element of the bucket once); the bucket buffer is given back
+        with its last."""
         s = self.strategy
-        self.pending.complete(leave=MAX_IN_FLIGHT - 1)
+        s.reduction.pending.complete(leave=MAX_IN_FLIGHT - 1)
         first, stop = r.slices[0].bucket_start, r.slices[-1].bucket_start + r.slices[-1].size
         if stop - first == r.numel:  # contiguous in the bucket: reduce it in place
             message, extra = bucket[first:stop], ()
         else:  # a reduce of one owner's scattered slices: flatten them (DeepSpeed does too)
-            message = s.take_buffer(r.numel, bucket.dtype)
+            message = s.reduction.take(r.numel, bucket.dtype)
             at = 0
             for sl in r.slices:
                 message[at : at + sl.size] = bucket[sl.bucket_start : sl.bucket_start + sl.size]
                 at += sl.size
             extra = (message,)
         views = extra + ((bucket,) if last else ())
-        comm = self.comm
+        mine = r.root is None or r.root == self.comm.rank  # a reduce leaves nothing elsewhere
+        land = Delivery(self, r) if mine else None
+        s.reduction.reduce(message, land, partial(self.collective, r), pooled=views)
+
+    def collective(self, r: Reduction, out: Any, message: Any) -> Any:
+        """A reduce-sequence collective: the message all-reduced or reduced to ``r.root``, in
+        place, as ``r.op`` says."""
+        s, comm = self.strategy, self.comm
         if r.op == "all_reduce":
-            handle = s.start_or_run(comm.iall_reduce, comm.all_reduce, message)
-        else:
-            handle = s.start_or_run(comm.ireduce, comm.reduce, message, r.root)
-        mine = r.root is None or r.root == comm.rank  # a reduce leaves nothing on other ranks
-        self.pending.add(handle, message, Delivery(self, r) if mine else None, views)
+            return s.start_or_run(comm.iall_reduce, comm.all_reduce, message)
+        return s.start_or_run(comm.ireduce, comm.reduce, message, r.root)
 
     def finish(self) -> None:
         """End of backward: reduce the last bucket and wait for every collective."""
         self.reduce()
-        self.pending.complete()
+        self.strategy.reduction.pending.complete()
 
 
 class Delivery:
-    """Where a reduced message of ``IpgBuckets`` goes on this rank: ``delivery += message`` (what
+    """Where a reduced message of ``IpgBuckets`` goes on this rank: ``delivery(message)`` (what
     ``PendingReductions`` does once it completes) hands each piece of it this rank receives to
     the stage's ``deliver`` (the piece's owner) or to Muon (a split matrix's other owners)."""
 
@@ -275,7 +285,7 @@ class Delivery:
         self.ipg = ipg
         self.reduction = reduction
 
-    def __iadd__(self, message: Any) -> Delivery:
+    def __call__(self, message: Any) -> None:
         rank, at = self.ipg.comm.rank, 0
         for sl in self.reduction.slices:
             if rank in sl.copy_ranks:  # its owner, or a Muon matrix's other owners
@@ -284,4 +294,85 @@ class Delivery:
                     start = at + p.bucket_start - sl.bucket_start
                     deliver(p.group, p.flat_start, message[start : start + p.size])
             at += sl.size
-        return self
+
+
+def ipg_buckets(strategy: Any) -> IpgBuckets:
+    """A stage's IPG bucket over its flat buffers, each reduced piece landing in the stage."""
+    starts = [[slot.range.start for slot in g.slots] for g in strategy.groups]
+    sizes = [g.layout.shard_numel for g in strategy.groups]
+    return IpgBuckets(strategy, starts, sizes, strategy.land)
+
+
+class IpgAtBoundary(GradReducer):
+    """DeepSpeed's stage-1 reducer: at the boundary the gradients join IPG buckets as backward
+    finishes them (with ``overlap_comm``, its hooks), the rest after backward in definition order
+    (``reduce_gradients``); the module gradients stay (they accumulate across micro-steps)."""
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        self.ipg = ipg_buckets(strategy)  # the bucket being filled
+        self.reducing = False  # with overlap_comm: only the boundary backward reduces
+        self.added: set[int] = set()  # id(param) of gradients added in this boundary backward
+        self.tracker: GradReadyTracker | None = None  # attach(), with overlap_comm
+
+    def attach(self, model: Any) -> None:
+        if self.strategy.zero.overlap_comm:  # reduce as backward finishes each gradient
+            self.tracker = GradReadyTracker(model, self._ready)
+
+    def _ready(self, p: Parameter) -> None:
+        if self.reducing:
+            self._add(*self.strategy.where[id(p)])
+
+    def _add(self, gi: int, i: int) -> None:
+        g = self.strategy.groups[gi]
+        self.ipg.add(gi, i, g.param_view(i, g.flat_grad))
+        self.added.add(id(g.named_params[i][1]))
+
+    def before_backward(self, boundary: bool) -> None:
+        self.reducing = boundary
+
+    def after_backward(self, boundary: bool) -> None:
+        if self.tracker is not None:
+            self.tracker.reset()
+        if not boundary:
+            return
+        self.reducing = False
+        for gi, g in enumerate(self.strategy.groups):  # definition order (all of them, or the
+            for i, (_, p) in enumerate(g.named_params):  # ones backward did not finish)
+                if id(p) not in self.added:
+                    self._add(gi, i)
+        self.added.clear()
+        self.ipg.finish()
+
+
+class IpgInBackward(GradReducer):
+    """DeepSpeed's stage-2 reducer: during every backward each gradient joins the IPG bucket as
+    soon as it is final (its module copy is then dropped); after backward the rest, last first
+    (``independent_gradient_partition_epilogue``)."""
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        self.ipg = ipg_buckets(strategy)  # the bucket being filled
+        self.added: set[int] = set()  # id(param) of gradients added in this backward
+        self.tracker: GradReadyTracker | None = None  # attach(): says when a gradient is final
+
+    def attach(self, model: Any) -> None:
+        self.tracker = GradReadyTracker(model, self._ready)
+
+    def _ready(self, p: Parameter) -> None:
+        """The gradient joins the IPG bucket; the module's copy goes."""
+        if p.grad is None:
+            return
+        gi, i = self.strategy.where[id(p)]
+        self.ipg.add(gi, i, p.grad)
+        self.added.add(id(p))
+        p.grad = None
+
+    def after_backward(self, boundary: bool) -> None:
+        self.tracker.reset()
+        for g in self.strategy.groups:  # parameters whose uses never completed, last first
+            for _, p in reversed(g.named_params):
+                if id(p) not in self.added:
+                    self._ready(p)
+        self.added.clear()
+        self.ipg.finish()

@@ -1,11 +1,15 @@
 """Which strategy class runs a config: the one place a stage number, schedule name or layout
 name becomes code.
 
-Keyed by (``zero_optimization.stage``, ``zerosim.schedule``, ``zerosim.layout``). The paper's
-classes (``stage0.py`` … ``stage3.py``) run the ``paper`` schedule; DeepSpeed 0.19.8's schedule
-is a subclass of each beside it (``stage0_deepspeed.py`` …), and Megatron's layout (stage 1 only,
-``stage1_megatron.py``) one of stage 1's. ZeRO++ (``stage3_zeropp.py``) subclasses the paper's
-stage 3 and is picked whenever one of its switches is on, whatever the schedule.
+Keyed by (``zero_optimization.stage``, ``zerosim.schedule``, ``zerosim.layout``). A class is a
+stage's algorithm (``stage0.py`` … ``stage3.py``, the paper's, with the paper's parts) or that
+stage given other parts: a gradient reducer (``reducer_cls``, ``reducer.py``) and at stage 3 a
+parameter fetcher (``fetcher_cls``, ``fetcher.py``). DeepSpeed 0.19.8's schedule is each stage
+with DeepSpeed's parts and its flat-buffer padding and norm (``stage0_deepspeed.py`` …);
+Megatron's layout (stage 1 only, ``stage1_megatron.py``) is stage 1 with Megatron's buckets;
+ZeRO++ (``stage3_zeropp.py``) is the paper's stage 3 with ZeRO++'s reducer and fetcher, picked
+whenever one of its switches is on, whatever the schedule. The parts of each entry, in the
+comments below, are the class's ``reducer_cls`` / ``fetcher_cls``.
 """
 
 from __future__ import annotations
@@ -24,20 +28,20 @@ from zerosim.zero.stage3_zeropp import Stage3ZeroPP, Stage3ZeroPPDeepSpeed
 from zerosim.zero.strategy import Strategy
 
 STRATEGIES: dict[tuple[int, str, str], type[Strategy]] = {
-    (0, "paper", "deepspeed"): Stage0,
-    (0, "deepspeed", "deepspeed"): Stage0DeepSpeed,
-    (1, "paper", "deepspeed"): Stage1,
-    (1, "deepspeed", "deepspeed"): Stage1DeepSpeed,
-    (1, "paper", "megatron"): Stage1Megatron,
-    (1, "deepspeed", "megatron"): Stage1MegatronDeepSpeed,
-    (2, "paper", "deepspeed"): Stage2,
-    (2, "deepspeed", "deepspeed"): Stage2DeepSpeed,
-    (3, "paper", "deepspeed"): Stage3,
-    (3, "deepspeed", "deepspeed"): Stage3DeepSpeed,
+    (0, "paper", "deepspeed"): Stage0,  # BucketAllReduce
+    (0, "deepspeed", "deepspeed"): Stage0DeepSpeed,  # AllReduceAfterBackward
+    (1, "paper", "deepspeed"): Stage1,  # UnitReduceScatter
+    (1, "deepspeed", "deepspeed"): Stage1DeepSpeed,  # IpgAtBoundary
+    (1, "paper", "megatron"): Stage1Megatron,  # UnitReduceScatter over Megatron's buckets
+    (1, "deepspeed", "megatron"): Stage1MegatronDeepSpeed,  # the same, DeepSpeed's norm
+    (2, "paper", "deepspeed"): Stage2,  # BucketReduceScatter
+    (2, "deepspeed", "deepspeed"): Stage2DeepSpeed,  # IpgInBackward
+    (3, "paper", "deepspeed"): Stage3,  # RankMajorReduceScatter, GatherEach
+    (3, "deepspeed", "deepspeed"): Stage3DeepSpeed,  # OpenBucket, CoalescedFetcher
 }
 ZEROPP: dict[tuple[int, str], type[Strategy]] = {  # qwZ, hpZ or qgZ on
-    (3, "paper"): Stage3ZeroPP,
-    (3, "deepspeed"): Stage3ZeroPPDeepSpeed,
+    (3, "paper"): Stage3ZeroPP,  # QuantizedBuckets, ZeroPPFetcher
+    (3, "deepspeed"): Stage3ZeroPPDeepSpeed,  # the same, DeepSpeed's norm
 }
 
 

@@ -7,15 +7,20 @@ gradients Ψ in definition order, in messages closed once they exceed 5e8 elemen
 ``MEMORY_OPT_ALLREDUCE_SIZE``, whatever ``reduce_bucket_size`` says): 2(N−1)/N · Ψ per step, one
 message below 5e8 parameters, and nothing overlaps backward. With several parameter groups
 (Muon's two) one message holds gradients of each: DeepSpeed flattens every gradient of the model
-together. The flat buffers stay zerosim's (padded to N); DeepSpeed's stage 0 has none.
+together. The flat buffers stay zerosim's (padded to N); DeepSpeed's stage 0 has none. So the
+class is the paper's stage 0 given another reducer (``AllReduceAfterBackward``) and DeepSpeed's
+boundary checks.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from zerosim.backend import assign, flat
+from zerosim.zero.buckets import all_reduce_range
 from zerosim.zero.partition import Range
+from zerosim.zero.reducer import GradReducer
 from zerosim.zero.schedule import deepspeed_stage0_checks
 from zerosim.zero.stage0 import Stage0
 
@@ -36,52 +41,61 @@ def allreduce_messages(numels: list[int], limit: int = DEEPSPEED_ALLREDUCE_SIZE)
     return runs
 
 
-class Stage0DeepSpeed(Stage0):
-    """Full replicas; DeepSpeed's gradient all-reduce after the boundary backward."""
+class AllReduceAfterBackward(GradReducer):
+    """DeepSpeed's stage-0 reducer: no hooks; after the boundary backward, the gradients
+    all-reduced in DeepSpeed's messages (``allreduce_messages``)."""
 
-    boundary_rule = staticmethod(deepspeed_stage0_checks)
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
         # per group, the messages over its unpadded gradients (one group: its own flat buffer's
-        # runs; several: ``_reduce_across_groups``)
+        # runs; several: ``reduce_across_groups``)
         self.messages: list[list[Range]] = [
-            allreduce_messages([s.range.size for s in g.slots]) for g in self.groups
+            allreduce_messages([s.range.size for s in g.slots]) for g in strategy.groups
         ]
-
-    def attach(self, model: Any) -> None:
-        """No hooks: nothing is reduced during backward."""
-
-    def before_backward(self, boundary: bool) -> None:
-        """Nothing to prepare: the reduction starts after backward."""
 
     def after_backward(self, boundary: bool) -> None:
         if not boundary:
             return
-        if len(self.groups) > 1:
-            self._reduce_across_groups()
+        s = self.strategy
+        if len(s.groups) > 1:
+            self.reduce_across_groups()
         else:
-            for g, runs in zip(self.groups, self.messages, strict=True):
+            for gi, runs in enumerate(self.messages):
                 for run in runs:
-                    self.reduce_range(g, run)
-        self.finish_reduction()
+                    all_reduce_range(s, gi, run)
+        s.reduction.pending.complete()
 
-    def _reduce_across_groups(self) -> None:
+    def reduce_across_groups(self) -> None:
         """DeepSpeed flattens every gradient of the model into its messages
         (``buffered_allreduce_fallback``), so with several groups one message holds parameters
         of each: their gradients are copied into a pooled buffer, all-reduced, copied back."""
-        views = [g.param_view(i, g.flat_grad) for g in self.groups for i in range(len(g.slots))]
+        s = self.strategy
+        views = [g.param_view(i, g.flat_grad) for g in s.groups for i in range(len(g.slots))]
         at = 0
         for run in allreduce_messages([v.size for v in views]):
-            buf = self.wire_buffer(run.size)
+            buf = s.reduction.wire_buffer(run.size)
             members, offset = [], 0
             while at < len(views) and offset < run.size:
                 members.append((views[at], offset))
                 assign(buf[offset : offset + views[at].size], flat(views[at]))
                 offset += views[at].size
                 at += 1
-            self.before_reduction(buf)
-            self.comm.all_reduce(buf)
-            for view, start in members:
-                assign(flat(view), buf[start : start + view.size])
-            self.give_buffer(buf)
+            s.reduction.reduce(buf, partial(copy_back, members), self.all_reduce_now)
+
+    def all_reduce_now(self, out: Any, bucket: Any) -> None:
+        """A ``ReduceSequence.reduce`` collective: the bucket all-reduced in place, blocking."""
+        self.strategy.comm.all_reduce(bucket)
+
+
+def copy_back(members: list[tuple[Any, int]], buf: Any) -> None:
+    """Where a message reduced across groups lands: each gradient's run of ``buf`` copied back
+    into the gradient (``members``: (gradient view, its start in the message))."""
+    for view, start in members:
+        assign(flat(view), buf[start : start + view.size])
+
+
+class Stage0DeepSpeed(Stage0):
+    """Full replicas; DeepSpeed's gradient all-reduce after the boundary backward."""
+
+    boundary_rule = staticmethod(deepspeed_stage0_checks)
+    reducer_cls = AllReduceAfterBackward

@@ -9,7 +9,9 @@ Ownership is DeepSpeed's contiguous [r·P, (r+1)·P), so a bucket's parts are un
 true reduce-scatter with uneven pieces (MPI_Reduce_scatter). Over a step's buckets rank r sends
 Σ_b (|b| − c_{b,r}) = Ψ_pad − P = (N−1)/N · Ψ_pad, the same as one even reduce-scatter.
 
-With accumulation k every micro-step reduces, so a step sends k·(N−1)/N · Ψ_pad in
+The buckets are the reducer this stage is given (``BucketReduceScatter``,
+``zerosim/zero/buckets.py``); where its pieces land is this stage's ``land``. With accumulation k
+every micro-step reduces, so a step sends k·(N−1)/N · Ψ_pad in
 reduce-scatters plus (N−1)/N · Ψ_pad in the all-gather: (k+1)(N−1)/N · Ψ_pad.
 
 DeepSpeed 0.19.8 all-reduces IPG buckets instead, about 1.5× the bytes: ``stage2_deepspeed.py``.
@@ -17,14 +19,11 @@ DeepSpeed 0.19.8 all-reduces IPG buckets instead, about 1.5× the bytes: ``stage
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
-from zerosim.backend import assign, flat, nbytes
-from zerosim.nn import GradReadyTracker, Parameter
-from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue, bucket_members
-from zerosim.zero.partition import Range, piece_counts, reduction_buckets
+from zerosim.backend import nbytes
+from zerosim.zero.buckets import BucketReduceScatter
+from zerosim.zero.partition import Range
 from zerosim.zero.strategy import FlatGroup, Strategy
 
 
@@ -36,27 +35,6 @@ class Stage2Group(FlatGroup):
         self.grad_shard: Any = None  # setup_gradients: the reduced gradient of the owned shard
 
 
-@dataclass
-class BucketPlan:
-    """The reduction buckets of one group's flat buffer (cut at parameter starts)."""
-
-    ranges: list[Range]  # bucket -> its range of the flat buffer
-    counts: list[list[int]]  # bucket -> each rank's piece of it
-    of_param: list[int]  # parameter index -> its bucket
-    params: list[list[int]]  # bucket -> its parameter indices
-    filling: dict[int, Any] = field(default_factory=dict)  # bucket -> its buffer while filled
-
-    @classmethod
-    def plan(cls, g: FlatGroup, bucket_size: int) -> BucketPlan:
-        ranges = reduction_buckets(g.layout, bucket_size)
-        of_param = [
-            next(b for b, r in enumerate(ranges) if r.start <= slot.range.start < r.stop)
-            for slot in g.slots
-        ]
-        params = [[i for i, b in enumerate(of_param) if b == k] for k in range(len(ranges))]
-        return cls(ranges, [piece_counts(b, g.layout) for b in ranges], of_param, params)
-
-
 class Stage2(Strategy):
     """Partitioned gradients: bucketed reduce-scatter during every backward."""
 
@@ -64,91 +42,30 @@ class Stage2(Strategy):
     partitions_optimizer_states = True
     reported_norm = "before_scale_update"  # DeepSpeed's stage_1_and_2.py
     group_cls = Stage2Group
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        # per group, its buckets, launched in order as backward finishes their parameters
-        self.buckets: list[BucketPlan] = [
-            BucketPlan.plan(g, self.zero.reduce_bucket_size) for g in self.groups
-        ]
-        self.queues: list[BucketQueue] = [
-            BucketQueue(
-                bucket_members(g.named_params, g.slots, plan.ranges),
-                partial(self._launch_bucket, g, plan),
-            )
-            for g, plan in zip(self.groups, self.buckets, strict=True)
-        ]
-        self.tracker: GradReadyTracker | None = None  # attach(): says when a gradient is final
+    reducer_cls = BucketReduceScatter  # the paper's fixed buckets, reduce-scattered
 
     def setup_gradients(self) -> None:
+        """The owned shard's gradient only; module gradients go once they are in a bucket."""
         for g in self.groups:
             (own,) = g.owned
             g.grad_shard = g.xp.zeros(own.size, dtype=self.dtype)
             for _, p in g.named_params:
                 p.grad = None
 
-    def bucket_pieces(self) -> list[list[int]]:
-        return [counts for plan in self.buckets for counts in plan.counts]
-
-    def attach(self, model: Any) -> None:
-        self.tracker = GradReadyTracker(model, self._ready)
-
-    def _ready(self, p: Parameter) -> None:
-        self._move_grad(p)
-        self.queues[self.where[id(p)][0]].ready(p)
-
-    def _buffer(self, plan: BucketPlan, b: int) -> Any:
-        if b not in plan.filling:
-            plan.filling[b] = self.wire_buffer(plan.ranges[b].size)
-        return plan.filling[b]
-
-    def _move_grad(self, p: Parameter) -> None:
-        """Copy a finished module gradient into its bucket buffer and drop it."""
-        if p.grad is None:
-            return
-        gi, i = self.where[id(p)]
-        plan = self.buckets[gi]
-        b = plan.of_param[i]
-        slot = self.groups[gi].slots[i].range
-        start = slot.start - plan.ranges[b].start
-        assign(self._buffer(plan, b)[start : start + slot.size], flat(p.grad))
-        p.grad = None
-
-    def _launch_bucket(self, g: Stage2Group, plan: BucketPlan, b: int) -> None:
-        """Reduce-scatter bucket ``b``: this rank's piece is added into its gradient shard."""
-        bucket, counts = plan.ranges[b], plan.counts[b]
+    def land(self, group: int, start: int, values: Any) -> None:
+        """This rank's reduced piece of a bucket is added into its gradient shard (it
+        accumulates across micro-steps)."""
+        g = self.groups[group]
         (own,) = g.owned
-        for i in plan.params[b]:  # parameters whose uses never completed
-            self._move_grad(g.named_params[i][1])
-        buf = self._buffer(plan, b)
-        del plan.filling[b]  # given back to the pool once the reduction completes
-        self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        part = bucket.intersect(own)  # this rank's piece lands in its gradient shard: dest += out
-        dest = (
-            None if part is None else g.grad_shard[part.start - own.start : part.stop - own.start]
-        )
-        self.reduce_bucket(buf, dest, partial(self.reduce_scatter, counts), counts[self.comm.rank])
-
-    def reduce_scatter(self, counts: list[int], out: Any, buf: Any) -> Any:
-        """A ``reduce_bucket`` collective: the bucket reduce-scattered in pieces of ``counts``
-        elements, this rank's into ``out``."""
-        return self.start_or_run(
-            self.comm.ireduce_scatter_v, self.comm.reduce_scatter_v, out, buf, counts
-        )
+        g.grad_shard[start - own.start : start - own.start + values.size] += values
 
     def before_backward(self, boundary: bool) -> None:
-        for q in self.queues:
-            q.start()
+        self.reducer.before_backward(boundary)
 
     def after_backward(self, boundary: bool) -> None:
-        self.tracker.reset()
-        for q in self.queues:
-            q.flush()
-        self.finish_reduction(boundary)
-
-    def finish_reduction(self, boundary: bool) -> None:
-        """Wait for every launched reduction; at the boundary the sums become means."""
-        self.pending.complete()
+        """Every backward the reducer sums the gradients into the owned shard; at the boundary
+        the sums over ranks become means."""
+        self.reducer.after_backward(boundary)
         if boundary:
             for g in self.groups:
                 self.average(g.grad_shard)
@@ -158,6 +75,8 @@ class Stage2(Strategy):
         return group.grad_shard[rng.start - own.start : rng.stop - own.start]
 
     def gather(self) -> None:
+        """After the step: the flat parameter buffer all-gathered from the owners' updated
+        shards."""
         for g in self.groups:
             (own,) = g.owned
             self.comm.all_gather(g.flat_param, g.flat_param[own.start : own.stop])

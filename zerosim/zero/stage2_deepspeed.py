@@ -10,16 +10,15 @@ at the end of backward (``overlapping_partition_gradients_reduce_epilogue`` →
 it owns; ``use_multi_rank_bucket_allreduce: false`` reduces each owner's part to it instead
 (``zerosim/zero/ipg.py``). Its flat buffers pad to a multiple of 2·N, optionally round robin,
 and its norm is all-reduced per group (``ds_schedule.py``). A step then sends
-k·2(N−1)/N · Ψ + (N−1)/N · Ψ_pad: about 3(N−1)/N · Ψ at k = 1, 1.5× the paper's.
+k·2(N−1)/N · Ψ + (N−1)/N · Ψ_pad: about 3(N−1)/N · Ψ at k = 1, 1.5× the paper's. So the class
+is the paper's stage 2 given another reducer (``ipg.IpgInBackward``), DeepSpeed's flat buffers and
+its checks; the reduced pieces land as the paper's do (``Stage2.land``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from zerosim.nn import Parameter
 from zerosim.zero.ds_schedule import DeepSpeedFlatBuffers
-from zerosim.zero.ipg import IpgBuckets
+from zerosim.zero.ipg import IpgInBackward
 from zerosim.zero.schedule import deepspeed_stage12_checks
 from zerosim.zero.stage2 import Stage2
 
@@ -28,41 +27,4 @@ class Stage2DeepSpeed(DeepSpeedFlatBuffers, Stage2):
     """Partitioned gradients: DeepSpeed's IPG buckets during every backward."""
 
     boundary_rule = staticmethod(deepspeed_stage12_checks)
-
-    def bucket_pieces(self) -> list[list[int]]:
-        return []  # IPG buckets are cut as gradients arrive: no per-rank cut is known before
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        starts = [[slot.range.start for slot in g.slots] for g in self.groups]
-        sizes = [g.layout.shard_numel for g in self.groups]
-        self.ipg = IpgBuckets(self, starts, sizes, self._deliver)  # the bucket being filled
-        self.added: set[int] = set()  # id(param) of gradients added in this backward
-
-    def _ready(self, p: Parameter) -> None:
-        """The gradient joins the IPG bucket; the module's copy goes."""
-        if p.grad is None:
-            return
-        gi, i = self.where[id(p)]
-        self.ipg.add(gi, i, p.grad)
-        self.added.add(id(p))
-        p.grad = None
-
-    def _deliver(self, gi: int, flat_start: int, values: Any) -> None:
-        """A reduced piece this rank owns: add it into the gradient shard."""
-        g = self.groups[gi]
-        (own,) = g.owned
-        g.grad_shard[flat_start - own.start : flat_start - own.start + values.size] += values
-
-    def before_backward(self, boundary: bool) -> None:
-        """Nothing to prepare: the IPG bucket fills as gradients arrive."""
-
-    def after_backward(self, boundary: bool) -> None:
-        self.tracker.reset()
-        for g in self.groups:  # parameters whose uses never completed, last first
-            for _, p in reversed(g.named_params):
-                if id(p) not in self.added:
-                    self._ready(p)
-        self.added.clear()
-        self.ipg.finish()
-        self.finish_reduction(boundary)
+    reducer_cls = IpgInBackward  # DeepSpeed's IPG buckets, all-reduced during every backward

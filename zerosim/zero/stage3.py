@@ -29,23 +29,25 @@ Parameters with at most ``stage3_param_persistence_threshold`` elements stay who
 are reduce-scattered like the others, and after the step their updated chunks are all-gathered
 back into the whole copies (phase ``step``): 2(N−1)/N·Ψ_persist·b per step.
 
-Beside this file, as subclasses of ``Stage3``: DeepSpeed 0.19.8's schedule (``stage3_deepspeed.py``:
-coalesced fetches, prefetch by trace, buckets in hook order) and ZeRO++ (``stage3_zeropp.py``:
-quantized and hierarchical gathers, quantized gradient reduction).
+The gathers are the stage's fetcher (``GatherEach`` below, ``fetcher.py``), the buckets its
+reducer (``buckets.RankMajorReduceScatter``); each reduced row lands through ``Stage3.land``.
+Beside this file, the same stage given other parts: DeepSpeed 0.19.8's schedule
+(``stage3_deepspeed.py``: coalesced fetches, prefetch by trace, buckets in hook order) and ZeRO++
+(``stage3_zeropp.py``: quantized and hierarchical gathers, quantized gradient reduction).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from functools import partial
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from zerosim.backend import assign, flat, nbytes, to_host, xp_of
-from zerosim.nn import GradReadyTracker, Parameter
-from zerosim.zero.buckets import MAX_IN_FLIGHT, BucketQueue
+from zerosim.backend import flat, nbytes, to_host, xp_of
+from zerosim.nn import Parameter
+from zerosim.zero.buckets import RankMajorReduceScatter
 from zerosim.zero.coordinator import ParamCoordinator
+from zerosim.zero.fetcher import ParamFetcher
 from zerosim.zero.init import ParamChunk
 from zerosim.zero.offload import read_param_chunk
 from zerosim.zero.partition import Range, per_param_partition
@@ -104,90 +106,29 @@ class ShardGroup:
         return self.flat_param[start : start + self.partition.chunks[index]]
 
 
-def static_buckets(chunks: list[int], world_size: int, bucket_size: int) -> list[list[int]]:
-    """The paper's gradient buckets of one group: consecutive parameter indices, taken from the
-    last parameter back, each bucket closed once it holds ≥ ``bucket_size`` padded elements
-    (Σ chunk_i · N). Returns the buckets in launch order, each in ascending index order."""
-    buckets, current, size = [], [], 0
-    for i in reversed(range(len(chunks))):
-        current.insert(0, i)
-        size += chunks[i] * world_size
-        if size >= bucket_size:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+class GatherEach(ParamFetcher):
+    """The paper's fetcher: each parameter gathered in a call of its own, every rank's chunk
+    straight into one buffer of N · chunk elements, and freed after use; ``ParamCoordinator``
+    (``coordinator.py``) decides when, with prefetch and reuse once the module order is known."""
 
-
-def pack_rank_major(block: Any, grad: Any) -> None:
-    """Write a flat gradient into an (N, chunk) block, chunk r in row r: what rank r will own.
-
-    The last chunk is partly padding (and a small parameter may leave whole rows of it), which
-    stays as it was: zero in a freshly taken bucket buffer."""
-    chunk = block.shape[1]
-    rows, rest = divmod(grad.size, chunk) if chunk else (0, 0)
-    assign(block[:rows, :], xp_of(block).reshape(grad[: rows * chunk], (rows, chunk)))
-    if rest:
-        assign(block[rows, :rest], grad[rows * chunk :])
-
-
-class RankMajorBuckets:
-    """One group's gradient buckets under the paper's schedule: fixed at start-up, filled as the
-    gradients arrive, launched by ``queue`` strictly in bucket order."""
-
-    def __init__(self, g: ShardGroup, world_size: int, bucket_size: int, launch: Callable) -> None:
-        self.members = static_buckets(g.partition.chunks, world_size, bucket_size)  # indices
-        self.bucket_of = {i: k for k, members in enumerate(self.members) for i in members}
-        self.buffers: dict[int, Any] = {}  # bucket -> its (N, width) buffer while being filled
-        ids = [[id(g.named_params[i][1]) for i in members] for members in self.members]
-        self.queue = BucketQueue(ids, launch)
-
-
-class Stage3(Strategy):
-    """Partitioned parameters gathered around each module; bucketed gradient reduce-scatter."""
-
-    stage = 3
-    partitions_optimizer_states = True
-    partitions_params = True
-
-    def is_persistent(self, p: Parameter) -> bool:
-        return p.numel <= self.zero.stage3_param_persistence_threshold
-
-    def make_group(self, named: list[tuple[str, Parameter]], hyper: dict[str, Any]) -> ShardGroup:
-        return ShardGroup(named, self, hyper)
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.released = self.groups[0].xp.empty(0, dtype=self.dtype)  # a released param's data
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        s = strategy
+        self.released = s.groups[0].xp.empty(0, dtype=s.dtype)  # a released param's data
         self.gathered: dict[int, Any] = {}  # id(param) -> its gathered buffer
-        self.buckets: list[RankMajorBuckets] = [  # per group, its static gradient buckets
-            RankMajorBuckets(
-                g, self.comm.size, self.zero.reduce_bucket_size, partial(self._launch_bucket, gi)
-            )
-            for gi, g in enumerate(self.groups)
-        ]
-        self.coordinator: Any = None  # attach(): gathers and releases parameters around modules
-        self.tracker: GradReadyTracker | None = None  # attach(): says when a gradient is final
-
-    def setup_gradients(self) -> None:
-        """Every group's gradient shard (this rank's chunks of every parameter's gradient)."""
-        for g in self.groups:
-            g.grad_shard = g.xp.zeros(g.partition.shard_numel, dtype=self.dtype)
 
     def attach(self, model: Any) -> None:
-        self.coordinator = ParamCoordinator(self, model, self.zero)
-        self.tracker = GradReadyTracker(model, self._ready)
+        self.coordinator = ParamCoordinator(self, model, self.strategy.zero)
 
-    # -- gathering (called by the coordinator) ---------------------------------------------------
     def start_gather(self, p: Parameter) -> Any:
         """Start gathering p: every rank's chunk of it, into a buffer of N · chunk elements."""
-        gi, i = self.where[id(p)]
-        g = self.groups[gi]
-        chunk = read_param_chunk(self, g, i)  # a file read under offload_param: nvme
-        buf = g.xp.empty(chunk.size * self.comm.size, dtype=self.dtype)
+        s = self.strategy
+        gi, i = s.where[id(p)]
+        g = s.groups[gi]
+        chunk = read_param_chunk(s, g, i)  # a file read under offload_param: nvme
+        buf = g.xp.empty(chunk.size * s.comm.size, dtype=s.dtype)
         self.gathered[id(p)] = buf
-        return self.start_or_run(self.comm.iall_gather, self.comm.all_gather, buf, chunk)
+        return s.start_or_run(s.comm.iall_gather, s.comm.all_gather, buf, chunk)
 
     def finish_gather(self, p: Parameter, handle: Any) -> None:
         """Wait for p's gather; p's data becomes a view of the gathered buffer."""
@@ -200,69 +141,56 @@ class Stage3(Strategy):
         self.gathered.pop(id(p), None)
         p.data = self.released  # no view of the gathered buffer survives, so it is freed
 
-    # -- gradients -------------------------------------------------------------------------------
-    def _ready(self, p: Parameter) -> None:
-        gi, i = self.where[id(p)]
-        self._pack(gi, i, p)
-        self.buckets[gi].queue.ready(p)
 
-    def _pack(self, gi: int, i: int, p: Parameter) -> None:
-        """Copy p's gradient into its bucket's buffer, rank-major, and drop it."""
-        if p.grad is None:
-            return
-        part, buckets = self.groups[gi].partition, self.buckets[gi]
-        b = buckets.bucket_of[i]
-        column = part.offsets[i] - part.offsets[buckets.members[b][0]]
-        block = self._bucket_buffer(gi, b)[:, column : column + part.chunks[i]]
-        pack_rank_major(block, flat(p.grad))
-        p.grad = None
+class Stage3(Strategy):
+    """Partitioned parameters gathered around each module; bucketed gradient reduce-scatter."""
 
-    def _bucket_buffer(self, gi: int, b: int) -> Any:
-        """Bucket b's (N, width) buffer, rank-major: taken from the pool when first needed."""
-        part, buckets = self.groups[gi].partition, self.buckets[gi]
-        if b not in buckets.buffers:
-            width = sum(part.chunks[j] for j in buckets.members[b])
-            shape = (self.comm.size, width)
-            buckets.buffers[b] = self.wire_buffer(shape)
-        return buckets.buffers[b]
+    stage = 3
+    partitions_optimizer_states = True
+    partitions_params = True
+    reducer_cls = RankMajorReduceScatter  # the paper's fixed buckets, rank-major
+    fetcher_cls: type[ParamFetcher] = GatherEach  # the paper's per-parameter gathers
 
-    def _launch_bucket(self, gi: int, b: int) -> None:
-        """Reduce-scatter bucket b of group gi; its reduced row joins the gradient shard."""
-        g, members = self.groups[gi], self.buckets[gi].members[b]
-        for j in members:  # gradients of parameters whose uses never completed
-            self._pack(gi, j, g.named_params[j][1])
-        width = sum(g.partition.chunks[j] for j in members)
-        buf = self._bucket_buffer(gi, b)
-        del self.buckets[gi].buffers[b]
-        self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        start = g.partition.offsets[members[0]]  # this rank's row lands in its gradient shard
-        self.reduce_bucket(buf, g.grad_shard[start : start + width], self.reduce_rows, width)
+    def is_persistent(self, p: Parameter) -> bool:
+        return p.numel <= self.zero.stage3_param_persistence_threshold
 
-    def reduce_rows(self, out: Any, buf: Any) -> Any:
-        """Sum a rank-major (N, width) bucket over ranks into ``out`` (this rank's row): the
-        reduce-scatter's handle, or None once it is done."""
-        return self.start_or_run(
-            self.comm.ireduce_scatter, self.comm.reduce_scatter, out, flat(buf)
-        )
+    def make_group(self, named: list[tuple[str, Parameter]], hyper: dict[str, Any]) -> ShardGroup:
+        return ShardGroup(named, self, hyper)
 
-    def flush_buckets(self) -> None:
-        """End of backward: launch every bucket not launched yet."""
-        for buckets in self.buckets:
-            buckets.queue.flush()
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # gathers and releases parameters around modules (its hooks: attach())
+        self.fetcher: ParamFetcher = self.fetcher_cls(self)
+
+    def setup_gradients(self) -> None:
+        """Every group's gradient shard (this rank's chunks of every parameter's gradient)."""
+        for g in self.groups:
+            g.grad_shard = g.xp.zeros(g.partition.shard_numel, dtype=self.dtype)
+
+    def attach(self, model: Any) -> None:
+        """The fetcher's hooks (gather before a module runs, release after), then the
+        reducer's (a gradient is final)."""
+        self.fetcher.attach(model)
+        self.reducer.attach(model)
+
+    def land(self, group: int, start: int, values: Any) -> None:
+        """This rank's reduced chunks (``values``, from shard position ``start``) are added
+        into its gradient shard (they accumulate across micro-steps)."""
+        self.groups[group].grad_shard[start : start + values.size] += values
 
     # -- the engine's calls ----------------------------------------------------------------------
     def before_forward(self) -> None:
-        self.coordinator.start_micro_step()
+        self.fetcher.start_micro_step()
 
     def before_backward(self, boundary: bool) -> None:
-        for buckets in self.buckets:
-            buckets.queue.start()
+        self.fetcher.start_backward()
+        self.reducer.before_backward(boundary)
 
     def after_backward(self, boundary: bool) -> None:
-        self.tracker.reset()
-        self.flush_buckets()
-        self.pending.complete()
-        self.coordinator.end_micro_step()
+        """The reducer has summed every gradient into the gradient shard; every gathered
+        parameter is released; at the boundary the sums over ranks become means."""
+        self.reducer.after_backward(boundary)
+        self.fetcher.end_micro_step()
         if boundary:
             for g in self.groups:
                 self.average(g.grad_shard)
@@ -276,6 +204,11 @@ class Stage3(Strategy):
             for i, (_, p) in enumerate(g.named_params):
                 if id(p) in g.persistent_buffers:
                     self.comm.all_gather(g.persistent_buffers[id(p)], g.chunk(i))
+        self.fetcher.after_step()
+
+    def step_skipped(self) -> None:
+        super().step_skipped()
+        self.fetcher.step_skipped()
 
     def zero_grad(self) -> None:
         for g in self.groups:
@@ -336,7 +269,7 @@ class Stage3(Strategy):
         report["persistent_params"] = sum(
             nbytes(b) for g in self.groups for b in g.persistent_buffers.values()
         )
-        report["peak_gathered_params"] = self.coordinator.peak_live_bytes
+        report.update(self.fetcher.memory())
         return report
 
     @property

@@ -40,16 +40,19 @@ against the paper's 3(N−1)/N·Ψ_pad·b (docs/formulas.md has the general case
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from zerosim.backend import assign, flat, xp_of
 from zerosim.nn import GradReadyTracker, Linear, Parameter
-from zerosim.zero.buckets import MAX_IN_FLIGHT
+from zerosim.zero.buckets import MAX_IN_FLIGHT, pack_rank_major, reduce_rows
 from zerosim.zero.ds_coordinator import DeepSpeedCoordinator
 from zerosim.zero.ds_schedule import DeepSpeedNormGroups
+from zerosim.zero.fetcher import ParamFetcher
 from zerosim.zero.offload import read_param_chunk
+from zerosim.zero.reducer import GradReducer
 from zerosim.zero.schedule import deepspeed_stage3_checks
-from zerosim.zero.stage3 import Stage3, pack_rank_major
+from zerosim.zero.stage3 import Stage3
 
 
 class CoalescedGather:
@@ -66,16 +69,16 @@ class CoalescedGather:
 
 
 class ShardPieces:
-    """The destination of one DeepSpeed bucket: ``+= out`` adds each parameter's reduced chunk
-    (``out[column : column + chunk]``) into its group's gradient shard."""
+    """Where one DeepSpeed bucket lands: ``pieces(out)`` hands each parameter's reduced chunk
+    (``out[column : column + chunk]``) to the stage's ``land``."""
 
-    def __init__(self, slots: list[tuple[Any, int, int, int]]) -> None:
-        self.slots = slots  # (grad_shard, start, chunk, column)
+    def __init__(self, land: Any, slots: list[tuple[int, int, int, int]]) -> None:
+        self.land = land  # the stage's: land(group, shard position, values)
+        self.slots = slots  # (group, chunk offset in its shard, chunk, column in the bucket)
 
-    def __iadd__(self, out: Any) -> ShardPieces:
-        for shard, start, chunk, column in self.slots:
-            shard[start : start + chunk] += out[column : column + chunk]
-        return self
+    def __call__(self, out: Any) -> None:
+        for gi, start, chunk, column in self.slots:
+            self.land(gi, start, out[column : column + chunk])
 
 
 def deepspeed_grad_order(module: Any) -> tuple[str, ...]:
@@ -86,34 +89,113 @@ def deepspeed_grad_order(module: Any) -> tuple[str, ...]:
     return tuple(getattr(module, "grad_ready_order", ()))
 
 
-class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
-    """Stage 3 with DeepSpeed's coalesced fetches and its open gradient bucket."""
+class OpenBucket(GradReducer):
+    """DeepSpeed's stage-3 reducer: one open gradient bucket for every group, filled in the
+    order backward finishes the gradients (a Linear's weight before its bias), reduced when the
+    next gradient would overflow it and at the end of backward."""
 
-    boundary_rule = staticmethod(deepspeed_stage3_checks)
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        # DeepSpeed's state: one open gradient bucket for every group, in ready order
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
         self.open_bucket: list[Parameter] = []  # parameters whose gradients it holds
         self.open_numel = 0  # their elements, unpadded
+        self.tracker: GradReadyTracker | None = None  # attach(): says when a gradient is final
 
     def attach(self, model: Any) -> None:
-        self.coordinator = DeepSpeedCoordinator(self, model, self.zero)
         self.tracker = GradReadyTracker(model, self._ready, order=deepspeed_grad_order)
 
-    # -- gathering (called by the coordinator) ---------------------------------------------------
+    def _ready(self, p: Parameter) -> None:
+        """DeepSpeed's bucket rule (stage3.py, ``reduce_independent_p_g_buckets_and_remove_grads``):
+        in the order gradients become ready, reduce the open bucket first if this gradient
+        would take it past ``reduce_bucket_size`` elements (unpadded numel), then add it."""
+        if p.grad is None:
+            return
+        full = self.open_numel + p.numel > self.strategy.zero.reduce_bucket_size
+        if full and self.open_numel > 0:
+            self.reduce()
+        self.open_bucket.append(p)
+        self.open_numel += p.numel
+
+    def after_backward(self, boundary: bool) -> None:
+        """DeepSpeed's backward epilogue: reduce the last bucket and wait for every one."""
+        self.tracker.reset()
+        self.reduce()
+        self.strategy.reduction.pending.complete()
+
+    def reduce(self) -> None:
+        """Reduce the open bucket: one reduce-scatter of each parameter's gradient padded to
+        chunk_i·N and laid out rank-major (``reduce_scatter_coalesced``), Σ chunk_i·N elements;
+        or the all-reduce below."""
+        members, self.open_bucket, self.open_numel = self.open_bucket, [], 0
+        if not members:
+            return
+        s, zero = self.strategy, self.strategy.zero
+        numel = sum(p.numel for p in members)
+        contiguous = zero.contiguous_gradients and numel <= zero.reduce_bucket_size
+        if not zero.reduce_scatter and contiguous:
+            self.all_reduce_bucket(members, numel)
+            return
+        members.sort(key=lambda p: s.where[id(p)])  # DeepSpeed sorts a bucket by ds_id
+        slots = []  # (group, chunk offset in the shard, chunk, column in the bucket)
+        width = 0
+        for p in members:
+            gi, i = s.where[id(p)]
+            part = s.groups[gi].partition
+            slots.append((gi, part.offsets[i], part.chunks[i], width))
+            width += part.chunks[i]
+        s.reduction.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
+        buf = s.reduction.wire_buffer((s.comm.size, width))
+        for p, (_, _, chunk, column) in zip(members, slots, strict=True):
+            pack_rank_major(buf[:, column : column + chunk], flat(p.grad))
+            p.grad = None
+        s.reduction.reduce(buf, ShardPieces(s.land, slots), partial(reduce_rows, s), width)
+
+    def all_reduce_bucket(self, members: list[Parameter], numel: int) -> None:
+        """``reduce_scatter: false`` with contiguous gradients (DeepSpeed's
+        ``__avg_scatter_contiguous_grads``): one all-reduce of the bucket's gradients end to end,
+        unpadded, in the order they were added; each rank then keeps its chunk of each,
+        elements [r·chunk_i, min((r + 1)·chunk_i, numel_i)) of parameter i."""
+        s = self.strategy
+        s.reduction.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
+        buf = s.reduction.wire_buffer(numel)
+        slots, at = [], 0  # (group, chunk offset in the shard, valid elements, bucket at)
+        for p in members:
+            gi, i = s.where[id(p)]
+            assign(buf[at : at + p.numel], flat(p.grad))
+            p.grad = None
+            chunk = s.groups[gi].partition.chunks[i]
+            lo = s.comm.rank * chunk
+            valid = max(0, min(chunk, p.numel - lo))
+            if valid:
+                slots.append((gi, s.groups[gi].partition.offsets[i], valid, at + lo))
+            at += p.numel
+        s.reduction.reduce(buf, ShardPieces(s.land, slots), s.reduction.all_reduce)
+
+
+class CoalescedFetcher(ParamFetcher):
+    """DeepSpeed's fetcher: ``DeepSpeedCoordinator`` (``ds_coordinator.py``) decides which
+    parameters to gather when; each decision is ONE coalesced all-gather, moved here."""
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        s = strategy
+        self.released = s.groups[0].xp.empty(0, dtype=s.dtype)  # a released param's data
+
+    def attach(self, model: Any) -> None:
+        self.coordinator = DeepSpeedCoordinator(self, model, self.strategy.zero)
+
     def start_coalesced_gather(self, params: list[Parameter]) -> CoalescedGather:
         """Start ONE all-gather of several parameters (DeepSpeed's ``all_gather_coalesced``):
         each rank sends its chunks of them end to end, S = Σ chunk_i elements, and receives
         N·S, rank-major. One parameter alone is a call of its own chunk, as in DeepSpeed."""
+        s = self.strategy
         chunks = []
         for p in params:
-            gi, i = self.where[id(p)]
-            chunks.append(read_param_chunk(self, self.groups[gi], i))
+            gi, i = s.where[id(p)]
+            chunks.append(read_param_chunk(s, s.groups[gi], i))
         xp = xp_of(chunks[0])
         send = chunks[0] if len(chunks) == 1 else xp.concat(chunks)
-        buf = xp.empty(send.size * self.comm.size, dtype=self.dtype)
-        handle = self.start_or_run(self.comm.iall_gather, self.comm.all_gather, buf, send)
+        buf = xp.empty(send.size * s.comm.size, dtype=s.dtype)
+        handle = s.start_or_run(s.comm.iall_gather, s.comm.all_gather, buf, send)
         return CoalescedGather(params, [c.size for c in chunks], send, buf, handle)
 
     def finish_coalesced_gather(self, gather: CoalescedGather) -> None:
@@ -122,11 +204,11 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
             gather.handle.wait()
             gather.handle = None
         xp = xp_of(gather.buf)
-        rows = xp.reshape(gather.buf, (self.comm.size, gather.send.size))
+        rows = xp.reshape(gather.buf, (self.strategy.comm.size, gather.send.size))
         column = 0
         for p, chunk in zip(gather.params, gather.chunks, strict=True):
             full = xp.reshape(rows[:, column : column + chunk], (-1,))  # a copy unless alone
-            home = self._persistent_buffer(p)
+            home = self.persistent_buffer(p)
             if home is not None:  # persistent: the gathered value lands in its whole copy
                 home[...] = full
                 full = home
@@ -134,86 +216,26 @@ class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
             column += chunk
 
     def free(self, p: Parameter) -> None:
-        if self._persistent_buffer(p) is None:  # a persistent one keeps its whole copy
+        if self.persistent_buffer(p) is None:  # a persistent one keeps its whole copy
             p.data = self.released
 
-    def _persistent_buffer(self, p: Parameter) -> Any:
+    def persistent_buffer(self, p: Parameter) -> Any:
         """p's whole copy if p is persistent, else None."""
-        gi, _ = self.where[id(p)]
-        return self.groups[gi].persistent_buffers.get(id(p))
+        gi, _ = self.strategy.where[id(p)]
+        return self.strategy.groups[gi].persistent_buffers.get(id(p))
 
-    # -- gradients -------------------------------------------------------------------------------
-    def _ready(self, p: Parameter) -> None:
-        """DeepSpeed's bucket rule (stage3.py, ``reduce_independent_p_g_buckets_and_remove_grads``):
-        in the order gradients become ready, reduce the open bucket first if this gradient
-        would take it past ``reduce_bucket_size`` elements (unpadded numel), then add it."""
-        if p.grad is None:
-            return
-        full = self.open_numel + p.numel > self.zero.reduce_bucket_size
-        if full and self.open_numel > 0:
-            self.flush_buckets()
-        self.open_bucket.append(p)
-        self.open_numel += p.numel
-
-    def flush_buckets(self) -> None:
-        """Reduce the open bucket (also DeepSpeed's backward epilogue, for the last one): one
-        reduce-scatter of each parameter's gradient padded to chunk_i·N and laid out rank-major
-        (``reduce_scatter_coalesced``), Σ chunk_i·N elements; or the all-reduce below."""
-        members, self.open_bucket, self.open_numel = self.open_bucket, [], 0
-        if not members:
-            return
-        zero = self.zero
-        numel = sum(p.numel for p in members)
-        contiguous = zero.contiguous_gradients and numel <= zero.reduce_bucket_size
-        if not zero.reduce_scatter and contiguous:
-            self._all_reduce_bucket(members, numel)
-            return
-        members.sort(key=lambda p: self.where[id(p)])  # DeepSpeed sorts a bucket by ds_id
-        slots = []  # (grad_shard, chunk offset in the shard, chunk, column in the bucket)
-        width = 0
-        for p in members:
-            gi, i = self.where[id(p)]
-            g = self.groups[gi]
-            slots.append((g.grad_shard, g.partition.offsets[i], g.partition.chunks[i], width))
-            width += g.partition.chunks[i]
-        self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        buf = self.wire_buffer((self.comm.size, width))
-        for p, (_, _, chunk, column) in zip(members, slots, strict=True):
-            pack_rank_major(buf[:, column : column + chunk], flat(p.grad))
-            p.grad = None
-        self.reduce_bucket(buf, ShardPieces(slots), self.reduce_rows, width)
-
-    def _all_reduce_bucket(self, members: list[Parameter], numel: int) -> None:
-        """``reduce_scatter: false`` with contiguous gradients (DeepSpeed's
-        ``__avg_scatter_contiguous_grads``): one all-reduce of the bucket's gradients end to end,
-        unpadded, in the order they were added; each rank then keeps its chunk of each,
-        elements [r·chunk_i, min((r + 1)·chunk_i, numel_i)) of parameter i."""
-        self.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        buf = self.wire_buffer(numel)
-        slots, at = [], 0  # (grad_shard, chunk offset in the shard, valid elements, bucket at)
-        for p in members:
-            gi, i = self.where[id(p)]
-            g = self.groups[gi]
-            assign(buf[at : at + p.numel], flat(p.grad))
-            p.grad = None
-            chunk = g.partition.chunks[i]
-            lo = self.comm.rank * chunk
-            valid = max(0, min(chunk, p.numel - lo))
-            if valid:
-                slots.append((g.grad_shard, g.partition.offsets[i], valid, at + lo))
-            at += p.numel
-        self.reduce_bucket(buf, ShardPieces(slots), self.all_reduce)
-
-    # -- the engine's calls ----------------------------------------------------------------------
-    def before_backward(self, boundary: bool) -> None:
-        """Nothing to start: the open bucket fills as gradients arrive."""
-
-    def gather(self) -> None:
-        """After the step, as the paper's; and the coordinator learns that every persistent
-        parameter is whole again (DeepSpeed's ``_post_step``)."""
-        super().gather()
+    def after_step(self) -> None:
+        """Every persistent parameter is whole again (DeepSpeed's ``_post_step``)."""
         self.coordinator.persistent_gathered()
 
     def step_skipped(self) -> None:
-        super().step_skipped()
         self.coordinator.persistent_released()
+
+
+class Stage3DeepSpeed(DeepSpeedNormGroups, Stage3):
+    """Stage 3 with DeepSpeed's coalesced fetches and its open gradient bucket."""
+
+    boundary_rule = staticmethod(deepspeed_stage3_checks)
+
+    reducer_cls = OpenBucket  # DeepSpeed's open gradient bucket, in hook order
+    fetcher_cls = CoalescedFetcher  # DeepSpeed's coalesced gathers, prefetched by trace

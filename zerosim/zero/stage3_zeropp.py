@@ -37,10 +37,11 @@ import numpy as np
 
 from zerosim.backend import array_module, flat, nbytes
 from zerosim.nn import Parameter
+from zerosim.zero.buckets import RankMajorReduceScatter, reduce_rows
 from zerosim.zero.ds_schedule import DeepSpeedNormGroups
 from zerosim.zero.offload import read_param_chunk
 from zerosim.zero.schedule import deepspeed_stage3_checks
-from zerosim.zero.stage3 import Stage3
+from zerosim.zero.stage3 import GatherEach, Stage3
 from zerosim.zero.zeropp import (
     GRADIENT_BITS,
     GRADIENT_BLOCK_SIZE,
@@ -171,92 +172,110 @@ class HierarchicalReducer:
         return dequantize(got_codes, got_scales, width, self.bits, self.block)
 
 
-class Stage3ZeroPP(Stage3):
-    """The paper's stage 3 with ZeRO++'s quantized and hierarchical collectives."""
+def quantized_reduce_rows(strategy: Any, out: Any, buf: Any) -> Any:
+    """qgZ's collective of a rank-major bucket: the blocking two-hop quantized all-to-all
+    (``HierarchicalReducer``) when qgZ is on, else the paper's reduce-scatter."""
+    if strategy.qgz is None:
+        return reduce_rows(strategy, out, buf)
+    out[...] = array_module(out).astype(strategy.qgz.reduce(buf), out.dtype)
+    return None
 
-    def __init__(self, *, quantization_block_size: int = WEIGHT_BLOCK_SIZE, **kwargs: Any) -> None:
-        self.quantization_block_size = quantization_block_size  # elements per scale, qwZ and qgZ
-        super().__init__(**kwargs)
-        # ZeRO++'s state beside the paper's: hpZ's groups and secondary chunks, qgZ's reducer
+
+class QuantizedBuckets(RankMajorReduceScatter):
+    """The paper's rank-major buckets, each reduced under qgZ by the two-hop quantized
+    all-to-all instead of a reduce-scatter."""
+
+    collective = staticmethod(quantized_reduce_rows)
+
+
+class ZeroPPFetcher(GatherEach):
+    """The paper's per-parameter gathers, with qwZ's int8 forward gather and hpZ's secondary
+    chunks: after a full gather each rank keeps 1/g of the parameter, and in backward the
+    parameter is gathered from those within the hpZ group of g ranks."""
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        s = strategy
         self.in_backward = False  # hpZ gathers secondary chunks in backward; qwZ only forward
-        size = self.zero.zero_hpz_partition_size
+        size = s.zero.zero_hpz_partition_size
         self.hpz_comm = None  # hpZ: this rank's group of `size` consecutive ranks
-        self.secondary: list[SecondaryPartition | None] = [None] * len(self.groups)  # per group
+        self.secondary: list[SecondaryPartition | None] = [None] * len(s.groups)  # per group
         if size > 1:
-            self.hpz_comm = self.comm.split_by(lambda r: (r // size, r))
-            for gi, g in enumerate(self.groups):
+            self.hpz_comm = s.comm.split_by(lambda r: (r // size, r))
+            for gi, g in enumerate(s.groups):
                 numels = [p.numel for _, p in g.named_params]
-                gathered = [not self.is_persistent(p) for _, p in g.named_params]
+                gathered = [not s.is_persistent(p) for _, p in g.named_params]
                 self.secondary[gi] = SecondaryPartition(
-                    self.hpz_comm, numels, gathered, self.dtype, g.xp
+                    self.hpz_comm, numels, gathered, s.dtype, g.xp
                 )
-        self.grad_reducer = None  # qgZ: the two-hop quantized all-to-all
-        if self.zero.zero_quantized_gradients:
-            self.grad_reducer = HierarchicalReducer(
-                self.comm, GRADIENT_BITS, self.quantization_block_size
-            )
 
     def start_gather(self, p: Parameter) -> Any:
         """Start gathering p: the primary chunks over every rank (int8 codes in forward under
         qwZ), or in backward under hpZ the fresh secondary chunks over the hpZ group."""
-        gi, i = self.where[id(p)]
-        g, secondary = self.groups[gi], self.secondary[gi]
+        s = self.strategy
+        gi, i = s.where[id(p)]
+        g, secondary = s.groups[gi], self.secondary[gi]
         if self.in_backward and secondary is not None and secondary.fresh[i]:
             comm, chunk = secondary.comm, secondary.chunk(i)
         else:
-            comm, chunk = self.comm, read_param_chunk(self, g, i)  # a file read under nvme
-        buf = g.xp.empty(chunk.size * comm.size, dtype=self.dtype)
+            comm, chunk = s.comm, read_param_chunk(s, g, i)  # a file read under nvme
+        buf = g.xp.empty(chunk.size * comm.size, dtype=s.dtype)
         self.gathered[id(p)] = buf
-        if comm is self.comm and self.zero.zero_quantized_weights and not self.in_backward:
+        if comm is s.comm and s.zero.zero_quantized_weights and not self.in_backward:
             pending = QuantizedGather(
-                comm, buf, chunk, self.zero.overlap_comm, self.quantization_block_size
+                comm, buf, chunk, s.zero.overlap_comm, s.quantization_block_size
             )
-            self.track_transient(pending.nbytes)
+            s.track_transient(pending.nbytes)
             return pending
-        return self.start_or_run(comm.iall_gather, comm.all_gather, buf, chunk)
+        return s.start_or_run(comm.iall_gather, comm.all_gather, buf, chunk)
 
     def finish_gather(self, p: Parameter, handle: Any) -> None:
         """The paper's, after which a full gather's parameter gives hpZ its secondary chunk."""
         super().finish_gather(p, handle)
         if isinstance(handle, QuantizedGather):
-            self.track_transient(-handle.nbytes)
-        gi, i = self.where[id(p)]
+            self.strategy.track_transient(-handle.nbytes)
+        gi, i = self.strategy.where[id(p)]
         secondary = self.secondary[gi]
         if secondary is not None and not secondary.fresh[i]:  # a full gather: cut the chunk
             secondary.store(i, self.gathered[id(p)])
 
-    def reduce_rows(self, out: Any, buf: Any) -> Any:
-        """qgZ: the bucket's reduce-scatter as a blocking two-hop quantized all-to-all."""
-        if self.grad_reducer is None:
-            return super().reduce_rows(out, buf)
-        out[...] = array_module(out).astype(self.grad_reducer.reduce(buf), out.dtype)
-        return None
-
-    def before_forward(self) -> None:
+    def start_micro_step(self) -> None:
         self.in_backward = False
-        super().before_forward()
+        super().start_micro_step()
 
-    def before_backward(self, boundary: bool) -> None:
+    def start_backward(self) -> None:
         self.in_backward = True
-        super().before_backward(boundary)
 
-    def after_backward(self, boundary: bool) -> None:
-        super().after_backward(boundary)
+    def end_micro_step(self) -> None:
+        super().end_micro_step()
         self.in_backward = False
 
-    def gather(self) -> None:
+    def after_step(self) -> None:
         """hpZ's secondary chunks are stale after the step, until the next forward gather cuts
-        them again; then the paper's refresh of the persistent parameters."""
+        them again."""
         for secondary in self.secondary:
             if secondary is not None:
                 secondary.invalidate()
-        super().gather()
 
-    def memory_report(self) -> dict[str, int]:
-        report = super().memory_report()
+    def memory(self) -> dict[str, int]:
+        report = super().memory()
         if self.hpz_comm is not None:
             report["hpz_secondary_params"] = sum(nbytes(s.buffer) for s in self.secondary)
         return report
+
+
+class Stage3ZeroPP(Stage3):
+    """The paper's stage 3 with ZeRO++'s quantized and hierarchical collectives."""
+
+    reducer_cls = QuantizedBuckets  # the paper's buckets; qgZ's all-to-all when it is on
+    fetcher_cls = ZeroPPFetcher  # the paper's gathers; qwZ's and hpZ's when they are on
+
+    def __init__(self, *, quantization_block_size: int = WEIGHT_BLOCK_SIZE, **kwargs: Any) -> None:
+        self.quantization_block_size = quantization_block_size  # elements per scale, qwZ and qgZ
+        super().__init__(**kwargs)
+        self.qgz: HierarchicalReducer | None = None  # qgZ: the two-hop quantized all-to-all
+        if self.zero.zero_quantized_gradients:
+            self.qgz = HierarchicalReducer(self.comm, GRADIENT_BITS, self.quantization_block_size)
 
 
 class Stage3ZeroPPDeepSpeed(DeepSpeedNormGroups, Stage3ZeroPP):

@@ -13,12 +13,14 @@ The engine drives a strategy through a few calls. Once, after construction: ``at
 ``after_backward(boundary)``. At the accumulation boundary the engine asks ``sharded_step`` for the
 overflow flag, the norm, unscaling and clipping (``schedule.py`` says which checks), then
 ``optimizer.step()``, ``sharded_step.master_to_params()``, ``gather()``, ``zero_grad()``.
-Subclasses decide where gradients live (each declares its per-group state in a ``FlatGroup``
-subclass), how they are reduced and what is gathered: the paper's stages in ``stage0.py`` …
-``stage3.py``, DeepSpeed's schedule and Megatron's layout as subclasses beside them, and
-``registry.py`` picks one for a config. The bucket machinery that reducing stages share is
-``zerosim/zero/buckets.py``, DeepSpeed's gradient buckets of stages 1-2 ``zerosim/zero/ipg.py``.
-A stage tells the sharded step about itself by class attributes (``partitions_optimizer_states``,
+Subclasses, the paper's stages in ``stage0.py`` … ``stage3.py``, decide where gradients live
+(each declares its per-group state in a ``FlatGroup`` subclass), where a reduced piece lands
+(``land``) and what is gathered; how gradients are reduced is a part each is given, its
+*reducer* (``reducer_cls``, ``zerosim/zero/reducer.py``: the paper's fixed buckets in
+``buckets.py``, DeepSpeed's IPG buckets in ``ipg.py``, …), every reducer running the one reduce
+sequence (``buckets.ReduceSequence``, ``self.reduction``). DeepSpeed's schedule and Megatron's
+layout are the stages given other parts, and ``registry.py`` picks one for a config. A stage
+tells the sharded step about itself by class attributes (``partitions_optimizer_states``,
 ``partitions_params``, ``norm_per_group``), never by its number.
 
 Beside the flat buffers: the layout-free segments checkpoints are made of
@@ -42,10 +44,11 @@ import numpy as np
 from zerosim.backend import nbytes, np_dtype, to_host, xp_of
 from zerosim.comm import Communicator
 from zerosim.nn import Parameter
-from zerosim.zero.buckets import BufferPool, PendingReductions
+from zerosim.zero.buckets import BufferPool, ReduceSequence
 from zerosim.zero.muon import MuonUpdates, muon_groups
 from zerosim.zero.offload import Offload
 from zerosim.zero.partition import Layout, Range, deepspeed_layout
+from zerosim.zero.reducer import GradReducer
 from zerosim.zero.schedule import BoundaryChecks, BoundarySettings, paper_checks
 from zerosim.zero.segments import Segment, flat_segments
 from zerosim.zero.sharded_step import ShardedStep
@@ -141,6 +144,7 @@ class Strategy(ABC):
     round_robin = False  # parameters in definition order (DeepSpeed's may lay them round robin)
     group_cls: type = FlatGroup  # what a stage keeps per parameter group
     boundary_rule = staticmethod(paper_checks)  # schedule.py's table: DeepSpeed's classes own
+    reducer_cls: type[GradReducer] = GradReducer  # the part that reduces gradients (reducer.py)
 
     @classmethod
     def boundary_checks(cls, **settings: Any) -> BoundaryChecks:
@@ -184,13 +188,14 @@ class Strategy(ABC):
         self.live_transient = 0
         self.peak_transient = 0
         xp = self.groups[0].xp if self.groups else np
-        self.pool = BufferPool(xp, self.dtype)  # gradient bucket buffers (stages 0, 2 and 3)
-        self.pending = PendingReductions(self.give_buffer)  # launched bucket reductions
+        self.pool = BufferPool(xp, self.dtype)  # gradient bucket buffers (ZeRO-R's, buckets.py)
+        self.reduction = ReduceSequence(self, self.pool)  # the reduce sequence, reductions pending
         self.setup_gradients()
         # the sharded optimizer step: this rank's stepped ranges cut into tiles (sharded_step.py)
         self.sharded_step: ShardedStep = ShardedStep(self, self.muon)
         self.optimizer: Any = self.sharded_step.make_optimizer(optimizer_cls)  # over its tiles
         self.offload.attach_optimizer(self)
+        self.reducer: GradReducer = self.reducer_cls(self)  # how gradients are summed over ranks
 
     # -- what a stage decides ------------------------------------------------------------------
     def make_group(self, named: list[tuple[str, Parameter]], hyper: dict[str, Any]) -> Any:
@@ -201,9 +206,10 @@ class Strategy(ABC):
         shapes = [(n, p.shape) for n, p in named]
         return deepspeed_layout(shapes, self.comm.size, self.alignment, self.round_robin)
 
-    def attach(self, model: Any) -> None:  # noqa: B027 (a no-op by default)
-        """Once, after construction: install module hooks (stages that reduce or gather
-        during forward and backward)."""
+    def attach(self, model: Any) -> None:
+        """Once, after construction: install module hooks (the reducer's, for reducers that act
+        during backward)."""
+        self.reducer.attach(model)
 
     @abstractmethod
     def setup_gradients(self) -> None:
@@ -212,6 +218,13 @@ class Strategy(ABC):
     @abstractmethod
     def grad_view(self, group: FlatGroup, rng: Range) -> Any:
         """The reduced, averaged gradient of flat-buffer range ``rng`` (an owned range)."""
+
+    @abstractmethod
+    def land(self, group: int, start: int, values: Any) -> None:
+        """Where a reduced piece lands: ``values``, the sum over ranks of elements ``start`` …
+        of group ``group``'s gradients (flat-buffer positions; shard positions at stage 3),
+        which this rank keeps. Each stage says: added into its gradient shard (stages 2-3),
+        written into its gradient buffer (stages 0-1)."""
 
     def before_forward(self) -> None:  # noqa: B027 (a no-op by default)
         """Called before the model's forward of every micro-step."""
@@ -242,7 +255,7 @@ class Strategy(ABC):
     def bucket_pieces(self) -> list[list[int]]:
         """Each reduction bucket's piece per rank, where buckets are cut unevenly over the ranks
         (the paper's stage 2); the dry run runs ranks with equal pieces once."""
-        return []
+        return self.reducer.bucket_pieces()
 
     def segments(self, which: str = "owned") -> list[Segment]:
         """The parameter element runs this rank holds in its optimizer's tiles
@@ -287,41 +300,6 @@ class Strategy(ABC):
             return start(*args)
         run(*args)
         return None
-
-    def wire_buffer(self, shape: int | tuple[int, ...]) -> Any:
-        """A zero-filled pooled bucket buffer in the dtype gradients travel in (``wire_dtype``)."""
-        return self.take_buffer(shape, self.wire_dtype(self.dtype))
-
-    def reduce_bucket(
-        self,
-        bucket: Any,
-        into: Any,
-        collective: Callable[[Any, Any], Any],
-        out_numel: int | None = None,
-    ) -> None:
-        """The reduce sequence of every stage's filled bucket: scale it (``before_reduction``),
-        start ``collective(out, bucket)`` (``start_or_run``'s handle) and queue it in ``pending``,
-        which adds ``out`` into ``into`` (where the stage says the result lands; None: not on
-        this rank) and gives the pooled buffers back. ``out``: the bucket (in place) or, with
-        ``out_numel``, a pooled buffer."""
-        self.before_reduction(bucket)
-        out = bucket if out_numel is None else self.take_buffer(out_numel, bucket.dtype)
-        handle = collective(out, bucket)
-        views = (bucket,) if out is bucket else (bucket, out)
-        self.pending.add(handle, out, into, views)
-
-    def all_reduce(self, out: Any, bucket: Any) -> Any:
-        """A ``reduce_bucket`` collective: the bucket all-reduced in place (``out`` is it)."""
-        return self.start_or_run(self.comm.iall_reduce, self.comm.all_reduce, bucket)
-
-    def take_buffer(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
-        """A zero-filled bucket buffer from the pool (zerosim/zero/buckets.py); its bytes are
-        the pool's (``bucket_buffers``), not transient."""
-        return self.pool.take(shape, dtype)
-
-    def give_buffer(self, view: Any) -> None:
-        """Give a buffer from ``take_buffer`` back to the pool."""
-        self.pool.give(view)
 
     def track_transient(self, nbytes: int) -> None:
         """Count bytes of a temporary buffer allocated (+) or freed (−)."""

@@ -1,0 +1,58 @@
+"""How stage 3 brings a module's partitioned parameters in before it runs: the *fetcher*, a part
+the stage is given.
+
+Stage 3 keeps only this rank's chunk of every parameter; the fetcher makes each one whole while
+a module needs it and releases it after. The paper's fetcher gathers each parameter in a call of
+its own around every module (``stage3.GatherEach``, with ``coordinator.py`` deciding when);
+DeepSpeed 0.19.8's coalesces a module's gathers and prefetches along a recorded trace
+(``stage3_deepspeed.CoalescedFetcher``, with ``ds_coordinator.py``); ZeRO++'s quantizes the
+forward gather and keeps a secondary partition for backward (``stage3_zeropp.ZeroPPFetcher``).
+The stage class names its fetcher (``fetcher_cls``); ``registry.py`` picks the class.
+
+A new fetcher (PyTorch FSDP2's per-unit all-gather, say) subclasses ``ParamFetcher`` and
+provides:
+
+- ``__init__(strategy)``: its state (no hooks yet);
+- ``attach(model)``: install the module hooks that fetch and release, and set ``coordinator``
+  (whatever keeps ``peak_live_bytes``, the high-water mark of gathered bytes);
+- ``start_micro_step()`` before forward, ``start_backward()`` before backward and
+  ``end_micro_step()`` after it (every parameter released again);
+- ``after_step()`` once the step's updated chunks are in place, ``step_skipped()`` when an
+  overflow skips the step;
+- ``memory()``: the bytes it reports beside the stage's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ParamFetcher:
+    """Stage 3's parameter fetching; see the module docstring for what a fetcher provides."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy  # the stage: its groups, its communicator, its chunks
+        self.coordinator: Any = None  # attach(): decides when to fetch and release
+
+    def attach(self, model: Any) -> None:
+        raise NotImplementedError(f"{type(self).__name__} installs no fetching hooks")
+
+    def start_micro_step(self) -> None:
+        self.coordinator.start_micro_step()
+
+    def start_backward(self) -> None:  # noqa: B027 (a no-op by default)
+        """Before the model's backward."""
+
+    def end_micro_step(self) -> None:
+        """After backward: every gathered parameter released."""
+        self.coordinator.end_micro_step()
+
+    def after_step(self) -> None:  # noqa: B027 (a no-op by default)
+        """After the optimizer step, once every rank's updated chunks are in place."""
+
+    def step_skipped(self) -> None:  # noqa: B027 (a no-op by default)
+        """Instead of the step, when an overflow skips it."""
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the fetcher reports: the high-water mark of gathered parameters."""
+        return {"peak_gathered_params": self.coordinator.peak_live_bytes}
