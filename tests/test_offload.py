@@ -132,7 +132,7 @@ def test_nvme_files_hold_the_master_weights_and_optimizer_states(tmp_path, stage
                 np.concatenate(
                     [np.asarray(s.data if kind == "master" else state[s][kind]) for s in g]
                 )
-                for g in strategy.shards
+                for g in strategy.sharded_step.tiles
             ]
             for kind in ("master", *keys)
         }
@@ -142,7 +142,7 @@ def test_nvme_files_hold_the_master_weights_and_optimizer_states(tmp_path, stage
         files = {
             kind: [
                 np.fromfile(store.path(f"group{gi}.{kind}"), dtype=np.float32)
-                for gi in range(len(strategy.shards))
+                for gi in range(len(strategy.sharded_step.tiles))
             ]
             for kind in ("master", *keys)
         }
@@ -228,8 +228,8 @@ def test_memory_report_splits_device_host_and_nvme_bytes_as_the_offload_formula_
 def test_checkpoint_saved_with_nvme_offload_resumes_bitwise(tmp_path):
     """Save after 2 steps, train 2 more; a fresh engine (nvme offload, or none) loads and trains
     the same 2 steps: the same parameters to the bit. Loading into an engine with a separate
-    master needs checkpoint.load_checkpoint to call strategy.params_from_master() before
-    gather() (without it the parameters keep their pre-load values until the next step)."""
+    master needs checkpoint.load_checkpoint to call strategy.sharded_step.params_from_master()
+    before gather() (without it the parameters keep their pre-load values until the next step)."""
     ckpt = tmp_path / "ckpt"
 
     def run(comm, load_opt):

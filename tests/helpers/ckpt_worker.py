@@ -63,7 +63,7 @@ def snapshot(engine) -> dict:
     strategy, opt = engine.strategy, engine.optimizer
     out: dict = {"master": []}
     for s in strategy.segments("owned"):
-        shard = strategy.shards[s.group][s.shard]
+        shard = strategy.sharded_step.tiles[s.group][s.shard]
         cut = slice(s.offset, s.offset + s.size)
         piece = (s.name, s.param_range.start, s.param_range.stop)
         out["master"].append((*piece, np.array(shard.data[cut])))
@@ -71,7 +71,7 @@ def snapshot(engine) -> dict:
             if isinstance(v, np.ndarray):
                 out.setdefault(k, []).append((*piece, np.array(v[cut])))
     scalars = []
-    for _g, shards in enumerate(strategy.shards):
+    for _g, shards in enumerate(strategy.sharded_step.tiles):
         states = [opt.state.get(s, {}) for s in shards]
         scalars.append(
             {k: v for st in states for k, v in st.items() if not isinstance(v, np.ndarray)}

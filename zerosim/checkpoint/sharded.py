@@ -212,12 +212,12 @@ def _array(opt: Any, shard: Any, kind: str) -> Any:
 def _write_rank_files(engine: Any, tag_dir: Path) -> dict[str, Any]:
     """Every rank: its owned segments of each group, one .npy per kind; returns its manifest."""
     strategy, opt, rank = engine.strategy, engine.optimizer, engine.comm.rank
-    by_group: list[list[Any]] = [[] for _ in strategy.shards]
+    by_group: list[list[Any]] = [[] for _ in strategy.sharded_step.tiles]
     for s in strategy.segments("owned"):
         by_group[s.group].append(s)
     manifest: dict[str, Any] = {"segments": [], "groups": [], "files": {}, "dtype": None}
     for g, segs in enumerate(by_group):
-        shards = strategy.shards[g]
+        shards = strategy.sharded_step.tiles[g]
         has, keys, scalars = _group_state(opt, g, shards)
         muon = _muon(engine) is not None and g in _muon(engine).groups
         manifest["groups"].append(None if not shards else [has, keys, scalars, muon])
@@ -364,7 +364,7 @@ def load_checkpoint(
         _agree(comm, lambda: verify_share(tag_dir, meta, comm.rank, comm.size))
         objects = _agree(comm, lambda: read_objects(tag_dir, meta))
         _agree(comm, lambda: _apply(engine, tag_dir, meta, objects, flags, loader))
-        engine.strategy.params_from_master()  # a separate master (fp16/bf16, offload) leads
+        engine.strategy.sharded_step.params_from_master()  # a separate master leads
         engine.strategy.gather()
     log.info("loaded checkpoint %s (saved by %d ranks)", tag_dir, meta["world_size"])
     return tag_dir, objects["client_state"]
@@ -465,7 +465,7 @@ def _apply(
             s = segments[r.segment]
             if kind != "master" and kind not in meta["groups"][s.group]["state_keys"]:
                 continue
-            dst = _array(opt, strategy.shards[s.group][s.shard], kind)
+            dst = _array(opt, strategy.sharded_step.tiles[s.group][s.shard], kind)
             src = open_shard(tag_dir, cache, r.rank, r.group, kind)[r.src : r.src + r.size]
             at = s.offset + r.dst
             dst[at : at + r.size] = move_like(src, dst)  # host file -> device: counted
@@ -474,7 +474,7 @@ def _apply(
     if load_opt:
         for g, (group, saved) in enumerate(zip(opt.param_groups, meta["groups"], strict=True)):
             group.update(from_json(saved["hyper"]))
-            for shard in strategy.shards[g]:
+            for shard in strategy.sharded_step.tiles[g]:
                 old = opt.state.pop(shard, None) or {}
                 if not saved["has_state"]:
                     continue

@@ -19,7 +19,7 @@ def overflow_seen(strategy: Strategy, comm: Communicator, checks: BoundaryChecks
     rank holds the same reduced gradients, one max all-reduce of the flag (phase
     ``overflow``)."""
     local = checks.overflow == "local"
-    flag = np.array([strategy.overflow(whole=local)], dtype=checks.flag_dtype)
+    flag = np.array([strategy.sharded_step.overflow(whole=local)], dtype=checks.flag_dtype)
     if not local:
         with comm.phase("overflow"):  # every rank agrees: one scalar, max
             comm.all_reduce(flag, op="max")
@@ -33,7 +33,7 @@ def global_grad_norm(
     without one.
 
     "sum_sq": each rank's partial Σg² over what it owns, summed by one all-reduce per norm
-    group (``Strategy.grad_norm_sq_parts``: DeepSpeed's parameter groups or sub-groups); "mean":
+    group (``ShardedStep.grad_norm_sq_parts``: DeepSpeed's parameter groups or sub-groups); "mean":
     DeepSpeed's stage 0 all-reduces ‖g‖/N of the full local gradients; "local": the full
     local gradients, no collective; "none": no norm (and so no clipping).
     """
@@ -41,13 +41,13 @@ def global_grad_norm(
         return None
     if checks.norm == "sum_sq":  # a scalar per norm group, phase "clip" (DeepSpeed's)
         total = 0.0
-        for part in strategy.grad_norm_sq_parts(inv_scale):
+        for part in strategy.sharded_step.grad_norm_sq_parts(inv_scale):
             message = np.array([part], dtype=checks.norm_dtype)
             with comm.phase("clip"):
                 comm.all_reduce(message)
             total += float(message[0])
         return math.sqrt(total)
-    sum_sq = strategy.grad_norm_sq(inv_scale, whole=True)
+    sum_sq = strategy.sharded_step.grad_norm_sq(inv_scale, whole=True)
     if checks.norm == "local":
         return math.sqrt(sum_sq)
     mean = checks.norm == "mean"  # one scalar, phase "clip": kept apart from the volume

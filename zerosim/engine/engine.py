@@ -211,13 +211,14 @@ class Engine:
         mixed = self.config.mixed_precision is not None
         self._global_grad_norm = reported_norm(self.strategy.reported_norm, mixed, norm, unscaled)
         coef = clip_coef(unscaled, self.config.gradient_clipping)
+        sharded = self.strategy.sharded_step  # the optimizer step over this rank's shard
         if self.strategy.master_dtype is None and coef != 1.0:  # one precision: clip in place
-            self.strategy.clip(coef)
-        self.strategy.unscale_grads(1.0 / scale)
+            sharded.clip(coef)
+        sharded.unscale_grads(1.0 / scale)
         if self.strategy.master_dtype is not None and coef != 1.0:  # the fp32 gradients made
-            self.strategy.clip(coef)
+            sharded.clip(coef)
         self.optimizer.step()
-        self.strategy.master_to_params()
+        sharded.master_to_params()
         self.strategy.gather()
         self.strategy.zero_grad()
         return True

@@ -3,7 +3,7 @@
 FusedLamb is CUDA-only, so torch has no LAMB to compare against; the formula is DeepSpeed's
 kernel's (``functional.lamb``). Unlike every other optimizer here, LAMB's update of an element
 depends on its whole parameter: the step is scaled by a trust ratio ‖θ‖/‖u‖. A ZeRO strategy
-whose optimizer sees slices of parameters sets ``piece_map`` (``zerosim/zero/lamb_norms.py``),
+whose optimizer sees slices of parameters sets ``piece_map`` (``zerosim/zero/lamb.py``),
 which says which parameter each slice belongs to and adds the partial norms over ranks.
 """
 

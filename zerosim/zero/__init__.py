@@ -14,6 +14,7 @@ from zerosim.zero.partition import (
 )
 from zerosim.zero.registry import STRATEGIES, strategy_class
 from zerosim.zero.segments import Segment
+from zerosim.zero.sharded_step import ShardedStep, Tile
 from zerosim.zero.stage0 import Stage0
 from zerosim.zero.stage0_deepspeed import Stage0DeepSpeed
 from zerosim.zero.stage1 import Stage1
@@ -24,7 +25,7 @@ from zerosim.zero.stage2_deepspeed import Stage2DeepSpeed
 from zerosim.zero.stage3 import Stage3
 from zerosim.zero.stage3_deepspeed import Stage3DeepSpeed
 from zerosim.zero.stage3_zeropp import Stage3ZeroPP, Stage3ZeroPPDeepSpeed
-from zerosim.zero.strategy import Strategy, Tile
+from zerosim.zero.strategy import Strategy
 
 __all__ = [
     "GatheredParameters",
@@ -48,6 +49,7 @@ __all__ = [
     "Stage3DeepSpeed",
     "Stage3ZeroPP",
     "Stage3ZeroPPDeepSpeed",
+    "ShardedStep",
     "Strategy",
     "deepspeed_layout",
     "megatron_layout",

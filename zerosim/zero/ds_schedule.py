@@ -10,9 +10,10 @@ DeepSpeed-schedule class (``stage1_deepspeed.py``, ``stage2_deepspeed.py``):
   ``DeepSpeedZeroOptimizer.__init__``: every fp16 shard then starts on a 4-byte boundary).
 - ``round_robin``: with ``round_robin_gradients`` the parameters are laid out round robin over
   the ranks (``_round_robin_reorder``), so each rank's partition holds every N-th parameter.
-- ``grad_norm_sq_parts``: the norm is all-reduced once per parameter group
+- ``norm_per_group``: the norm is all-reduced once per parameter group
   (``get_grad_norm_direct``, called per group by ``scaled_global_norm``), not once in all; at
   stage 3 (``stage3.py``) a norm group is a ``sub_group_size`` sub-group of a parameter group.
+  The sharded step (``sharded_step.py``) sends ``norm_parts`` where a class says so.
 """
 
 from __future__ import annotations
@@ -22,30 +23,32 @@ from typing import Any
 from zerosim.zero.partition import DEEPSPEED_ALIGNMENT, Range, deepspeed_sub_groups
 
 
-def norm_parts(strategy: Any, inv_scale: float = 1.0) -> list[float]:
-    """This rank's partial Σg² (unscaled) per DeepSpeed norm group: a parameter group at stages
-    1-2 (its owned ranges), a ``sub_group_size`` sub-group of one at stage 3
-    (``deepspeed_sub_groups``). Muon's matrices hold their updates first (its norm is theirs)."""
-    if strategy.muon is not None:
-        strategy.muon.make_updates()
-    parts = []
+def norm_parts(step: Any, inv_scale: float = 1.0) -> list[float]:
+    """This rank's partial Σg² (unscaled) per DeepSpeed norm group of a sharded step
+    (``sharded_step.py``): a parameter group where the flat buffer is partitioned (stages 1-2: its
+    owned ranges), a ``sub_group_size`` sub-group of one where each parameter is
+    (``partitions_params``, stage 3: ``deepspeed_sub_groups``). Muon's matrices hold their
+    updates first (its norm is theirs)."""
+    if step.muon is not None:
+        step.muon.make_updates()
+    strategy, parts = step.strategy, []
     for gi, g in enumerate(strategy.groups):
-        inv2 = strategy.group_inv_scale(gi, inv_scale) ** 2  # 1 for Muon's updates
-        if not hasattr(g, "partition"):  # stages 1-2: the group's owned ranges
-            parts.append(sum(strategy.range_sum_sq(g, rng) for rng in g.owned) * inv2)
+        inv2 = step.group_inv_scale(gi, inv_scale) ** 2  # 1 for Muon's updates
+        if not strategy.partitions_params:  # the group's owned ranges
+            parts.append(sum(step.range_sum_sq(g, rng) for rng in g.owned) * inv2)
             continue
         for sub in deepspeed_sub_groups(g.partition.chunks, strategy.zero.sub_group_size):
             lo = g.partition.offsets[sub[0]]
             hi = g.partition.offsets[sub[-1]] + g.partition.chunks[sub[-1]]
-            parts.append(strategy.range_sum_sq(g, Range(lo, hi)) * inv2)
+            parts.append(step.range_sum_sq(g, Range(lo, hi)) * inv2)
     return parts
 
 
 class DeepSpeedNormGroups:
-    """Mixin: one norm all-reduce per DeepSpeed norm group (``get_grad_norm_direct``)."""
+    """Mixin: one norm all-reduce per DeepSpeed norm group (``get_grad_norm_direct``): the
+    sharded step sends ``norm_parts``."""
 
-    def grad_norm_sq_parts(self, inv_scale: float = 1.0) -> list[float]:
-        return norm_parts(self, inv_scale)
+    norm_per_group = True
 
 
 class DeepSpeedFlatBuffers(DeepSpeedNormGroups):

@@ -14,7 +14,9 @@ So LAMB under ZeRO costs, per step, one all-reduce of 16·S bytes (S split param
 2(N−1)/N · 16·S bytes sent per rank on the ring (``analysis.volume.lamb_norm_bytes``). At stage
 0 every rank holds every parameter whole, S = 0; at stages 1-2 only the parameters cut by a
 partition boundary are split (at most N − 1 per group); at stage 3 every parameter of more than
-one element is cut into N chunks, so S is nearly the number of parameters.
+one element is cut into N chunks, so S is nearly the number of parameters. Which of these a
+strategy is, it says by what it partitions (``partitions_optimizer_states``,
+``partitions_params``).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ def holders(strategy: Any, group: Any) -> list[int]:
     """How many ranks step a piece of each parameter of ``group`` (from the layout alone: every
     rank computes the same answer without a message)."""
     n = strategy.comm.size
-    if strategy.stage == 0:  # every rank steps every parameter whole
+    if not strategy.partitions_optimizer_states:  # every rank steps every parameter whole
         return [1] * len(group.named_params)
-    if hasattr(group, "partition"):  # stage 3: parameter i cut into N chunks
+    if strategy.partitions_params:  # parameter i cut into N chunks (stage 3)
         return [
             sum(group.partition.valid(i, r) > 0 for r in range(n))
             for i in range(len(group.named_params))
@@ -58,22 +60,23 @@ class LambNorms:
                 "'none' or 'cpu' with Lamb (the NVMe swapper steps a shard part by part; the "
                 "trust ratio needs every slice of a parameter at once)",
             )
-        self.comm = strategy.comm
+        self.comm: Any = strategy.comm  # the all-reduce of the split parameters' sums
+        # id(tile) -> (parameter name, start, stop) of each run of the tile
         self._pieces: dict[int, list[tuple[Hashable, int, int]]] = {}
         for seg in strategy.segments("stepped"):
-            shard = strategy.shards[seg.group][seg.shard]
-            self._pieces.setdefault(id(shard), []).append(
+            tile = strategy.sharded_step.tiles[seg.group][seg.shard]
+            self._pieces.setdefault(id(tile), []).append(
                 (seg.name, seg.offset, seg.offset + seg.size)
             )
-        self.split = [
+        self.split: list[str] = [  # the parameters no rank steps whole, in one order everywhere
             name
             for g in strategy.groups
             for (name, _), count in zip(g.named_params, holders(strategy, g), strict=True)
             if count > 1
         ]
 
-    def pieces(self, shard: Any) -> list[tuple[Hashable, int, int]]:
-        return self._pieces.get(id(shard), [])
+    def pieces(self, tile: Any) -> list[tuple[Hashable, int, int]]:
+        return self._pieces.get(id(tile), [])
 
     def reduce(self, sums: dict[Hashable, list[float]]) -> dict[Hashable, list[float]]:
         """Add the split parameters' partial sums over the ranks (one all-reduce)."""

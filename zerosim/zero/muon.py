@@ -28,15 +28,19 @@ Muon with ``reduce_scatter`` here.
 **Stage 0** (no ZeRO: DeepSpeed's ``MuonWithAuxAdam`` on whole matrices). Every rank holds
 every matrix; the update is made in the optimizer's step, after clipping (``before_step``).
 
+Which of the three a strategy runs, it says by what it partitions: nothing (stage 0,
+``whole``), the optimizer states over a flat buffer (stages 1-2, ``flat``) or every parameter
+(``partitions_params``, stage 3, ``chunked``).
+
 At stages 1-3 the update is made when the engine first asks for the gradient norm (or, without
 one, unscales): DeepSpeed takes the norm, and clips, over the *updates* of the Muon matrices.
 Newton–Schulz returns the same update at any loss scale, so the update written into the
 gradient storage does not carry the scale the other gradients carry: DeepSpeed marks such a
 group ("lacks loss scale") and multiplies its norm, and its fp32 gradient, by the scale before
-unscaling. zerosim leaves the update unscaled (``lacks_scale``: the strategy does not unscale
-that group), the same numbers; under fp16 the scaled update would not even fit the gradient's
-dtype. The optimizer steps θ ← θ·(1 − lr·λ) − lr·update. Collectives made here are in the
-ledger under phase ``muon``.
+unscaling. zerosim leaves the update unscaled (``lacks_scale``: the sharded step,
+``sharded_step.py``, does not unscale that group), the same numbers; under fp16 the scaled
+update would not even fit the gradient's dtype. The optimizer steps θ ← θ·(1 − lr·λ) −
+lr·update. Collectives made here are in the ledger under phase ``muon``.
 
 **Precision** (DeepSpeed's dtypes under bf16 / fp16). Stage 0: its FP16_UnfusedOptimizer hands
 MuonWithAuxAdam fp32 copies of the whole matrices, unscaled and clipped, so the momentum and
@@ -102,13 +106,16 @@ class MuonUpdates:
     PHASE = PHASE  # the ledger phase of the collectives made here
 
     def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
-        self.comm = strategy.comm
-        self.stage = strategy.stage
+        self.strategy: Any = strategy  # its groups, dtypes and offload; grad_view at the step
+        self.comm: Any = strategy.comm  # the collectives of phase ``muon``
+        # how the matrices are held (module docstring): exactly one of the three is True
+        self.whole: bool = not strategy.partitions_optimizer_states  # every rank steps them all
+        self.chunked: bool = strategy.partitions_params  # each cut into N chunks (stage 3)
+        self.flat: bool = not (self.whole or self.chunked)  # cut by flat partitions (stages 1-2)
         self.made = False  # this step's updates are in the gradient storage
-        self.groups = muon_groups(strategy)
-        self.matrices: list[Matrix] = []
-        self.where: dict[tuple[int, int], Matrix] = {}
+        self.groups: list[int] = muon_groups(strategy)  # indices of the Muon parameter groups
+        self.matrices: list[Matrix] = []  # every matrix of those groups, in order
+        self.where: dict[tuple[int, int], Matrix] = {}  # (group, index) -> its matrix
         n, rank = self.comm.size, self.comm.rank
         offload = strategy.offload
         # optimizer offload: DeepSpeed's other path (zero/muon_offload.py)
@@ -122,7 +129,7 @@ class MuonUpdates:
             for i, (name, p) in enumerate(g.named_params):
                 owners = frozenset(range(n))
                 start = 0
-                if self.stage in (1, 2):
+                if self.flat:
                     slot = g.slots[i]
                     start = slot.range.start
                     owners = frozenset(
@@ -133,19 +140,19 @@ class MuonUpdates:
                 m = Matrix(name, gi, i, tuple(p.shape), owners, start=start)
                 self.matrices.append(m)
                 self.where[(gi, i)] = m
-                if self.offloaded is not None and self.stage < 3:  # what each rank gathers
+                if self.offloaded is not None and not self.chunked:  # what each rank gathers
                     m.spans = self.spans_of(m)
-                if self.stage == 3 or rank not in owners:
+                if self.chunked or rank not in owners:
                     continue
                 if self.offloaded is not None:  # the slice it owns, in host memory
                     m.span = m.spans[rank]
                     m.momentum = np.zeros(m.span[1] - m.span[0], dtype=self.momentum_dtype)
                     continue
                 m.momentum = g.xp.zeros(m.shape, dtype=self.momentum_dtype)
-                if m.split and self.stage > 0:
+                if m.split and self.flat:
                     m.copies = g.xp.zeros(m.numel, dtype=strategy.dtype)
         # stage 3: each rank keeps the momentum of its chunks, laid out as its gradient shard
-        self.momentum3 = {gi: self._momentum3(gi) for gi in self.groups if self.stage == 3}
+        self.momentum3 = {gi: self._momentum3(gi) for gi in self.groups if self.chunked}
 
     def _momentum3(self, gi: int) -> Any:
         """Stage 3's momentum of group ``gi``: the device's memory, host memory under offload,
@@ -161,25 +168,25 @@ class MuonUpdates:
         """Stage 0: the master dtype; stages 1-2: the gradient's (the model dtype), the master's
         under offload; stage 3: the communication dtype (module docstring)."""
         s = self.strategy
-        if self.stage == 0:
+        if self.whole:
             return state_dtype(s.dtype)
-        if self.stage < 3 and self.offloaded is not None:
+        if self.flat and self.offloaded is not None:
             return np.dtype(s.master_dtype or s.dtype)
-        if self.stage == 3 and s.comm_dtype is not None:
+        if self.chunked and s.comm_dtype is not None:
             return s.comm_dtype
         return s.dtype
 
     def lacks_scale(self, group: int) -> bool:
         """Whether ``group``'s gradient storage holds Muon updates, which carry no loss scale
-        (stages 1-3): the strategy neither unscales them nor their norm."""
-        return self.stage > 0 and group in self.groups
+        (stages 1-3): the sharded step neither unscales them nor their norm."""
+        return not self.whole and group in self.groups
 
     # -- stages 1-2: the bucket plan's copy ranks and the copied slices --------------------------
     def copy_ranks(self, group: int, index: int) -> frozenset[int] | None:
         """The ranks that receive every slice of parameter ``index`` of ``group``: the owners
         of a split Muon matrix; None for any other parameter (each slice to its owner)."""
         m = self.where.get((group, index))
-        return m.owners if m is not None and m.split and self.stage in (1, 2) else None
+        return m.owners if m is not None and m.split and self.flat else None
 
     def receive(self, group: int, flat_start: int, values: Any) -> None:
         """A reduced slice of a split Muon matrix that another rank owns: keep it (summed over
@@ -198,13 +205,13 @@ class MuonUpdates:
         """Stages 1-3: replace each Muon matrix's owned gradient by its update (which carries no
         loss scale: ``lacks_scale``). ``inv_scale`` unscales the gradients first under offload
         (DeepSpeed's path there, zero/muon_offload.py); without, they enter scaled."""
-        if self.made or self.stage == 0:
+        if self.made or self.whole:
             return
         self.made = True
         if self.offloaded is not None:
             self.offloaded.make_updates(inv_scale)
             return
-        if self.stage == 3:
+        if self.chunked:
             self._stage3()
             return
         s = self.strategy
@@ -238,16 +245,18 @@ class MuonUpdates:
 
     def before_step(self, optimizer: Any) -> None:
         """Stage 0: each matrix's update from its whole (clipped, unscaled) gradient, written
-        into the optimizer's shards' gradients (DeepSpeed's MuonWithAuxAdam on whole matrices)."""
+        into the gradients of the optimizer's tiles (DeepSpeed's MuonWithAuxAdam on whole
+        matrices)."""
         s = self.strategy
         pieces: dict[str, list] = {}
         for seg in s.segments("stepped"):
             pieces.setdefault(seg.name, []).append(seg)
+        tiles = s.sharded_step.tiles
         for m in self.matrices:
             g = s.groups[m.group]
             full = None
             for seg in pieces.get(m.name, []):
-                grad = s.shards[seg.group][seg.shard].grad
+                grad = tiles[seg.group][seg.shard].grad
                 if full is None:
                     full = g.xp.zeros(m.numel, dtype=grad.dtype)
                 full[seg.param_range.start : seg.param_range.stop] = grad[
@@ -257,7 +266,7 @@ class MuonUpdates:
                 continue
             update = flat(self.update(m.group, full.reshape(m.shape), m.momentum))
             for seg in pieces[m.name]:
-                grad = s.shards[seg.group][seg.shard].grad
+                grad = tiles[seg.group][seg.shard].grad
                 grad[seg.offset : seg.offset + seg.size] = update[
                     seg.param_range.start : seg.param_range.stop
                 ]
@@ -369,7 +378,7 @@ class MuonUpdates:
         (stages 0-2: every element of the matrices it owns; stage 3: its chunk)."""
         out = []
         for m in self.matrices:
-            if self.stage < 3:
+            if not self.chunked:
                 if m.momentum is not None:
                     out.append((m, *(m.span or (0, m.numel))))
                 continue
@@ -381,7 +390,7 @@ class MuonUpdates:
 
     def _momentum_flat(self, m: Matrix, start: int, stop: int) -> tuple[Any, int, int]:
         """(flat array, a, b): elements [start, stop) of ``m``'s momentum are array[a:b]."""
-        if self.stage < 3:
+        if not self.chunked:
             at = m.span[0] if m.span is not None else 0
             return flat(m.momentum), start - at, stop - at
         part = self.strategy.groups[m.group].partition
@@ -399,7 +408,7 @@ class MuonUpdates:
         m = next(m for m in self.matrices if m.name == name)
         if self.offloaded is not None:  # a loaded momentum: gathered from the first step on
             self.offloaded.momentum_exists = True
-        if self.stage < 3:
+        if not self.chunked:
             whole, a, b = self._momentum_flat(m, start, start + values.size)
             whole[a:b] = values
             m.momentum[...] = whole.reshape(m.momentum.shape)  # flat() may have copied

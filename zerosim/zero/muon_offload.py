@@ -74,12 +74,12 @@ class OffloadedMuon:
     """The updates of one strategy's Muon matrices under optimizer offload (module docstring)."""
 
     def __init__(self, muon: Any) -> None:
-        self.muon = muon
+        self.muon: Any = muon  # the matrices (zero/muon.py) whose updates are made here
         # stage 3 creates the momentum with the sub-group; stages 1-2 at the first update
-        self.momentum_exists = muon.stage == 3
+        self.momentum_exists = muon.chunked
 
     def make_updates(self, inv_scale: float) -> None:
-        if self.muon.stage == 3:
+        if self.muon.chunked:  # stage 3: every parameter cut into N chunks
             self._stage3(inv_scale)
         else:
             self._stages12(inv_scale)

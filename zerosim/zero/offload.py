@@ -139,7 +139,7 @@ class NvmeStore:
 class NvmeOptimizerSwapper:
     """The optimizer step of ZeRO-Infinity: tiles swapped in from files, stepped, swapped out.
 
-    Between steps each shard's ``.data`` (its master tile) and its state arrays are views of the
+    Between steps each tile's ``.data`` (its master tile) and its state arrays are views of the
     swap files, so checkpoints and tests read and write the files themselves. ``step`` replaces
     the optimizer's ``step``: for ⌊buffer_count / (1 + K)⌋ tiles at a time it copies the master
     and each state tile into in-memory buffers, runs the optimizer's own step on those tiles only
@@ -150,13 +150,13 @@ class NvmeOptimizerSwapper:
 
     def __init__(self, strategy: Any, store: NvmeStore, buffer_count: int) -> None:
         opt = self.optimizer = strategy.optimizer
-        self.store, self.shards = store, strategy.shards
+        self.store, self.tiles = store, strategy.sharded_step.tiles
         self.keys = [opt.state_keys(group) for group in opt.param_groups]
-        self.views = [[s.data for s in shards] for shards in self.shards]  # master file views
+        self.views = [[s.data for s in tiles] for tiles in self.tiles]  # master file views
         self.offsets: list[list[int]] = []  # where each tile starts in its group's files
         self.numel: list[int] = []  # elements in each group's files
-        for shards in self.shards:
-            ends = list(accumulate(s.data.size for s in shards))
+        for tiles in self.tiles:
+            ends = list(accumulate(s.data.size for s in tiles))
             self.offsets.append([0, *ends[:-1]])
             self.numel.append(ends[-1] if ends else 0)
         per_tile = 1 + max(map(len, self.keys), default=0)
@@ -168,7 +168,7 @@ class NvmeOptimizerSwapper:
                 f">= {per_tile}: one buffer for the master tile and one per optimizer state "
                 f"({type(opt).__name__} keeps {list(max(self.keys, key=len))})",
             )
-        tile = max((s.data.size for shards in self.shards for s in shards), default=0)
+        tile = max((s.data.size for tiles in self.tiles for s in tiles), default=0)
         self.buffers = [
             [np.empty(tile, dtype=strategy.master_dtype) for _ in range(per_tile)]
             for _ in range(self.slots)
@@ -190,7 +190,7 @@ class NvmeOptimizerSwapper:
         return mapped[at : at + self.views[gi][k].size]
 
     def _swap_in(self, slot: int, gi: int, k: int) -> None:
-        s, buffers = self.shards[gi][k], self.buffers[slot]
+        s, buffers = self.tiles[gi][k], self.buffers[slot]
         n = s.data.size
         s.data = self._read(buffers[0][:n], s.data)
         state = self.optimizer.state.get(s) or {}
@@ -206,7 +206,7 @@ class NvmeOptimizerSwapper:
     def _swap_out(self, gi: int, k: int, write: bool) -> None:
         """Point the tile back at its files, writing the buffers first unless ``write`` is off
         (a failed step: the files keep the values from before it)."""
-        s, view = self.shards[gi][k], self.views[gi][k]
+        s, view = self.tiles[gi][k], self.views[gi][k]
         pairs = [(view, s.data)]
         state = self.optimizer.state.get(s) or {}
         for key in self.keys[gi]:
@@ -227,18 +227,18 @@ class NvmeOptimizerSwapper:
                 f"for {self.keys}; build a new engine to change amsgrad or the optimizer"
             )
         loss = None if closure is None else closure()
-        jobs = [(gi, k) for gi, shards in enumerate(self.shards) for k in range(len(shards))]
-        grads = [self.shards[gi][k].grad for gi, k in jobs]
+        jobs = [(gi, k) for gi, tiles in enumerate(self.tiles) for k in range(len(tiles))]
+        grads = [self.tiles[gi][k].grad for gi, k in jobs]
         jobs = [job for job, grad in zip(jobs, grads, strict=True) if grad is not None]
         grads = [grad for grad in grads if grad is not None]
         for gi, k in jobs:
-            self.shards[gi][k].grad = None
+            self.tiles[gi][k].grad = None
         try:
             for first in range(0, len(jobs), self.slots):
                 batch = jobs[first : first + self.slots]
                 for slot, (gi, k) in enumerate(batch):
                     self._swap_in(slot, gi, k)
-                    self.shards[gi][k].grad = grads[first + slot]
+                    self.tiles[gi][k].grad = grads[first + slot]
                 stepped = False
                 try:
                     self._inner_step()
@@ -246,10 +246,10 @@ class NvmeOptimizerSwapper:
                 finally:
                     for gi, k in batch:
                         self._swap_out(gi, k, write=stepped)
-                        self.shards[gi][k].grad = None
+                        self.tiles[gi][k].grad = None
         finally:
             for (gi, k), grad in zip(jobs, grads, strict=True):  # master_to_params needs them
-                self.shards[gi][k].grad = grad
+                self.tiles[gi][k].grad = grad
         return loss
 
 
@@ -341,9 +341,9 @@ def optimizer_arrays(strategy: Any) -> list[Any]:
     grads = [strategy.master_grad_shard(g) for g in strategy.groups]
     out += [grad for grad in grads if grad is not None]
     opt = strategy.optimizer
-    for group, shards in zip(opt.param_groups, strategy.shards, strict=True):
+    for group, tiles in zip(opt.param_groups, strategy.sharded_step.tiles, strict=True):
         keys = opt.state_keys(group)
-        for s in shards:
+        for s in tiles:
             state = opt.state.get(s) or {}
             out += [state[k] for k in keys if k in state]
     if strategy.muon is not None:  # Muon's momentum, kept beside the optimizer's states

@@ -5,7 +5,7 @@ optimizer does not step the model-dtype flat parameters. It steps a separate mas
 ranges this rank updates, in ``master_dtype`` (fp32, or the model dtype under offload), which
 lives where ``zerosim/zero/offload.py`` puts it (device, host memory or swap files). Per step:
 
-1. ``unscale``: each shard's ``.grad`` becomes the unscaled gradient in the master dtype: the
+1. ``unscale``: each tile's ``.grad`` becomes the unscaled gradient in the master dtype: the
    gradient storage itself where it already has that dtype (Megatron's fp32 buffers), a stage's
    persistent fp32 gradient shard where it keeps one (Megatron's fp16 recipe), else a transient
    fp32 copy freed after the step, as DeepSpeed's ZeRO makes (``unscale_and_clip_grads`` over
@@ -25,11 +25,12 @@ from zerosim.zero.partition import Range
 
 
 class MasterWeights:
-    """The master copy of one strategy's stepped ranges; see the module docstring."""
+    """The master copy of one sharded step's stepped ranges; see the module docstring."""
 
-    def __init__(self, strategy: Any, dtype: Any) -> None:
-        self.strategy = strategy
-        self.dtype = dtype
+    def __init__(self, step: Any, dtype: Any) -> None:
+        self.step: Any = step  # the sharded step (sharded_step.py) whose tiles step this copy
+        self.strategy: Any = step.strategy  # where gradients lie (grad_view), where it lives
+        self.dtype: Any = dtype  # the master's dtype (fp32, or the model's under offload)
         self.transient: list[Any] = []  # unscale's fp32 gradient copies, until the step ends
 
     def allocate(self, gi: int, g: Any, cut: Sequence[Range]) -> list[Any]:
@@ -45,26 +46,28 @@ class MasterWeights:
         return views
 
     def unscale(self, inv_scale: float) -> None:
-        """Give each shard the unscaled gradient of its tile in the master dtype."""
-        s = self.strategy
+        """Give each tile the unscaled gradient of its run in the master dtype."""
+        s, step = self.strategy, self.step
         on_host = s.offload.optimizer != "none"  # the step runs in host memory
         self.transient = []
-        for gi, (g, shards, cut) in enumerate(zip(s.groups, s.shards, s.tile_ranges, strict=True)):
+        for gi, (g, tiles, cut) in enumerate(
+            zip(s.groups, step.tiles, step.tile_ranges, strict=True)
+        ):
             persistent = s.master_grad_shard(g)
-            at, inv = 0, s.group_inv_scale(gi, inv_scale)  # 1 for Muon's updates
-            for shard, t in zip(shards, cut, strict=True):
+            at, inv = 0, step.group_inv_scale(gi, inv_scale)  # 1 for Muon's updates
+            for tile, t in zip(tiles, cut, strict=True):
                 view = s.grad_view(g, t)
-                if np_dtype(view.dtype) == self.dtype and xp_of(view) is xp_of(shard.data):
-                    shard.grad = view  # gradient storage of the master dtype: use it in place
+                if np_dtype(view.dtype) == self.dtype and xp_of(view) is xp_of(tile.data):
+                    tile.grad = view  # gradient storage of the master dtype: use it in place
                 elif persistent is not None:  # a persistent fp32 gradient shard
-                    shard.grad = persistent[at : at + t.size]
-                    shard.grad[...] = view
+                    tile.grad = persistent[at : at + t.size]
+                    tile.grad[...] = view
                 else:  # a transient fp32 copy, freed after the step (DeepSpeed's way)
                     source = to_host(view) if on_host else view
-                    shard.grad = xp_of(source).astype(source, self.dtype)
-                    self.transient.append(shard.grad)
-                    s.track_transient(nbytes(shard.grad))
-                shard.grad *= inv
+                    tile.grad = xp_of(source).astype(source, self.dtype)
+                    self.transient.append(tile.grad)
+                    s.track_transient(nbytes(tile.grad))
+                tile.grad *= inv
                 at += t.size
 
     def to_params(self) -> None:
@@ -73,14 +76,14 @@ class MasterWeights:
         for grad in self.transient:
             self.strategy.track_transient(-nbytes(grad))
         self.transient = []
-        for shards in self.strategy.shards:
-            for shard in shards:
-                shard.grad = None
+        for tiles in self.step.tiles:
+            for tile in tiles:
+                tile.grad = None
 
     def copy_to_params(self) -> None:
         """Copy (round) the master into the stepped ranges of the model-dtype parameters."""
-        s = self.strategy
-        for g, shards, cut in zip(s.groups, s.shards, s.tile_ranges, strict=True):
-            for shard, t in zip(shards, cut, strict=True):
-                g.flat_param[t.start : t.stop] = move_like(shard.data, g.flat_param)
+        s, step = self.strategy, self.step
+        for g, tiles, cut in zip(s.groups, step.tiles, step.tile_ranges, strict=True):
+            for tile, t in zip(tiles, cut, strict=True):
+                g.flat_param[t.start : t.stop] = move_like(tile.data, g.flat_param)
         s.offload.after_update()

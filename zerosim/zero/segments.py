@@ -2,7 +2,8 @@
 
 A checkpoint written by any stage and world size is a set of (parameter name, range of its
 flattened elements) → arrays. A ``Segment`` says where such a run sits in this rank's optimizer
-shards; ``flat_segments`` lists them for the flat-buffer stages (0-2; stage 3 lists its own).
+tiles (``sharded_step.py``); ``flat_segments`` lists them for the flat-buffer stages (0-2; stage
+3 lists its own).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from zerosim.zero.partition import Range
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of one parameter's elements held in one optimizer shard.
+    """A run of one parameter's elements held in one tile of the optimizer's.
 
     ``param_range`` counts elements of the flattened parameter (``name``); they sit at
-    ``offset`` … ``offset + size`` of ``strategy.shards[group][shard]`` (its ``.data`` and every
-    optimizer state array).
+    ``offset`` … ``offset + size`` of the tile ``strategy.sharded_step.tiles[group][shard]`` (its
+    ``.data`` and every optimizer state array).
     """
 
     name: str
@@ -34,7 +35,7 @@ class Segment:
 
 
 def flat_segments(strategy: Any, which: str = "owned") -> list[Segment]:
-    """The parameter element runs ``strategy`` holds in its optimizer shards.
+    """The parameter element runs ``strategy`` holds in its optimizer's tiles.
 
     ``which="owned"``: the elements this rank owns (each element of the model appears on exactly
     one rank: what a checkpoint saves). ``which="stepped"``: every element this rank's optimizer
@@ -43,10 +44,10 @@ def flat_segments(strategy: Any, which: str = "owned") -> list[Segment]:
     """
     if which not in ("owned", "stepped"):
         raise ValueError(f"which must be 'owned' or 'stepped', got {which!r}")
-    out = []
+    out, step = [], strategy.sharded_step
     for gi, g in enumerate(strategy.groups):
-        wanted = g.owned if which == "owned" else strategy.step_ranges(g)
-        tile_ranges = strategy.tile_ranges[gi]
+        wanted = g.owned if which == "owned" else step.step_ranges(g)
+        tile_ranges = step.tile_ranges[gi]
         for want in wanted:
             for k, tile in enumerate(tile_ranges):
                 part = tile.intersect(want)

@@ -28,6 +28,7 @@ class Stage0(Strategy):
     """Full replicas; gradient all-reduce in the boundary backward."""
 
     stage = 0
+    partitions_optimizer_states = False  # every rank steps the whole buffer (sharded_step.py)
     reported_norm = "none_in_one_precision"  # the client's torch optimizer keeps none
     group_cls = FullGradGroup
     reducer_cls = BucketAllReduce  # the paper's buckets of the gradient buffer, all-reduced
@@ -56,9 +57,6 @@ class Stage0(Strategy):
 
     def grad_view(self, group: FlatGroup, rng: Range) -> Any:
         return group.flat_grad[rng.start : rng.stop]
-
-    def step_ranges(self, group: FlatGroup) -> list[Range]:
-        return [Range(0, group.layout.padded_numel)]  # every rank steps everything
 
     def zero_grad(self) -> None:
         for g in self.groups:

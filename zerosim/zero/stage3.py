@@ -224,7 +224,7 @@ class Stage3(Strategy):
         out = []
         for gi, g in enumerate(self.groups):
             part = g.partition
-            tiles = self.tile_ranges[gi]
+            tiles = self.sharded_step.tile_ranges[gi]
             for i, name in enumerate(part.names):
                 n = part.valid(i, self.comm.rank)
                 local = Range(part.offsets[i], part.offsets[i] + n)
