@@ -29,7 +29,7 @@ from zerosim.checkpoint import load_checkpoint, save_checkpoint
 from zerosim.comm import Communicator, LocalComm
 from zerosim.engine import initialize
 from zerosim.report import workloads
-from zerosim.zero.stage3_deepspeed import Stage3DeepSpeed
+from zerosim.zero.fetcher import coordinator_kind
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 4,
@@ -249,7 +249,7 @@ def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[i
         else:
             regather = True
             if strategy.stage == 3:
-                coordinator = "deepspeed" if isinstance(strategy, Stage3DeepSpeed) else "paper"
+                coordinator = coordinator_kind(strategy)
                 gathered = strategy.padded_numel - persistent
                 regather = stage3_backward_gathers(coordinator, zero, gathered)
                 if regather is None:  # DeepSpeed's module trace decides

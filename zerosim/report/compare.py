@@ -51,7 +51,7 @@ from zerosim.comm import Communicator
 from zerosim.engine import initialize
 from zerosim.report import workloads
 from zerosim.report.tables import element_bytes, model_states
-from zerosim.zero.stage3_deepspeed import Stage3DeepSpeed
+from zerosim.zero.fetcher import coordinator_kind
 
 PHASES = ("forward", "backward", "step", "clip")
 MEMORY = ("params", "grads", "master_params", "optimizer_states")
@@ -259,7 +259,7 @@ def _formula_rows(
     """{phase: bytes} each rank sends by the formulas of the run's schedule, one per rank."""
     n, pad, knobs = strategy.comm.size, strategy.padded_numel, config["zero_optimization"]
     schedule, k = config["zerosim"]["schedule"], config["gradient_accumulation_steps"]
-    coordinator = "deepspeed" if isinstance(strategy, Stage3DeepSpeed) else "paper"
+    coordinator = coordinator_kind(strategy)
     if schedule == "deepspeed" and strategy.stage < 3 and name != "megatron":
         numels = [p.numel for _, p in net.named_parameters()]
         formulas = [
@@ -321,7 +321,7 @@ def _predicted(
         persistent = persistent_numel(net, n, knobs["stage3_param_persistence_threshold"])
     # the last step's backward: are the non-persistent parameters gathered again? (None:
     # DeepSpeed's module trace decides, and the formula is the paper's regathering one)
-    coordinator = "deepspeed" if isinstance(strategy, Stage3DeepSpeed) else "paper"
+    coordinator = coordinator_kind(strategy)
     gather = stage3_backward_gathers(coordinator, knobs, pad - persistent, steps >= 2)
     gather = True if gather is None else gather
     formulas = _formula_rows(

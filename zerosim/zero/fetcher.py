@@ -30,6 +30,10 @@ from typing import Any
 class ParamFetcher:
     """Stage 3's parameter fetching; see the module docstring for what a fetcher provides."""
 
+    # whose coordinator decides when parameters are gathered (the byte formulas of
+    # analysis/volume.py follow it): the paper's (coordinator.py) or DeepSpeed's trace
+    coordinator_kind = "paper"
+
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy  # the stage: its groups, its communicator, its chunks
         self.coordinator: Any = None  # attach(): decides when to fetch and release
@@ -56,3 +60,10 @@ class ParamFetcher:
     def memory(self) -> dict[str, int]:
         """Bytes the fetcher reports: the high-water mark of gathered parameters."""
         return {"peak_gathered_params": self.coordinator.peak_live_bytes}
+
+
+def coordinator_kind(strategy: Any) -> str:
+    """ "paper" or "deepspeed": whose coordinator gathers the strategy's parameters (the
+    paper's where no parameter is partitioned)."""
+    fetcher = strategy.fetcher_cls
+    return "paper" if fetcher is None else fetcher.coordinator_kind

@@ -207,7 +207,7 @@ class IpgBuckets:
             use_multi_rank_bucket_allreduce=bool(zero.use_multi_rank_bucket_allreduce),
             contiguous_gradients=bool(zero.contiguous_gradients),
         )
-        self.muon = getattr(strategy, "muon", None)  # split Muon matrices go to all their owners
+        self.muon = strategy.muon  # split Muon matrices go to all their owners
         self.entries: list[BucketGradient] = []  # the bucket being filled
         self.grads: list[Any] = []  # their gradients (flattened views), until the bucket goes
         self.numel = 0  # their elements

@@ -358,7 +358,7 @@ def read_param_chunk(strategy: Any, group: Any, index: int) -> Any:
     explicit read per gather, counted in the store's ``bytes_read``); otherwise it is the view of
     the shard buffer.
     """
-    offload = getattr(strategy, "offload", None)
+    offload = strategy.offload
     if offload is None or offload.param_store is None:
         return group.chunk(index)
     start, count = group.partition.offsets[index], group.partition.chunks[index]

@@ -175,6 +175,8 @@ class CoalescedFetcher(ParamFetcher):
     """DeepSpeed's fetcher: ``DeepSpeedCoordinator`` (``ds_coordinator.py``) decides which
     parameters to gather when; each decision is ONE coalesced all-gather, moved here."""
 
+    coordinator_kind = "deepspeed"
+
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         s = strategy

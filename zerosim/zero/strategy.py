@@ -145,6 +145,7 @@ class Strategy(ABC):
     group_cls: type = FlatGroup  # what a stage keeps per parameter group
     boundary_rule = staticmethod(paper_checks)  # schedule.py's table: DeepSpeed's classes own
     reducer_cls: type[GradReducer] = GradReducer  # the part that reduces gradients (reducer.py)
+    fetcher_cls: type | None = None  # stage 3's part that gathers parameters (fetcher.py)
 
     @classmethod
     def boundary_checks(cls, **settings: Any) -> BoundaryChecks:
