@@ -1,0 +1,163 @@
+"""Published sweeps predicted by the dry run after one fitted row per (cluster, software).
+
+    python -m benchmarks.dryrun_published [--table a100_80gb|a100_40gb] [--max-gpus N]
+                                          [--limit K] [--json PATH]
+
+Source: MosaicML llm-foundry's MPT throughput tables on A100s (PyTorch FSDP under Composer),
+kept cell for cell in ``examples/published/llm_foundry/a100.csv`` with their address, FLOP
+convention and configuration (``examples/published/llm_foundry/README.md``). Each row is dry-run
+as zerosim can run it today: the MPT preset at the row's sequence (learned positions, so the
+parameter count is the row's ``NumParams``), ZeRO-3 on DeepSpeed's schedule (FULL_SHARD shards
+as stage 3 does; FSDP's own per-unit schedule is not modelled yet), bf16 with fp32 Adam, the
+row's micro-batch and gradient accumulation, recomputation where the row checkpoints
+activations, and ``stage3_max_live_parameters`` 1e10 (the rule: at least the largest module, so
+prefetch is never switched off; FSDP has no such cap).
+
+The clusters are ``zerosim/dryrun/clusters/mosaic_a100_80gb.json`` and ``…_40gb.json``: link
+rates as the table headings and NVIDIA's datasheet give them, ``network_efficiency`` 1. The one
+fitted number per cluster is ``compute_efficiency``, fitted on ONE row named before any
+prediction was looked at: the 7B model at sequence 2048 on 8 GPUs of each table (``FITTED``).
+Every other row is a prediction, printed beside the published MFU (the source's own formula:
+(6·N + 12·L·d·s) per token, recomputation not counted, over 312 TFLOP/s per GPU), whatever it
+shows; rows whose peak in zerosim's accounting exceeds the device's memory are marked OOM (the
+run would not start there) and left out of the summary, their MFU printed as what the step would
+take: zerosim's attention keeps the s × s softmax probabilities in fp32, where the published runs
+use FlashAttention, which keeps none. A dry run takes from 15 s to many minutes here (30B at
+sequence 8192), so ``--max-gpus`` and ``--limit`` pick a subset; the fitted row is always run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from zerosim import meta  # noqa: E402
+from zerosim.dryrun import load_cluster_model, run_world  # noqa: E402
+from zerosim.dryrun.published import SweepRow, read_sweep  # noqa: E402
+from zerosim.dryrun.report import step_time  # noqa: E402
+from zerosim.dryrun.run import ModelRecipe  # noqa: E402
+from zerosim.nn import PRESETS, Transformer  # noqa: E402
+
+SWEEP = ROOT / "examples/published/llm_foundry/a100.csv"
+PEAK = 312e12  # the tables' GPU_AVAILABLE_FLOPS for an A100 in bf16
+CLUSTERS = {"a100_80gb": "mosaic_a100_80gb", "a100_40gb": "mosaic_a100_40gb"}
+FITTED = {"a100_80gb": ("mpt-7b", 2048, 8), "a100_40gb": ("mpt-7b", 2048, 8)}  # model, seq, GPUs
+
+
+def model_recipe(row: SweepRow) -> ModelRecipe:
+    desc = dataclasses.replace(PRESETS[row.model], seq=row.seq)
+    xp = meta.NAMESPACE
+
+    def batch(b: int) -> tuple:
+        return xp.zeros((b, row.seq), np.int64), xp.zeros((b, row.seq), np.int64)
+
+    return ModelRecipe(f"{row.model}@{row.seq}", lambda: Transformer(desc), batch)
+
+
+def config(row: SweepRow) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": row.micro_batch,
+        "gradient_accumulation_steps": row.grad_accum,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e10},
+        "bf16": {"enabled": True},
+        "steps_per_print": 10**9,
+    }
+
+
+def model_flops_per_step(row: SweepRow) -> float:
+    """The source's MFU numerator for one optimizer step: (6·N + 12·L·d·s) per token."""
+    desc = PRESETS[row.model]
+    per_token = 6 * row.num_params + 12 * desc.layers * desc.hidden * row.seq
+    return per_token * row.global_batch * row.seq
+
+
+def predicted_mfu(row: SweepRow, runs: list, cluster) -> tuple[float, float]:
+    """(MFU in per cent, step seconds) of ``row`` on ``cluster``."""
+    t, _ = step_time(runs, row.gpus, cluster, None, recompute=row.recompute)
+    return 100 * model_flops_per_step(row) / t["step_s"] / (row.gpus * PEAK), t["step_s"]
+
+
+def peak_bytes(runs: list) -> int:
+    return max(run.tracker["peak_bytes"] for _, run in runs)
+
+
+def fit_compute(row: SweepRow, runs: list, base) -> float:
+    """The compute efficiency at which ``row``'s predicted MFU equals its published one."""
+    lo, hi = math.log(0.01), 0.0
+    for _ in range(60):  # bisection: predicted MFU grows with the efficiency
+        mid = (lo + hi) / 2
+        mfu, _ = predicted_mfu(row, runs, base.with_efficiencies(math.exp(mid), 1.0))
+        lo, hi = (mid, hi) if mfu < row.mfu else (lo, mid)
+    return math.exp((lo + hi) / 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--table", choices=sorted(CLUSTERS), action="append")
+    parser.add_argument("--max-gpus", type=int, default=None, help="only rows on at most N GPUs")
+    parser.add_argument("--limit", type=int, default=None, help="at most K rows per table")
+    parser.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    args = parser.parse_args(argv)
+    rows = read_sweep(SWEEP)
+    table = []
+    for gpu in args.table or sorted(CLUSTERS):
+        base = load_cluster_model(CLUSTERS[gpu])
+        mine = [r for r in rows if r.gpu == gpu]
+        fitted = next(r for r in mine if (r.model, r.seq, r.gpus) == FITTED[gpu])
+        chosen = [r for r in mine if r is not fitted and r.gpus <= (args.max_gpus or r.gpus)]
+        chosen = [fitted, *chosen[: args.limit]]
+        start = time.perf_counter()
+        traces = [run_world(model_recipe(r), r.gpus, config(r), recompute=r.recompute)[0]
+                  for r in chosen]  # fmt: skip
+        compute = fit_compute(fitted, traces[0], base)
+        cluster = base.with_efficiencies(compute, 1.0)
+        print(f"{gpu}: compute_efficiency {compute:.4f} fitted on line {fitted.line} "
+              f"({fitted.model}, seq {fitted.seq}, {fitted.gpus} GPUs); "
+              f"{len(chosen)} rows in {time.perf_counter() - start:.0f} s")  # fmt: skip
+        for r, runs in zip(chosen, traces, strict=True):
+            mfu, step = predicted_mfu(r, runs, cluster)
+            peak = peak_bytes(runs)
+            oom = peak > base.device_memory_bytes
+            table.append({**r._asdict(), "predicted_mfu": mfu, "step_s": step,
+                          "peak_bytes": peak, "oom": oom, "fitted": r is fitted})  # fmt: skip
+    print(f"{'line':>4} {'model':>9} {'seq':>6} {'GPUs':>4} {'mb':>3} {'ga':>3} {'ckpt':>5} "
+          f"{'published':>9} {'predicted':>9} {'ratio':>6}  peak GB")  # fmt: skip
+    ratios = []  # predicted rows that fit the device in zerosim's accounting
+    for e in table:
+        ratio = e["predicted_mfu"] / e["mfu"]
+        if not (e["oom"] or e["fitted"]):
+            ratios.append(ratio)
+        flag = "  OOM: would not start" if e["oom"] else ""
+        print(f"{e['line']:>4} {e['model']:>9} {e['seq']:>6} {e['gpus']:>4} "
+              f"{e['micro_batch']:>3} {e['grad_accum']:>3} {str(e['recompute']):>5} "
+              f"{e['mfu']:>9.2f} {e['predicted_mfu']:>9.1f} {ratio:>6.3f}  "
+              f"{e['peak_bytes'] / 1e9:.1f}{' (fitted)' if e['fitted'] else ''}{flag}")  # fmt: skip
+    if ratios:
+        within = sum(abs(x - 1) <= 0.2 for x in ratios) / len(ratios)
+        median = statistics.median(abs(x - 1) for x in ratios)
+        print(f"predicted rows that fit: {len(ratios)}; within 20%: {within:.0%}; "
+              f"median |error| {median:.1%}")  # fmt: skip
+    print(
+        f"rows over the device's memory in zerosim's accounting: "
+        f"{sum(e['oom'] for e in table)} of {len(table)} (their MFU is what the step would "
+        f"take; zerosim's attention keeps the s x s probabilities, FlashAttention does not)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
