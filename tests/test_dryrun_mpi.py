@@ -41,26 +41,34 @@ def _start_mpi(n: int, args: list[str]) -> subprocess.Popen:
     )
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
-def test_dry_run_ledger_and_memory_equal_the_mpirun_ones(n, tmp_path):
-    job = _start_mpi(n, ["tests/helpers/dryrun_worker.py", str(tmp_path)])
-    model = recipe(dryrun_cases.MODEL_SPEC)
-    dry = {}
-    try:  # the dry runs, while the real ones run
-        for case in dryrun_cases.cases():
-            dry[case.name], _ = run_world(
-                model,
-                n,
-                dryrun_cases.config(case, n),
-                micro_batch=dryrun_cases.MICRO_BATCH,
-                steps=dryrun_cases.STEPS,
-            )
+def _real_and_dry(n: int, worker: str, tmp_path, cases, dry_runs) -> tuple[list, dict]:
+    """Each rank's JSON of ``mpirun -n n python tests/helpers/WORKER TMP`` and, computed while
+    the real runs run, ``dry_runs(case)`` of every case by its name."""
+    job = _start_mpi(n, [f"tests/helpers/{worker}", str(tmp_path)])
+    try:
+        dry = {case.name: dry_runs(case) for case in cases}
         out, err = job.communicate(timeout=600)
     finally:
         if job.poll() is None:
             job.kill()
     assert job.returncode == 0, out[-3000:] + err[-3000:]
-    real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)], dry
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_dry_run_ledger_and_memory_equal_the_mpirun_ones(n, tmp_path):
+    model = recipe(dryrun_cases.MODEL_SPEC)
+
+    def dry_runs(case):
+        return run_world(
+            model,
+            n,
+            dryrun_cases.config(case, n),
+            micro_batch=dryrun_cases.MICRO_BATCH,
+            steps=dryrun_cases.STEPS,
+        )[0]
+
+    real, dry = _real_and_dry(n, "dryrun_worker.py", tmp_path, dryrun_cases.cases(), dry_runs)
     mismatches = []
     for case in dryrun_cases.cases():
         runs = dry[case.name]
@@ -103,25 +111,19 @@ def test_dry_run_schedule_equals_the_mpirun_one(n, tmp_path):
     """Each representative's step, as the time model replays it (issues and waits in order),
     equals the same rank's real step under mpirun: stages 2 and 3, both schedules, with
     recomputation, and with a binding ``stage3_max_live_parameters``."""
-    job = _start_mpi(n, ["tests/helpers/schedule_worker.py", str(tmp_path)])
     model = recipe(schedule_cases.MODEL_SPEC)
-    dry = {}
-    try:  # the dry runs, while the real ones run
-        for case in schedule_cases.cases():
-            dry[case.name], _ = run_world(
-                model,
-                n,
-                schedule_cases.config(case),
-                micro_batch=schedule_cases.MICRO_BATCH,
-                steps=schedule_cases.STEPS,
-                recompute=case.recompute,
-            )
-        out, err = job.communicate(timeout=600)
-    finally:
-        if job.poll() is None:
-            job.kill()
-    assert job.returncode == 0, out[-3000:] + err[-3000:]
-    real = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(n)]
+
+    def dry_runs(case):
+        return run_world(
+            model,
+            n,
+            schedule_cases.config(case),
+            micro_batch=schedule_cases.MICRO_BATCH,
+            steps=schedule_cases.STEPS,
+            recompute=case.recompute,
+        )[0]
+
+    real, dry = _real_and_dry(n, "schedule_worker.py", tmp_path, schedule_cases.cases(), dry_runs)
     mismatches = []
     for case in schedule_cases.cases():
         for _, run in dry[case.name]:

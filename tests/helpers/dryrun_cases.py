@@ -71,14 +71,15 @@ def config(case: Case, n: int) -> dict:
     return cfg
 
 
-def build_model() -> GPT:
-    layers, hidden, vocab, seq, heads = SHAPE
+def build_model(shape: tuple[int, ...] = SHAPE) -> GPT:
+    layers, hidden, vocab, seq, heads = shape
     return GPT(vocab, seq, layers, heads, hidden, seed=1)
 
 
-def batch(rank: int, micro_step: int) -> np.ndarray:
+def batch(rank: int, micro_step: int, shape=SHAPE, micro_batch: int = MICRO_BATCH) -> np.ndarray:
+    """Token ids of ``rank``'s micro-step, the same on every side that asks."""
     rng = np.random.default_rng(1000 * rank + micro_step)
-    return rng.integers(0, SHAPE[2], (MICRO_BATCH, SHAPE[3]))
+    return rng.integers(0, shape[2], (micro_batch, shape[3]))
 
 
 def record_key(r) -> list:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import dryrun_cases
 import numpy as np
 
 from zerosim.nn import GPT
@@ -74,13 +75,11 @@ def config(case: Case) -> dict:
 
 
 def build_model() -> GPT:
-    layers, hidden, vocab, seq, heads = SHAPE
-    return GPT(vocab, seq, layers, heads, hidden, seed=1)
+    return dryrun_cases.build_model(SHAPE)
 
 
 def batch(rank: int, micro_step: int) -> np.ndarray:
-    rng = np.random.default_rng(1000 * rank + micro_step)
-    return rng.integers(0, SHAPE[2], (MICRO_BATCH, SHAPE[3]))
+    return dryrun_cases.batch(rank, micro_step, SHAPE, MICRO_BATCH)
 
 
 def schedule_of(events: list[tuple[str, Any]]) -> list[list]:
