@@ -80,3 +80,17 @@ def zerosim_config(case: dict[str, Any]) -> dict[str, Any]:
 
 def gas(case: dict[str, Any]) -> int:
     return int(case["config"].get("gradient_accumulation_steps", 1))
+
+
+def make_case(name: str, stage: int, model: dict, optimizer: dict, steps: int, zero=None, **top):
+    """A case: micro-batch 4, ``stage`` with the ``zero`` keys, ``top`` as top-level config
+    keys; an SGD case says ``zero_allow_untested_optimizer``, as DeepSpeed asks."""
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": optimizer,
+        "zero_optimization": {"stage": stage, **(zero or {})},
+        **top,
+    }
+    if optimizer["type"] == "SGD":
+        config["zero_allow_untested_optimizer"] = True
+    return {"name": name, "steps": steps, "model": model, "config": config}

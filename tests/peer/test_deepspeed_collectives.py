@@ -48,6 +48,7 @@ import pytest
 
 deepspeed = pytest.importorskip("deepspeed", reason="the peer tests need DeepSpeed (test extra)")
 
+from cases import make_case  # noqa: E402
 from runner import deepspeed_step, zerosim_step  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]
@@ -67,15 +68,7 @@ MUON = {
 
 
 def _case(name, stage, zero=None, model=MLP, optimizer=ADAM, **top):
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "optimizer": optimizer,
-        "zero_optimization": {"stage": stage, **(zero or {})},
-        **top,
-    }
-    if optimizer is SGD:
-        config["zero_allow_untested_optimizer"] = True
-    return {"name": name, "steps": 2, "model": model, "config": config}
+    return make_case(name, stage, model, optimizer, 2, zero, **top)
 
 
 def cases() -> list[dict]:

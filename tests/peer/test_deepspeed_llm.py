@@ -47,6 +47,7 @@ import pytest
 
 deepspeed = pytest.importorskip("deepspeed", reason="the peer tests need DeepSpeed (test extra)")
 
+from cases import make_case  # noqa: E402
 from runner import deepspeed_step, zerosim_step  # noqa: E402
 from test_deepspeed_parity import (  # noqa: E402
     BF16_ATOL,
@@ -100,15 +101,7 @@ SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 
 
 def _case(name, stage, model, optimizer=ADAMW, zero=None, **top):
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "optimizer": optimizer,
-        "zero_optimization": {"stage": stage, **(zero or {})},
-        **top,
-    }
-    if optimizer is SGD:
-        config["zero_allow_untested_optimizer"] = True
-    return {"name": name, "steps": 5, "model": model, "config": config}
+    return make_case(name, stage, model, optimizer, 5, zero, **top)
 
 
 def cases() -> list[dict]:
