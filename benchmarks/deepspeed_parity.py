@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests" / "peer"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "tests" / "peer"), str(ROOT / "tests"), str(ROOT / "tests" / "helpers")]
 
 import test_deepspeed_llm as llm  # noqa: E402
 import test_deepspeed_parity as peer  # noqa: E402

@@ -176,7 +176,7 @@ def test_sub_groups_keep_their_own_names_in_the_ledger():
 
 WORKER = """
 import sys
-sys.path.insert(0, "tests")
+sys.path[:0] = ["tests", "tests/helpers"]
 import test_wire_bytes as t
 from zerosim.comm import MPIComm
 
