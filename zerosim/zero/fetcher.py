@@ -24,10 +24,11 @@ provides:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 
-class ParamFetcher:
+class ParamFetcher(ABC):
     """Stage 3's parameter fetching; see the module docstring for what a fetcher provides."""
 
     # whose coordinator decides when parameters are gathered (the byte formulas of
@@ -38,8 +39,9 @@ class ParamFetcher:
         self.strategy = strategy  # the stage: its groups, its communicator, its chunks
         self.coordinator: Any = None  # attach(): decides when to fetch and release
 
+    @abstractmethod
     def attach(self, model: Any) -> None:
-        raise NotImplementedError(f"{type(self).__name__} installs no fetching hooks")
+        """Install the module hooks that fetch and release; set ``coordinator``."""
 
     def start_micro_step(self) -> None:
         self.coordinator.start_micro_step()

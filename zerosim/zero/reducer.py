@@ -26,10 +26,11 @@ reduced piece does there.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 
-class GradReducer:
+class GradReducer(ABC):
     """A stage's gradient reduction; see the module docstring for what a reducer provides."""
 
     def __init__(self, strategy: Any) -> None:
@@ -41,7 +42,8 @@ class GradReducer:
     def before_backward(self, boundary: bool) -> None:  # noqa: B027 (a no-op by default)
         """Called before the model's backward of every micro-step."""
 
-    def after_backward(self, boundary: bool) -> None:  # noqa: B027 (a no-op by default)
+    @abstractmethod
+    def after_backward(self, boundary: bool) -> None:
         """Called after it: reduce what is left; every reduced piece has landed on return."""
 
     def bucket_pieces(self) -> list[list[int]]:
