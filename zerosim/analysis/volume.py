@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 from zerosim.analysis.stages import ZERO_STAGES
 
-SCHEDULES = ("deepspeed", "paper")  # whose collectives a stage issues: the one definition
+SCHEDULES = ("deepspeed", "paper", "fsdp2")  # whose collectives a stage issues: the one definition
 DEEPSPEED_ALIGNMENT = 2  # DeepSpeed pads stage 1-2 flat buffers to a multiple of 2·N
 DEEPSPEED_STAGE0_MESSAGE = 500_000_000  # DeepSpeed's stage-0 all-reduce size (elements)
 DEEPSPEED_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size's default
@@ -485,7 +485,7 @@ def boundary_messages(
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     fp16, bf16 = precision == "fp16", precision == "bf16"
-    if schedule == "paper":
+    if schedule in ("paper", "fsdp2"):  # FSDP2's stage 3 takes the paper's norm
         return {"clip": 8, **({"overflow": 8} if fp16 else {})}
     f32 = 8 if float64 else 4
     if stage == 0:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from zerosim.config.features import check_features
+from zerosim.config.fsdp2 import check_fsdp2
 from zerosim.config.optimizer import (
     DEEPSPEED_SCHEDULERS,
     ZERO_SUPPORTED_OPTIMIZERS,
@@ -27,6 +28,7 @@ def check_consistency(cfg: Config) -> None:
     zero, sim, n = cfg.zero_optimization, cfg.zerosim, cfg.world_size
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("bf16.enabled", True, "false when fp16.enabled is true (one 16-bit mode)")
+    check_fsdp2(cfg)  # before the others: it names the fsdp2 key that refuses a section
     _check_deepspeed_engine_rules(cfg)
     check_features(cfg)
     check_whole_parameter_rules(cfg)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from zerosim.analysis.volume import SCHEDULES
+from zerosim.config.fsdp2 import Fsdp2Config
 from zerosim.config.values import (
     Parser,
     Section,
@@ -747,8 +748,14 @@ class ZerosimConfig(Section):
     schedule: str = knob(
         "deepspeed",
         choice(*SCHEDULES),
-        "whose collectives: DeepSpeed 0.19.8's for these switches, or the ZeRO paper's "
-        "reduce-scatter schedule (zerosim/zero/schedule.py)",
+        "whose collectives: DeepSpeed 0.19.8's for these switches, the ZeRO paper's "
+        "reduce-scatter schedule (zerosim/zero/schedule.py), or PyTorch FSDP2's (stage 3)",
+    )
+    fsdp2: Fsdp2Config = knob(
+        Fsdp2Config(),
+        section(Fsdp2Config),
+        "schedule fsdp2: fully_shard's arguments (zerosim/config/fsdp2.py)",
+        null=None,
     )
     ranks_per_node: int | None = knob(
         None, optional(integer(1)), "ranks per node for intra/inter-node bytes"

@@ -30,6 +30,7 @@ from zerosim.zero.init import is_partitioned
 from zerosim.zero.loss_scaler import build_loss_scaler
 from zerosim.zero.offload import check_nvme_paths
 from zerosim.zero.schedule import BoundaryChecks
+from zerosim.zero.stage3_fsdp2 import Stage3FSDP2
 from zerosim.zero.stage3_zeropp import Stage3ZeroPP
 from zerosim.zero.zeropp import zeropp_enabled
 
@@ -230,6 +231,7 @@ def build_strategy(
         predivide=cfg.gradient_predivide_factor,
         gradient_average=cfg.gradient_allreduce_op == "mean",
         **zeropp_options(strategy_cls, cfg),
+        **fsdp2_options(strategy_cls, cfg),
     )
 
 
@@ -239,6 +241,19 @@ def zeropp_options(strategy_cls: type, cfg: Config) -> dict[str, Any]:
     if issubclass(strategy_cls, Stage3ZeroPP):
         return {"quantization_block_size": cfg.zerosim.quantization_block_size}
     return {}
+
+
+def fsdp2_options(strategy_cls: type, cfg: Config) -> dict[str, Any]:
+    """FSDP2's own keywords (``zerosim.fsdp2``: fully_shard's and MixedPrecisionPolicy's)."""
+    if not issubclass(strategy_cls, Stage3FSDP2):
+        return {}
+    f = cfg.zerosim.fsdp2
+    return {
+        "reshard_after_forward": f.reshard_after_forward,
+        "param_dtype": f.param_dtype,
+        "reduce_dtype": f.reduce_dtype,
+        "reshard_after_backward": f.reshard_after_backward,
+    }
 
 
 def build_lr_scheduler(cfg: Config, optimizer: Any, client: Any) -> Any:

@@ -265,6 +265,31 @@ def per_param_partition(
     )
 
 
+def dim0_partition(
+    named_shapes: list[tuple[str, tuple[int, ...]]], world_size: int
+) -> ParamPartition:
+    """PyTorch FSDP2's partition (``Shard(0)``, ``_fsdp_param.py``): each parameter cut along its
+    first dimension into N chunks of ceil(dim0 / N) rows (torch.chunk's split), every chunk padded
+    to that many rows. chunk_i = ceil(dim0_i / N) · numel_i / dim0_i elements; rank r holds the
+    rows [r · ceil(dim0 / N), …) that exist, and a rank past the last row holds padding only. A
+    1-D parameter is cut as DeepSpeed cuts it; a 2-D one pads whole rows, so Ψ_pad can exceed
+    DeepSpeed's Σ ceil(numel_i / N) · N."""
+    numels = [math.prod(shape) for _, shape in named_shapes]
+    chunks = []
+    for (_, shape), numel in zip(named_shapes, numels, strict=True):
+        rows = shape[0] if shape else 1
+        chunks.append(max(1, math.ceil(rows / world_size)) * (numel // rows if rows else 1))
+    offsets = [sum(chunks[:i]) for i in range(len(chunks))]
+    return ParamPartition(
+        tuple(n for n, _ in named_shapes),
+        tuple(tuple(s) for _, s in named_shapes),
+        tuple(numels),
+        tuple(chunks),
+        tuple(offsets),
+        world_size,
+    )
+
+
 def deepspeed_sub_groups(chunks: Sequence[int], sub_group_size: int) -> list[list[int]]:
     """Stage 3: DeepSpeed's sub-groups of one parameter group (``_create_fp16_sub_groups``):
     parameter indices taken in order until their chunks hold ``sub_group_size`` elements or

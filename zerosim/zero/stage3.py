@@ -50,7 +50,7 @@ from zerosim.zero.coordinator import ParamCoordinator
 from zerosim.zero.fetcher import ParamFetcher
 from zerosim.zero.init import ParamChunk
 from zerosim.zero.offload import read_param_chunk
-from zerosim.zero.partition import Range, per_param_partition
+from zerosim.zero.partition import ParamPartition, Range, per_param_partition
 from zerosim.zero.segments import Segment
 from zerosim.zero.strategy import Strategy
 
@@ -65,7 +65,7 @@ class ShardGroup:
         comm = strategy.comm
         self.named_params = named
         self.hyper = hyper
-        self.partition = part = per_param_partition([(n, p.shape) for n, p in named], comm.size)
+        self.partition = part = strategy.make_partition([(n, p.shape) for n, p in named])
         self.xp = xp_of(named[0][1].data)
         self.flat_param = self.xp.zeros(part.shard_numel, dtype=strategy.dtype)
         self.owned = [Range(0, part.shard_numel)]
@@ -153,6 +153,10 @@ class Stage3(Strategy):
 
     def is_persistent(self, p: Parameter) -> bool:
         return p.numel <= self.zero.stage3_param_persistence_threshold
+
+    def make_partition(self, named_shapes: list[tuple[str, tuple[int, ...]]]) -> ParamPartition:
+        """How each parameter is cut into chunks: DeepSpeed's ceil(numel_i / N) elements."""
+        return per_param_partition(named_shapes, self.comm.size)
 
     def make_group(self, named: list[tuple[str, Parameter]], hyper: dict[str, Any]) -> ShardGroup:
         return ShardGroup(named, self, hyper)

@@ -1,0 +1,167 @@
+"""Stage 3 under PyTorch FSDP2's schedule (``zerosim.schedule: "fsdp2"``): what it changes in the
+paper's stage 3 (``stage3.py``), and why.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``, torch 2.13) shards the same three model states as
+the paper's stage 3, but a torch user groups parameters by *unit* (each transformer block, then
+the root model) and FSDP2 moves each unit in one collective. zerosim issues its collectives call
+for call so that torch can be its oracle. What changes:
+
+* **The partition is per parameter along dim 0** (``partition.dim0_partition``, DTensor's
+  ``Shard(0)``): chunk_i = ceil(dim0_i / N) rows of parameter i, padded with zero rows, instead of
+  ceil(numel_i / N) elements. The chunks are the *sharded parameters* and, in the dtype they were
+  built in (float32), the optimizer's weights: no separate master copy, whatever ``param_dtype``.
+* **One all-gather per unit, in param_dtype** (``fsdp2_fetcher.UnitFetcher``): the unit's chunks
+  cast to ``param_dtype`` and gathered together; in forward before the unit runs, in backward
+  again if ``reshard_after_forward`` freed it, the next unit prefetched as FSDP2 does.
+* **One reduce-scatter per unit, in reduce_dtype** (``UnitReduceScatter`` below,
+  ``_fsdp_collectives.foreach_reduce``): after the unit's backward its gradients, each padded to
+  N · chunk_i, are cast to ``reduce_dtype`` and laid rank-major (rank r's chunks of every
+  parameter end to end in row r); one reduce-scatter hands each rank its row. FSDP2 asks the
+  collective for the average (``ReduceOp.AVG`` for float32 and bfloat16): zerosim sums, then
+  divides the row by N in ``reduce_dtype``, and adds it into the float32 gradient shard.
+* **Gradient accumulation** runs as ``set_requires_gradient_sync(False)`` on every micro-batch but
+  the last: no reduce-scatter, the unsharded gradients are kept, upcast to ``reduce_dtype``
+  (``FSDPParam.to_accumulated_grad_if_needed``) and summed; the last micro-batch reduces the sum.
+  With ``reshard_after_backward`` false the parameters also stay gathered between micro-batches.
+
+Bytes one rank sends per step (b_p, b_r: bytes of param_dtype and reduce_dtype; U units, unit u
+of S_u = Σ chunk_i elements per rank; k micro-batches; blocks resharded after forward):
+
+    forward all-gather     k · Σ_u (N−1)·S_u·b_p
+    backward all-gather    k · Σ_blocks (N−1)·S_u·b_p           (none when not resharded)
+    reduce-scatter         Σ_u (N−1)·S_u·b_r                     (once, at the last micro-batch)
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from zerosim.backend import assign, flat, resolve_dtype, xp_of
+from zerosim.nn import Parameter
+from zerosim.zero.buckets import MAX_IN_FLIGHT, pack_rank_major, reduce_rows
+from zerosim.zero.fsdp2_fetcher import Unit, UnitFetcher
+from zerosim.zero.partition import ParamPartition, dim0_partition
+from zerosim.zero.reducer import GradReducer
+from zerosim.zero.stage3 import Stage3
+
+
+class AveragedRow:
+    """Where one unit's reduced row lands: divided by N in ``reduce_dtype`` (FSDP2's average),
+    then each parameter's chunk ``row[column : column + chunk]`` handed to the stage's ``land``."""
+
+    def __init__(self, strategy: Any, slots: list[tuple[int, int, int, int]]) -> None:
+        self.strategy = strategy  # its land(group, shard position, values) and its N
+        self.slots = slots  # (group, chunk offset in its shard, chunk, column in the row)
+
+    def __call__(self, row: Any) -> None:
+        row /= self.strategy.data_parallel_size
+        for gi, start, chunk, column in self.slots:
+            self.strategy.land(gi, start, row[column : column + chunk])
+
+
+class UnitReduceScatter(GradReducer):
+    """FSDP2's reducer: one reduce-scatter of each unit's gradients after its backward, at the
+    last micro-batch of an accumulation window; before it, gradients are summed locally."""
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        self.boundary = True  # this micro-batch ends the window: reduce
+        self.accumulated: dict[int, Any] = {}  # id(param) -> its summed gradient, reduce_dtype
+
+    def attach(self, model: Any) -> None:
+        for unit in self.strategy.fetcher.units:
+            unit.module.register_full_backward_hook(lambda m, gi, go, u=unit: self.post_backward(u))
+
+    def before_backward(self, boundary: bool) -> None:
+        self.boundary = boundary
+
+    def post_backward(self, unit: Unit) -> None:
+        """The unit's gradients are final: summed into the accumulated ones (reduce_dtype), and
+        at the last micro-batch reduced."""
+        reduce_dtype = self.strategy.reduce_dtype
+        ready: list[tuple[Parameter, Any]] = []
+        for p in unit.params:
+            grad, p.grad = p.grad, None
+            total = self.accumulated.pop(id(p), None)
+            if total is not None and grad is not None:
+                assign(total, total + grad)
+            elif grad is not None:
+                total = xp_of(grad).astype(grad, reduce_dtype)
+            if total is None:  # unused in this backward: FSDP2 leaves it out of the reduction
+                continue
+            if self.boundary:
+                ready.append((p, total))
+            else:
+                self.accumulated[id(p)] = total
+        if ready:
+            self.reduce(ready)
+
+    def reduce(self, ready: list[tuple[Parameter, Any]]) -> None:
+        """One reduce-scatter of a unit's gradients: each padded to N · chunk_i, rank-major."""
+        s = self.strategy
+        slots, width = [], 0  # (group, chunk offset in the shard, chunk, column in the row)
+        for p, _ in ready:
+            gi, i = s.where[id(p)]
+            part = s.groups[gi].partition
+            slots.append((gi, part.offsets[i], part.chunks[i], width))
+            width += part.chunks[i]
+        s.reduction.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
+        buf = s.reduction.wire_buffer((s.comm.size, width))
+        for (_, grad), (_, _, chunk, column) in zip(ready, slots, strict=True):
+            pack_rank_major(buf[:, column : column + chunk], flat(grad))
+        s.reduction.reduce(buf, AveragedRow(s, slots), partial(reduce_rows, s), width)
+
+    def after_backward(self, boundary: bool) -> None:
+        """Every reduce-scatter of this backward has landed."""
+        self.strategy.reduction.pending.complete()
+
+
+class Stage3FSDP2(Stage3):
+    """Stage 3 with FSDP2's dim-0 shards, per-unit all-gathers and reduce-scatters."""
+
+    reducer_cls = UnitReduceScatter  # one reduce-scatter per unit, in reduce_dtype
+    fetcher_cls = UnitFetcher  # one all-gather per unit, in param_dtype
+
+    def __init__(
+        self,
+        *,
+        reshard_after_forward: bool | int = True,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        reshard_after_backward: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        dtype = resolve_dtype(kwargs["dtype"])
+        # MixedPrecisionPolicy: the gather's and the computation's dtype, the reduction's
+        self.param_dtype = dtype if param_dtype is None else resolve_dtype(param_dtype)
+        self.reduce_dtype = self.param_dtype if reduce_dtype is None else resolve_dtype(reduce_dtype)
+        world = kwargs["comm"].size
+        # torch's rule: an int reshards to groups of that many ranks; 1 is False, N is True
+        if not isinstance(reshard_after_forward, bool):
+            if reshard_after_forward not in (1, world):
+                raise ValueError(
+                    f"reshard_after_forward={reshard_after_forward!r}: true, false, 1 or "
+                    f"{world} (resharding to a smaller group is not built)"
+                )
+            reshard_after_forward = reshard_after_forward == world
+        self.reshard_after_forward = reshard_after_forward  # the blocks' (the root: never)
+        self.reshard_after_backward = reshard_after_backward  # between micro-batches
+        self.data_parallel_size = world  # FSDP2 averages over it
+        kwargs["comm_dtype"] = self.reduce_dtype  # the dtype gradients travel in
+        super().__init__(**kwargs)
+
+    def make_partition(self, named_shapes: list[tuple[str, tuple[int, ...]]]) -> ParamPartition:
+        """FSDP2's: ceil(dim0_i / N) rows of every parameter."""
+        return dim0_partition(named_shapes, self.comm.size)
+
+    def is_persistent(self, p: Parameter) -> bool:
+        return False  # FSDP2 shards every parameter of a unit
+
+    def before_backward(self, boundary: bool) -> None:
+        """Between micro-batches parameters stay gathered when reshard_after_backward is off."""
+        self.fetcher.keep_after_backward = not (boundary or self.reshard_after_backward)
+        super().before_backward(boundary)
+
+    def average(self, grads: Any) -> None:
+        """Nothing left to do: each reduced row was divided by N as it landed (FSDP2's AVG)."""
