@@ -664,3 +664,31 @@ def stage3_backward_gathers(
     if prefetch >= gathered_numel and live >= gathered_numel and recorded:
         return False
     return True if prefetch == 0 and reuse == 0 else None
+
+
+def fsdp2_step_bytes(
+    unit_shards: list[int],
+    world_size: int,
+    param_bytes: int,
+    reduce_bytes: int,
+    accumulation: int = 1,
+    reshard_after_forward: bool = True,
+    reshard_after_backward: bool = True,
+) -> dict[str, int]:
+    """{phase: bytes one rank sends} in one optimizer step of PyTorch FSDP2's schedule
+    (``zero/stage3_fsdp2.py``). ``unit_shards``: S_u, the elements of each unit's all-gather
+    input on one rank (Σ ceil(dim0_i / N) · numel_i / dim0_i over its parameters), the blocks
+    first and the root last; b_p, b_r the bytes of param_dtype and reduce_dtype; k micro-batches.
+
+        forward    (N−1)·b_p·Σ_u S_u · (k, or 1 when parameters stay gathered between them)
+        backward   (N−1)·b_p·k·Σ_blocks S_u   (blocks resharded after forward; the root is not)
+                 + (N−1)·b_r·Σ_u S_u          (one reduce-scatter per unit, last micro-batch)
+    """
+    n, blocks, total = world_size, sum(unit_shards[:-1]), sum(unit_shards)
+    forward_passes = accumulation if reshard_after_backward else 1
+    regathered = accumulation * blocks if reshard_after_forward else 0
+    return {
+        "forward": (n - 1) * param_bytes * total * forward_passes,
+        "backward": (n - 1) * (param_bytes * regathered + reduce_bytes * total),
+        "step": 0,
+    }

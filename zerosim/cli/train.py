@@ -24,7 +24,7 @@ from zerosim.analysis import (
     full_precision_model_states,
     step_bytes,
 )
-from zerosim.analysis.volume import stage3_backward_gathers
+from zerosim.analysis.volume import fsdp2_step_bytes, stage3_backward_gathers
 from zerosim.checkpoint import load_checkpoint, save_checkpoint
 from zerosim.comm import Communicator, LocalComm
 from zerosim.engine import initialize
@@ -209,6 +209,23 @@ def step_timing(comm: Communicator, clocks: np.ndarray) -> dict[str, Any]:
     }
 
 
+def fsdp2_formula(strategy: Any, accumulation: int) -> dict[str, int]:
+    """FSDP2's bytes per step (``fsdp2_step_bytes``) from its units' all-gather inputs."""
+    shards = []
+    for unit in strategy.fetcher.units:
+        where = [strategy.where[id(p)] for p in unit.params]
+        shards.append(sum(strategy.groups[gi].partition.chunks[i] for gi, i in where))
+    return fsdp2_step_bytes(
+        shards,
+        strategy.comm.size,
+        strategy.param_dtype.itemsize,
+        strategy.reduce_dtype.itemsize,
+        accumulation,
+        strategy.reshard_after_forward,
+        strategy.reshard_after_backward,
+    )
+
+
 def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[int]] | None:
     """Per rank, the bytes of ``PHASES`` one optimizer step sends by ``zerosim.analysis``: the
     paper's schedule from Ψ_pad, DeepSpeed's (stages 0-2, DeepSpeed's layout) from the model's
@@ -232,6 +249,12 @@ def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[i
         compute_grad_norm=zero.compute_grad_norm,
     )
     rows = []
+    if schedule == "fsdp2":
+        formula = fsdp2_formula(strategy, k)
+        for r in range(n):
+            clip = clip_bytes(n, r, checks["clip"]) if "clip" in checks else 0
+            rows.append([formula["forward"], formula["backward"], formula["step"], clip])
+        return rows
     for r in range(n):
         if schedule == "deepspeed" and strategy.stage < 3 and strategy.layout_kind == "deepspeed":
             formula = step_bytes(

@@ -24,11 +24,15 @@ class Loss(float):
 class VerbGuard:
     """The order of the verbs and what they are given, for one engine."""
 
-    def __init__(self, engine: Any, module: Module, partitions_params: bool) -> None:
+    def __init__(
+        self, engine: Any, module: Module, partitions_params: bool, gathered_dtype: Any = None
+    ) -> None:
         self.engine = engine
         self.module = module
         # stage 3 releases and gathers its parameters by swapping their .data
         self.swaps_param_data = partitions_params
+        # the dtype gathered parameters may have besides their own (FSDP2's param_dtype)
+        self.gathered_dtype = None if gathered_dtype is None else np_dtype(gathered_dtype)
         self.serial = 0  # forwards that returned a loss
         self.last_loss: Loss | None = None  # the latest such loss, until its backward
         self.backwards_since_step = 0
@@ -86,7 +90,8 @@ class VerbGuard:
                 continue
             shape, dtype = tuple(p.data.shape), np_dtype(p.data.dtype)
             swapped = p.data.size == 0 or shape == p.shape
-            if self.swaps_param_data and swapped and dtype == np_dtype(data.dtype):
+            allowed = (np_dtype(data.dtype), self.gathered_dtype)
+            if self.swaps_param_data and swapped and dtype in allowed:
                 continue  # stage 3 releases and gathers parameters by swapping .data
             raise RuntimeError(
                 f"the model changed after initialize: parameter {name!r} no longer holds the "

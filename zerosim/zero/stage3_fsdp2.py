@@ -158,6 +158,9 @@ class Stage3FSDP2(Stage3):
     def is_persistent(self, p: Parameter) -> bool:
         return False  # FSDP2 shards every parameter of a unit
 
+    def gathered_dtype(self) -> Any:
+        return self.param_dtype
+
     def before_backward(self, boundary: bool) -> None:
         """Between micro-batches parameters stay gathered when reshard_after_backward is off."""
         self.fetcher.keep_after_backward = not (boundary or self.reshard_after_backward)

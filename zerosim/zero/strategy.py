@@ -263,6 +263,11 @@ class Strategy(ABC):
         (``zerosim/zero/segments.py``: ``which`` is "owned" or "stepped")."""
         return flat_segments(self, which)
 
+    def gathered_dtype(self) -> np.dtype:
+        """The dtype a gathered parameter's data has (stage 3): the model dtype, or FSDP2's
+        param_dtype, which its all-gather casts to."""
+        return self.dtype
+
     def master_grad_shard(self, group: Any) -> Any:
         """A persistent gradient shard in the master dtype, if the stage keeps one (Megatron's
         fp16 recipe, ``stage1_megatron.py``); None: gradients are cast at step time."""
