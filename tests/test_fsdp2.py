@@ -1,0 +1,250 @@
+"""PyTorch FSDP2's schedule (``zerosim.schedule: "fsdp2"``, zero/stage3_fsdp2.py) on LocalWorld and
+under mpirun: the one-process run's weights, the collectives of each step against closed forms
+written here from the model's parameter shapes, and the config's refusals."""
+
+import math
+
+import numpy as np
+import pytest
+from engine_cases import Case, build_model, config, data, max_rel_error, optimizer_step, reference
+from mpi_helpers import run_mpi
+
+import zerosim as zs
+from zerosim.config import load_config
+from zerosim.engine import initialize
+from zerosim.errors import ConfigError
+
+BF16 = np.dtype(zs.backend.DTYPES["bfloat16"])
+
+
+def fsdp2_config(case: Case, **fsdp2) -> dict:
+    cfg = config(case.with_(stage=3, schedule="fsdp2"))
+    cfg["zerosim"]["fsdp2"] = fsdp2
+    return cfg
+
+
+def train_fsdp2(comm, case: Case, fsdp2: dict) -> dict:
+    """Train ``case`` under FSDP2's schedule; each step's collectives (op, dtype, bytes)."""
+    model = build_model(case)
+    engine, *_ = initialize(model, fsdp2_config(case, **fsdp2), comm=comm)
+    x, y = data(case, comm.size)
+    steps = []
+    for s in range(case.steps):
+        comm.ledger.reset()
+        optimizer_step(engine, comm, case, x, y, s)
+        steps.append(
+            [
+                (r.op, r.phase, np.dtype(r.dtype).name, r.bytes_sent)
+                for r in comm.ledger.records
+                if r.phase in ("forward", "backward")
+            ]
+        )
+    return {
+        "params": engine.full_state_dict(),
+        "steps": steps,
+        "memory": engine.memory_report(),
+        "shard_dtype": engine.strategy.groups[0].flat_param.dtype,
+        "master": engine.strategy.groups[0].master,
+    }
+
+
+# -- the units and their all-gather inputs, from the model's shapes ---------------------------------
+def unit_shapes(case: Case) -> list[list[tuple[int, ...]]]:
+    """Each unit's parameter shapes as a torch user shards them: every block (GPT: blocks.i;
+    MLP: each Linear of layers), then the root with the rest."""
+    model = build_model(case)
+    names = [(n, p.shape) for n, p in model.named_parameters()]
+    prefix = "blocks." if case.model == "gpt" else "layers."
+    blocks: dict[str, list] = {}
+    root = []
+    for name, shape in names:
+        if name.startswith(prefix):
+            blocks.setdefault(name.split(".")[1], []).append(shape)
+        else:
+            root.append(shape)
+    return [*blocks.values(), root]
+
+
+def shard_elements(shapes: list[tuple[int, ...]], n: int) -> int:
+    """S_u: ceil(dim0 / N) rows of each parameter, end to end (torch.chunk on dim 0, padded)."""
+    return sum(math.ceil(s[0] / n) * math.prod(s[1:]) for s in shapes)
+
+
+def expected_collectives(case: Case, n: int, b_p: int, b_r: int, p_dtype, r_dtype, raf, rab):
+    """One step's forward/backward collectives as torch 2.13's FSDP2 issues them, in order."""
+    units = [shard_elements(s, n) for s in unit_shapes(case)]
+    units = [u for u in units if u]  # a root without parameters gathers nothing
+    blocks, root = units[:-1], units[-1] if case.model == "gpt" else None
+    if root is None:
+        blocks = units
+    gather = [("all_gather", "forward", p_dtype, (n - 1) * u * b_p) for u in units]
+    if case.model == "gpt":  # the root is gathered first, before the blocks
+        gather = [gather[-1], *gather[:-1]]
+    out = []
+    for j in range(case.accumulation):
+        last = j == case.accumulation - 1
+        if j == 0 or rab:
+            out += gather
+        regather = [("all_gather", "backward", p_dtype, (n - 1) * u * b_p) for u in blocks][::-1]
+        reduce = [("reduce_scatter", "backward", r_dtype, (n - 1) * u * b_r) for u in blocks][::-1]
+        if not raf:
+            regather = []
+        if not last:
+            out += regather
+            continue
+        # the root prefetches the last block; block i prefetches block i-1, then reduces
+        order = regather[:1]
+        for i in range(len(blocks)):
+            order += regather[i + 1 : i + 2] + [reduce[i]]
+        if case.model == "gpt":
+            order.append(("reduce_scatter", "backward", r_dtype, (n - 1) * root * b_r))
+        out += order
+    return out
+
+
+VARIANTS = [
+    (dict(model="mlp"), {}),
+    (dict(model="gpt"), {}),
+    (dict(model="gpt"), {"reshard_after_forward": False}),
+    (dict(model="gpt", accumulation=3, clip=0.5, optimizer="sgd"), {}),
+    (dict(model="gpt", accumulation=3, overlap=False), {"reshard_after_backward": False}),
+    (dict(model="mlp", accumulation=2, clip=0.05), {"reshard_after_forward": False}),
+]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_fsdp2_matches_single_process_run_in_float64(n):
+    for fields, fsdp2 in VARIANTS:
+        case = Case(stage=3, steps=6, **fields)
+        got = zs.LocalWorld(n).run(train_fsdp2, case, fsdp2)
+        want = reference(case, n)
+        for r in range(n):
+            assert max_rel_error(got[r]["params"], want) < 1e-12, (n, fields, fsdp2)
+
+
+@pytest.mark.parametrize("fields, fsdp2", VARIANTS)
+def test_fsdp2_collectives_per_step_equal_the_closed_form_from_the_shapes(fields, fsdp2):
+    n = 3
+    case = Case(stage=3, steps=2, **fields)
+    got = zs.LocalWorld(n).run(train_fsdp2, case, fsdp2)
+    raf = fsdp2.get("reshard_after_forward", True)
+    rab = fsdp2.get("reshard_after_backward", True)
+    want = expected_collectives(case, n, 8, 8, "float64", "float64", raf, rab)
+    for r in range(n):
+        for step in got[r]["steps"]:
+            assert step == want
+
+
+def test_fsdp2_reshard_after_forward_true_and_false_give_equal_weights_and_other_gathers():
+    case = Case(stage=3, steps=4, model="gpt")
+    on = zs.LocalWorld(3).run(train_fsdp2, case, {"reshard_after_forward": True})[0]
+    off = zs.LocalWorld(3).run(train_fsdp2, case, {"reshard_after_forward": False})[0]
+    assert max_rel_error(on["params"], off["params"]) < 1e-14
+    blocks = len(unit_shapes(case)) - 1
+
+    def gathers(result):
+        return sum(1 for op, *_ in result["steps"][0] if op == "all_gather")
+
+    assert gathers(on) == 2 * blocks + 1 and gathers(off) == blocks + 1
+    # kept gathered from forward to backward, every unit is whole at once; resharded, at most
+    # the root and two blocks (the one in backward and the one it prefetched)
+    *block_shards, root = [shard_elements(s, 3) for s in unit_shapes(case)]
+    assert off["memory"]["peak_gathered_params"] == 3 * 8 * (root + sum(block_shards))
+    assert on["memory"]["peak_gathered_params"] == 3 * 8 * (root + sum(sorted(block_shards)[-2:]))
+
+
+def test_fsdp2_bf16_param_dtype_with_float32_reduce_gathers_bf16_and_reduces_float32():
+    case = Case(stage=3, steps=6, model="gpt", dtype="float32", accumulation=2, clip=0.5)
+    case = case.with_(optimizer="sgd")  # Adam's normalised step would magnify bf16's rounding
+    fsdp2 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    got = zs.LocalWorld(3).run(train_fsdp2, case, fsdp2)
+    want = reference(case.with_(dtype="float64"), 3)
+    want_steps = expected_collectives(case, 3, 2, 4, "bfloat16", "float32", True, True)
+    for r in range(3):
+        assert got[r]["steps"][-1] == want_steps
+        assert got[r]["shard_dtype"] == np.float32 and got[r]["master"] is None
+        err = max_rel_error(got[r]["params"], want)
+        assert 1e-5 < err < 2e-3  # bf16 computation: near the float64 run, not equal to it
+    assert max_rel_error(got[1]["params"], got[0]["params"]) == 0
+
+
+def test_fsdp2_bf16_reduce_dtype_reduces_in_bf16():
+    case = Case(stage=3, steps=1, model="mlp", dtype="float32")
+    got = zs.LocalWorld(2).run(train_fsdp2, case, {"param_dtype": "bfloat16"})
+    dtypes = {(op, dt) for op, _, dt, _ in got[0]["steps"][0]}
+    assert dtypes == {("all_gather", "bfloat16"), ("reduce_scatter", "bfloat16")}
+
+
+BAD = [
+    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage"),
+    ({"bf16": {"enabled": True}}, "bf16.enabled"),
+    ({"fp16": {"enabled": True}}, "fp16.enabled"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "offload"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "quantized"),
+    ({"communication_data_type": "bf16"}, "communication_data_type"),
+    ({"fsdp2": {"replicate": 2}}, "zerosim.fsdp2.replicate"),  # 2 does not divide 3
+    ({"fsdp2": {"reshard_after_forward": 2}}, "zerosim.fsdp2.reshard_after_forward"),
+    ({"fsdp2": {"reshard_after_forward": 0}}, "zerosim.fsdp2.reshard_after_forward"),
+    ({"fsdp2": {"param_dtype": "float16"}}, "zerosim.fsdp2.param_dtype"),
+    ({"fsdp2": {"units": "layers"}}, "zerosim.fsdp2.units"),
+]
+
+
+@pytest.mark.parametrize("change, key", BAD)
+def test_fsdp2_bad_config_is_refused_naming_the_key(change, key):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3},
+        "zerosim": {"schedule": "fsdp2"},
+    }
+    for section, value in change.items():
+        if section == "fsdp2":
+            cfg["zerosim"]["fsdp2"] = value
+        else:
+            cfg[section] = value
+    with pytest.raises(ConfigError, match=key):
+        load_config(cfg, 3)
+
+
+def test_fsdp2_unknown_key_is_named_in_a_warning():
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3},
+        "zerosim": {"schedule": "fsdp2", "fsdp2": {"shard": 3}},
+    }
+    with pytest.warns(UserWarning, match="zerosim.fsdp2.shard"):
+        load_config(cfg, 3)
+
+
+def test_fsdp2_reshard_after_forward_equal_to_the_shard_group_is_true():
+    case = Case(stage=3, steps=1, model="gpt")
+    as_int = zs.LocalWorld(3).run(train_fsdp2, case, {"reshard_after_forward": 3})[0]
+    as_one = zs.LocalWorld(3).run(train_fsdp2, case, {"reshard_after_forward": 1})[0]
+    want = expected_collectives(case, 3, 8, 8, "float64", "float64", True, True)
+    assert as_int["steps"][0] == want
+    assert as_one["steps"][0] == expected_collectives(case, 3, 8, 8, "float64", "float64", 0, 1)
+
+
+@pytest.mark.mpi
+def test_fsdp2_under_mpirun_matches_single_process_run_on_3_ranks():
+    out = run_mpi(3, ["tests/helpers/fsdp2_worker.py"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("FSDP2 OK") == 3, out.stdout
+
+
+@pytest.mark.mpi
+def test_zerosim_train_runs_schedule_fsdp2_under_mpirun(tmp_path):
+    path = tmp_path / "fsdp2.json"
+    path.write_text(
+        '{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,'
+        ' "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},'
+        ' "zero_optimization": {"stage": 3},'
+        ' "zerosim": {"schedule": "fsdp2", "fsdp2": {"param_dtype": "bfloat16",'
+        ' "reduce_dtype": "float32"}}}'
+    )
+    args = ["-m", "zerosim", "train", "--config", str(path), "--steps", "5", "--quiet"]
+    args += ["--n-layer", "2", "--n-embd", "32", "--block-size", "16"]
+    out = run_mpi(3, args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MISMATCH" not in out.stdout and out.stdout.count(" OK") >= 3, out.stdout
