@@ -48,7 +48,7 @@ def train_fsdp2(comm, case: Case, fsdp2: dict) -> dict:
     }
 
 
-# -- the units and their all-gather inputs, from the model's shapes ---------------------------------
+# -- the FSDP modules and their all-gather inputs, from the model's shapes -------------------------
 def unit_shapes(case: Case) -> list[list[tuple[int, ...]]]:
     """Each unit's parameter shapes as a torch user shards them: every block (GPT: blocks.i;
     MLP: each Linear of layers), then the root with the rest."""

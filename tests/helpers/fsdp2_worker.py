@@ -15,29 +15,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))  # tests/helpers
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository
 sys.path.insert(0, HERE)
 
-from engine_cases import Case, build_model, config, data, max_rel_error, optimizer_step  # noqa: E402
-from engine_cases import reference  # noqa: E402
+import engine_cases as ec  # noqa: E402
 
 from zerosim.comm import MPIComm  # noqa: E402
 from zerosim.engine import initialize  # noqa: E402
 
 CASES = [
-    (Case(stage=3, steps=5, model="gpt", accumulation=2, clip=0.5), {}),
-    (Case(stage=3, steps=5, model="gpt"), {"reshard_after_forward": False}),
-    (Case(stage=3, steps=5, model="mlp", accumulation=2), {"reshard_after_backward": False}),
+    (ec.Case(stage=3, steps=5, model="gpt", accumulation=2, clip=0.5), {}),
+    (ec.Case(stage=3, steps=5, model="gpt"), {"reshard_after_forward": False}),
+    (ec.Case(stage=3, steps=5, model="mlp", accumulation=2), {"reshard_after_backward": False}),
 ]
 
 
 def main() -> None:
     comm = MPIComm()
     for case, fsdp2 in CASES:
-        cfg = config(case.with_(schedule="fsdp2"))
+        cfg = ec.config(case.with_(schedule="fsdp2"))
         cfg["zerosim"]["fsdp2"] = fsdp2
-        engine, *_ = initialize(build_model(case), cfg, comm=comm)
-        x, y = data(case, comm.size)
+        engine, *_ = initialize(ec.build_model(case), cfg, comm=comm)
+        x, y = ec.data(case, comm.size)
         for s in range(case.steps):
-            optimizer_step(engine, comm, case, x, y, s)
-        err = max_rel_error(engine.full_state_dict(), reference(case, comm.size))
+            ec.optimizer_step(engine, comm, case, x, y, s)
+        err = ec.max_rel_error(engine.full_state_dict(), ec.reference(case, comm.size))
         if not err < 1e-12:
             raise SystemExit(f"rank {comm.rank}: {case} {fsdp2}: relative error {err:.3e}")
     print(f"FSDP2 OK rank {comm.rank}", flush=True)

@@ -667,7 +667,7 @@ def stage3_backward_gathers(
 
 
 def fsdp2_step_bytes(
-    unit_shards: list[int],
+    module_shards: list[int],
     world_size: int,
     param_bytes: int,
     reduce_bytes: int,
@@ -676,7 +676,7 @@ def fsdp2_step_bytes(
     reshard_after_backward: bool = True,
 ) -> dict[str, int]:
     """{phase: bytes one rank sends} in one optimizer step of PyTorch FSDP2's schedule
-    (``zero/stage3_fsdp2.py``). ``unit_shards``: S_u, the elements of each unit's all-gather
+    (``zero/stage3_fsdp2.py``). ``module_shards``: S_u, the elements of each unit's all-gather
     input on one rank (Σ ceil(dim0_i / N) · numel_i / dim0_i over its parameters), the blocks
     first and the root last; b_p, b_r the bytes of param_dtype and reduce_dtype; k micro-batches.
 
@@ -684,7 +684,7 @@ def fsdp2_step_bytes(
         backward   (N−1)·b_p·k·Σ_blocks S_u   (blocks resharded after forward; the root is not)
                  + (N−1)·b_r·Σ_u S_u          (one reduce-scatter per unit, last micro-batch)
     """
-    n, blocks, total = world_size, sum(unit_shards[:-1]), sum(unit_shards)
+    n, blocks, total = world_size, sum(module_shards[:-1]), sum(module_shards)
     forward_passes = accumulation if reshard_after_backward else 1
     regathered = accumulation * blocks if reshard_after_forward else 0
     return {

@@ -210,10 +210,10 @@ def step_timing(comm: Communicator, clocks: np.ndarray) -> dict[str, Any]:
 
 
 def fsdp2_formula(strategy: Any, accumulation: int) -> dict[str, int]:
-    """FSDP2's bytes per step (``fsdp2_step_bytes``) from its units' all-gather inputs."""
+    """FSDP2's bytes per step (``fsdp2_step_bytes``) from its FSDP modules' all-gather inputs."""
     shards = []
-    for unit in strategy.fetcher.units:
-        where = [strategy.where[id(p)] for p in unit.params]
+    for mod in strategy.fetcher.fsdp_modules:
+        where = [strategy.where[id(p)] for p in mod.params]
         shards.append(sum(strategy.groups[gi].partition.chunks[i] for gi, i in where))
     return fsdp2_step_bytes(
         shards,

@@ -92,7 +92,9 @@ def check_fsdp2(cfg: Any) -> None:
     zero, sim, n = cfg.zero_optimization, cfg.zerosim, cfg.world_size
     if zero.stage != 3:
         raise ConfigError(
-            "zero_optimization.stage", zero.stage, "3 with zerosim.schedule 'fsdp2' (FSDP2 is ZeRO-3)"
+            "zero_optimization.stage",
+            zero.stage,
+            "3 with zerosim.schedule 'fsdp2' (FSDP2 is ZeRO-3)",
         )
     for key in ("bf16", "fp16"):
         if getattr(cfg, key).enabled:

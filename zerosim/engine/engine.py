@@ -116,9 +116,7 @@ class Engine:
         self.global_steps = 0
         self.skipped_steps = 0
         self._global_grad_norm: float | None = None
-        self.guard = VerbGuard(
-            self, model, strategy.partitions_params, strategy.gathered_dtype()
-        )
+        self.guard = VerbGuard(self, model, strategy.partitions_params, strategy.gathered_dtype())
         self.step_log = StepLog(comm.rank, config.steps_per_print, config.wall_clock_breakdown)
         self.wall_clock = self.step_log.wall_clock  # seconds per phase, cumulative
         self._crossings_at_start = crossings_at_start

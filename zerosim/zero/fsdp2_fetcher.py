@@ -1,27 +1,27 @@
 """PyTorch FSDP2's parameter fetching (``zerosim.schedule: "fsdp2"``): one all-gather per
-``fully_shard`` unit, in ``param_dtype``, issued when and in the order torch 2.13 issues it
+FSDP module, in ``param_dtype``, issued when and in the order torch 2.13 issues it
 (``torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py``).
 
-A *unit* is what a torch user passes to ``fully_shard``: each transformer block, then the model
-(the *root*, holding every parameter no block holds: embeddings, final norm, head). Its
+An *FSDP module* is what a torch user passes to ``fully_shard``: each transformer block, then the
+model (the *root*, holding every parameter no block holds: embeddings, final norm, head). Its
 parameters are in the module's ``named_parameters`` order. Each rank holds a chunk of every
-parameter (``partition.dim0_partition``: ceil(dim0 / N) rows, padded); the unit's all-gather input
-is this rank's chunks end to end, cast to ``param_dtype`` (``foreach_all_gather``'s copy-in),
+parameter (``partition.dim0_partition``: ceil(dim0 / N) rows, padded); the FSDP module's all-gather
+input is this rank's chunks end to end, cast to ``param_dtype`` (``foreach_all_gather``'s copy-in),
 and the output is N such rows, rank-major, from which each parameter is cut (the copy-out).
 
 When, as ``FSDPParamGroup`` does it with the defaults:
 
-* forward: a unit is gathered in its pre-forward (the root first, then each block); after its
-  forward a block is freed again if ``reshard_after_forward`` (the root never is: torch's
-  default for the root, whose parameters backward needs at once). No forward prefetch (torch's
-  is opt-in).
-* backward: each unit's pre-backward gathers it if it was freed and then *prefetches* the unit
-  before it in forward order (``_backward_prefetch``): the root's pre-backward, first of all,
-  prefetches the last block. After its backward a unit is freed (``reshard_after_backward``;
-  between accumulation micro-batches it may stay gathered) once its gradients were handed to
-  the reducer (``stage3_fsdp2.UnitReduceScatter``).
-* floating-point inputs of a unit's forward are cast to ``param_dtype`` (MixedPrecisionPolicy's
-  ``cast_forward_inputs``).
+* forward: an FSDP module is gathered in its pre-forward (the root first, then each block); after
+  its forward a block is freed again if ``reshard_after_forward`` (the root never is: torch's
+  default for the root, whose parameters backward needs at once). No forward prefetch (torch's is
+  opt-in).
+* backward: each FSDP module's pre-backward gathers it if it was freed and then *prefetches* the
+  FSDP module before it in forward order (``_backward_prefetch``): the root's pre-backward, first of
+  all, prefetches the last block. After its backward an FSDP module is freed
+  (``reshard_after_backward``; between accumulation micro-batches it may stay gathered) once its
+  gradients were handed to the reducer (``stage3_fsdp2.ModuleReduceScatter``).
+* floating-point inputs of an FSDP module's forward are cast to ``param_dtype``
+  (MixedPrecisionPolicy's ``cast_forward_inputs``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from zerosim.nn.functional import is_floating
 from zerosim.zero.fetcher import ParamFetcher
 
 
-class Unit:
-    """One ``fully_shard`` unit: its module, its parameters and whether they are gathered."""
+class FsdpModule:
+    """One FSDP module (what ``fully_shard`` was applied to): the module, its parameters and
+    whether they are gathered."""
 
     def __init__(self, module: Module, params: list[Parameter], reshard_after_forward: bool):
         self.module = module
@@ -56,20 +57,20 @@ def block_modules(model: Module) -> list[Module]:
     return []
 
 
-def build_units(model: Module, reshard_after_forward: bool) -> list[Unit]:
+def build_fsdp_modules(model: Module, reshard_after_forward: bool) -> list[FsdpModule]:
     """The blocks, then the root with every parameter no block holds."""
-    units, taken = [], set()
+    mods, taken = [], set()
     for block in block_modules(model):
         params = [p for _, p in block.named_parameters()]
         taken.update(id(p) for p in params)
-        units.append(Unit(block, params, reshard_after_forward))
+        mods.append(FsdpModule(block, params, reshard_after_forward))
     rest = [p for _, p in model.named_parameters() if id(p) not in taken]
-    units.append(Unit(model, rest, False))  # the root: not resharded after forward
-    return units
+    mods.append(FsdpModule(model, rest, False))  # the root: not resharded after forward
+    return mods
 
 
-class UnitFetcher(ParamFetcher):
-    """FSDP2's fetcher: one all-gather of a unit's chunks in ``param_dtype``; see the module
+class ModuleGather(ParamFetcher):
+    """FSDP2's fetcher: one all-gather of an FSDP module's chunks in ``param_dtype``; see the module
     docstring for when."""
 
     coordinator_kind = "fsdp2"
@@ -79,25 +80,33 @@ class UnitFetcher(ParamFetcher):
         s = strategy
         self.param_dtype = s.param_dtype  # the all-gather's and the computation's dtype
         self.released = s.groups[0].xp.empty(0, dtype=s.param_dtype)  # a freed param's data
-        self.units: list[Unit] = []  # attach(): the blocks, then the root
-        self.forward_order: list[Unit] = []  # units in post-forward order, this micro-step
+        self.fsdp_modules: list[FsdpModule] = []  # attach(): the blocks, then the root
+        self.forward_order: list[
+            FsdpModule
+        ] = []  # FSDP modules in post-forward order, this micro-step
         self.keep_after_backward = False  # between micro-batches: reshard_after_backward off
         self.live = 0  # bytes of gathered parameters
         self.peak_live_bytes = 0
 
     def attach(self, model: Any) -> None:
         self.coordinator = self  # the fetcher decides itself; it keeps peak_live_bytes
-        self.units = build_units(model, self.strategy.reshard_after_forward)
-        for unit in self.units:
-            unit.module.register_forward_pre_hook(lambda m, args, u=unit: self.pre_forward(u, args))
-            unit.module.register_forward_hook(lambda m, args, out, u=unit: self.post_forward(u))
-            unit.module.register_full_backward_pre_hook(lambda m, g, u=unit: self.pre_backward(u))
-            unit.module.register_full_backward_hook(lambda m, gi, go, u=unit: self.post_backward(u))
+        self.fsdp_modules = build_fsdp_modules(model, self.strategy.reshard_after_forward)
+        for mod in self.fsdp_modules:
+            mod.module.register_forward_pre_hook(
+                lambda _m, args, mod=mod: self.pre_forward(mod, args)
+            )
+            mod.module.register_forward_hook(lambda _m, args, out, mod=mod: self.post_forward(mod))
+            mod.module.register_full_backward_pre_hook(
+                lambda _m, g, mod=mod: self.pre_backward(mod)
+            )
+            mod.module.register_full_backward_hook(
+                lambda _m, gi, go, mod=mod: self.post_backward(mod)
+            )
 
     # -- the hooks ---------------------------------------------------------------------------------
-    def pre_forward(self, unit: Unit, args: tuple) -> tuple:
-        self.unshard(unit)
-        self.wait(unit)
+    def pre_forward(self, mod: FsdpModule, args: tuple) -> tuple:
+        self.unshard(mod)
+        self.wait(mod)
         if self.param_dtype == self.strategy.dtype:
             return args
         xp = xp_of
@@ -106,83 +115,87 @@ class UnitFetcher(ParamFetcher):
             for a in args
         )
 
-    def post_forward(self, unit: Unit) -> None:
-        if unit.reshard_after_forward:
-            self.reshard(unit)
-        unit.post_forward_indices.append(len(self.forward_order))
-        self.forward_order.append(unit)
+    def post_forward(self, mod: FsdpModule) -> None:
+        if mod.reshard_after_forward:
+            self.reshard(mod)
+        mod.post_forward_indices.append(len(self.forward_order))
+        self.forward_order.append(mod)
 
-    def pre_backward(self, unit: Unit) -> None:
-        """Gather the unit if it was freed, then prefetch the one before it in forward order."""
-        self.unshard(unit)
-        self.wait(unit)
-        if unit.post_forward_indices:
-            index = unit.post_forward_indices.pop()
+    def pre_backward(self, mod: FsdpModule) -> None:
+        """Gather the FSDP module if it was freed, then prefetch the one before it in forward
+        order."""
+        self.unshard(mod)
+        self.wait(mod)
+        if mod.post_forward_indices:
+            index = mod.post_forward_indices.pop()
             if index > 0:
                 self.unshard(self.forward_order[index - 1])
 
-    def post_backward(self, unit: Unit) -> None:
+    def post_backward(self, mod: FsdpModule) -> None:
         if not self.keep_after_backward:
-            self.reshard(unit)
+            self.reshard(mod)
 
     # -- the engine's calls ------------------------------------------------------------------------
     def start_micro_step(self) -> None:
         self.forward_order = []
-        for unit in self.units:
-            unit.post_forward_indices = []
+        for mod in self.fsdp_modules:
+            mod.post_forward_indices = []
 
     def end_micro_step(self) -> None:
-        """After backward (the reducer is done): every unit freed unless kept for the next
+        """After backward (the reducer is done): every FSDP module freed unless kept for the next
         micro-batch."""
         if not self.keep_after_backward:
-            for unit in self.units:
-                self.reshard(unit)
+            for mod in self.fsdp_modules:
+                self.reshard(mod)
 
     def memory(self) -> dict[str, int]:
         return {"peak_gathered_params": self.peak_live_bytes}
 
     # -- moving the bytes --------------------------------------------------------------------------
-    def unshard(self, unit: Unit) -> None:
-        """Start the unit's all-gather (nothing if it is gathered or on its way): this rank's
+    def unshard(self, mod: FsdpModule) -> None:
+        """Start the FSDP module's all-gather (nothing if it is gathered or on its way): this rank's
         chunks end to end in ``param_dtype``, S = Σ chunk_i elements; N·S come back."""
-        if unit.gathered or not unit.params:
+        if mod.gathered or not mod.params:
             return
         s = self.strategy
-        chunks = [s.groups[gi].chunk(i) for gi, i in (s.where[id(p)] for p in unit.params)]
+        chunks = [s.groups[gi].chunk(i) for gi, i in (s.where[id(p)] for p in mod.params)]
         xp = xp_of(chunks[0])
         send = xp.astype(xp.concat(chunks) if len(chunks) > 1 else chunks[0], self.param_dtype)
         buf = xp.empty(send.size * s.comm.size, dtype=self.param_dtype)
         handle = s.start_or_run(s.comm.iall_gather, s.comm.all_gather, buf, send)
-        unit.gather = (buf, handle, [c.size for c in chunks])
-        unit.gathered = True
+        mod.gather = (buf, handle, [c.size for c in chunks])
+        mod.gathered = True
         self.live += nbytes(buf)
         self.peak_live_bytes = max(self.peak_live_bytes, self.live)
 
-    def wait(self, unit: Unit) -> None:
-        """Finish the unit's gather: each parameter cut from the N rows (its data a copy)."""
-        if unit.gather is None:
+    def wait(self, mod: FsdpModule) -> None:
+        """Finish the FSDP module's gather: each parameter cut from the N rows (its data a copy)."""
+        if mod.gather is None:
             return
-        buf, handle, sizes = unit.gather
-        unit.gather = None
+        buf, handle, sizes = mod.gather
+        mod.gather = None
         if handle is not None:
             handle.wait()
         xp = xp_of(buf)
         rows = xp.reshape(buf, (self.strategy.comm.size, -1))
         column = 0
-        for p, chunk in zip(unit.params, sizes, strict=True):
+        for p, chunk in zip(mod.params, sizes, strict=True):
             full = xp.reshape(rows[:, column : column + chunk], (-1,))
             p.data = xp.reshape(full[: p.numel], p.shape)
             column += chunk
 
-    def reshard(self, unit: Unit) -> None:
-        """Free the unit's gathered parameters: only this rank's chunks stay."""
-        if not unit.gathered:
+    def reshard(self, mod: FsdpModule) -> None:
+        """Free the FSDP module's gathered parameters: only this rank's chunks stay."""
+        if not mod.gathered:
             return
-        self.wait(unit)
-        unit.gathered = False
-        self.live -= sum(
-            self.strategy.comm.size * self.strategy.groups[gi].partition.chunks[i]
-            for gi, i in (self.strategy.where[id(p)] for p in unit.params)
-        ) * self.param_dtype.itemsize
-        for p in unit.params:
+        self.wait(mod)
+        mod.gathered = False
+        self.live -= (
+            sum(
+                self.strategy.comm.size * self.strategy.groups[gi].partition.chunks[i]
+                for gi, i in (self.strategy.where[id(p)] for p in mod.params)
+            )
+            * self.param_dtype.itemsize
+        )
+        for p in mod.params:
             p.data = self.released

@@ -2,14 +2,14 @@
 name becomes code.
 
 Keyed by (``zero_optimization.stage``, ``zerosim.schedule``, ``zerosim.layout``). A class is a
-stage's algorithm (``stage0.py`` … ``stage3.py``, the paper's, with the paper's parts) or that
-stage given other parts: a gradient reducer (``reducer_cls``, ``reducer.py``) and at stage 3 a
-parameter fetcher (``fetcher_cls``, ``fetcher.py``). DeepSpeed 0.19.8's schedule is each stage
-with DeepSpeed's parts and its flat-buffer padding and norm (``stage0_deepspeed.py`` …);
-Megatron's layout (stage 1 only, ``stage1_megatron.py``) is stage 1 with Megatron's buckets;
-PyTorch FSDP2's schedule (stage 3 only, ``stage3_fsdp2.py``) is stage 3 with FSDP2's dim-0
-shards and per-unit collectives; ZeRO++ (``stage3_zeropp.py``) is the paper's stage 3 with ZeRO++'s reducer and fetcher, picked
-whenever one of its switches is on, whatever the schedule. The parts of each entry, in the
+stage's algorithm (``stage0.py`` … ``stage3.py``, the paper's, with the paper's parts) or that stage
+given other parts: a gradient reducer (``reducer_cls``, ``reducer.py``) and at stage 3 a parameter
+fetcher (``fetcher_cls``, ``fetcher.py``). DeepSpeed 0.19.8's schedule is each stage with
+DeepSpeed's parts and its flat-buffer padding and norm (``stage0_deepspeed.py`` …); Megatron's
+layout (stage 1 only, ``stage1_megatron.py``) is stage 1 with Megatron's buckets; PyTorch FSDP2's
+schedule (stage 3 only, ``stage3_fsdp2.py``) is stage 3 with FSDP2's dim-0 shards and per-unit
+collectives; ZeRO++ (``stage3_zeropp.py``) is the paper's stage 3 with ZeRO++'s reducer and fetcher,
+picked whenever one of its switches is on, whatever the schedule. The parts of each entry, in the
 comments below, are the class's ``reducer_cls`` / ``fetcher_cls``.
 """
 
@@ -40,7 +40,7 @@ STRATEGIES: dict[tuple[int, str, str], type[Strategy]] = {
     (2, "deepspeed", "deepspeed"): Stage2DeepSpeed,  # IpgInBackward
     (3, "paper", "deepspeed"): Stage3,  # RankMajorReduceScatter, GatherEach
     (3, "deepspeed", "deepspeed"): Stage3DeepSpeed,  # OpenBucket, CoalescedFetcher
-    (3, "fsdp2", "deepspeed"): Stage3FSDP2,  # UnitReduceScatter, UnitFetcher (PyTorch FSDP2's)
+    (3, "fsdp2", "deepspeed"): Stage3FSDP2,  # ModuleReduceScatter, ModuleGather (PyTorch FSDP2's)
 }
 ZEROPP: dict[tuple[int, str], type[Strategy]] = {  # qwZ, hpZ or qgZ on
     (3, "paper"): Stage3ZeroPP,  # QuantizedBuckets, ZeroPPFetcher

@@ -1,31 +1,32 @@
 """Stage 3 under PyTorch FSDP2's schedule (``zerosim.schedule: "fsdp2"``): what it changes in the
 paper's stage 3 (``stage3.py``), and why.
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``, torch 2.13) shards the same three model states as
-the paper's stage 3, but a torch user groups parameters by *unit* (each transformer block, then
-the root model) and FSDP2 moves each unit in one collective. zerosim issues its collectives call
-for call so that torch can be its oracle. What changes:
+FSDP2 (``torch.distributed.fsdp.fully_shard``, torch 2.13) shards the same three model states as the
+paper's stage 3, but a torch user groups parameters by *FSDP module* (each transformer block, then
+the root model) and FSDP2 moves each FSDP module in one collective. zerosim issues its collectives
+call for call so that torch can be its oracle. What changes:
 
 * **The partition is per parameter along dim 0** (``partition.dim0_partition``, DTensor's
   ``Shard(0)``): chunk_i = ceil(dim0_i / N) rows of parameter i, padded with zero rows, instead of
   ceil(numel_i / N) elements. The chunks are the *sharded parameters* and, in the dtype they were
   built in (float32), the optimizer's weights: no separate master copy, whatever ``param_dtype``.
-* **One all-gather per unit, in param_dtype** (``fsdp2_fetcher.UnitFetcher``): the unit's chunks
-  cast to ``param_dtype`` and gathered together; in forward before the unit runs, in backward
-  again if ``reshard_after_forward`` freed it, the next unit prefetched as FSDP2 does.
-* **One reduce-scatter per unit, in reduce_dtype** (``UnitReduceScatter`` below,
-  ``_fsdp_collectives.foreach_reduce``): after the unit's backward its gradients, each padded to
-  N · chunk_i, are cast to ``reduce_dtype`` and laid rank-major (rank r's chunks of every
+* **One all-gather per FSDP module, in param_dtype** (``fsdp2_fetcher.ModuleGather``): the FSDP
+  module's chunks cast to ``param_dtype`` and gathered together; in forward before the FSDP module
+  runs, in backward again if ``reshard_after_forward`` freed it, the next FSDP module prefetched as
+  FSDP2 does.
+* **One reduce-scatter per FSDP module, in reduce_dtype** (``ModuleReduceScatter`` below,
+  ``_fsdp_collectives.foreach_reduce``): after the FSDP module's backward its gradients, each padded
+  to N · chunk_i, are cast to ``reduce_dtype`` and laid rank-major (rank r's chunks of every
   parameter end to end in row r); one reduce-scatter hands each rank its row. FSDP2 asks the
-  collective for the average (``ReduceOp.AVG`` for float32 and bfloat16): zerosim sums, then
-  divides the row by N in ``reduce_dtype``, and adds it into the float32 gradient shard.
+  collective for the average (``ReduceOp.AVG`` for float32 and bfloat16): zerosim sums, then divides
+  the row by N in ``reduce_dtype``, and adds it into the float32 gradient shard.
 * **Gradient accumulation** runs as ``set_requires_gradient_sync(False)`` on every micro-batch but
   the last: no reduce-scatter, the unsharded gradients are kept, upcast to ``reduce_dtype``
   (``FSDPParam.to_accumulated_grad_if_needed``) and summed; the last micro-batch reduces the sum.
   With ``reshard_after_backward`` false the parameters also stay gathered between micro-batches.
 
-Bytes one rank sends per step (b_p, b_r: bytes of param_dtype and reduce_dtype; U units, unit u
-of S_u = Σ chunk_i elements per rank; k micro-batches; blocks resharded after forward):
+Bytes one rank sends per step (b_p, b_r: bytes of param_dtype and reduce_dtype; U FSDP modules, FSDP
+module u of S_u = Σ chunk_i elements per rank; k micro-batches; blocks resharded after forward):
 
     forward all-gather     k · Σ_u (N−1)·S_u·b_p
     backward all-gather    k · Σ_blocks (N−1)·S_u·b_p           (none when not resharded)
@@ -40,15 +41,16 @@ from typing import Any
 from zerosim.backend import assign, flat, resolve_dtype, xp_of
 from zerosim.nn import Parameter
 from zerosim.zero.buckets import MAX_IN_FLIGHT, pack_rank_major, reduce_rows
-from zerosim.zero.fsdp2_fetcher import Unit, UnitFetcher
+from zerosim.zero.fsdp2_fetcher import FsdpModule, ModuleGather
 from zerosim.zero.partition import ParamPartition, dim0_partition
 from zerosim.zero.reducer import GradReducer
 from zerosim.zero.stage3 import Stage3
 
 
 class AveragedRow:
-    """Where one unit's reduced row lands: divided by N in ``reduce_dtype`` (FSDP2's average),
-    then each parameter's chunk ``row[column : column + chunk]`` handed to the stage's ``land``."""
+    """Where one FSDP module's reduced row lands: divided by N in ``reduce_dtype`` (FSDP2's
+    average), then each parameter's chunk ``row[column : column + chunk]`` handed to the stage's
+    ``land``."""
 
     def __init__(self, strategy: Any, slots: list[tuple[int, int, int, int]]) -> None:
         self.strategy = strategy  # its land(group, shard position, values) and its N
@@ -60,9 +62,9 @@ class AveragedRow:
             self.strategy.land(gi, start, row[column : column + chunk])
 
 
-class UnitReduceScatter(GradReducer):
-    """FSDP2's reducer: one reduce-scatter of each unit's gradients after its backward, at the
-    last micro-batch of an accumulation window; before it, gradients are summed locally."""
+class ModuleReduceScatter(GradReducer):
+    """FSDP2's reducer: one reduce-scatter of each FSDP module's gradients after its backward, at
+    the last micro-batch of an accumulation window; before it, gradients are summed locally."""
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
@@ -70,18 +72,20 @@ class UnitReduceScatter(GradReducer):
         self.accumulated: dict[int, Any] = {}  # id(param) -> its summed gradient, reduce_dtype
 
     def attach(self, model: Any) -> None:
-        for unit in self.strategy.fetcher.units:
-            unit.module.register_full_backward_hook(lambda m, gi, go, u=unit: self.post_backward(u))
+        for mod in self.strategy.fetcher.fsdp_modules:
+            mod.module.register_full_backward_hook(
+                lambda _m, gi, go, mod=mod: self.post_backward(mod)
+            )
 
     def before_backward(self, boundary: bool) -> None:
         self.boundary = boundary
 
-    def post_backward(self, unit: Unit) -> None:
-        """The unit's gradients are final: summed into the accumulated ones (reduce_dtype), and
-        at the last micro-batch reduced."""
+    def post_backward(self, mod: FsdpModule) -> None:
+        """The FSDP module's gradients are final: summed into the accumulated ones (reduce_dtype),
+        and at the last micro-batch reduced."""
         reduce_dtype = self.strategy.reduce_dtype
         ready: list[tuple[Parameter, Any]] = []
-        for p in unit.params:
+        for p in mod.params:
             grad, p.grad = p.grad, None
             total = self.accumulated.pop(id(p), None)
             if total is not None and grad is not None:
@@ -98,7 +102,8 @@ class UnitReduceScatter(GradReducer):
             self.reduce(ready)
 
     def reduce(self, ready: list[tuple[Parameter, Any]]) -> None:
-        """One reduce-scatter of a unit's gradients: each padded to N · chunk_i, rank-major."""
+        """One reduce-scatter of an FSDP module's gradients: each padded to N · chunk_i,
+        rank-major."""
         s = self.strategy
         slots, width = [], 0  # (group, chunk offset in the shard, chunk, column in the row)
         for p, _ in ready:
@@ -118,10 +123,10 @@ class UnitReduceScatter(GradReducer):
 
 
 class Stage3FSDP2(Stage3):
-    """Stage 3 with FSDP2's dim-0 shards, per-unit all-gathers and reduce-scatters."""
+    """Stage 3 with FSDP2's dim-0 shards, per-FSDP module all-gathers and reduce-scatters."""
 
-    reducer_cls = UnitReduceScatter  # one reduce-scatter per unit, in reduce_dtype
-    fetcher_cls = UnitFetcher  # one all-gather per unit, in param_dtype
+    reducer_cls = ModuleReduceScatter  # one reduce-scatter per FSDP module, in reduce_dtype
+    fetcher_cls = ModuleGather  # one all-gather per FSDP module, in param_dtype
 
     def __init__(
         self,
@@ -135,7 +140,9 @@ class Stage3FSDP2(Stage3):
         dtype = resolve_dtype(kwargs["dtype"])
         # MixedPrecisionPolicy: the gather's and the computation's dtype, the reduction's
         self.param_dtype = dtype if param_dtype is None else resolve_dtype(param_dtype)
-        self.reduce_dtype = self.param_dtype if reduce_dtype is None else resolve_dtype(reduce_dtype)
+        self.reduce_dtype = (
+            self.param_dtype if reduce_dtype is None else resolve_dtype(reduce_dtype)
+        )
         world = kwargs["comm"].size
         # torch's rule: an int reshards to groups of that many ranks; 1 is False, N is True
         if not isinstance(reshard_after_forward, bool):
@@ -156,7 +163,7 @@ class Stage3FSDP2(Stage3):
         return dim0_partition(named_shapes, self.comm.size)
 
     def is_persistent(self, p: Parameter) -> bool:
-        return False  # FSDP2 shards every parameter of a unit
+        return False  # FSDP2 shards every parameter of an FSDP module
 
     def gathered_dtype(self) -> Any:
         return self.param_dtype
