@@ -248,3 +248,27 @@ def test_zerosim_train_runs_schedule_fsdp2_under_mpirun(tmp_path):
     out = run_mpi(3, args)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "MISMATCH" not in out.stdout and out.stdout.count(" OK") >= 3, out.stdout
+
+
+def test_fsdp2_hsdp_2x2_matches_single_process_run_and_all_reduces_each_row_across_replicas():
+    n, replicate, shard = 4, 2, 2
+    for fields in (dict(model="gpt", accumulation=2, clip=0.5), dict(model="mlp")):
+        case = Case(stage=3, steps=4, **fields)
+        got = zs.LocalWorld(n).run(train_fsdp2, case, {"replicate": replicate})
+        want = reference(case, n)
+        sizes = [shard_elements(s, shard) for s in unit_shapes(case)]
+        sizes = [u for u in sizes if u]
+        for r in range(n):
+            assert max_rel_error(got[r]["params"], want) < 1e-12, (r, fields)
+            step = got[r]["steps"][-1]
+            reduced = [b for op, _, _, b in step if op == "reduce_scatter"]
+            gathered = [b for op, _, _, b in step if op == "all_gather"]
+            # inside the shard group of 2: each rank sends (2 - 1) · S_u elements of 8 bytes
+            assert sorted(reduced) == sorted(8 * u for u in sizes)
+            assert set(gathered) <= {8 * u for u in sizes}
+            # one all-reduce of each reduced row, right after its reduce-scatter: a ring over
+            # R = 2 ranks sends 2 · (R - 1) / R of the row
+            ops = [op for op, *_ in step if op != "all_gather"]
+            assert ops == ["reduce_scatter", "all_reduce"] * len(sizes)
+            reduced_rows = [b for op, _, _, b in step if op == "all_reduce"]
+            assert sorted(reduced_rows) == sorted(8 * u for u in sizes)

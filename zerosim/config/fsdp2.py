@@ -141,10 +141,6 @@ def check_mesh(fsdp2: Fsdp2Config, world_size: int) -> None:
             after,
             f"true, false or a divisor of the shard group's size {shard} (torch's rule)",
         )
-    if fsdp2.replicate != 1:
-        raise ConfigError(
-            "zerosim.fsdp2.replicate", fsdp2.replicate, "1 (HSDP is not built in zerosim yet)"
-        )
     if not isinstance(after, bool) and after not in (1, shard):
         raise ConfigError(
             "zerosim.fsdp2.reshard_after_forward",

@@ -192,14 +192,15 @@ class Engine:
         overflow flag saw, or a gradient norm that is not finite where the schedule skips on it
         (``self.checks``, the table of zerosim/zero/schedule.py)."""
         checks = self.checks
-        if checks.overflow != "none" and overflow_seen(self.strategy, self.comm, checks):
+        if checks.overflow != "none" and overflow_seen(self.strategy, self.strategy.comm, checks):
             return self._skip("gradient overflow")
         # As in DeepSpeed 0.19.8, the norm is taken of the gradients as they stand (scaled by the
         # current loss scale) and judged before the scale is updated; and, as in every fp16
         # optimizer of it, the scale is updated before the gradients are unscaled: on a step
         # where it grows, they are divided by the new scale.
         prev_scale = self.loss_scaler.loss_scale  # the norm is of the gradients over it
-        norm = global_grad_norm(self.strategy, self.comm, checks, 1.0 / prev_scale)
+        # over the strategy's group of ranks: under HSDP one replica's shards (the others match)
+        norm = global_grad_norm(self.strategy, self.strategy.comm, checks, 1.0 / prev_scale)
         if norm is not None and not math.isfinite(norm):
             if checks.bad_norm == "skip":
                 return self._skip("the gradient norm is not finite")

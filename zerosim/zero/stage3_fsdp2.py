@@ -25,6 +25,10 @@ call for call so that torch can be its oracle. What changes:
   (``FSDPParam.to_accumulated_grad_if_needed``) and summed; the last micro-batch reduces the sum.
   With ``reshard_after_backward`` false the parameters also stay gathered between micro-batches.
 
+HSDP (``replicate`` R > 1, torch's 2-D mesh [R, N / R]): the stage runs inside its row of N / R
+ranks (its shard group: the partition, the gathers, the reduce-scatters, the gradient norm), and
+each reduced row is all-reduced down its column (the R replicas) as soon as it is reduced.
+
 Bytes one rank sends per step (b_p, b_r: bytes of param_dtype and reduce_dtype; U FSDP modules, FSDP
 module u of S_u = Σ chunk_i elements per rank; k micro-batches; blocks resharded after forward):
 
@@ -48,18 +52,23 @@ from zerosim.zero.stage3 import Stage3
 
 
 class AveragedRow:
-    """Where one FSDP module's reduced row lands: divided by N in ``reduce_dtype`` (FSDP2's
-    average), then each parameter's chunk ``row[column : column + chunk]`` handed to the stage's
-    ``land``."""
+    """Where one FSDP module's reduced row lands: divided by the shard group's size in
+    ``reduce_dtype`` (FSDP2's average); under HSDP all-reduced across the replicas and divided by
+    their number; then each parameter's chunk ``row[column : column + chunk]`` handed to the
+    stage's ``land``."""
 
     def __init__(self, strategy: Any, slots: list[tuple[int, int, int, int]]) -> None:
-        self.strategy = strategy  # its land(group, shard position, values) and its N
+        self.strategy = strategy  # its land(group, shard position, values), its groups of ranks
         self.slots = slots  # (group, chunk offset in its shard, chunk, column in the row)
 
     def __call__(self, row: Any) -> None:
-        row /= self.strategy.data_parallel_size
+        s = self.strategy
+        row /= s.comm.size
+        if s.replicate_comm is not None:  # HSDP: the replicas' rows averaged
+            s.replicate_comm.all_reduce(row)
+            row /= s.replicate_comm.size
         for gi, start, chunk, column in self.slots:
-            self.strategy.land(gi, start, row[column : column + chunk])
+            s.land(gi, start, row[column : column + chunk])
 
 
 class ModuleReduceScatter(GradReducer):
@@ -116,6 +125,8 @@ class ModuleReduceScatter(GradReducer):
         for (_, grad), (_, _, chunk, column) in zip(ready, slots, strict=True):
             pack_rank_major(buf[:, column : column + chunk], flat(grad))
         s.reduction.reduce(buf, AveragedRow(s, slots), partial(reduce_rows, s), width)
+        if s.replicate_comm is not None:  # FSDP2 all-reduces a row as soon as it is reduced
+            s.reduction.pending.complete()
 
     def after_backward(self, boundary: bool) -> None:
         """Every reduce-scatter of this backward has landed."""
@@ -135,6 +146,7 @@ class Stage3FSDP2(Stage3):
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
         reshard_after_backward: bool = True,
+        replicate: int = 1,
         **kwargs: Any,
     ) -> None:
         dtype = resolve_dtype(kwargs["dtype"])
@@ -143,18 +155,28 @@ class Stage3FSDP2(Stage3):
         self.reduce_dtype = (
             self.param_dtype if reduce_dtype is None else resolve_dtype(reduce_dtype)
         )
-        world = kwargs["comm"].size
-        # torch's rule: an int reshards to groups of that many ranks; 1 is False, N is True
+        world = kwargs["comm"]
+        if replicate < 1 or world.size % replicate:
+            raise ValueError(f"replicate={replicate!r}: a divisor of the world size {world.size}")
+        shard = world.size // replicate  # the mesh [replicate, shard], rank = i · shard + j
+        # torch's rule: an int reshards to groups of that many ranks; 1 is False, shard is True
         if not isinstance(reshard_after_forward, bool):
-            if reshard_after_forward not in (1, world):
+            if reshard_after_forward not in (1, shard):
                 raise ValueError(
                     f"reshard_after_forward={reshard_after_forward!r}: true, false, 1 or "
-                    f"{world} (resharding to a smaller group is not built)"
+                    f"{shard} (resharding to a smaller group is not built)"
                 )
-            reshard_after_forward = reshard_after_forward == world
+            reshard_after_forward = reshard_after_forward == shard
         self.reshard_after_forward = reshard_after_forward  # the blocks' (the root: never)
         self.reshard_after_backward = reshard_after_backward  # between micro-batches
-        self.data_parallel_size = world  # FSDP2 averages over it
+        # HSDP: the stage runs in its shard group (row i of the mesh); rows are averaged across
+        # the replicas (column j) after each reduce-scatter
+        self.replicate_comm: Any = None
+        if replicate > 1:
+            kwargs["comm"] = world.split_by(lambda r: (r // shard, r % shard), name="shard")
+            self.replicate_comm = world.split_by(
+                lambda r: (r % shard, r // shard), name="replicate"
+            )
         kwargs["comm_dtype"] = self.reduce_dtype  # the dtype gradients travel in
         super().__init__(**kwargs)
 
