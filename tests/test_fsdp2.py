@@ -183,7 +183,7 @@ BAD = [
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "quantized"),
     ({"communication_data_type": "bf16"}, "communication_data_type"),
     ({"fsdp2": {"replicate": 2}}, "zerosim.fsdp2.replicate"),  # 2 does not divide 3
-    ({"fsdp2": {"reshard_after_forward": 2}}, "zerosim.fsdp2.reshard_after_forward"),
+    ({"fsdp2": {"reshard_after_forward": 2}}, "zerosim.fsdp2.reshard_after_forward"),  # N = 3
     ({"fsdp2": {"reshard_after_forward": 0}}, "zerosim.fsdp2.reshard_after_forward"),
     ({"fsdp2": {"param_dtype": "float16"}}, "zerosim.fsdp2.param_dtype"),
     ({"fsdp2": {"units": "layers"}}, "zerosim.fsdp2.units"),
@@ -272,3 +272,24 @@ def test_fsdp2_hsdp_2x2_matches_single_process_run_and_all_reduces_each_row_acro
             assert ops == ["reduce_scatter", "all_reduce"] * len(sizes)
             reduced_rows = [b for op, _, _, b in step if op == "all_reduce"]
             assert sorted(reduced_rows) == sorted(8 * u for u in sizes)
+
+
+def test_fsdp2_int_reshard_after_forward_gathers_backward_inside_groups_of_that_size():
+    """N = 4, reshard_after_forward = 2: after forward each block keeps ceil(dim0 / 2) rows of
+    every parameter on each rank of its pair; backward gathers those inside the pair."""
+    n, g = 4, 2
+    case = Case(stage=3, steps=4, model="gpt", accumulation=2)
+    got = zs.LocalWorld(n).run(train_fsdp2, case, {"reshard_after_forward": g})
+    want = reference(case, n)
+    *blocks, root = unit_shapes(case)
+    forward = sorted(8 * (n - 1) * shard_elements(s, n) for s in [*blocks, root])
+    backward = sorted(8 * (g - 1) * shard_elements(s, g) for s in blocks)
+    for r in range(n):
+        assert max_rel_error(got[r]["params"], want) < 1e-12
+        step = got[r]["steps"][-1]
+        per_micro = [
+            sorted(b for op, ph, _, b in step if op == "all_gather" and ph == phase)
+            for phase in ("forward", "backward")
+        ]
+        assert per_micro[0] == sorted(forward * case.accumulation)
+        assert per_micro[1] == sorted(backward * case.accumulation)

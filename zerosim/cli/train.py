@@ -250,8 +250,8 @@ def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[i
     )
     rows = []
     if schedule == "fsdp2":
-        if strategy.replicate_comm is not None:
-            return None  # HSDP's all-reduces across replicas: no closed form here yet
+        if strategy.replicate_comm is not None or strategy.fetcher.post_forward_comm is not None:
+            return None  # HSDP's all-reduces, an int reshard's gathers: no closed form here yet
         formula = fsdp2_formula(strategy, k)
         for r in range(n):
             clip = clip_bytes(n, r, checks["clip"]) if "clip" in checks else 0

@@ -141,10 +141,3 @@ def check_mesh(fsdp2: Fsdp2Config, world_size: int) -> None:
             after,
             f"true, false or a divisor of the shard group's size {shard} (torch's rule)",
         )
-    if not isinstance(after, bool) and after not in (1, shard):
-        raise ConfigError(
-            "zerosim.fsdp2.reshard_after_forward",
-            after,
-            f"true, false, 1 (= false) or {shard} (= true): resharding to a smaller group is "
-            "not built in zerosim yet",
-        )

@@ -20,6 +20,10 @@ When, as ``FSDPParamGroup`` does it with the defaults:
   all, prefetches the last block. After its backward an FSDP module is freed
   (``reshard_after_backward``; between accumulation micro-batches it may stay gathered) once its
   gradients were handed to the reducer (``stage3_fsdp2.ModuleReduceScatter``).
+* ``reshard_after_forward`` = g, an integer between 1 and N (torch's post-forward mesh): after
+  forward a block keeps a copy of its parameters sharded over its group of g consecutive ranks
+  (ceil(dim0 / g) rows of each, ``_to_sharded_post_forward``), and its backward all-gather runs
+  inside that group on those pieces, moving (g − 1)/g of the parameters instead of (N − 1)/N.
 * floating-point inputs of an FSDP module's forward are cast to ``param_dtype``
   (MixedPrecisionPolicy's ``cast_forward_inputs``).
 """
@@ -32,18 +36,23 @@ from zerosim.backend import nbytes, xp_of
 from zerosim.nn import Module, Parameter
 from zerosim.nn.functional import is_floating
 from zerosim.zero.fetcher import ParamFetcher
+from zerosim.zero.partition import dim0_partition
 
 
 class FsdpModule:
     """One FSDP module (what ``fully_shard`` was applied to): the module, its parameters and
     whether they are gathered."""
 
-    def __init__(self, module: Module, params: list[Parameter], reshard_after_forward: bool):
+    def __init__(
+        self, module: Module, params: list[Parameter], reshard_after_forward: bool | int
+    ) -> None:
         self.module = module
         self.params = params  # in the module's named_parameters order (the flat buffer's)
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward  # True, False or a group size g
         self.gathered = False  # the parameters' data are whole (or a gather is in flight)
-        self.gather: Any = None  # (buffer, handle) of the all-gather in flight, or None
+        self.gather: Any = None  # (buffer, handle, group size, chunks) of a gather in flight
+        self.post_forward_shard: Any = None  # int reshard: this rank's pieces, end to end
+        self.gathered_nbytes = 0  # bytes of the gathered buffer while gathered
         self.post_forward_indices: list[int] = []  # where it sits in the forward order
 
 
@@ -57,7 +66,7 @@ def block_modules(model: Module) -> list[Module]:
     return []
 
 
-def build_fsdp_modules(model: Module, reshard_after_forward: bool) -> list[FsdpModule]:
+def build_fsdp_modules(model: Module, reshard_after_forward: bool | int) -> list[FsdpModule]:
     """The blocks, then the root with every parameter no block holds."""
     mods, taken = [], set()
     for block in block_modules(model):
@@ -70,8 +79,8 @@ def build_fsdp_modules(model: Module, reshard_after_forward: bool) -> list[FsdpM
 
 
 class ModuleGather(ParamFetcher):
-    """FSDP2's fetcher: one all-gather of an FSDP module's chunks in ``param_dtype``; see the module
-    docstring for when."""
+    """FSDP2's fetcher: one all-gather of an FSDP module's chunks in ``param_dtype``; see the
+    module docstring for when."""
 
     coordinator_kind = "fsdp2"
 
@@ -81,27 +90,25 @@ class ModuleGather(ParamFetcher):
         self.param_dtype = s.param_dtype  # the all-gather's and the computation's dtype
         self.released = s.groups[0].xp.empty(0, dtype=s.param_dtype)  # a freed param's data
         self.fsdp_modules: list[FsdpModule] = []  # attach(): the blocks, then the root
-        self.forward_order: list[
-            FsdpModule
-        ] = []  # FSDP modules in post-forward order, this micro-step
+        self.forward_order: list[FsdpModule] = []  # post-forward order, this micro-step
         self.keep_after_backward = False  # between micro-batches: reshard_after_backward off
-        self.live = 0  # bytes of gathered parameters
+        self.live = 0  # bytes of gathered parameters and post-forward pieces
         self.peak_live_bytes = 0
+        # int reshard_after_forward g: the group of g consecutive ranks this rank belongs to
+        self.post_forward_comm: Any = None
+        if not isinstance(s.reshard_after_forward, bool):
+            g = s.reshard_after_forward
+            self.post_forward_comm = s.comm.split_by(lambda r: (r // g, r % g), "post_forward")
 
     def attach(self, model: Any) -> None:
         self.coordinator = self  # the fetcher decides itself; it keeps peak_live_bytes
         self.fsdp_modules = build_fsdp_modules(model, self.strategy.reshard_after_forward)
         for mod in self.fsdp_modules:
-            mod.module.register_forward_pre_hook(
-                lambda _m, args, mod=mod: self.pre_forward(mod, args)
-            )
-            mod.module.register_forward_hook(lambda _m, args, out, mod=mod: self.post_forward(mod))
-            mod.module.register_full_backward_pre_hook(
-                lambda _m, g, mod=mod: self.pre_backward(mod)
-            )
-            mod.module.register_full_backward_hook(
-                lambda _m, gi, go, mod=mod: self.post_backward(mod)
-            )
+            m = mod.module
+            m.register_forward_pre_hook(lambda _m, args, mod=mod: self.pre_forward(mod, args))
+            m.register_forward_hook(lambda _m, args, out, mod=mod: self.post_forward(mod))
+            m.register_full_backward_pre_hook(lambda _m, g, mod=mod: self.pre_backward(mod))
+            m.register_full_backward_hook(lambda _m, gi, go, mod=mod: self.post_backward(mod))
 
     # -- the hooks ---------------------------------------------------------------------------------
     def pre_forward(self, mod: FsdpModule, args: tuple) -> tuple:
@@ -109,15 +116,18 @@ class ModuleGather(ParamFetcher):
         self.wait(mod)
         if self.param_dtype == self.strategy.dtype:
             return args
-        xp = xp_of
         return tuple(
-            xp(a).astype(a, self.param_dtype) if hasattr(a, "dtype") and is_floating(a.dtype) else a
+            xp_of(a).astype(a, self.param_dtype)
+            if hasattr(a, "dtype") and is_floating(a.dtype)
+            else a
             for a in args
         )
 
     def post_forward(self, mod: FsdpModule) -> None:
-        if mod.reshard_after_forward:
+        if mod.reshard_after_forward is True:
             self.reshard(mod)
+        elif mod.reshard_after_forward is not False:
+            self.reshard_to_group(mod)
         mod.post_forward_indices.append(len(self.forward_order))
         self.forward_order.append(mod)
 
@@ -142,8 +152,8 @@ class ModuleGather(ParamFetcher):
             mod.post_forward_indices = []
 
     def end_micro_step(self) -> None:
-        """After backward (the reducer is done): every FSDP module freed unless kept for the next
-        micro-batch."""
+        """After backward (the reducer is done): every FSDP module freed unless kept for the
+        next micro-batch."""
         if not self.keep_after_backward:
             for mod in self.fsdp_modules:
                 self.reshard(mod)
@@ -153,31 +163,41 @@ class ModuleGather(ParamFetcher):
 
     # -- moving the bytes --------------------------------------------------------------------------
     def unshard(self, mod: FsdpModule) -> None:
-        """Start the FSDP module's all-gather (nothing if it is gathered or on its way): this rank's
-        chunks end to end in ``param_dtype``, S = Σ chunk_i elements; N·S come back."""
+        """Start the FSDP module's all-gather (nothing if it is gathered or on its way): this
+        rank's chunks end to end in ``param_dtype``, S = Σ chunk_i elements; N·S come back. After
+        an int reshard, the gather of the post-forward pieces inside the group of g ranks."""
         if mod.gathered or not mod.params:
             return
         s = self.strategy
-        chunks = [s.groups[gi].chunk(i) for gi, i in (s.where[id(p)] for p in mod.params)]
-        xp = xp_of(chunks[0])
-        send = xp.astype(xp.concat(chunks) if len(chunks) > 1 else chunks[0], self.param_dtype)
-        buf = xp.empty(send.size * s.comm.size, dtype=self.param_dtype)
-        handle = s.start_or_run(s.comm.iall_gather, s.comm.all_gather, buf, send)
-        mod.gather = (buf, handle, [c.size for c in chunks])
+        comm, send = s.comm, mod.post_forward_shard
+        if send is None:
+            where = [s.where[id(p)] for p in mod.params]
+            chunks = [s.groups[gi].chunk(i) for gi, i in where]
+            sizes = [c.size for c in chunks]
+            xp = xp_of(chunks[0])
+            send = xp.astype(xp.concat(chunks) if len(chunks) > 1 else chunks[0], self.param_dtype)
+        else:
+            comm, sizes = self.post_forward_comm, self.post_forward_chunks(mod)
+            mod.post_forward_shard = None
+            self.live -= nbytes(send)
+        buf = xp_of(send).empty(send.size * comm.size, dtype=self.param_dtype)
+        handle = s.start_or_run(comm.iall_gather, comm.all_gather, buf, send)
+        mod.gather = (buf, handle, comm.size, sizes)
         mod.gathered = True
+        mod.gathered_nbytes = nbytes(buf)
         self.live += nbytes(buf)
         self.peak_live_bytes = max(self.peak_live_bytes, self.live)
 
     def wait(self, mod: FsdpModule) -> None:
-        """Finish the FSDP module's gather: each parameter cut from the N rows (its data a copy)."""
+        """Finish the FSDP module's gather: each parameter cut from the rows (its data a copy)."""
         if mod.gather is None:
             return
-        buf, handle, sizes = mod.gather
+        buf, handle, ranks, sizes = mod.gather
         mod.gather = None
         if handle is not None:
             handle.wait()
         xp = xp_of(buf)
-        rows = xp.reshape(buf, (self.strategy.comm.size, -1))
+        rows = xp.reshape(buf, (ranks, -1))
         column = 0
         for p, chunk in zip(mod.params, sizes, strict=True):
             full = xp.reshape(rows[:, column : column + chunk], (-1,))
@@ -185,17 +205,38 @@ class ModuleGather(ParamFetcher):
             column += chunk
 
     def reshard(self, mod: FsdpModule) -> None:
-        """Free the FSDP module's gathered parameters: only this rank's chunks stay."""
+        """Free the FSDP module's gathered parameters and pieces: only this rank's chunks stay."""
+        if mod.post_forward_shard is not None:
+            self.live -= nbytes(mod.post_forward_shard)
+            mod.post_forward_shard = None
         if not mod.gathered:
             return
         self.wait(mod)
         mod.gathered = False
-        self.live -= (
-            sum(
-                self.strategy.comm.size * self.strategy.groups[gi].partition.chunks[i]
-                for gi, i in (self.strategy.where[id(p)] for p in mod.params)
-            )
-            * self.param_dtype.itemsize
-        )
+        self.live -= mod.gathered_nbytes
         for p in mod.params:
             p.data = self.released
+
+    def reshard_to_group(self, mod: FsdpModule) -> None:
+        """int reshard_after_forward g: keep this rank's piece of every parameter, ceil(dim0 / g)
+        rows cut as the group of g ranks cuts it (zero rows past the end), then free the rest."""
+        if not mod.gathered:
+            return
+        self.wait(mod)
+        comm, xp = self.post_forward_comm, xp_of(mod.params[0].data)
+        pieces = []
+        for p, chunk in zip(mod.params, self.post_forward_chunks(mod), strict=True):
+            piece = xp.zeros(chunk, dtype=self.param_dtype)
+            lo = comm.rank * chunk
+            valid = max(0, min(chunk, p.numel - lo))
+            if valid:
+                piece[:valid] = xp.reshape(p.data, (-1,))[lo : lo + valid]
+            pieces.append(piece)
+        self.reshard(mod)
+        mod.post_forward_shard = xp.concat(pieces) if len(pieces) > 1 else pieces[0]
+        self.live += nbytes(mod.post_forward_shard)
+
+    def post_forward_chunks(self, mod: FsdpModule) -> list[int]:
+        """Each parameter's piece under the group of g ranks: ceil(dim0 / g) rows."""
+        shapes = [(str(i), p.shape) for i, p in enumerate(mod.params)]
+        return list(dim0_partition(shapes, self.post_forward_comm.size).chunks)

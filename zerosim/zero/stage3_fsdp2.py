@@ -159,14 +159,16 @@ class Stage3FSDP2(Stage3):
         if replicate < 1 or world.size % replicate:
             raise ValueError(f"replicate={replicate!r}: a divisor of the world size {world.size}")
         shard = world.size // replicate  # the mesh [replicate, shard], rank = i · shard + j
-        # torch's rule: an int reshards to groups of that many ranks; 1 is False, shard is True
+        # torch's rule: an int g reshards to groups of g ranks, a divisor of the shard group;
+        # 1 means False, the shard group's size True
         if not isinstance(reshard_after_forward, bool):
-            if reshard_after_forward not in (1, shard):
+            if reshard_after_forward < 1 or shard % reshard_after_forward:
                 raise ValueError(
-                    f"reshard_after_forward={reshard_after_forward!r}: true, false, 1 or "
-                    f"{shard} (resharding to a smaller group is not built)"
+                    f"reshard_after_forward={reshard_after_forward!r}: true, false or a divisor "
+                    f"of the shard group's size {shard}"
                 )
-            reshard_after_forward = reshard_after_forward == shard
+            if reshard_after_forward in (1, shard):
+                reshard_after_forward = reshard_after_forward == shard
         self.reshard_after_forward = reshard_after_forward  # the blocks' (the root: never)
         self.reshard_after_backward = reshard_after_backward  # between micro-batches
         # HSDP: the stage runs in its shard group (row i of the mesh); rows are averaged across
