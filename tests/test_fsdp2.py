@@ -313,3 +313,14 @@ def test_fsdp2_checkpoint_loads_under_deepspeeds_stage_1_and_back(tmp_path, save
     for kind in before:  # the master weights and every optimizer state, element by element
         for name in shapes:
             np.testing.assert_array_equal(after[kind][name], before[kind][name], f"{kind} {name}")
+
+
+def test_fsdp2_refuses_a_model_built_inside_zero_init_naming_the_schedule():
+    def fn(comm):
+        cfg = fsdp2_config(Case(stage=3, model="mlp"))
+        with zs.zero.Init(comm=comm, config=cfg):
+            model = build_model(Case(model="mlp"))
+        with pytest.raises(ConfigError, match="zerosim.schedule"):
+            initialize(model, cfg, comm=comm)
+
+    zs.LocalWorld(2).run(fn)

@@ -83,13 +83,7 @@ def build_engine(
     strategy_cls = strategy_class(
         zero.stage, cfg.zerosim.schedule, cfg.zerosim.layout, zeropp_enabled(zero)
     )
-    if not strategy_cls.partitions_params and is_partitioned(model):
-        raise ConfigError(
-            f"zero_optimization.stage = {zero.stage}: the model was built "
-            "inside zerosim.zero.Init, so its parameters are partitioned across ranks and "
-            "no rank holds them whole; only stage 3 trains such a model (allowed: 3, or "
-            "build the model outside zero.Init)"
-        )
+    check_zero_init_model(model, cfg, strategy_cls)
     check_nvme_paths(zero, comm)  # collective, only when nvme is used
     comm.collectives = cfg.zerosim.collectives
     comm.validate = cfg.zerosim.validate_collectives
@@ -112,6 +106,30 @@ def build_engine(
         backend=backend,
         crossings_at_start=crossings_at_start,
     )
+
+
+def check_zero_init_model(model: Module, cfg: Config, strategy_cls: type[Strategy]) -> None:
+    """A model built inside zero.Init is trained only by a stage that takes over its chunks."""
+    zero = cfg.zero_optimization
+    if not strategy_cls.partitions_params and is_partitioned(model):
+        raise ConfigError(
+            f"zero_optimization.stage = {zero.stage}: the model was built "
+            "inside zerosim.zero.Init, so its parameters are partitioned across ranks and "
+            "no rank holds them whole; only stage 3 trains such a model (allowed: 3, or "
+            "build the model outside zero.Init)"
+        )
+    if (
+        strategy_cls.partitions_params
+        and not strategy_cls.adopts_zero_init
+        and is_partitioned(model)
+    ):
+        raise ConfigError(
+            "zerosim.schedule",
+            cfg.zerosim.schedule,
+            "'deepspeed' or 'paper' for a model built inside zerosim.zero.Init (it cut each "
+            "parameter into ceil(numel / N) elements; this schedule cuts dim-0 rows): build "
+            "the model outside zero.Init",
+        )
 
 
 def optimizer_spec(

@@ -148,6 +148,7 @@ class Stage3(Strategy):
     stage = 3
     partitions_optimizer_states = True
     partitions_params = True
+    adopts_zero_init = True  # zero.Init cuts parameters as this stage does (ceil(numel / N))
     reducer_cls = RankMajorReduceScatter  # the paper's fixed buckets, rank-major
     fetcher_cls: type[ParamFetcher] = GatherEach  # the paper's per-parameter gathers
 

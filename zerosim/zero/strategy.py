@@ -138,6 +138,7 @@ class Strategy(ABC):
     stage = -1
     partitions_optimizer_states = False  # stages 1-3: each rank keeps the states of its shard
     partitions_params = False  # stage 3: each rank holds a chunk of every parameter (swaps .data)
+    adopts_zero_init = False  # takes over the chunks of a model built inside zero.Init
     norm_per_group = False  # one norm message (the paper's); DeepSpeed's: one per norm group
     reported_norm = "after_scale_update"  # get_global_grad_norm()'s, see engine/reporting.py
     alignment = 1  # flat buffers pad to a multiple of this times N (the paper: N)
