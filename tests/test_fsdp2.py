@@ -324,3 +324,30 @@ def test_fsdp2_refuses_a_model_built_inside_zero_init_naming_the_schedule():
             initialize(model, cfg, comm=comm)
 
     zs.LocalWorld(2).run(fn)
+
+
+def _hsdp_save_or_load(comm, case: Case, fsdp2: dict, ckpt: str, save: bool) -> dict:
+    cfg = config(case)
+    if case.schedule == "fsdp2":
+        cfg["zerosim"]["fsdp2"] = fsdp2
+    engine, *_ = initialize(build_model(case), cfg, comm=comm)
+    if save:
+        x, y = data(case, comm.size)
+        for s in range(3):
+            optimizer_step(engine, comm, case, x, y, s)
+        engine.save_checkpoint(ckpt)
+    else:
+        engine.load_checkpoint(ckpt)
+    return engine.full_state_dict()
+
+
+def test_fsdp2_hsdp_checkpoint_is_saved_once_and_loads_under_stage_1_and_back(tmp_path):
+    hsdp = Case(stage=3, schedule="fsdp2", model="gpt", steps=3)
+    stage1 = hsdp.with_(stage=1, schedule="deepspeed")
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    saved = zs.LocalWorld(4).run(_hsdp_save_or_load, hsdp, {"replicate": 2}, first, True)[0]
+    loaded = zs.LocalWorld(2).run(_hsdp_save_or_load, stage1, {}, first, False)[0]
+    assert all(np.array_equal(saved[k], loaded[k]) for k in saved)
+    again = zs.LocalWorld(2).run(_hsdp_save_or_load, stage1, {}, second, True)[0]
+    back = zs.LocalWorld(4).run(_hsdp_save_or_load, hsdp, {"replicate": 2}, second, False)
+    assert all(np.array_equal(again[k], b[k]) for b in back for k in again)

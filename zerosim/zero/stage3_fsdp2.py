@@ -48,6 +48,7 @@ from zerosim.zero.buckets import MAX_IN_FLIGHT, pack_rank_major, reduce_rows
 from zerosim.zero.fsdp2_fetcher import FsdpModule, ModuleGather
 from zerosim.zero.partition import ParamPartition, dim0_partition
 from zerosim.zero.reducer import GradReducer
+from zerosim.zero.segments import Segment
 from zerosim.zero.stage3 import Stage3
 
 
@@ -197,6 +198,13 @@ class Stage3FSDP2(Stage3):
         """Between micro-batches parameters stay gathered when reshard_after_backward is off."""
         self.fetcher.keep_after_backward = not (boundary or self.reshard_after_backward)
         super().before_backward(boundary)
+
+    def segments(self, which: str = "owned") -> list[Segment]:
+        """Under HSDP every replica holds the same shards: the first replica owns them (what a
+        checkpoint saves); each rank still steps its own."""
+        if which == "owned" and self.replicate_comm is not None and self.replicate_comm.rank:
+            return []
+        return super().segments(which)
 
     def average(self, grads: Any) -> None:
         """Nothing left to do: each reduced row was divided by N as it landed (FSDP2's AVG)."""
