@@ -351,3 +351,69 @@ def test_fsdp2_hsdp_checkpoint_is_saved_once_and_loads_under_stage_1_and_back(tm
     again = zs.LocalWorld(2).run(_hsdp_save_or_load, stage1, {}, second, True)[0]
     back = zs.LocalWorld(4).run(_hsdp_save_or_load, hsdp, {"replicate": 2}, second, False)
     assert all(np.array_equal(again[k], b[k]) for b in back for k in again)
+
+
+# -- the torch-style face: zerosim.fsdp.fully_shard ---------------------------------------------
+def train_fully_shard(comm, case: Case, mp: dict, raf=True) -> dict:
+    """A torch user's loop: fully_shard each block, then the model; AdamW over its parameters."""
+    model = build_model(case)
+    blocks = model.blocks if case.model == "gpt" else list(model.layers)[::2]  # the Linears
+    policy = zs.fsdp.MixedPrecisionPolicy(**mp)
+    for block in blocks:
+        zs.fsdp.fully_shard(block, mesh=comm, reshard_after_forward=raf, mp_policy=policy)
+    zs.fsdp.fully_shard(model, mesh=comm, mp_policy=policy)
+    optimizer = zs.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01)
+    x, y = data(case, comm.size)
+    width, steps = comm.size * case.micro, []
+    for s in range(case.steps):
+        comm.ledger.reset()
+        at = s * width + comm.rank * case.micro
+        model(x[at : at + case.micro], y[at : at + case.micro])
+        model.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        steps.append([(r.op, np.dtype(r.dtype).name, r.bytes_sent) for r in comm.ledger.records])
+    strategy = zs.fsdp.state_of(model).strategy
+    return {
+        "params": strategy.full_state_dict(),
+        "steps": steps,
+        "data": [(p.data.shape, p.data.dtype) for p in model.parameters()],
+    }
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_fully_shard_matches_single_process_run_and_the_config_routes_collectives(model):
+    n = 3
+    case = Case(stage=3, steps=5, model=model)
+    got = zs.LocalWorld(n).run(train_fully_shard, case, {})
+    route = zs.LocalWorld(n).run(train_fsdp2, case, {})
+    want = reference(case, n)
+    for r in range(n):
+        assert max_rel_error(got[r]["params"], want) < 1e-12
+        for mine, theirs in zip(got[r]["steps"], route[r]["steps"], strict=True):
+            assert mine == [(op, dt, b) for op, _, dt, b in theirs]
+        # between steps each parameter holds this rank's chunk, float32/64 (torch's local shard)
+        shapes = dict(build_model(case).named_parameters())
+        for (shape, dtype), p in zip(got[r]["data"], shapes.values(), strict=True):
+            assert shape == (math.ceil(p.shape[0] / n) * math.prod(p.shape[1:]),)
+            assert dtype == np.float64
+
+
+def test_fully_shard_with_a_bf16_policy_gathers_bf16_and_reduces_float32():
+    case = Case(stage=3, steps=2, model="gpt", dtype="float32")
+    mp = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    got = zs.LocalWorld(2).run(train_fully_shard, case, mp)[0]
+    assert {(op, dt) for op, dt, _ in got["steps"][-1]} == {
+        ("all_gather", "bfloat16"),
+        ("reduce_scatter", "float32"),
+    }
+    assert {dtype for _, dtype in got["data"]} == {np.dtype(np.float32)}
+
+
+def test_fully_shard_refuses_a_second_call_and_a_bad_policy():
+    model = build_model(Case(model="mlp"))
+    zs.fsdp.fully_shard(model)
+    with pytest.raises(ValueError, match="already applied"):
+        zs.fsdp.fully_shard(model)
+    with pytest.raises(TypeError, match="mp_policy"):
+        zs.fsdp.fully_shard(model.layers, mp_policy={"param_dtype": "bfloat16"})

@@ -7,6 +7,7 @@ from zerosim import analysis, comm, data, nn, optim, zero
 from zerosim.comm import LocalWorld
 from zerosim.config import Config, load_config
 from zerosim.engine import Engine, initialize
+from zerosim.engine import fsdp2_api as fsdp  # torch's fully_shard and MixedPrecisionPolicy
 from zerosim.errors import ConfigError
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __all__ = [
     "analysis",
     "comm",
     "data",
+    "fsdp",
     "initialize",
     "load_config",
     "nn",

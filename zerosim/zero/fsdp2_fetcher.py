@@ -66,10 +66,13 @@ def block_modules(model: Module) -> list[Module]:
     return []
 
 
-def build_fsdp_modules(model: Module, reshard_after_forward: bool | int) -> list[FsdpModule]:
-    """The blocks, then the root with every parameter no block holds."""
+def build_fsdp_modules(
+    model: Module, reshard_after_forward: bool | int, blocks: list[Module] | None = None
+) -> list[FsdpModule]:
+    """The blocks (``blocks``, or ``block_modules(model)``), then the root with every parameter
+    no block holds."""
     mods, taken = [], set()
-    for block in block_modules(model):
+    for block in block_modules(model) if blocks is None else blocks:
         params = [p for _, p in block.named_parameters()]
         taken.update(id(p) for p in params)
         mods.append(FsdpModule(block, params, reshard_after_forward))
@@ -102,7 +105,8 @@ class ModuleGather(ParamFetcher):
 
     def attach(self, model: Any) -> None:
         self.coordinator = self  # the fetcher decides itself; it keeps peak_live_bytes
-        self.fsdp_modules = build_fsdp_modules(model, self.strategy.reshard_after_forward)
+        s = self.strategy
+        self.fsdp_modules = build_fsdp_modules(model, s.reshard_after_forward, s.blocks)
         for mod in self.fsdp_modules:
             m = mod.module
             m.register_forward_pre_hook(lambda _m, args, mod=mod: self.pre_forward(mod, args))

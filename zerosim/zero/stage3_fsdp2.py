@@ -149,6 +149,7 @@ class Stage3FSDP2(Stage3):
         reduce_dtype: str | None = None,
         reshard_after_backward: bool = True,
         replicate: int = 1,
+        blocks: list[Any] | None = None,
         **kwargs: Any,
     ) -> None:
         dtype = resolve_dtype(kwargs["dtype"])
@@ -173,6 +174,8 @@ class Stage3FSDP2(Stage3):
                 reshard_after_forward = reshard_after_forward == shard
         self.reshard_after_forward = reshard_after_forward  # the blocks' (the root: never)
         self.reshard_after_backward = reshard_after_backward  # between micro-batches
+        # the modules fully_shard was applied to before the root (None: each transformer block)
+        self.blocks = blocks
         # HSDP: the stage runs in its shard group (row i of the mesh); rows are averaged across
         # the replicas (column j) after each reduce-scatter
         self.replicate_comm: Any = None
