@@ -355,10 +355,16 @@ def test_losses_weights_and_shards_equal_torchs(zerosim_runs, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_gradient_norms_equal_torchs(zerosim_runs, name):
+    """With clipping, the norm ``clip_grad_norm_`` returns. Without, training takes no norm on
+    torch's side (and so no all-reduce: the collectives test holds zerosim to that too), so
+    zerosim may report none (None); a norm it does report is torch's."""
     n, results = zerosim_runs
     rtol = BF16_LOSS_RTOL if "bf16" in name else NORM_RTOL
+    clipping = CASES[name]["config"]["gradient_clipping"] > 0
     for r in range(n):
         want, got = results[name]["torch"]["ranks"][r]["norms"], results[name]["zs"]["ranks"][r]
+        if not clipping and all(norm is None for norm in got["norms"]):
+            continue
         np.testing.assert_allclose(got["norms"], want, rtol=rtol, err_msg=f"rank {r}")
 
 
