@@ -97,6 +97,8 @@ def cases() -> list[dict]:
     return [
         _case("fp32"),
         _case("bf16_reduce_fp32", BF16, optimizer=SGD),
+        # the bf16 gradients of the first micro-batch upcast to fp32, the second's added there
+        _case("bf16_reduce_fp32_gas2", BF16, optimizer=SGD, gradient_accumulation_steps=2),
         _case("no_reshard_after_forward", {"reshard_after_forward": False}),
         _case("gas2", gradient_accumulation_steps=2),
         _case(
