@@ -36,9 +36,11 @@ group). Bounds, and why:
   norm (of bf16 gradients) to ``BF16_LOSS_RTOL``.
 - collectives: exactly.
 
-HSDP (``replicate`` 2 on a 2 × 2 mesh, N = 4) oversubscribes this machine's cores and is left out
-of the default run: ``ZEROSIM_PEER_HSDP=1`` runs ``test_hsdp_*`` (the closed form gains one
-all-reduce across replicas after each reduce-scatter).
+The N = 4 cases oversubscribe this machine's cores and are left out of the default run:
+``ZEROSIM_PEER_N4=1`` runs ``test_n4_*``. HSDP (``replicate`` 2 on a 2 × 2 mesh: the closed form
+gains one all-reduce across replicas after each reduce-scatter) and ``reshard_after_forward`` 2
+(after forward each block keeps a shard of a group of 2 ranks, and backward gathers it there:
+2 · Σ ceil(dim0/2) · prod(rest) elements).
 """
 
 from __future__ import annotations
@@ -108,15 +110,19 @@ def cases() -> list[dict]:
     ]
 
 
-def hsdp_cases() -> list[dict]:
+def n4_cases() -> list[dict]:
     return [
         _case("hsdp_2x2", {"replicate": 2}),
         _case("hsdp_2x2_clip_gas2", {"replicate": 2}, gradient_clipping=0.05,
               gradient_accumulation_steps=2),
+        _case("reshard_to_2", {"reshard_after_forward": 2}),
+        _case("reshard_to_2_gas2_keep", {"reshard_after_forward": 2,
+                                         "reshard_after_backward": False},
+              gradient_accumulation_steps=2),
     ]  # fmt: skip
 
 
-CASES = {c["name"]: c for c in cases() + hsdp_cases()}
+CASES = {c["name"]: c for c in cases() + n4_cases()}
 NAMES = [c["name"] for c in cases()]
 FP32_NAMES = [c["name"] for c in cases() if "bf16" not in c["name"]]
 
@@ -173,11 +179,18 @@ def expected_step(case: dict, n: int, rank: int) -> list[dict]:
     units = units_of(case)
     blocks = sorted((u for u in units if u != "root"), key=lambda u: int(u.split(".")[1]))
     numel = {u: padded_numel(shapes, shard) for u, shapes in units.items()}
+    # the group a block is resharded to after forward: none (False, or an int 1), the shard
+    # group (True, or its size), or that many consecutive ranks of it
+    after_forward = s["reshard_after_forward"]
+    after_forward = shard * after_forward if isinstance(after_forward, bool) else after_forward
+    after_forward = 0 if after_forward == 1 else after_forward
     calls: list[dict] = []
 
-    def gather(unit):
-        calls.append({"op": "all_gather", "dtype": pdt, "bytes": numel[unit] * BYTES[pdt],
-                      "reduce": None, "ranks": shard_ranks})  # fmt: skip
+    def gather(unit, size):
+        group = [rank // size * size + i for i in range(size)]
+        elements = padded_numel(units[unit], size)
+        calls.append({"op": "all_gather", "dtype": pdt, "bytes": elements * BYTES[pdt],
+                      "reduce": None, "ranks": group})  # fmt: skip
 
     def reduce(unit):
         calls.append({"op": "reduce_scatter", "dtype": rdt, "bytes": numel[unit] * BYTES[rdt],
@@ -192,14 +205,14 @@ def expected_step(case: dict, n: int, rank: int) -> list[dict]:
         last = micro == gas(case) - 1
         for unit in ["root", *blocks]:  # forward
             if unit not in gathered:
-                gather(unit)
+                gather(unit, shard)
                 gathered.add(unit)
-        if s["reshard_after_forward"]:  # the blocks; the root stays gathered for backward
+        if after_forward:  # the blocks; the root stays gathered for backward
             gathered -= set(blocks)
         for k in reversed(range(len(blocks))):  # backward, last block first
             for unit in blocks[k : k + 1] + blocks[max(k - 1, 0) : k]:  # itself, then prefetch
                 if unit not in gathered:
-                    gather(unit)
+                    gather(unit, after_forward)
                     gathered.add(unit)
             if last:
                 reduce(blocks[k])
@@ -376,37 +389,37 @@ def test_collectives_equal_torchs_call_for_call(zerosim_runs, name):
     check_collectives(n, results[name], name)
 
 
-# --- HSDP at N = 4 (opt-in: oversubscribes this machine) --------------------------------------
+# --- N = 4: HSDP and resharding to 2 ranks (opt-in: oversubscribes this machine) -------------
 
-HSDP = pytest.mark.skipif(
-    os.environ.get("ZEROSIM_PEER_HSDP") != "1",
-    reason="HSDP 2 × 2 needs 4 ranks; run with ZEROSIM_PEER_HSDP=1 (module docstring)",
+N4 = pytest.mark.skipif(
+    os.environ.get("ZEROSIM_PEER_N4") != "1",
+    reason="the N = 4 cases oversubscribe this machine: ZEROSIM_PEER_N4=1 runs them (module doc)",
 )
 
 
 @pytest.fixture(scope="module")
-def hsdp_runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("fsdp2_hsdp")
-    torch_side = run_fsdp2_side(4, hsdp_cases(), work)
+def n4_runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("fsdp2_n4")
+    torch_side = run_fsdp2_side(4, n4_cases(), work)
     try:
-        zs = run_zerosim_side(4, hsdp_cases(), work)
+        zs = run_zerosim_side(4, n4_cases(), work)
     except RuntimeError as error:  # torch's side is still checked below
         zs = error
     return torch_side, zs
 
 
-@HSDP
-def test_hsdp_torch_collectives_equal_the_closed_form(hsdp_runs):
-    torch_side, _ = hsdp_runs
-    names = [c["name"] for c in hsdp_cases()]
+@N4
+def test_n4_torch_collectives_equal_the_closed_form(n4_runs):
+    torch_side, _ = n4_runs
+    names = [c["name"] for c in n4_cases()]
     check_torch_closed_form(4, torch_side, names)
     check_debug_counts(torch_side, names)
 
 
-@HSDP
-@pytest.mark.parametrize("name", [c["name"] for c in hsdp_cases()])
-def test_hsdp_equals_torchs(hsdp_runs, name):
-    torch_side, zs = hsdp_runs
+@N4
+@pytest.mark.parametrize("name", [c["name"] for c in n4_cases()])
+def test_n4_equals_torchs(n4_runs, name):
+    torch_side, zs = n4_runs
     if isinstance(zs, RuntimeError):
         raise zs
     pair = {"torch": torch_side[name], "zs": zs[name]}
