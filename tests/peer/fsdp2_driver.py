@@ -27,6 +27,7 @@ rank 0, ``OUT/<case>.npz`` (the full fp32 weights after the last step, ``full_te
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
@@ -206,45 +207,51 @@ def micro_step(twin, case, step: int, micro: int, settings: dict[str, Any]) -> f
     return float(loss)
 
 
-def clip_gradients(twin, clip: float, recorder: Recorder) -> float:
-    """``clip_grad_norm_`` over the DTensor gradients when clipping (its all-reduce is part of
-    the step). Without clipping training takes no norm; the same norm is then taken with the
-    recorder off, for the comparison only (the caller keeps CommDebugMode out of it too)."""
-    if clip > 0:
-        return float(torch.nn.utils.clip_grad_norm_(twin.parameters(), clip).full_tensor())
-    recorder.on = False
-    norm = torch.nn.utils.get_total_norm([p.grad for p in twin.parameters()])
+def train_step(twin, optimizer, case: dict, step: int, recorder: Recorder) -> dict[str, Any]:
+    """One optimizer step: its micro-steps' losses, the gradient norm, the collectives in order
+    and CommDebugMode's counts of them. With clipping the norm is ``clip_grad_norm_``'s, over the
+    DTensor gradients (its all-reduce is part of the step); without, training takes no norm, and
+    the same norm is taken outside the records and counts, for the comparison only."""
+    clip = float(case["config"].get("gradient_clipping", 0.0))
+    settings, losses, count = fsdp2_settings(case), [], {}
     recorder.on = True
-    return float(norm.full_tensor())
+    for micro in range(gas(case)):  # one CommDebugMode a forward: its module tracker
+        with CommDebugMode() as debug:  # fails on a second forward in the same context
+            losses.append(micro_step(twin, case, step, micro, settings))
+        add_counts(count, debug)
+    recorder.on = clip > 0
+    with CommDebugMode() if clip > 0 else contextlib.nullcontext() as debug:
+        if clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in twin.parameters()])
+    if clip > 0:
+        add_counts(count, debug)
+    recorder.on = True
+    with CommDebugMode() as debug:  # the optimizer's step on the shards: no collective
+        optimizer.step()
+        optimizer.zero_grad()
+    add_counts(count, debug)
+    recorder.on = False
+    norm = float(norm.full_tensor())
+    return {"losses": losses, "norm": norm, "calls": recorder.take(), "counts": count}
 
 
 def run_case(case: dict, out: Path, recorder: Recorder) -> None:
-    rank, settings = dist.get_rank(), fsdp2_settings(case)
+    rank = dist.get_rank()
     twin = twin_of(case, model_of(case))
-    shard(twin, settings)
+    shard(twin, fsdp2_settings(case))
     optimizer = optimizer_of(case["config"], twin.parameters())
-    clip = float(case["config"].get("gradient_clipping", 0.0))
-    losses, steps, counts, norms = [], [], [], []
-    for step in range(case["steps"]):
-        recorder.on, count = True, {}
-        for micro in range(gas(case)):  # one CommDebugMode a forward: its module tracker
-            with CommDebugMode() as debug:  # fails on a second forward in the same context
-                losses.append(micro_step(twin, case, step, micro, settings))
-            add_counts(count, debug)
-        norm = None if clip > 0 else clip_gradients(twin, clip, recorder)
-        with CommDebugMode() as debug:
-            norm = clip_gradients(twin, clip, recorder) if clip > 0 else norm
-            optimizer.step()
-            optimizer.zero_grad()
-        add_counts(count, debug)
-        recorder.on = False
-        norms.append(norm)
-        steps.append(recorder.take())
-        counts.append(count)
+    steps = [train_step(twin, optimizer, case, step, recorder) for step in range(case["steps"])]
+    result = {
+        "losses": [loss for s in steps for loss in s["losses"]],
+        "norms": [s["norm"] for s in steps],
+        "steps": [s["calls"] for s in steps],
+        "debug_counts": [s["counts"] for s in steps],
+        "settings": fsdp2_settings(case),
+    }
     local = {n: p.to_local().detach().float().numpy().copy() for n, p in twin.named_parameters()}
     full = {n: p.full_tensor().detach().float().numpy().copy() for n, p in twin.named_parameters()}
-    result = {"losses": losses, "steps": steps, "debug_counts": counts, "norms": norms}
-    result["settings"] = settings
     (out / f"{case['name']}.rank{rank}.json").write_text(json.dumps(result))
     np.savez(out / f"{case['name']}.shard{rank}.npz", **local)
     if rank == 0:
