@@ -1,7 +1,10 @@
-"""Run a plan of peer cases on both sides: DeepSpeed under torchrun, zerosim under mpirun.
+"""Run a plan of peer cases on both sides: DeepSpeed (or torch's FSDP2) under torchrun, zerosim
+under mpirun.
 
 One launch per side covers every case of the plan (DeepSpeed's start-up is most of its time),
-so a pytest session pays two launches per world size, not two per case.
+so a pytest session pays two launches per world size, not two per case. The FSDP2 cases run each
+side on its own (``run_fsdp2_side``, ``run_zerosim_side``), so torch's side is checked even when
+zerosim's fails.
 """
 
 from __future__ import annotations
