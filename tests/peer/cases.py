@@ -48,6 +48,24 @@ def model_of(case: dict[str, Any]) -> Any:
     )
 
 
+def twin_of(case: dict[str, Any], zmodel: Any) -> Any:
+    """The torch twin (tests/torch_twins.py) of a case's model, holding ``zmodel``'s weights
+    (loaded by name). torch is imported here, not at the top: zs_driver.py runs without it."""
+    import torch
+    from torch_twins import TorchGPT, TorchMLP, TorchTransformer
+
+    spec = case["model"]
+    if spec["kind"] == "mlp":
+        twin = TorchMLP(spec["sizes"], "relu", "cross_entropy")
+    elif spec["kind"] == "transformer":
+        twin = TorchTransformer(description_of(spec))
+    else:
+        twin = TorchGPT(spec["vocab"], spec["block"], spec["layers"], spec["heads"], spec["embd"])
+    state = {k: torch.tensor(np.asarray(v)) for k, v in zmodel.state_dict().items()}
+    twin.load_state_dict(state)
+    return twin
+
+
 def tokens_of(spec: dict[str, Any]) -> tuple[int, int]:
     """(vocabulary, sequence length) of a language model's spec."""
     if spec["kind"] == "transformer":

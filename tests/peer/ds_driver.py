@@ -33,27 +33,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cases import TESTS, description_of, gas, micro_batch, model_of  # noqa: E402
+from cases import TESTS, gas, micro_batch, model_of, twin_of  # noqa: E402
 
 sys.path.insert(0, str(TESTS))
 import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
 from deepspeed.comm import comm as ds_comm  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
-from torch_twins import TorchGPT, TorchMLP, TorchTransformer  # noqa: E402
-
-
-def twin_of(case: dict, zmodel) -> torch.nn.Module:
-    spec = case["model"]
-    if spec["kind"] == "mlp":
-        twin = TorchMLP(spec["sizes"], "relu", "cross_entropy")
-    elif spec["kind"] == "transformer":
-        twin = TorchTransformer(description_of(spec))
-    else:
-        twin = TorchGPT(spec["vocab"], spec["block"], spec["layers"], spec["heads"], spec["embd"])
-    state = {k: torch.tensor(np.asarray(v)) for k, v in zmodel.state_dict().items()}
-    twin.load_state_dict(state)
-    return twin
 
 
 def comms_snapshot() -> dict[str, dict[str, int]]:

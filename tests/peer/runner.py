@@ -1,7 +1,10 @@
-"""Run a plan of peer cases on both sides: DeepSpeed under torchrun, zerosim under mpirun.
+"""Run a plan of peer cases on both sides: DeepSpeed (or torch's FSDP2) under torchrun, zerosim
+under mpirun.
 
 One launch per side covers every case of the plan (DeepSpeed's start-up is most of its time),
-so a pytest session pays two launches per world size, not two per case.
+so a pytest session pays two launches per world size, not two per case. The FSDP2 cases run each
+side on its own (``run_fsdp2_side``, ``run_zerosim_side``), so torch's side is checked even when
+zerosim's fails.
 """
 
 from __future__ import annotations
@@ -69,6 +72,64 @@ def run_zerosim(n: int, plan: Path, out: Path, timeout: float = 1200) -> None:
         raise RuntimeError(
             f"zerosim run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
         )
+
+
+def run_fsdp2(n: int, plan: Path, out: Path, timeout: float = 1200) -> None:
+    """``torchrun --standalone --nproc_per_node n fsdp2_driver.py plan out``: torch's
+    ``fully_shard`` on gloo; raises with its output on failure."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(n)]
+    cmd += [str(HERE / "fsdp2_driver.py"), str(plan), str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(
+            f"torch FSDP2 run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+            f"{proc.stderr[-6000:]}"
+        )
+
+
+def write_plan(cases: list[dict], work: Path) -> Path:
+    work.mkdir(parents=True, exist_ok=True)
+    plan = work / "plan.json"
+    plan.write_text(json.dumps({"cases": cases}))
+    return plan
+
+
+def read_side(n: int, cases: list[dict], out: Path) -> dict[str, dict]:
+    """{case name: {"ranks": per-rank JSON, "weights": full weights, "shards": each rank's
+    local shards (None where a side wrote none)}} of one side's output folder."""
+    import numpy as np
+
+    def load(path: Path) -> dict | None:
+        if not path.exists():
+            return None
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}
+
+    results: dict[str, dict] = {}
+    for case in cases:
+        name = case["name"]
+        ranks = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(n)]
+        shards = [load(out / f"{name}.shard{r}.npz") for r in range(n)]
+        results[name] = {"ranks": ranks, "weights": load(out / f"{name}.npz"), "shards": shards}
+    return results
+
+
+def run_fsdp2_side(n: int, cases: list[dict], work: Path) -> dict[str, dict]:
+    """torch's FSDP2 side of a plan of FSDP2 cases (``read_side``'s results)."""
+    plan = write_plan(cases, work)
+    (work / "torch").mkdir(parents=True, exist_ok=True)
+    run_fsdp2(n, plan, work / "torch")
+    return read_side(n, cases, work / "torch")
+
+
+def run_zerosim_side(n: int, cases: list[dict], work: Path) -> dict[str, dict]:
+    """zerosim's side of the same plan (``zerosim.schedule`` "fsdp2") under mpirun."""
+    plan = write_plan(cases, work)
+    (work / "zs").mkdir(parents=True, exist_ok=True)
+    run_zerosim(n, plan, work / "zs")
+    return read_side(n, cases, work / "zs")
 
 
 def run_both(n: int, cases: list[dict], work: Path) -> dict[str, dict]:

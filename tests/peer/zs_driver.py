@@ -24,16 +24,20 @@ import zerosim as zs  # noqa: E402
 from zerosim.comm import MPIComm  # noqa: E402
 
 
-def ledger_snapshot(comm) -> tuple[dict[str, dict[str, int]], list[str]]:
+def ledger_snapshot(comm) -> tuple[dict[str, dict[str, int]], list[str], list[dict]]:
     """{op: {buffer bytes S: calls}} of this rank's ledger since the last snapshot (the test
-    converts S to DeepSpeed's message-size convention), and the phases the records carry."""
+    converts S to DeepSpeed's message-size convention), the phases the records carry, and the
+    calls in order (op, dtype, S, group, peers: what the FSDP2 tests compare with torch's)."""
     out: dict[str, dict[str, int]] = {}
+    calls = []
     for r in comm.ledger.records:
         sizes = out.setdefault(r.op, {})
         sizes[str(r.size_bytes)] = sizes.get(str(r.size_bytes), 0) + 1
+        call = {"op": r.op, "dtype": r.dtype, "bytes": r.size_bytes, "group": r.group}
+        calls.append(dict(call, peers=r.peers))
     phases = sorted({r.phase for r in comm.ledger.records})
     comm.ledger.reset()
-    return out, phases
+    return out, phases, calls
 
 
 def run_case(case: dict, out: Path, comm) -> None:
@@ -41,7 +45,7 @@ def run_case(case: dict, out: Path, comm) -> None:
         warnings.simplefilter("ignore")
         engine, *_ = zs.initialize(model_of(case), zerosim_config(case), comm=comm)
     comm.ledger.reset()
-    losses, steps, phases, norms, scales, skips = [], [], [], [], [], []
+    losses, steps, phases, norms, scales, skips, calls = [], [], [], [], [], [], []
     for step in range(case["steps"]):
         for micro in range(gas(case)):
             x, y = micro_batch(case, step, micro, comm.rank)
@@ -49,8 +53,9 @@ def run_case(case: dict, out: Path, comm) -> None:
             engine.backward(loss)
             engine.step()
             losses.append(float(loss))
-        collectives, labels = ledger_snapshot(comm)
+        collectives, labels, ordered = ledger_snapshot(comm)
         steps.append(collectives)
+        calls.append(ordered)
         phases.append(labels)
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
@@ -58,11 +63,14 @@ def run_case(case: dict, out: Path, comm) -> None:
         skips.append(int(engine.skipped_steps))
     weights = engine.full_state_dict()
     result = {"losses": losses, "steps": steps, "skipped": int(engine.skipped_steps)}
-    result["phases"] = phases
+    result["phases"], result["calls"] = phases, calls
     result["norms"], result["scales"], result["skips"] = norms, scales, skips
     (out / f"{case['name']}.rank{comm.rank}.json").write_text(json.dumps(result))
     if comm.rank == 0:
         np.savez(out / f"{case['name']}.npz", **weights)
+    local_shards = getattr(engine, "local_shards", None)  # FSDP2: this rank's rows of each
+    if local_shards is not None:  # parameter, as torch's ``DTensor.to_local()``
+        np.savez(out / f"{case['name']}.shard{comm.rank}.npz", **local_shards())
 
 
 def main() -> int:
