@@ -303,11 +303,7 @@ def one_process_reference(case: dict, n: int) -> tuple[list[list[float]], list[f
     return losses, norms, weights
 
 
-@pytest.mark.parametrize("name", FP32_NAMES)
-def test_torch_fsdp2_equals_one_process_torch_over_the_global_batch(torch_runs, name):
-    """fp32: FSDP2's average over the ranks (ReduceOp.AVG on gloo), its accumulation without
-    gradient sync, and its clipping over DTensors equal plain data parallelism."""
-    n, results = torch_runs
+def check_one_process(n: int, results: dict, name: str) -> None:
     case = CASES[name]
     losses, norms, weights = one_process_reference(case, n)
     for r, rank in enumerate(results[name]["ranks"]):
@@ -315,6 +311,14 @@ def test_torch_fsdp2_equals_one_process_torch_over_the_global_batch(torch_runs, 
         np.testing.assert_allclose(rank["norms"], norms, rtol=NORM_RTOL)
     for key, want in weights.items():
         assert_weight_equal(case, key, results[name]["weights"][key], want, ATOL)
+
+
+@pytest.mark.parametrize("name", FP32_NAMES)
+def test_torch_fsdp2_equals_one_process_torch_over_the_global_batch(torch_runs, name):
+    """fp32: FSDP2's average over the ranks (ReduceOp.AVG on gloo), its accumulation without
+    gradient sync, and its clipping over DTensors equal plain data parallelism."""
+    n, results = torch_runs
+    check_one_process(n, results, name)
 
 
 # --- zerosim's side against torch's -----------------------------------------------------------
@@ -414,6 +418,15 @@ def test_n4_torch_collectives_equal_the_closed_form(n4_runs):
     names = [c["name"] for c in n4_cases()]
     check_torch_closed_form(4, torch_side, names)
     check_debug_counts(torch_side, names)
+
+
+@N4
+@pytest.mark.parametrize("name", [c["name"] for c in n4_cases()])
+def test_n4_torch_equals_one_process_torch_over_the_global_batch(n4_runs, name):
+    """HSDP's reduce-scatter and all-reduce across replicas, and resharding to 2 ranks, are
+    still data parallelism over the 4 ranks' batches."""
+    torch_side, _ = n4_runs
+    check_one_process(4, torch_side, name)
 
 
 @N4
