@@ -50,6 +50,7 @@ from zerosim.analysis.timing import (
     transformer_training_flops,
 )
 from zerosim.analysis.volume import (
+    EVERY_STAGE_SCHEDULES,
     SCHEDULES,
     Collective,
     boundary_messages,
@@ -111,6 +112,7 @@ __all__ = [
     "deepspeed_gradient_messages",
     "deepspeed_padded_numel",
     "deepspeed_stage0_messages",
+    "EVERY_STAGE_SCHEDULES",
     "SCHEDULES",
     "quantized_nbytes",
     "ring_split",
