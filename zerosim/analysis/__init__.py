@@ -60,6 +60,7 @@ from zerosim.analysis.volume import (
     deepspeed_gradient_messages,
     deepspeed_padded_numel,
     deepspeed_stage0_messages,
+    fsdp2_step_bytes,
     norm_messages,
     quantized_nbytes,
     ring_split,
@@ -116,6 +117,7 @@ __all__ = [
     "SCHEDULES",
     "quantized_nbytes",
     "ring_split",
+    "fsdp2_step_bytes",
     "step_bytes",
     "zeropp_step_bytes",
 ]
