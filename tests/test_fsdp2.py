@@ -417,3 +417,28 @@ def test_fully_shard_refuses_a_second_call_and_a_bad_policy():
         zs.fsdp.fully_shard(model)
     with pytest.raises(TypeError, match="mp_policy"):
         zs.fsdp.fully_shard(model.layers, mp_policy={"param_dtype": "bfloat16"})
+
+
+def test_fsdp2_dry_run_sends_the_closed_form_from_the_shapes():
+    """The shape-only run at N = 6 (bf16 gathers, fp32 reductions) sends per step what the
+    FSDP modules' dim-0 shards give, for the GPT "gpt:2,16,40,32,2" (torch's shapes)."""
+    from zerosim.dryrun import dry_run
+
+    n, layers, h, vocab, seq = 6, 2, 16, 40, 32
+    block = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,)]
+    block += [(4 * h, h), (4 * h,), (h, 4 * h), (h,)]
+    root = [(vocab, h), (seq, h), (h,), (h,), (vocab, h)]
+    blocks = layers * shard_elements(block, n)
+    total = blocks + shard_elements(root, n)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3},
+        "zerosim": {"schedule": "fsdp2", "fsdp2": {"param_dtype": "bfloat16"}},
+    }
+    cfg["zerosim"]["fsdp2"]["reduce_dtype"] = "float32"
+    report = dry_run(f"gpt:{layers},{h},{vocab},{seq},2", n, cfg)
+    for entry in report["ranks"]:
+        sent = entry["bytes_sent"]
+        assert sent["forward"] == (n - 1) * 2 * total
+        assert sent["backward"] == (n - 1) * (2 * blocks + 4 * total)

@@ -50,6 +50,7 @@ from zerosim.analysis.timing import (
     transformer_training_flops,
 )
 from zerosim.analysis.volume import (
+    EVERY_STAGE_SCHEDULES,
     SCHEDULES,
     Collective,
     boundary_messages,
@@ -59,6 +60,7 @@ from zerosim.analysis.volume import (
     deepspeed_gradient_messages,
     deepspeed_padded_numel,
     deepspeed_stage0_messages,
+    fsdp2_step_bytes,
     norm_messages,
     quantized_nbytes,
     ring_split,
@@ -111,9 +113,11 @@ __all__ = [
     "deepspeed_gradient_messages",
     "deepspeed_padded_numel",
     "deepspeed_stage0_messages",
+    "EVERY_STAGE_SCHEDULES",
     "SCHEDULES",
     "quantized_nbytes",
     "ring_split",
+    "fsdp2_step_bytes",
     "step_bytes",
     "zeropp_step_bytes",
 ]

@@ -50,6 +50,7 @@ from typing import Any, NamedTuple
 from zerosim.analysis.stages import ZERO_STAGES
 
 SCHEDULES = ("deepspeed", "paper", "fsdp2")  # whose collectives a stage issues: the one definition
+EVERY_STAGE_SCHEDULES = SCHEDULES[:2]  # the schedules of stages 0-3 (FSDP2's is stage 3 only)
 DEEPSPEED_ALIGNMENT = 2  # DeepSpeed pads stage 1-2 flat buffers to a multiple of 2·N
 DEEPSPEED_STAGE0_MESSAGE = 500_000_000  # DeepSpeed's stage-0 all-reduce size (elements)
 DEEPSPEED_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size's default

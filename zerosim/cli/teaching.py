@@ -16,7 +16,7 @@ from fractions import Fraction
 from typing import Any
 
 from zerosim import analysis
-from zerosim.analysis import SCHEDULES
+from zerosim.analysis import EVERY_STAGE_SCHEDULES
 from zerosim.analysis.stages import STAGES
 from zerosim.backend import PRECISION_DTYPES
 from zerosim.cli.arguments import int_at_least, parameter_count, refuse
@@ -563,8 +563,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     comp.add_argument(
         "--schedule",
         nargs="+",
-        choices=list(SCHEDULES),
-        default=list(SCHEDULES),
+        choices=list(EVERY_STAGE_SCHEDULES),
+        default=list(EVERY_STAGE_SCHEDULES),
         help="zerosim.schedule to run each stage under: DeepSpeed 0.19.8's collectives, the "
         "ZeRO paper's, or both side by side (default both)",
     )

@@ -135,7 +135,7 @@ class ModuleReduceScatter(GradReducer):
 
 
 class Stage3FSDP2(Stage3):
-    """Stage 3 with FSDP2's dim-0 shards, per-FSDP module all-gathers and reduce-scatters."""
+    """Stage 3 with FSDP2's dim-0 shards, per-FSDP-module all-gathers and reduce-scatters."""
 
     adopts_zero_init = False  # zero.Init cuts ceil(numel / N) elements, FSDP2 dim-0 rows
     reducer_cls = ModuleReduceScatter  # one reduce-scatter per FSDP module, in reduce_dtype
