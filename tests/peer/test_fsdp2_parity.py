@@ -339,7 +339,8 @@ def check_losses_weights_shards(n: int, pair: dict, case: dict) -> None:
     for r in range(n):
         shards = got_side["shards"][r]
         assert shards is not None, (
-            f"rank {r}: zerosim wrote no shards (zs_driver.py saves engine.local_shards(), "
+            f"rank {r}: zerosim wrote no shards (zs_driver.py saves "
+            "engine.strategy.local_shards(), "
             "this rank's rows of each parameter, as torch's DTensor.to_local())"
         )
         for key, want in want_side["shards"][r].items():

@@ -68,8 +68,9 @@ def run_case(case: dict, out: Path, comm) -> None:
     (out / f"{case['name']}.rank{comm.rank}.json").write_text(json.dumps(result))
     if comm.rank == 0:
         np.savez(out / f"{case['name']}.npz", **weights)
-    local_shards = getattr(engine, "local_shards", None)  # FSDP2: this rank's rows of each
-    if local_shards is not None:  # parameter, as torch's ``DTensor.to_local()``
+    # FSDP2: this rank's rows of each parameter, as torch's ``DTensor.to_local()``
+    local_shards = getattr(engine.strategy, "local_shards", None)
+    if local_shards is not None:
         np.savez(out / f"{case['name']}.shard{comm.rank}.npz", **local_shards())
 
 

@@ -451,8 +451,9 @@ def deepspeed_bucketed_step_bytes(
     return out
 
 
-def clip_bytes(world_size: int, rank: int, itemsize: int = 8) -> int:
-    """Bytes ``rank`` sends in a one-element all-reduce (the norm, or the overflow flag).
+def clip_bytes(world_size: int, rank: int, itemsize: int = 8, elements: int = 1) -> int:
+    """Bytes ``rank`` sends in the all-reduce of the norm (or the overflow flag): one element,
+    except under FSDP2, where torch's ``clip_grad_norm_`` sends one per parameter.
 
     A ring all-reduce of one element: chunk 0 holds it, so rank r sends 2 − c_r − c_{r+1}
     elements: one element (``itemsize`` bytes; 8 for the paper schedule's float64) on ranks 0 and
@@ -460,7 +461,7 @@ def clip_bytes(world_size: int, rank: int, itemsize: int = 8) -> int:
     """
     from zerosim.comm.ring import model_bytes
 
-    return model_bytes("all_reduce", 1, world_size, rank, itemsize)[0]
+    return model_bytes("all_reduce", elements, world_size, rank, itemsize)[0]
 
 
 def boundary_messages(
@@ -480,15 +481,18 @@ def boundary_messages(
     flag (each rank holds the reduced gradients) and a float32 norm (4) only without fp16/bf16
     and with clipping; stages 1-2 a uint8 flag (1) under fp16 and under bf16 with
     ``bf16_overflow``, a float32 norm unless ``compute_grad_norm`` is false; stage 3 a uint8
-    flag under fp16 and a float64 norm. ``float64``: zerosim's float64 reference mode, whose
-    norm is float64 (8) where DeepSpeed's is float32.
+    flag under fp16 and a float64 norm. fsdp2: no flag, and a norm only with clipping, a float32
+    element per parameter (``clip_bytes``'s ``elements``). ``float64``: zerosim's float64
+    reference mode, whose norm is float64 (8) where DeepSpeed's and torch's are float32.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     fp16, bf16 = precision == "fp16", precision == "bf16"
-    if schedule in ("paper", "fsdp2"):  # FSDP2's stage 3 takes the paper's norm
-        return {"clip": 8, **({"overflow": 8} if fp16 else {})}
     f32 = 8 if float64 else 4
+    if schedule == "fsdp2":  # torch's clip_grad_norm_: only to clip, each element fp32
+        return {"clip": f32} if clip > 0 else {}
+    if schedule == "paper":
+        return {"clip": 8, **({"overflow": 8} if fp16 else {})}
     if stage == 0:
         return {"clip": f32} if clip > 0 and not (fp16 or bf16) else {}
     if stage in (1, 2):

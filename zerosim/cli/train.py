@@ -253,8 +253,9 @@ def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[i
         if strategy.replicate_comm is not None or strategy.fetcher.post_forward_comm is not None:
             return None  # HSDP's all-reduces, an int reshard's gathers: no closed form here yet
         formula = fsdp2_formula(strategy, k)
+        params = sum(len(g.partition.names) for g in strategy.groups)  # one norm element each
         for r in range(n):
-            clip = clip_bytes(n, r, checks["clip"]) if "clip" in checks else 0
+            clip = clip_bytes(n, r, checks["clip"], params) if "clip" in checks else 0
             rows.append([formula["forward"], formula["backward"], formula["step"], clip])
         return rows
     for r in range(n):

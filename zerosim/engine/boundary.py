@@ -34,7 +34,9 @@ def global_grad_norm(
 
     "sum_sq": each rank's partial Σg² over what it owns, summed by one all-reduce per norm
     group (``ShardedStep.grad_norm_sq_parts``: DeepSpeed's parameter groups or sub-groups); "mean":
-    DeepSpeed's stage 0 all-reduces ‖g‖/N of the full local gradients; "local": the full
+    DeepSpeed's stage 0 all-reduces ‖g‖/N of the full local gradients; "per_param": torch's
+    ``clip_grad_norm_`` on FSDP2's DTensors, one all-reduce of each parameter's partial ‖g‖²,
+    the total the norm of the parameters' norms; "local": the full
     local gradients, no collective; "none": no norm (and so no clipping).
     """
     if checks.norm == "none":  # compute_grad_norm false
@@ -47,6 +49,13 @@ def global_grad_norm(
                 comm.all_reduce(message)
             total += float(message[0])
         return math.sqrt(total)
+    if checks.norm == "per_param":
+        parts = strategy.param_grad_norms_sq(inv_scale)
+        message = np.array(parts, dtype=checks.norm_dtype)
+        with comm.phase("clip"):
+            comm.all_reduce(message)
+        norms = np.sqrt(message)  # each parameter's norm, then the norm of those
+        return float(np.sqrt(np.sum(norms * norms)))
     sum_sq = strategy.sharded_step.grad_norm_sq(inv_scale, whole=True)
     if checks.norm == "local":
         return math.sqrt(sum_sq)

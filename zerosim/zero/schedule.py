@@ -30,6 +30,9 @@ class names its row (``Strategy.boundary_checks``); which, in which dtype:
                                                                                   ("inf")
     deepspeed  3      uint8 max under fp16        float64 sum of Σg² partials     skip
                                                   (fp32 under optimizer offload)
+    fsdp2      3      none (no fp16 under FSDP2)  with gradient_clipping > 0:     step ("as_is")
+                                                  fp32 sum of one ‖g‖² partial
+                                                  per parameter; else none
 
 DeepSpeed 0.19.8's sources for the last column: stage 0 in one precision steps the client's
 torch optimizer after ``clip_grad_norm_`` (``engine._take_model_step``), whose coefficient
@@ -46,6 +49,12 @@ reaches the weights, and no collective is added for it.
 
 DeepSpeed's fp32 messages are float64 in zerosim's float64 reference mode (``zerosim.dtype``),
 which DeepSpeed does not have.
+
+FSDP2's row is what torch's ``clip_grad_norm_`` does on DTensor gradients (torch 2.13,
+``nn/utils/clip_grad.py``): each parameter's local norm is a partial DTensor, the stacked norms are
+reduced in one all-reduce of one ‖g‖² per parameter, and the total is the norm of those norms.
+Without clipping a torch user takes no norm, so none is sent; ``clip_grad_norm_`` multiplies by
+``min(1, max_norm / (norm + 1e-6))`` whatever the norm, so a nan norm reaches the weights.
 """
 
 from __future__ import annotations
@@ -61,7 +70,8 @@ class BoundaryChecks:
 
     ``overflow``: "all_reduce" (a one-element max of ``flag_dtype``), "local" (this rank's own
     gradients decide: they are the reduced ones everywhere) or "none" (no flag).
-    ``norm``: "sum_sq" (all-reduce of this rank's Σg² over what it owns), "mean" (all-reduce of
+    ``norm``: "sum_sq" (all-reduce of this rank's Σg² over what it owns), "per_param" (all-reduce
+    of this rank's Σg² of each parameter, one element per parameter: torch's), "mean" (all-reduce of
     the locally computed ‖g‖ / N), "local" (‖g‖ of this rank's gradients, no collective) or
     "none" (no norm). ``norm_dtype``: the dtype of the norm message.
     ``bad_norm``, when the norm is inf or nan: "skip" (skip the step), "inf" (step with the norm
@@ -123,6 +133,11 @@ def deepspeed_stage3_checks(s: BoundarySettings) -> BoundaryChecks:
     # (complete_grad_norm_calculation_for_cpu_offload); else a float64 one (get_grad_norm_direct)
     norm_dtype = _fp32(s) if s.optimizer_offload else np.dtype(np.float64)
     return BoundaryChecks("all_reduce" if s.fp16 else "none", _U8, "sum_sq", norm_dtype)
+
+
+def fsdp2_checks(s: BoundarySettings) -> BoundaryChecks:
+    norm = "per_param" if s.clip > 0 else "none"  # torch's clip_grad_norm_ on DTensors
+    return BoundaryChecks("none", _U8, norm, _fp32(s), bad_norm="as_is")
 
 
 _U8 = np.dtype(np.uint8)

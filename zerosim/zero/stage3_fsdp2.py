@@ -48,7 +48,9 @@ from zerosim.zero.buckets import MAX_IN_FLIGHT, pack_rank_major, reduce_rows
 from zerosim.zero.fsdp2_fetcher import FsdpModule, ModuleGather
 from zerosim.zero.partition import ParamPartition, dim0_partition
 from zerosim.zero.reducer import GradReducer
+from zerosim.zero.schedule import fsdp2_checks
 from zerosim.zero.segments import Segment
+from zerosim.zero.sharded_step import sum_sq
 from zerosim.zero.stage3 import Stage3
 
 
@@ -140,6 +142,7 @@ class Stage3FSDP2(Stage3):
     adopts_zero_init = False  # zero.Init cuts ceil(numel / N) elements, FSDP2 dim-0 rows
     reducer_cls = ModuleReduceScatter  # one reduce-scatter per FSDP module, in reduce_dtype
     fetcher_cls = ModuleGather  # one all-gather per FSDP module, in param_dtype
+    boundary_rule = staticmethod(fsdp2_checks)  # a norm only to clip: torch's clip_grad_norm_
 
     def __init__(
         self,
@@ -208,6 +211,31 @@ class Stage3FSDP2(Stage3):
         if which == "owned" and self.replicate_comm is not None and self.replicate_comm.rank:
             return []
         return super().segments(which)
+
+    def param_grad_norms_sq(self, inv_scale: float = 1.0) -> list[float]:
+        """This rank's Σg² of each parameter's chunk, in the model's order: what torch's
+        ``clip_grad_norm_`` sends, one partial ‖g‖² per DTensor gradient (padding rows are 0)."""
+        out = []
+        for g in self.groups:
+            part = g.partition
+            for i in range(len(part.names)):
+                start = part.offsets[i]
+                out.append(sum_sq(g.grad_shard[start : start + part.chunks[i]]) * inv_scale**2)
+        return out
+
+    def local_shards(self) -> dict[str, Any]:
+        """{name: this rank's rows of the parameter}, unpadded, as torch's ``DTensor.to_local()``:
+        ceil(dim0 / N) rows, fewer on the last ranks holding rows, none past them."""
+        out = {}
+        for g in self.groups:
+            part, rank = g.partition, self.comm.rank
+            for i, name in enumerate(part.names):
+                shape = part.shapes[i]
+                row = part.numels[i] // shape[0] if shape and shape[0] else 1
+                valid = part.valid(i, rank)
+                rows = g.chunk(i)[:valid]
+                out[name] = g.xp.reshape(rows, (valid // row, *shape[1:]) if shape else (valid,))
+        return out
 
     def average(self, grads: Any) -> None:
         """Nothing left to do: each reduced row was divided by N as it landed (FSDP2's AVG)."""
