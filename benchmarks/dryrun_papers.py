@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from zerosim.dryrun import load_cluster_model, recipe, run_world  # noqa: E402
 from zerosim.dryrun.published import (  # noqa: E402
     NARAYANAN_TABLE2,
+    PUBLISHED,
     ZEROPP_GPUS,
     ZEROPP_GPUS_PER_NODE,
     ZEROPP_PUBLISHED,
@@ -51,7 +52,6 @@ from zerosim.dryrun.published import (  # noqa: E402
 from zerosim.dryrun.report import step_time  # noqa: E402
 from zerosim.dryrun.timeline import CLUSTERS, ClusterModel  # noqa: E402
 
-MAX_LIVE = 1e10  # the rule: at least the largest module's parameters (module docstring)
 SOURCES = {"narayanan2021": "selene", "zeropp": "zeropp_v100"}
 SOFTWARE = {
     "narayanan2021": "DeepSpeed ZeRO-3 in Megatron-LM (Narayanan et al. 2021)",
@@ -60,13 +60,12 @@ SOFTWARE = {
 
 
 def narayanan_config(micro: int, accumulation: int) -> dict:
+    """The source's config (``examples/published/narayanan2021/ds_config.json``) for one row."""
+    config = json.loads((PUBLISHED / "narayanan2021" / "ds_config.json").read_text())
     return {
+        **config,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": 3, "stage3_max_live_parameters": MAX_LIVE},
-        "bf16": {"enabled": True},
-        "steps_per_print": 10**9,
     }
 
 
