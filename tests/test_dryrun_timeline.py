@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -430,3 +431,16 @@ def test_the_tracker_counts_each_products_flops_and_bytes():
     counted = sum(f * n for v in stretches for (f, _), n in v.items())
     assert counted == runs[0][1].step_flops
     assert all(b > 0 for v in stretches for (_, b) in v)
+
+
+def test_the_size_efficiency_is_the_quoted_busbw_over_its_largest():
+    """Each shipped file's bus_efficiency_by_size is the busbw its source quotes, size by size,
+    over the busbw at the largest size quoted (to the file's 4 digits)."""
+    for name in cluster_names():
+        entry = json.loads((CLUSTERS / f"{name}.json").read_text())["bus_efficiency_by_size"]
+        quoted = re.findall(r"'\s*(\d+)\s[^']*?(\d+\.\d\d)[ …]*'", entry["source"])
+        busbw = {int(size): float(bw) for size, bw in quoted}
+        assert len(busbw) == len(entry["value"]) == 8, name
+        top = busbw[max(busbw)]
+        for size, fraction in entry["value"]:
+            assert fraction == pytest.approx(busbw[size] / top, abs=5e-5), (name, size)
