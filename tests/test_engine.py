@@ -276,8 +276,8 @@ def test_owned_segments_tile_every_parameter_once_across_ranks(stage, layout):
         stepped = strat.segments("stepped")
         params = dict(engine.module.named_parameters())
         for seg in stepped:  # each segment views exactly that run of the parameter
-            shard = strat.sharded_step.tiles[seg.group][seg.shard]
-            got = shard.data[seg.offset : seg.offset + seg.size]
+            tile = strat.sharded_step.tiles[seg.group][seg.tile]
+            got = tile.data[seg.offset : seg.offset + seg.size]
             want = params[seg.name].data.reshape(-1)[seg.param_range.start : seg.param_range.stop]
             assert np.array_equal(got, want)
         return owned, sum(s.size for s in stepped)

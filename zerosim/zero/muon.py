@@ -256,7 +256,7 @@ class MuonUpdates:
             g = s.groups[m.group]
             full = None
             for seg in pieces.get(m.name, []):
-                grad = tiles[seg.group][seg.shard].grad
+                grad = tiles[seg.group][seg.tile].grad
                 if full is None:
                     full = g.xp.zeros(m.numel, dtype=grad.dtype)
                 full[seg.param_range.start : seg.param_range.stop] = grad[
@@ -266,7 +266,7 @@ class MuonUpdates:
                 continue
             update = flat(self.update(m.group, full.reshape(m.shape), m.momentum))
             for seg in pieces[m.name]:
-                grad = tiles[seg.group][seg.shard].grad
+                grad = tiles[seg.group][seg.tile].grad
                 grad[seg.offset : seg.offset + seg.size] = update[
                     seg.param_range.start : seg.param_range.stop
                 ]
