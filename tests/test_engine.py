@@ -150,7 +150,7 @@ def test_megatron_range_maps_cover_each_owned_element_once():
         )
         (group,) = engine.strategy.groups
         owned = sum(r.size for r in group.owned)
-        (ranges,) = engine.strategy.range_maps()
+        (ranges,) = engine.strategy.layout.range_maps()
         covered = sum(r.world.size for r in ranges.values())
         for name, r in ranges.items():
             slot = next(s for s in group.slots if s.name == name)

@@ -149,8 +149,10 @@ class NvmeOptimizerSwapper:
     """
 
     def __init__(self, strategy: Any, store: NvmeStore, buffer_count: int) -> None:
-        opt = self.optimizer = strategy.optimizer
-        self.store, self.tiles = store, strategy.sharded_step.tiles
+        opt = strategy.optimizer
+        self.optimizer: Any = opt  # whose step this replaces
+        self.store: NvmeStore = store  # the swap files of the master and state tiles
+        self.tiles: list[list[Any]] = strategy.sharded_step.tiles  # the tiles, per group
         self.keys = [opt.state_keys(group) for group in opt.param_groups]
         self.views = [[s.data for s in tiles] for tiles in self.tiles]  # master file views
         self.offsets: list[list[int]] = []  # where each tile starts in its group's files
@@ -258,10 +260,12 @@ class Offload:
 
     def __init__(self, zero: Any, rank: int) -> None:
         opt_cfg, param_cfg = zero.offload_optimizer, zero.offload_param
-        self.optimizer, self.param = opt_cfg.device, param_cfg.device
+        self.optimizer: str = opt_cfg.device  # "none", "cpu" or "nvme"
+        self.param: str = param_cfg.device  # the same, for stage 3's parameters
         self.buffer_count = opt_cfg.buffer_count
         self.stores: dict[str, NvmeStore] = {}  # one per directory
-        self.optimizer_store = self.param_store = None
+        self.optimizer_store: NvmeStore | None = None  # nvme: the optimizer's swap files
+        self.param_store: NvmeStore | None = None  # nvme: stage 3's parameter swap files
         if self.optimizer == "nvme":
             self.optimizer_store = self._store(opt_cfg.nvme_path, rank)
         if self.param == "nvme":
@@ -338,8 +342,7 @@ def optimizer_arrays(strategy: Any) -> list[Any]:
     """The arrays an optimizer offload moves: master params and grads, optimizer states (Muon's
     momentum among them)."""
     out = [g.master for g in strategy.groups if g.master is not None]
-    grads = [strategy.master_grad_shard(g) for g in strategy.groups]
-    out += [grad for grad in grads if grad is not None]
+    out += strategy.layout.master_grads  # Megatron's fp16 recipe: its fp32 gradient shard
     opt = strategy.optimizer
     for group, tiles in zip(opt.param_groups, strategy.sharded_step.tiles, strict=True):
         keys = opt.state_keys(group)
