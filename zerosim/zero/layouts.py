@@ -46,7 +46,7 @@ class FlatLayout:
     alignment = 1  # flat buffers pad to a multiple of this times N
 
     def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy  # the stage: its communicator, dtypes and zero settings
+        self.strategy: Any = strategy  # the stage: its communicator, dtypes and zero settings
         # the dtype of a full gradient buffer (stages 0-1): the model dtype
         self.grad_dtype: np.dtype = strategy.dtype
         # per group, a persistent gradient shard in the master dtype ([]: none is kept; the

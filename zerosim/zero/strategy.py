@@ -50,7 +50,7 @@ from zerosim.zero.buckets import BufferPool, ReduceSequence
 from zerosim.zero.layouts import FlatLayout
 from zerosim.zero.muon import MuonUpdates, muon_groups
 from zerosim.zero.offload import Offload
-from zerosim.zero.partition import Layout, Range
+from zerosim.zero.partition import Layout, ParamSlot, Range
 from zerosim.zero.reducer import GradReducer
 from zerosim.zero.schedule import BoundaryChecks, BoundarySettings, paper_checks
 from zerosim.zero.segments import Segment, flat_segments
@@ -72,19 +72,22 @@ class FlatGroup:
         rank: int,
         hyper: dict[str, Any],
     ) -> None:
-        self.named_params = named_params
-        self.layout = layout
-        self.hyper = hyper
+        # the group's parameters, by name
+        self.named_params: list[tuple[str, Parameter]] = named_params
+        self.layout: Layout = layout  # where each parameter sits, who owns what (partition.py)
+        self.hyper: dict[str, Any] = hyper  # the group's hyperparameters (lr, …)
         first = named_params[0][1].data
-        self.xp = xp_of(first)
-        self.flat_param = self.xp.zeros(layout.padded_numel, dtype=dtype)
+        self.xp: Any = xp_of(first)  # the array module of its arrays
+        # the parameters end to end, padded
+        self.flat_param: Any = self.xp.zeros(layout.padded_numel, dtype=dtype)
         by_index = {slot.index: slot for slot in layout.slots}
-        self.slots = [by_index[i] for i in range(len(named_params))]
+        # by parameter index, where it sits
+        self.slots: list[ParamSlot] = [by_index[i] for i in range(len(named_params))]
         for (_, p), slot in zip(named_params, self.slots, strict=True):
             view = self.flat_param[slot.range.start : slot.range.stop]
             view[...] = self.xp.reshape(p.data, (-1,))
             p.data = self.xp.reshape(view, p.shape)
-        self.owned = layout.owned_ranges(rank)  # the flat ranges this rank owns
+        self.owned: list[Range] = layout.owned_ranges(rank)  # the flat ranges this rank owns
         self.master: Any = None  # the optimizer's master copy of them (zerosim/zero/precision.py)
 
     def param_view(self, index: int, flat: Any) -> Any:
@@ -168,33 +171,37 @@ class Strategy(ABC):
         predivide: float = 1.0,
         gradient_average: bool = True,
     ) -> None:
-        self.comm = comm
+        self.comm: Communicator = comm  # the data-parallel ranks
         self.prescale: bool = bool(prescale)  # prescale_gradients: divide by N before reducing
         self.predivide: float = float(predivide)  # gradient_predivide_factor
         # gradient_allreduce_op: True for 'mean' (the sum over ranks / N), False for 'sum'
-        self.gradient_average = bool(gradient_average)
+        self.gradient_average: bool = bool(gradient_average)
         # communication_data_type: gradients are cast to it for their reduction (None: reduced
         # in their buffer's own dtype, the model dtype or fp32 for Megatron's bf16 buffers)
-        self.comm_dtype = None if comm_dtype is None else np.dtype(comm_dtype)
-        self.zero = zero
-        self.dtype = np.dtype(dtype)
-        self.offload = Offload(zero, comm.rank)
+        self.comm_dtype: np.dtype | None = None if comm_dtype is None else np.dtype(comm_dtype)
+        self.zero: Any = zero  # the zero_optimization settings
+        self.dtype: np.dtype = np.dtype(dtype)  # the model dtype: parameters and gradients
+        self.offload: Offload = Offload(zero, comm.rank)  # what is offloaded, and its stores
         master = np.dtype(master_dtype) if master_dtype is not None else self.dtype
         separate = master != self.dtype or self.offload.active  # mixed precision or offload
         # the dtype the optimizer steps a separate master copy in (sharded_step.py), or None
-        self.master_dtype = master if separate else None
-        self.layout_kind = layout  # the config's layout name (checkpoints and reports)
+        self.master_dtype: np.dtype | None = master if separate else None
+        self.layout_kind: str = layout  # the config's layout name (checkpoints and reports)
         self.layout: FlatLayout = self.layout_cls(self)  # how the flat buffers are laid out
-        self.groups = [self.make_group(named, hyper) for named, hyper in groups]
-        self.where = param_positions(self.groups)  # id(param) -> (group, index)
+        # the parameter groups, laid out (group_cls or ShardGroup)
+        self.groups: list[Any] = [self.make_group(named, hyper) for named, hyper in groups]
+        # id(param) -> (group, index)
+        self.where: dict[int, tuple[int, int]] = param_positions(self.groups)
         # Muon's matrices (zero/muon.py), or None: they change the reduction and the step
-        self.muon = MuonUpdates(self) if muon_groups(self) else None
+        self.muon: MuonUpdates | None = MuonUpdates(self) if muon_groups(self) else None
         self.offload.params_to_files(self.groups)
-        self.live_transient = 0
-        self.peak_transient = 0
+        self.live_transient: int = 0  # bytes of temporary buffers alive now
+        self.peak_transient: int = 0  # their high-water mark
         xp = self.groups[0].xp if self.groups else np
-        self.pool = BufferPool(xp, self.dtype)  # gradient bucket buffers (ZeRO-R's, buckets.py)
-        self.reduction = ReduceSequence(self, self.pool)  # the reduce sequence, reductions pending
+        # gradient bucket buffers (ZeRO-R's, buckets.py)
+        self.pool: BufferPool = BufferPool(xp, self.dtype)
+        # the reduce sequence, reductions pending
+        self.reduction: ReduceSequence = ReduceSequence(self, self.pool)
         self.setup_gradients()
         # the sharded optimizer step: this rank's stepped ranges cut into tiles (sharded_step.py)
         self.sharded_step: ShardedStep = ShardedStep(self, self.muon)
