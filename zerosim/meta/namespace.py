@@ -165,7 +165,8 @@ class MetaNamespace:
             return not known[0]
         return None
 
-    def round(self, x: Any, decimals: int = 0, out: Any = None) -> Any:
+    # NumPy's signature; a shape and dtype do not depend on the decimals
+    def round(self, x: Any, decimals: int = 0, out: Any = None) -> Any:  # noqa: V107
         return self.apply(np.round, x, out=out)
 
     def clip(self, x: Any, lo: Any = None, hi: Any = None, out: Any = None, **_: Any) -> Any:
