@@ -127,13 +127,13 @@ SUITE = [
         "fresh process: its wall time and peak host memory on this machine, each class of "
         "rank's model states and bytes per step against the ZeRO paper's formulas and its "
         "matmul FLOPs against Narayanan et al.'s eq. 3. Then the time model: Narayanan et al.'s "
-        "six ZeRO-3 rows (SC21, Table 2) on zerosim/dryrun/clusters/selene.json, fitted on the "
-        "three 174.6B rows (benchmarks/dryrun_calibrate.py), and Wang et al.'s ZeRO-3 and ZeRO++ "
-        "figures on 384 V100s (the ZeRO++ blog's Figures 6-8) on "
-        "zerosim/dryrun/clusters/zeropp_v100.json, whose factors are Selene's: every prediction "
-        "beside its published figure, fitted to none of them but the three. Targets: 1,024 "
-        "ranks under 60 s and 4 GB, 4,096 under 5 minutes; states and bytes equal to the "
-        "formulas, FLOPs within 2%; the 174.6B rows within 10%.",
+        "six ZeRO-3 rows (SC21, Table 2) on zerosim/dryrun/clusters/selene.json, and Wang et "
+        "al.'s ZeRO-3 and ZeRO++ figures on 384 V100s (the ZeRO++ blog's Figures 6-8) on "
+        "zerosim/dryrun/clusters/zeropp_v100.json: cited physical rates and one software factor "
+        "per cluster, fitted on one named row (benchmarks/dryrun_papers.py); every other row a "
+        "prediction beside its published figure. Targets: 1,024 ranks under 60 s and 4 GB, "
+        "4,096 under 5 minutes; states and bytes equal to the formulas, FLOPs within 2%; the "
+        "fitted rows within 10%.",
     ),
     (
         "A long run: a step's cost from the first step to the 1,400th",

@@ -22,15 +22,16 @@ DeepSpeed's defaults otherwise. Printed against its targets:
 
 **Narayanan et al., SC21, Table 2** (ZeRO-3 without model parallelism on Selene): the six rows
 of ``zerosim.dryrun.published.NARAYANAN_TABLE2``, one dry run each, simulated on
-``zerosim/dryrun/clusters/selene.json`` as it is. Its two efficiency factors were fitted on the
-three 174.6B rows (``benchmarks/dryrun_calibrate.py``): those rows must come within 10% (a
-target); the 529.6B rows are predictions.
+``zerosim/dryrun/clusters/selene.json`` as it is: cited physical rates and one software factor,
+fitted on the 174.6B row on 384 GPUs (``benchmarks/dryrun_papers.py``), which must come within
+10% (a check that the file holds that fit); the other rows are predictions.
 
 **ZeRO++, Wang et al. 2023** (384 V100s; the published TFLOP/s per GPU are the bar labels of the
 ZeRO++ blog's Figures 6-8, ``zerosim.dryrun.published.ZEROPP_PUBLISHED``): ZeRO-3 and ZeRO++
 (qwZ, hpZ over the 16 GPUs of a node, qgZ; the ZeRO++ tutorial's config) on
-``zerosim/dryrun/clusters/zeropp_v100.json``, whose efficiency factors are selene.json's:
-nothing is fitted to these figures. Of the four model sizes only the 18B has a published shape
+``zerosim/dryrun/clusters/zeropp_v100.json``: cited rates and one software factor, fitted on
+Figure 6's 18B ZeRO-3 bar at 2K tokens (``benchmarks/dryrun_papers.py``); every other bar is a
+prediction. Of the four model sizes only the 18B has a published shape
 (the tutorial's); the others are listed without a prediction. docs/dryrun.md gives the source of
 every figure and every assumption.
 """
@@ -164,16 +165,17 @@ def _narayanan(model: str, report: dict) -> float:
 
 def selene_rows() -> list[dict]:
     """Narayanan et al.'s Table 2 rows on selene.json as it is (module docstring)."""
-    from benchmarks.dryrun_calibrate import PUBLISHED, record
+    from benchmarks.dryrun_papers import narayanan_runs
     from zerosim.analysis.presets import gpt_shape
     from zerosim.dryrun import load_cluster_model, recipe
+    from zerosim.dryrun.published import NARAYANAN_TABLE2
     from zerosim.dryrun.report import step_time
 
     cluster = load_cluster_model(SELENE)
     out = []
-    for row in PUBLISHED:
+    for row in NARAYANAN_TABLE2:
         model, n, micro, batch, published, fitted = row
-        runs = record(row)
+        runs = narayanan_runs(row)
         t, _ = step_time(runs, n, cluster, recipe(model), recompute=True)
         out.append(
             {
@@ -238,7 +240,8 @@ def zeropp_rows() -> list[dict]:
                 "scheme": scheme,
                 "published_tflops": value,
                 "predicted_tflops": None,
-                "fitted": False,
+                # the row zeropp_v100.json's software factor was fitted on
+                "fitted": (figure, gbps, tokens, size, scheme) == ("6", 400, 2048, "18B", "ZeRO-3"),
             }
             if size in shapes:
                 shape, key = shapes[size], (size, tokens, scheme)

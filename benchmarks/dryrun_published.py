@@ -1,5 +1,8 @@
 """Published sweeps predicted by the dry run after one fitted row per (cluster, software).
 
+Narayanan et al.'s and ZeRO++'s rows: ``benchmarks/dryrun_papers.py``; this script runs
+llm-foundry's sweep.
+
     python -m benchmarks.dryrun_published [--table a100_80gb|a100_40gb] [--max-gpus N]
                                           [--limit K] [--json PATH]
 
@@ -13,10 +16,11 @@ row's micro-batch and gradient accumulation, recomputation where the row checkpo
 activations, and ``stage3_max_live_parameters`` 1e10 (the rule: at least the largest module, so
 prefetch is never switched off; FSDP has no such cap).
 
-The clusters are ``zerosim/dryrun/clusters/mosaic_a100_80gb.json`` and ``…_40gb.json``: link
-rates as the table headings and NVIDIA's datasheet give them, ``network_efficiency`` 1. The one
-fitted number per cluster is ``compute_efficiency``, fitted on ONE row named before any
-prediction was looked at: the 7B model at sequence 2048 on 8 GPUs of each table (``FITTED``).
+The clusters are ``zerosim/dryrun/clusters/mosaic_a100_80gb.json`` and ``…_40gb.json``: physical
+rates, each cited in the file (NVLink, the 1600 Gb/s of RoCE per node, nccl-tests' efficiencies,
+HBM bandwidth for the roofline). The one fitted number per (cluster, software) is
+``software_factor``, fitted on ONE row named before any prediction was looked at: the 7B model
+at sequence 2048 on 8 GPUs of each table (``FITTED``).
 Every other row is a prediction, printed beside the published MFU (the source's own formula:
 (6·N + 12·L·d·s) per token, recomputation not counted, over 312 TFLOP/s per GPU), whatever it
 shows; rows whose peak in zerosim's accounting exceeds the device's memory are marked OOM (the
@@ -31,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import sys
 import time
@@ -42,6 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.dryrun_papers import fit_factor  # noqa: E402
 from zerosim import meta  # noqa: E402
 from zerosim.dryrun import load_cluster_model, run_world  # noqa: E402
 from zerosim.dryrun.published import SweepRow, read_sweep  # noqa: E402
@@ -93,14 +97,9 @@ def peak_bytes(runs: list) -> int:
     return max(run.tracker["peak_bytes"] for _, run in runs)
 
 
-def fit_compute(row: SweepRow, runs: list, base) -> float:
-    """The compute efficiency at which ``row``'s predicted MFU equals its published one."""
-    lo, hi = math.log(0.01), 0.0
-    for _ in range(60):  # bisection: predicted MFU grows with the efficiency
-        mid = (lo + hi) / 2
-        mfu, _ = predicted_mfu(row, runs, base.with_efficiencies(math.exp(mid), 1.0))
-        lo, hi = (mid, hi) if mfu < row.mfu else (lo, mid)
-    return math.exp((lo + hi) / 2)
+def fit_software(row: SweepRow, runs: list, base) -> float:
+    """The software factor at which ``row``'s predicted MFU equals its published one."""
+    return fit_factor(lambda c: predicted_mfu(row, runs, c)[0], row.mfu, base)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         traces = [run_world(model_recipe(r), r.gpus, config(r), recompute=r.recompute)[0]
                   for r in chosen]  # fmt: skip
-        compute = fit_compute(fitted, traces[0], base)
-        cluster = base.with_efficiencies(compute, 1.0)
-        print(f"{gpu}: compute_efficiency {compute:.4f} fitted on line {fitted.line} "
+        factor = fit_software(fitted, traces[0], base)
+        cluster = base.with_software_factor(factor)
+        print(f"{gpu}: software_factor {factor:.4f} fitted on line {fitted.line} "
               f"({fitted.model}, seq {fitted.seq}, {fitted.gpus} GPUs); "
               f"{len(chosen)} rows in {time.perf_counter() - start:.0f} s")  # fmt: skip
         for r, runs in zip(chosen, traces, strict=True):

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from cluster_files import write_cluster
 
 from zerosim import analysis
 from zerosim.analysis.presets import narayanan_flops
@@ -218,10 +219,10 @@ def test_wall_s_counts_the_report_over_every_rank_and_the_time_model(monkeypatch
     monkeypatch.setattr(dryrun, "summarize", advancing(dryrun.summarize, 100.0))
     monkeypatch.setattr(dryrun, "step_time", advancing(dryrun.step_time, 7.0))
     cluster = tmp_path / "c.json"
-    cluster.write_text(
-        '{"nodes": 1, "devices_per_node": 4, "intra_bandwidth": 1e9, "inter_bandwidth": 1e9,'
-        ' "intra_latency": 0, "inter_latency": 0, "device_flops": 1e12}'
-    )
+    write_cluster(
+        cluster, nodes=1, devices_per_node=4, intra_bandwidth=1e9, inter_bandwidth=1e9,
+        intra_latency=0, inter_latency=0, device_flops=1e12,
+    )  # fmt: skip
     report = dry_run(MODEL, N, _config(), cluster=cluster)
     assert report["wall_s"] == 107.0
     assert report["ranks_wall_s"] > 0  # the ranks' runs, on the real clock

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cluster_files import write_cluster
 from mpi_helpers import run_mpi
 
 from zerosim.dryrun import dry_run, load_cluster_model
@@ -69,10 +70,10 @@ def test_the_backend_follows_the_cluster_file(tmp_path):
         "nodes": 1, "devices_per_node": 2, "intra_bandwidth": 1e10, "inter_bandwidth": 1e10,
         "intra_latency": 1e-5, "inter_latency": 1e-5, "device_flops": 1e11, "backend": "numpy",
     }  # fmt: skip
-    host.write_text(json.dumps(spec))
+    write_cluster(host, **spec)
     assert dry_run("gpt:1,32,80,16,2", 2, small, cluster=str(host))["backend"] == "numpy"
     assert dry_run("gpt:1,32,80,16,2", 2, small)["backend"] == "cupy"
     spec["backend"] = "tpu"
-    host.write_text(json.dumps(spec))
+    write_cluster(host, **spec)
     with pytest.raises(ValueError, match="backend must be 'numpy' or 'cupy', got 'tpu'"):
         load_cluster_model(host)

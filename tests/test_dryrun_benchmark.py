@@ -84,19 +84,23 @@ def test_the_shipped_bf16_dryrun_config_is_the_benchmarks():
     assert bench.config()["bf16"] == {"enabled": True}
 
 
-def test_calibrate_refuses_an_unknown_size_and_a_write_without_the_fitted_rows(capsys):
-    """Both refused before any dry run: a size no row has would fit nothing, and a write
-    without the 174.6B rows would overwrite selene.json with factors fitted on nothing."""
-    from benchmarks import dryrun_calibrate as calibrate
+def test_the_software_factor_is_fitted_on_its_one_row_by_bisection():
+    """A prediction that grows with the factor, here 100·f TFLOP/s: the fit finds f = 0.44 for a
+    published 44; a row the roofline itself falls short of keeps the factor at 1."""
+    from benchmarks.dryrun_papers import fit_factor
+    from zerosim.dryrun import load_cluster_model
 
-    for argv, message in (
-        (["--only", "175"], "--only must be one of ['174.6', '529.6'], got '175'"),
-        (["--only", "529.6", "--write"], "--write needs at least 2 fitted rows"),
-    ):
-        with pytest.raises(SystemExit) as stop:
-            calibrate.main(argv)
-        assert stop.value.code == 2 and message in capsys.readouterr().err
-    assert [row[4] for row in calibrate.select_rows("174.6")] == [144.0, 88.0, 44.0]
+    base = load_cluster_model("selene")
+    factor = fit_factor(lambda c: 100 * c.software_factor, 44.0, base)
+    assert factor == pytest.approx(0.44, rel=1e-9)
+    assert fit_factor(lambda c: 100 * c.software_factor, 150.0, base) == 1.0
+
+
+def test_each_paper_source_names_exactly_one_fitted_row():
+    from zerosim.dryrun.published import NARAYANAN_CSV, ZEROPP_CSV, read_rows
+
+    for path in (NARAYANAN_CSV, ZEROPP_CSV):
+        assert sum(r["fitted"] == "True" for r in read_rows(path)) == 1, path
 
 
 def test_a_row_whose_step_would_not_start_prints_oom_and_no_step_time(capsys):

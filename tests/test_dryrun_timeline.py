@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
+from cluster_files import sourced, write_cluster
 
+from zerosim import meta
 from zerosim.analysis.timing import Cluster
 from zerosim.cli.dryrun import format_report
 from zerosim.dryrun import dry_run, recipe, records_of, run_world
@@ -18,6 +21,7 @@ from zerosim.dryrun.timeline import (
     ClusterModel,
     chrome_trace,
     cluster_names,
+    compute_seconds,
     group_seconds,
     load_cluster_model,
     simulate,
@@ -34,28 +38,31 @@ def _call(op, size, members, blocking):
 
 def test_a_step_on_two_streams_by_hand():
     calls = [
-        _call("all_gather", 40, (0, 1, 2, 3), False),  # AG_inter(40/2, 2 nodes) + AG_intra(40, 2)
+        # one ring over 2 nodes × 2 ranks: NVLink hops (100 B/s) and the node crossing (the
+        # two ranks' NIC shares, 2 × 10 B/s) run at once, so the ring goes at 20 B/s
+        _call("all_gather", 40, (0, 1, 2, 3), False),
         _call("all_reduce", 40, (0, 1), True),  # one node: 2·(1/2)·40/100
     ]
     events = [
         ("compute", 1000),  # 1 s
-        ("issue", 0),  # starts at 1: (1/2)·20/10 + (1/2)·40/100 = 1.2 s, ends at 2.2
+        ("issue", 0),  # starts at 1: (3/4)·40/20 = 1.5 s, ends at 2.5
         ("compute", 2000),  # 1 → 3
         ("wait", 0),  # already done
         ("issue", 1),  # blocking: 3 → 3.4
     ]
     step = simulate(events, calls, ClusterModel(CLUSTER), spans=True)
     assert step.as_dict() == pytest.approx(
-        {"step_s": 3.4, "compute_s": 3.0, "comm_s": 1.6, "exposed_comm_s": 0.4}
+        {"step_s": 3.4, "compute_s": 3.0, "comm_s": 1.9, "exposed_comm_s": 0.4}
     )
     waiting = simulate([("issue", 0), ("wait", 0), ("compute", 1000)], calls, ClusterModel(CLUSTER))
-    assert waiting.step_s == pytest.approx(2.2)  # compute waits for the gather
+    assert waiting.step_s == pytest.approx(2.5)  # compute waits for the gather
 
 
 def test_two_buckets_one_overlap_by_hand(tmp_path):
     """A backward pass with two gradient buckets, written out by hand from a hand-made cluster
-    file: 2 ranks on one node at 100 B/s and 1,000 FLOP/s, both at half efficiency (50 B/s,
-    500 FLOP/s), no latency. A reduce-scatter of S bytes takes (1/2)·S/50 s.
+    file: 2 ranks on one node at 100 B/s and 1,000 FLOP/s, the link at half its line rate and a
+    software factor of one half (50 B/s, 500 FLOP/s), no latency. A reduce-scatter of S bytes
+    takes (1/2)·S/50 s.
 
     compute  |0 fwd 2|2 bw 3|3 bw 4|4 bw 6|     wait      |
     comm                    |3 rs1 5|5 rs2 7|7 ar 7.16|
@@ -63,22 +70,11 @@ def test_two_buckets_one_overlap_by_hand(tmp_path):
     bucket 1 (200 B, 2 s) starts when issued at 3; bucket 2 (200 B), issued at 4, queues behind
     it (5 → 7); compute ends at 6 and waits for both (1 s exposed); the gradient norm's blocking
     all-reduce of 8 B takes 2·(1/2)·8/50 = 0.16 s."""
-    path = tmp_path / "hand.json"
-    path.write_text(
-        json.dumps(
-            dict(
-                nodes=1,
-                devices_per_node=2,
-                intra_bandwidth=100.0,
-                inter_bandwidth=10.0,
-                intra_latency=0.0,
-                inter_latency=0.0,
-                device_flops=1000.0,
-                compute_efficiency=0.5,
-                network_efficiency=0.5,
-            )  # fmt: skip
-        )
-    )
+    path = write_cluster(
+        tmp_path / "hand.json", nodes=1, devices_per_node=2, intra_bandwidth=100.0,
+        inter_bandwidth=10.0, intra_latency=0.0, inter_latency=0.0, device_flops=1000.0,
+        software_factor=0.5, intra_efficiency=0.5,
+    )  # fmt: skip
     calls = [
         _call("reduce_scatter", 200, (0, 1), False),
         _call("reduce_scatter", 200, (0, 1), False),
@@ -108,8 +104,8 @@ def test_two_buckets_one_overlap_by_hand(tmp_path):
     assert comm == pytest.approx([3.0, 5.0, 5.0, 7.0, 7.0, 7.16])
 
 
-def test_efficiencies_scale_compute_and_bandwidth():
-    model = ClusterModel(CLUSTER, compute_efficiency=0.5, network_efficiency=0.25)
+def test_the_software_factor_scales_products_and_link_efficiency_the_link():
+    model = ClusterModel(CLUSTER, software_factor=0.5, intra_efficiency=0.25)
     step = simulate(
         [("compute", 1000), ("issue", 0)], [_call("all_gather", 40, (0, 1), True)], model
     )
@@ -145,21 +141,50 @@ def test_cluster_files_name_what_is_wrong(tmp_path):
         nodes=2, devices_per_node=8, intra_bandwidth=1e11, inter_bandwidth=2.5e10,
         intra_latency=1e-6, inter_latency=5e-6, device_flops=3e14,
     )  # fmt: skip
-    path.write_text(json.dumps({**good, "compute_efficiency": 0.4, "bogus": 1}))
-    with pytest.raises(ValueError, match=r"unknown keys \['bogus'\]"):
-        load_cluster_model(path)
-    path.write_text(json.dumps({**good, "network_efficiency": 1.5}))
-    with pytest.raises(ValueError, match="network_efficiency must be in"):
-        load_cluster_model(path)
-    path.write_text(json.dumps({**good, "compute_efficiency": 0.4, "name": "x"}))
-    assert load_cluster_model(path).compute_efficiency == 0.4
+
+    def refused(spec, message):
+        path.write_text(json.dumps(spec))
+        with pytest.raises(ValueError, match=message):
+            load_cluster_model(path)
+
+    refused({**sourced(good), "bogus": 1}, r"unknown keys \['bogus'\]")
+    refused(
+        {**sourced(good), "intra_bandwidth": 1e11}, "'intra_bandwidth' is 1000.*0 without a source"
+    )
+    refused(
+        {**sourced(good), "intra_bandwidth": {"value": 1e11, "source": " "}},
+        "'intra_bandwidth' has no 'source'",
+    )
+    refused({**sourced(good), "intra_bandwidth": {"source": "x"}}, "has a source but no 'value'")
+    for retired in ("compute_efficiency", "network_efficiency"):
+        refused(
+            {**sourced(good), retired: 0.4},
+            rf"\['{retired}'\] are no longer cluster keys.*'software_factor'",
+        )
+    refused(sourced({**good, "software_factor": 1.5}), r"software_factor must be in \(0, 1\]")
+    refused(sourced({**good, "nic_bandwidth": 2.5e10, "nics_per_node": 8}), "not both")
+    no_inter = {k: v for k, v in good.items() if k != "inter_bandwidth"}
+    refused(sourced({**no_inter, "nic_bandwidth": 2.5e10}), r"both \['nic_bandwidth', 'nics_")
+    refused(sourced(no_inter), r"missing keys \['inter_bandwidth'\]")
+    refused(
+        sourced({**good, "bus_efficiency_by_size": [[2e6, 0.5], [1e6, 0.9]]}),
+        "increasing positive sizes",
+    )
+    refused(sourced({**good, "collective_algorithm": "tree"}), "collective_algorithm must be one")
+    # 4 NICs of 12.5 GB/s shared by 16 devices: one device's share is 3.125 GB/s
+    write_cluster(path, **{**no_inter, "devices_per_node": 16, "nic_bandwidth": 12.5e9,
+                            "nics_per_node": 4})  # fmt: skip
+    assert load_cluster_model(path).cluster.inter_bandwidth == 3.125e9
+    # a host's file, measured here by zerosim calibrate, gives plain numbers
+    path.write_text(json.dumps({**good, "measurements": {}}))
+    assert load_cluster_model(path).cluster.intra_bandwidth == 1e11
     for bad in (0, -1.0, "80GB", True):
-        path.write_text(json.dumps({**good, "device_memory_bytes": bad}))
+        write_cluster(path, **good, device_memory_bytes=bad)
         with pytest.raises(
-            ValueError, match=f"device_memory_bytes must be a positive number of bytes, got {bad!r}"
+            ValueError, match=f"device_memory_bytes must be a positive number, got {bad!r}"
         ):
             load_cluster_model(path)
-    path.write_text(json.dumps({**good, "device_memory_bytes": 80 * 2**30}))
+    write_cluster(path, **good, device_memory_bytes=80 * 2**30)
     assert load_cluster_model(path).resized(64).device_memory_bytes == 80 * 2**30
     with pytest.raises(FileNotFoundError, match=r"not one of the shipped clusters \[.*'selene'"):
         load_cluster_model("no-such-cluster")
@@ -183,21 +208,10 @@ SMALL_CFG = {
 
 def _small_cluster(path, **extra):
     """A 4-device node, resized to the world; ``extra`` keys added (device memory)."""
-    path.write_text(
-        json.dumps(
-            dict(
-                nodes=1,
-                devices_per_node=4,
-                intra_bandwidth=1e9,
-                inter_bandwidth=1e8,
-                intra_latency=1e-6,
-                inter_latency=5e-6,
-                device_flops=1e11,
-                **extra,
-            )  # fmt: skip
-        )
-    )
-    return path
+    return write_cluster(
+        path, nodes=1, devices_per_node=4, intra_bandwidth=1e9, inter_bandwidth=1e8,
+        intra_latency=1e-6, inter_latency=5e-6, device_flops=1e11, **extra,
+    )  # fmt: skip
 
 
 def _one_node_cluster(path, **rates):
@@ -207,8 +221,7 @@ def _one_node_cluster(path, **rates):
         nodes=1, devices_per_node=8, intra_bandwidth=1e9, inter_bandwidth=1e9, intra_latency=0.0,
         inter_latency=0.0, device_flops=1e11, device_memory_bytes=2**40,
     )  # fmt: skip
-    path.write_text(json.dumps({**spec, **rates}))
-    return path
+    return write_cluster(path, **{**spec, **rates})
 
 
 def _ring_seconds(record, bandwidth):
@@ -248,9 +261,10 @@ def test_a_dry_run_step_on_free_compute_is_its_collectives_back_to_back(tmp_path
 
 def test_a_dry_run_step_on_a_free_network_is_its_flops_at_the_device_rate(tmp_path):
     """Links at 10³⁰ B/s: the step is the counted matmul FLOPs (held to the layers' shapes in
-    tests/test_meta.py) at device_flops × compute_efficiency."""
+    tests/test_meta.py) at device_flops × software_factor (no memory bandwidth given: the
+    products are priced by their FLOPs alone)."""
     cluster = _one_node_cluster(
-        tmp_path / "c.json", intra_bandwidth=1e30, inter_bandwidth=1e30, compute_efficiency=0.5
+        tmp_path / "c.json", intra_bandwidth=1e30, inter_bandwidth=1e30, software_factor=0.5
     )
     trace, plot = tmp_path / "t.json", tmp_path / "m.png"
     report = dry_run("gpt:2,32,40,32,2", 8, SMALL_CFG, cluster=cluster, trace=trace, plot=plot)
@@ -285,7 +299,7 @@ def test_matrix_products_run_at_the_peak_of_the_runs_dtype(tmp_path, bf16):
     assert report["dtype"] == ("bfloat16" if bf16 else "float32")
     assert report["time"]["step_s"] == pytest.approx(flops / peak, rel=1e-9)
     assert report["time"]["cluster"]["device_flops"] == peak
-    with pytest.raises(ValueError, match="device_flops_fp32 must be a positive FLOP/s, got 0"):
+    with pytest.raises(ValueError, match="device_flops_fp32 must be a positive number, got 0"):
         _one_node_cluster(tmp_path / "bad.json", device_flops_fp32=0)
         load_cluster_model(tmp_path / "bad.json")
 
@@ -318,23 +332,18 @@ def test_a_peak_above_the_device_memory_is_marked_would_not_start(tmp_path):
     assert exact["fits_device"] and all(e["fits_device"] for e in exact["ranks"])
 
 
-def test_the_zeropp_cluster_borrows_selenes_factors_and_the_published_hardware():
-    selene = load_cluster_model("selene")
-    v100 = load_cluster_model("zeropp_v100")
-    # nothing fitted to the ZeRO++ figures: the efficiencies are Selene's, whatever its next fit
-    assert (v100.compute_efficiency, v100.network_efficiency) == (
-        selene.compute_efficiency,
-        selene.network_efficiency,
-    )
+def test_every_shipped_rate_cites_its_source_and_the_nics_give_the_inter_node_share():
+    for name in cluster_names():
+        spec = json.loads((CLUSTERS / f"{name}.json").read_text())
+        rates = {k: v for k, v in spec.items() if k not in ("name", "comment", "calibration")}
+        assert rates and all(len(v["source"]) > 20 for v in rates.values()), name
+        assert "compute_efficiency" not in spec and "network_efficiency" not in spec
+    selene, v100 = load_cluster_model("selene"), load_cluster_model("zeropp_v100")
     c = v100.cluster
     assert c.nodes * c.devices_per_node == 384  # the blog's 384 V100s, 16 per node
     assert c.inter_bandwidth == 4 * 100e9 / 8 / 16  # Figure 6: 4 × 100 Gb/s IB per node
     assert c.device_flops == 2e15 / 16  # the DGX-2's 2 PFLOPS over its 16 GPUs
-    spec = json.loads((CLUSTERS / "zeropp_v100.json").read_text())
-    assert set(spec["comment"]) == {  # every number says where it comes from
-        "nodes", "devices_per_node", "intra_bandwidth", "inter_bandwidth", "intra_latency",
-        "inter_latency", "device_flops", "device_flops_fp32", "device_memory_bytes",
-    }  # fmt: skip
+    assert selene.cluster.inter_bandwidth == 8 * 200e9 / 8 / 8  # 8 HDR HCAs per 8 GPUs
     assert v100.device_memory_bytes == 32 * 2**30  # V100-SXM3-32GB
     assert selene.device_memory_bytes == 80 * 2**30  # A100-80GB
 
@@ -360,3 +369,78 @@ def test_phases_are_where_the_issued_collectives_change_phase():
     events = [("issue", 0), ("compute", 1000), ("issue", 1), ("compute", 1000), ("issue", 2)]
     step = simulate(events, calls, ClusterModel(CLUSTER), spans=True)
     assert step.phases == [(0.0, "forward"), (pytest.approx(2.0), "backward")]
+
+
+# Selene's cited rates, written out here from the sources its file quotes: NVLink 300 GB/s each
+# way at 370/450 of line rate; 8 HDR HCAs of 25 GB/s for 8 GPUs at 47/50; latency 15 us a step
+# between nodes; nccl-tests' busbw at 64 MiB, 142.28 of 159.43 GB/s (nccl issue 1411; the file
+# keeps that fraction to 4 digits, so the times agree to 1e-4).
+NVLINK, NVLINK_EFF, HCA, HCA_EFF, ALPHA_INTER = 300e9, 0.822, 25e9, 0.94, 15e-6
+
+
+def test_a_ring_all_gather_over_two_nodes_from_the_cited_rates_by_hand():
+    """16 ranks, 8 on each of 2 nodes: one ring, NVLink hops and node crossings at once, so the
+    ring runs at the slower of NVLink and the 8 ranks' 8 NICs, not their two times added."""
+    selene = load_cluster_model("selene").resized(16)
+    size = 64 * 2**20
+    bus = min(NVLINK * NVLINK_EFF, 8 * HCA * HCA_EFF)  # 188 GB/s: the NICs bind
+    by_hand = 15 * ALPHA_INTER + (15 / 16) * size / (bus * 142.28 / 159.43)
+    assert group_seconds(selene, "all_gather", size, tuple(range(16))) == pytest.approx(
+        by_hand, rel=1e-4
+    )
+    # one rank per node (an inter-node group of a two-level scheme): one device's NIC share
+    one_each = tuple(range(0, 16, 8))
+    by_hand = ALPHA_INTER + (1 / 2) * size / (HCA * HCA_EFF * 142.28 / 159.43)
+    assert group_seconds(selene, "all_gather", size, one_each) == pytest.approx(by_hand, rel=1e-4)
+    # inside one node: NVLink at 5 us a step
+    by_hand = 7 * 5e-6 + (7 / 8) * size / (NVLINK * NVLINK_EFF * 142.28 / 159.43)
+    assert group_seconds(selene, "all_gather", size, tuple(range(8))) == pytest.approx(
+        by_hand, rel=1e-4
+    )
+
+
+def test_the_bus_efficiency_is_interpolated_in_log_size_and_held_at_the_ends():
+    model = ClusterModel(CLUSTER, bus_efficiency_by_size=((1e6, 0.2), (4e6, 0.8), (16e6, 1.0)))
+    assert model.size_efficiency(1.0) == 0.2 and model.size_efficiency(1e6) == 0.2
+    assert model.size_efficiency(2e6) == pytest.approx(0.5)  # halfway in log size
+    assert model.size_efficiency(8e6) == pytest.approx(0.9)
+    assert model.size_efficiency(1e9) == 1.0
+    assert ClusterModel(CLUSTER).size_efficiency(123.0) == 1.0  # none given: the line rate
+
+
+def test_matrix_products_by_roofline():
+    """Each product the longer of FLOPs at peak and bytes at memory bandwidth, the stretch over
+    the software factor: 1,000 FLOP/s and 100 B/s here."""
+    model = ClusterModel(CLUSTER, device_memory_bandwidth=100.0, software_factor=0.5)
+    products = {(2000, 50): 3, (100, 400): 2}  # compute-bound 2 s each, memory-bound 4 s each
+    assert compute_seconds(model, products) == pytest.approx((3 * 2 + 2 * 4) / 0.5)
+    assert compute_seconds(ClusterModel(CLUSTER), products) == pytest.approx(3 * 2 + 2 * 0.1)
+    assert compute_seconds(model, 1000) == pytest.approx(2.0)  # FLOPs alone: at peak
+
+
+def test_the_tracker_counts_each_products_flops_and_bytes():
+    """A (4, 8) @ (8, 16) float32 product: 2·4·8·16 FLOPs, 4·(32 + 128 + 64) bytes moved; the
+    dry run's trace keeps them as {(FLOPs, bytes): products} per stretch of compute."""
+    with meta.tracking() as tracker:
+        xp = meta.NAMESPACE
+        xp.zeros((4, 8), "float32") @ xp.zeros((8, 16), "float32")
+        assert (tracker.matmul_flops, tracker.product_bytes) == (2 * 4 * 8 * 16, 4 * 224)
+    runs, _ = run_world(recipe("gpt:1,32,40,16,2"), 2, SMALL_CFG)
+    stretches = [v for kind, v in runs[0][1].events if kind == "compute"]
+    assert stretches and all(isinstance(v, dict) for v in stretches)
+    counted = sum(f * n for v in stretches for (f, _), n in v.items())
+    assert counted == runs[0][1].step_flops
+    assert all(b > 0 for v in stretches for (_, b) in v)
+
+
+def test_the_size_efficiency_is_the_quoted_busbw_over_its_largest():
+    """Each shipped file's bus_efficiency_by_size is the busbw its source quotes, size by size,
+    over the busbw at the largest size quoted (to the file's 4 digits)."""
+    for name in cluster_names():
+        entry = json.loads((CLUSTERS / f"{name}.json").read_text())["bus_efficiency_by_size"]
+        quoted = re.findall(r"'\s*(\d+)\s[^']*?(\d+\.\d\d)[ …]*'", entry["source"])
+        busbw = {int(size): float(bw) for size, bw in quoted}
+        assert len(busbw) == len(entry["value"]) == 8, name
+        top = busbw[max(busbw)]
+        for size, fraction in entry["value"]:
+            assert fraction == pytest.approx(busbw[size] / top, abs=5e-5), (name, size)

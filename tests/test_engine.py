@@ -150,7 +150,7 @@ def test_megatron_range_maps_cover_each_owned_element_once():
         )
         (group,) = engine.strategy.groups
         owned = sum(r.size for r in group.owned)
-        (ranges,) = engine.strategy.range_maps()
+        (ranges,) = engine.strategy.layout.range_maps()
         covered = sum(r.world.size for r in ranges.values())
         for name, r in ranges.items():
             slot = next(s for s in group.slots if s.name == name)
@@ -276,8 +276,8 @@ def test_owned_segments_tile_every_parameter_once_across_ranks(stage, layout):
         stepped = strat.segments("stepped")
         params = dict(engine.module.named_parameters())
         for seg in stepped:  # each segment views exactly that run of the parameter
-            shard = strat.sharded_step.tiles[seg.group][seg.shard]
-            got = shard.data[seg.offset : seg.offset + seg.size]
+            tile = strat.sharded_step.tiles[seg.group][seg.tile]
+            got = tile.data[seg.offset : seg.offset + seg.size]
             want = params[seg.name].data.reshape(-1)[seg.param_range.start : seg.param_range.stop]
             assert np.array_equal(got, want)
         return owned, sum(s.size for s in stepped)

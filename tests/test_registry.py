@@ -13,7 +13,7 @@ import zerosim.zero as zero
 from zerosim.comm import LocalWorld
 from zerosim.engine import initialize
 from zerosim.nn import MLP
-from zerosim.zero.registry import STRATEGIES, strategy_class
+from zerosim.zero.registry import STRATEGIES, ZEROPP, strategy_class
 
 PAPER = {0: zero.Stage0, 1: zero.Stage1, 2: zero.Stage2, 3: zero.Stage3}
 DEEPSPEED = {
@@ -42,8 +42,7 @@ def test_deepspeeds_schedule_is_the_papers_stage_given_other_parts(stage):
     from zerosim.zero.reducer import GradReducer
 
     paper, deepspeed = PAPER[stage], DEEPSPEED[stage]
-    methods = [name for name, value in vars(deepspeed).items() if inspect.isfunction(value)]
-    assert methods == []
+    assert methods_added(deepspeed, paper) == []
     assert issubclass(deepspeed.reducer_cls, GradReducer)
     assert deepspeed.reducer_cls is not paper.reducer_cls
     if stage == 3:
@@ -51,19 +50,65 @@ def test_deepspeeds_schedule_is_the_papers_stage_given_other_parts(stage):
         assert deepspeed.fetcher_cls is not paper.fetcher_cls
 
 
-def test_a_method_defined_on_a_variant_is_seen():
-    class Variant(zero.Stage2):
+def methods_added(variant: type, stage: type) -> list[str]:
+    """The methods and properties ``variant`` or a class between it and ``stage`` in its method
+    resolution order (a mixin) defines: what it changes of the stage other than its parts."""
+    mro = variant.__mro__
+    return [
+        f"{cls.__name__}.{name}"
+        for cls in mro[: mro.index(stage)]
+        for name, value in vars(cls).items()
+        if inspect.isfunction(value) or isinstance(value, property)
+    ]
+
+
+def test_a_method_defined_on_a_variant_or_its_mixin_is_seen():
+    class Mixin:
+        @property
+        def padded(self):
+            return 0
+
+    class Variant(Mixin, zero.Stage2):
         def after_backward(self, boundary):
             pass
 
-    assert [n for n, v in vars(Variant).items() if inspect.isfunction(v)] == ["after_backward"]
+    assert methods_added(Variant, zero.Stage2) == ["Variant.after_backward", "Mixin.padded"]
 
 
-def test_megatrons_layout_is_a_stage_1_class_in_both_schedules():
-    paper = strategy_class(1, "paper", "megatron")
-    deepspeed = strategy_class(1, "deepspeed", "megatron")
-    assert paper is zero.Stage1Megatron and issubclass(deepspeed, paper)
-    assert issubclass(paper, zero.Stage1) and not issubclass(paper, zero.Stage1DeepSpeed)
+# ZeRO++'s class keeps its constructor for one keyword, ``quantization_block_size`` (the engine
+# passes ``zerosim.quantization_block_size`` to it alone; its fetcher and reducer read it)
+KEYWORD_ONLY = {"Stage3ZeroPP.__init__"}
+
+
+def test_every_registered_class_is_the_papers_stage_given_parts():
+    """Every entry of the registry is one of the paper's stages with parts named as class
+    attributes: no method of the stage is replaced by it or by a mixin it adds."""
+    for cls in [*STRATEGIES.values(), *ZEROPP.values()]:
+        added = set(methods_added(cls, PAPER[cls.stage])) - KEYWORD_ONLY
+        assert not added, (cls.__name__, sorted(added))
+
+
+def test_deepspeeds_stages_1_and_2_are_given_deepspeeds_layout_and_the_papers_the_papers():
+    from zerosim.zero.layouts import DeepSpeedLayout, FlatLayout
+
+    for stage in (0, 1, 2):
+        assert PAPER[stage].layout_cls is FlatLayout
+    assert DEEPSPEED[0].layout_cls is FlatLayout  # DeepSpeed's stage 0 has no flat buffers
+    assert DEEPSPEED[1].layout_cls is DEEPSPEED[2].layout_cls is DeepSpeedLayout
+
+
+@pytest.mark.parametrize("schedule", ["paper", "deepspeed"])
+def test_megatrons_layout_is_the_papers_stage_1_given_megatrons_layout_part(schedule):
+    """Megatron's distributed optimizer overrides no method of stage 1: its buckets, gradient
+    buffers, fp32 gradient shard and range maps are its layout part's."""
+    from zerosim.zero.layouts import MegatronLayout
+
+    cls = strategy_class(1, schedule, "megatron")
+    assert issubclass(cls, zero.Stage1Megatron) and issubclass(zero.Stage1Megatron, zero.Stage1)
+    assert not issubclass(cls, zero.Stage1DeepSpeed)
+    assert methods_added(cls, zero.Stage1) == []
+    assert cls.layout_cls is MegatronLayout
+    assert cls.reducer_cls is zero.Stage1.reducer_cls  # the paper's reduce-scatter of each unit
 
 
 @pytest.mark.parametrize("schedule", ["paper", "deepspeed"])

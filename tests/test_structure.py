@@ -15,7 +15,9 @@ a failure names where it is:
   first-party imports alone; this test is the check;
 - no two classes of one name in the package, and every field of a class in ``zerosim/zero/``
   declared where a reader looks for it: first assigned (``self.x = …``) in ``__init__`` of the
-  class or of a base, or in the class body, never first in another method.
+  class or of a base, or in the class body, never first in another method; and in
+  ``zerosim/zero/`` every field an ``__init__`` declares carries its type
+  (``self.x: T = …``).
 
 A line count is the source span of the ``def`` or ``class`` statement, docstring included,
 decorators not.
@@ -228,12 +230,19 @@ def assigned_fields(function: ast.AST) -> list[tuple[str, int]]:
 
 def declared_fields(node: ast.ClassDef) -> set[str]:
     """The names a class declares: its body's names and methods, and ``__init__``'s fields."""
+    names = body_names(node)
+    for st in node.body:
+        if isinstance(st, ast.FunctionDef) and st.name == "__init__":
+            names |= {name for name, _ in assigned_fields(st)}
+    return names
+
+
+def body_names(node: ast.ClassDef) -> set[str]:
+    """The names a class body declares: its class attributes and methods."""
     names = set()
     for st in node.body:
         if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
             names.add(st.name)
-            if st.name == "__init__":
-                names |= {name for name, _ in assigned_fields(st)}
         elif isinstance(st, ast.Assign):
             names |= {t.id for t in st.targets if isinstance(t, ast.Name)}
         elif isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
@@ -241,32 +250,62 @@ def declared_fields(node: ast.ClassDef) -> set[str]:
     return names
 
 
+def lineage(
+    node: ast.ClassDef, classes: dict[str, list[tuple[str, ast.ClassDef]]]
+) -> list[ast.ClassDef]:
+    """The class and its bases, looked up by name among the package's classes."""
+    out = [node]
+    for base in node.bases:
+        name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
+        for _, parent in classes.get(name, []):
+            out += lineage(parent, classes)
+    return out
+
+
 def fields_outside_init(
     module: str, classes: dict[str, list[tuple[str, ast.ClassDef]]]
 ) -> list[str]:
     """``module:line Class.field (in method)`` for each field first assigned outside
     ``__init__`` (bases looked up by name among the package's classes)."""
-
-    def lineage(node: ast.ClassDef) -> list[ast.ClassDef]:
-        out = [node]
-        for base in node.bases:
-            name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
-            for _, parent in classes.get(name, []):
-                out += lineage(parent)
-        return out
-
     found = []
     for name, defs in classes.items():
         for where, node in defs:
             if where != module:
                 continue
-            known = set().union(*(declared_fields(c) for c in lineage(node)))
+            known = set().union(*(declared_fields(c) for c in lineage(node, classes)))
             for st in node.body:
                 if not isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
                 for field, line in assigned_fields(st):
                     if field not in known:
                         found.append(f"{module}:{line} {name}.{field} (in {st.name})")
+                        known.add(field)
+    return found
+
+
+def unannotated_fields(
+    module: str, classes: dict[str, list[tuple[str, ast.ClassDef]]]
+) -> list[str]:
+    """``module:line Class.field`` for each field an ``__init__`` declares without its type: the
+    first ``self.field = …`` of a field that neither the class body nor a base declares must be
+    ``self.field: T = …`` (a tuple target ``self.a, self.b = …`` cannot carry one)."""
+    found = []
+    for name, defs in classes.items():
+        for where, node in defs:
+            if where != module:
+                continue
+            bases = lineage(node, classes)[1:]
+            known = body_names(node).union(*(declared_fields(c) for c in bases))
+            for init in (s for s in node.body if isinstance(s, ast.FunctionDef)):
+                if init.name != "__init__":
+                    continue
+                statements = [
+                    n for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                ]
+                for st in sorted(statements, key=lambda n: (n.lineno, n.col_offset)):
+                    for field, line in assigned_fields(st):
+                        if field not in known and not isinstance(st, ast.AnnAssign):
+                            found.append(f"{module}:{line} {name}.{field}")
                         known.add(field)
     return found
 
@@ -305,6 +344,12 @@ def test_no_two_classes_share_a_name():
 @pytest.mark.parametrize("module", [m for m in MODULES if area_of(m) == "zero"])
 def test_every_field_is_declared_in_init(module):
     found = fields_outside_init(module, class_index(TREES))
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if area_of(m) == "zero"])
+def test_every_field_is_declared_with_its_type(module):
+    found = unannotated_fields(module, class_index(TREES))
     assert not found, "\n".join(found)
 
 
@@ -384,6 +429,17 @@ def test_a_field_first_set_outside_init_is_found():
     )
     classes = class_index({"m": ast.parse(source)})
     assert fields_outside_init("m", classes) == ["m:8 B.z (in setup)"]
+
+
+def test_a_field_declared_without_its_type_is_found():
+    source = (
+        "class A:\n    def __init__(self):\n        self.x: int = 1\n"
+        "class B(A):\n    y = 0\n    def __init__(self):\n        self.x = self.y = 2\n"
+        "        self.z = 3\n        self.z: int = 4\n        self.a, self.b = 5, 6\n"
+        "        self.c: int = 7\n        self.c = 8\n"
+    )
+    classes = class_index({"m": ast.parse(source)})
+    assert unannotated_fields("m", classes) == ["m:8 B.z", "m:10 B.a", "m:10 B.b"]
 
 
 def test_an_upward_import_is_found():

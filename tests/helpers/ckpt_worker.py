@@ -63,16 +63,16 @@ def snapshot(engine) -> dict:
     strategy, opt = engine.strategy, engine.optimizer
     out: dict = {"master": []}
     for s in strategy.segments("owned"):
-        shard = strategy.sharded_step.tiles[s.group][s.shard]
+        tile = strategy.sharded_step.tiles[s.group][s.tile]
         cut = slice(s.offset, s.offset + s.size)
         piece = (s.name, s.param_range.start, s.param_range.stop)
-        out["master"].append((*piece, np.array(shard.data[cut])))
-        for k, v in opt.state.get(shard, {}).items():
+        out["master"].append((*piece, np.array(tile.data[cut])))
+        for k, v in opt.state.get(tile, {}).items():
             if isinstance(v, np.ndarray):
                 out.setdefault(k, []).append((*piece, np.array(v[cut])))
     scalars = []
-    for _g, shards in enumerate(strategy.sharded_step.tiles):
-        states = [opt.state.get(s, {}) for s in shards]
+    for _g, tiles in enumerate(strategy.sharded_step.tiles):
+        states = [opt.state.get(t, {}) for t in tiles]
         scalars.append(
             {k: v for st in states for k, v in st.items() if not isinstance(v, np.ndarray)}
         )

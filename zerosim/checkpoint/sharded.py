@@ -121,7 +121,7 @@ def _engine_params(engine: Any) -> list[dict[str, Any]]:
 
 
 # -- save ---------------------------------------------------------------------------------------
-# Muon's momentum lives with its matrices (zerosim/zero/muon.py), not in the optimizer's shards:
+# Muon's momentum lives with its matrices (zerosim/zero/muon.py), not in the optimizer's tiles:
 # it is saved as one more kind of the Muon groups, by the same owned segments as the master, in
 # the master's dtype (as DeepSpeed keeps optimizer state in fp32 checkpoints), and loaded into
 # whatever this rank keeps of each matrix (stages 0-2: the whole matrix; stage 3: its chunk).
@@ -189,24 +189,24 @@ def _check_save(engine: Any, tag: str) -> None:
         )
 
 
-def _group_state(opt: Any, g: int, shards: list[Any]) -> tuple[bool, list[str], dict[str, Any]]:
-    """(has state, array state keys, scalars) of one group; scalars must agree across shards."""
-    states = [opt.state.get(s) for s in shards]
+def _group_state(opt: Any, g: int, tiles: list[Any]) -> tuple[bool, list[str], dict[str, Any]]:
+    """(has state, array state keys, scalars) of one group; scalars must agree across tiles."""
+    states = [opt.state.get(t) for t in tiles]
     have = [bool(st) for st in states]
     if not any(have):
         return False, [], {}
     if not all(have):
-        raise CheckpointError(f"param group {g}: optimizer state exists for some shards only")
+        raise CheckpointError(f"param group {g}: optimizer state exists for some tiles only")
     keys = list(opt.state_keys(opt.param_groups[g]))
     scalar_sets = [{k: v for k, v in st.items() if k not in keys} for st in states]
     if any(s != scalar_sets[0] for s in scalar_sets):
-        raise CheckpointError(f"param group {g}: scalar optimizer state differs between shards")
+        raise CheckpointError(f"param group {g}: scalar optimizer state differs between tiles")
     return True, keys, to_json(scalar_sets[0])
 
 
-def _array(opt: Any, shard: Any, kind: str) -> Any:
-    """A shard's master weights (``kind == "master"``) or one of its optimizer state arrays."""
-    return shard.data if kind == "master" else opt.state[shard][kind]
+def _array(opt: Any, tile: Any, kind: str) -> Any:
+    """A tile's master weights (``kind == "master"``) or one of its optimizer state arrays."""
+    return tile.data if kind == "master" else opt.state[tile][kind]
 
 
 def _write_rank_files(engine: Any, tag_dir: Path) -> dict[str, Any]:
@@ -217,10 +217,10 @@ def _write_rank_files(engine: Any, tag_dir: Path) -> dict[str, Any]:
         by_group[s.group].append(s)
     manifest: dict[str, Any] = {"segments": [], "groups": [], "files": {}, "dtype": None}
     for g, segs in enumerate(by_group):
-        shards = strategy.sharded_step.tiles[g]
-        has, keys, scalars = _group_state(opt, g, shards)
+        tiles = strategy.sharded_step.tiles[g]
+        has, keys, scalars = _group_state(opt, g, tiles)
         muon = _muon(engine) is not None and g in _muon(engine).groups
-        manifest["groups"].append(None if not shards else [has, keys, scalars, muon])
+        manifest["groups"].append(None if not tiles else [has, keys, scalars, muon])
         table, at = [], 0
         for s in segs:
             table.append([s.name, s.param_range.start, s.param_range.stop, at])
@@ -233,14 +233,14 @@ def _write_rank_files(engine: Any, tag_dir: Path) -> dict[str, Any]:
         master_dtype = None
         for kind in ["master", *keys, *([MUON_MOMENTUM] if with_momentum else [])]:
             if kind == MUON_MOMENTUM:  # in the master's dtype
-                xp = array_module(shards[0].data)
+                xp = array_module(tiles[0].data)
                 pieces = [
                     xp.astype(muon.read_momentum(s.name, *s.param_range), master_dtype)
                     for s in segs
                 ]
             else:
                 pieces = [
-                    _array(opt, shards[s.shard], kind)[s.offset : s.offset + s.size] for s in segs
+                    _array(opt, tiles[s.tile], kind)[s.offset : s.offset + s.size] for s in segs
                 ]
             name = shard_file(rank, g, kind)
             dtype = np_dtype(pieces[0].dtype)
@@ -465,7 +465,7 @@ def _apply(
             s = segments[r.segment]
             if kind != "master" and kind not in meta["groups"][s.group]["state_keys"]:
                 continue
-            dst = _array(opt, strategy.sharded_step.tiles[s.group][s.shard], kind)
+            dst = _array(opt, strategy.sharded_step.tiles[s.group][s.tile], kind)
             src = open_shard(tag_dir, cache, r.rank, r.group, kind)[r.src : r.src + r.size]
             at = s.offset + r.dst
             dst[at : at + r.size] = move_like(src, dst)  # host file -> device: counted
@@ -474,19 +474,19 @@ def _apply(
     if load_opt:
         for g, (group, saved) in enumerate(zip(opt.param_groups, meta["groups"], strict=True)):
             group.update(from_json(saved["hyper"]))
-            for shard in strategy.sharded_step.tiles[g]:
-                old = opt.state.pop(shard, None) or {}
+            for tile in strategy.sharded_step.tiles[g]:
+                old = opt.state.pop(tile, None) or {}
                 if not saved["has_state"]:
                     continue
-                xp = array_module(shard.data)
+                xp = array_module(tile.data)
                 state = {
                     k: old[k]
-                    if k in old and old[k].shape == shard.data.shape
-                    else xp.zeros_like(shard.data)
+                    if k in old and old[k].shape == tile.data.shape
+                    else xp.zeros_like(tile.data)
                     for k in saved["state_keys"]
                 }
                 state.update(from_json(saved["scalars"]))
-                opt.state[shard] = state
+                opt.state[tile] = state
         for kind in sorted({k for g in meta["groups"] for k in g["state_keys"]}):
             fill(kind)
         _load_muon_momentum(engine, tag_dir, meta, cache)

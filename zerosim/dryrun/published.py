@@ -1,15 +1,17 @@
 """Published training runs the dry run's time model is held to: each figure, its source, and the
-config that reproduces the run (docs/dryrun.md gives every source and assumption).
+config that reproduces the run (docs/dryrun.md gives every source and assumption). Each source is
+a folder of ``examples/published/`` holding its rows, with each row's address and quoted line,
+its FLOP convention and its config (the folder's README.md); this module reads them.
 
-**Narayanan et al., SC21, Table 2** ("Efficient Large-Scale Language Model Training on GPU
-Clusters Using Megatron-LM", arXiv 2104.04473, §5.2): their 174.6B and 529.6B GPTs trained with
-ZeRO-3 and no model parallelism on Selene, model TFLOP/s per GPU. The cluster file ``selene``
-(``clusters/selene.json``) has its two efficiency factors fitted on the three 174.6B rows
-(``fitted``); the 529.6B rows are predictions.
+**Narayanan et al., SC21, Table 2** (``narayanan2021/table2_zero3.csv``; "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", arXiv 2104.04473, §5.2): their
+174.6B and 529.6B GPTs trained with ZeRO-3 and no model parallelism on Selene, model TFLOP/s per
+GPU counting the recomputation (eq. 3). One row, named before the others were predicted
+(``fitted``), fixes the one software factor of (Selene, DeepSpeed ZeRO-3); the rest are
+predictions.
 
-**Wang et al. 2023, ZeRO++**: ZeRO-3 and ZeRO++ on 384 V100s, TFLOP/s per GPU as printed on the
-bars of the ZeRO++ blog's Figures 6-8. The cluster file ``zeropp_v100`` keeps Selene's factors:
-nothing is fitted to these figures.
+**Wang et al. 2023, ZeRO++** (``zeropp/figures.csv``): ZeRO-3 and ZeRO++ on 384 V100s, TFLOP/s
+per GPU as printed on the bars of the ZeRO++ blog's Figures 6-8; one named row fitted likewise.
 
 **MosaicML llm-foundry**, ``scripts/train/benchmarking/README.md``: MPT models 125M-70B trained
 with PyTorch FSDP on 8-128 A100s (80 GB and 40 GB, 1600 Gb/s RoCE between nodes), 139 rows kept
@@ -25,6 +27,10 @@ from typing import Any, NamedTuple
 
 from zerosim.analysis.presets import GPTShape
 
+PUBLISHED = Path(__file__).resolve().parents[2] / "examples" / "published"
+NARAYANAN_CSV = PUBLISHED / "narayanan2021" / "table2_zero3.csv"
+ZEROPP_CSV = PUBLISHED / "zeropp" / "figures.csv"
+
 
 class TableRow(NamedTuple):
     """One ZeRO-3 row of Narayanan et al.'s Table 2."""
@@ -34,48 +40,49 @@ class TableRow(NamedTuple):
     micro_batch: int
     batch: int  # global batch
     tflops: float  # published model TFLOP/s per GPU
-    fitted: bool  # one of the rows selene.json's efficiency factors were fitted on
+    fitted: bool  # the one row the software factor of (Selene, DeepSpeed) is fitted on
 
 
-# 640 GPUs and batch 2560 for the 529.6B model at micro-batch 4: it did not fit on 560 GPUs
-# (Table 2's caption, the row marked *).
-NARAYANAN_TABLE2 = [
-    TableRow("gpt3-175b", 384, 4, 1536, 144.0, True),
-    TableRow("gpt3-175b", 768, 2, 1536, 88.0, True),
-    TableRow("gpt3-175b", 1536, 1, 1536, 44.0, True),
-    TableRow("gpt-529b", 640, 4, 2560, 138.0, False),
-    TableRow("gpt-529b", 1120, 2, 2240, 98.0, False),
-    TableRow("gpt-529b", 2240, 1, 2240, 48.0, False),
-]
+def read_rows(path: str | Path) -> list[dict[str, str]]:
+    """A published source's rows as the CSV has them (every column a string)."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def narayanan_table2(path: str | Path = NARAYANAN_CSV) -> list[TableRow]:
+    """Table 2's six ZeRO-3 rows. 640 GPUs and batch 2560 for the 529.6B model at micro-batch
+    4: it did not fit on 560 GPUs (Table 2's caption, the row marked *)."""
+    return [
+        TableRow(
+            r["model"],
+            int(r["gpus"]),
+            int(r["micro_batch"]),
+            int(r["global_batch"]),
+            float(r["tflops_per_gpu"]),
+            r["fitted"] == "True",
+        )
+        for r in read_rows(path)
+    ]
+
+
+NARAYANAN_TABLE2 = narayanan_table2()
 
 ZEROPP_GPUS = 384
 ZEROPP_GPUS_PER_NODE = 16
-# The ZeRO++ blog (DeepSpeed repository, blogs/zeropp/assets/images/eval1-3.png), TFLOP/s per
-# GPU printed on the bars: (figure, inter-node Gb/s per node, tokens per GPU, model, ZeRO-3,
-# ZeRO++). Figure 6: 4 × 100 Gb/s InfiniBand per node; Figure 7: 1 × 100 Gb/s; Figure 8: 2K
-# tokens at 200 and 800 Gb/s.
-ZEROPP_PUBLISHED = [
-    ("6", 400, 1024, "18B", 25, 35),
-    ("6", 400, 1024, "49B", 23, 36),
-    ("6", 400, 1024, "91B", 23, 36),
-    ("6", 400, 1024, "138B", 23, 36),
-    ("6", 400, 2048, "18B", 40, 53),
-    ("6", 400, 2048, "49B", 36, 51),
-    ("6", 400, 2048, "91B", 36, 51),
-    ("6", 400, 2048, "138B", 36, 50),
-    ("7", 100, 1024, "18B", 14, 31),
-    ("7", 100, 1024, "49B", 11, 22),
-    ("7", 100, 1024, "91B", 11, 22),
-    ("7", 100, 1024, "138B", 11, 22),
-    ("7", 100, 2048, "18B", 26, 46),
-    ("7", 100, 2048, "49B", 20, 38),
-    ("7", 100, 2048, "91B", 20, 38),
-    ("7", 100, 2048, "138B", 20, 38),
-    ("8", 200, 2048, "18B", 37, 50),
-    ("8", 800, 2048, "18B", 47, 54),
-    ("8", 200, 2048, "138B", 32, 48),
-    ("8", 800, 2048, "138B", 48, 55),
-]
+
+
+def zeropp_published(path: str | Path = ZEROPP_CSV) -> list[tuple]:
+    """The ZeRO++ blog's bars as (figure, inter-node Gb/s per node, tokens per GPU, model,
+    ZeRO-3, ZeRO++) TFLOP/s per GPU, in the file's order. Figure 6: 4 × 100 Gb/s InfiniBand per
+    node; Figure 7: 1 × 100 Gb/s; Figure 8: 2K tokens at 200 and 800 Gb/s."""
+    bars: dict[tuple, dict[str, int]] = {}
+    for r in read_rows(path):
+        key = (r["figure"], int(r["inter_gbps_per_node"]), int(r["tokens_per_gpu"]), r["model"])
+        bars.setdefault(key, {})[r["scheme"]] = int(r["tflops_per_gpu"])
+    return [(*key, v["ZeRO-3"], v["ZeRO++"]) for key, v in bars.items()]
+
+
+ZEROPP_PUBLISHED = zeropp_published()
 
 
 def zeropp_shapes() -> dict[str, GPTShape]:

@@ -131,8 +131,7 @@ def step_time(
             "nodes": resized.cluster.nodes,
             "devices_per_node": resized.cluster.devices_per_node,
             "device_flops": resized.cluster.device_flops,  # the peak of the run's dtype
-            "compute_efficiency": cluster.compute_efficiency,
-            "network_efficiency": cluster.network_efficiency,
+            "software_factor": cluster.software_factor,
         },
     }
     return time, slowest

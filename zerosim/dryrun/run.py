@@ -126,7 +126,8 @@ class RankRun:
     last_step: int  # the ledger step of the last optimizer step's records
     fingerprint: list[tuple] = field(default_factory=list)  # rank 0 only: every rank's
     facts: dict[str, Any] = field(default_factory=dict)  # rank 0 only: engine_facts
-    # the last step as the time model reads it (dryrun/timeline.py): ("compute", flops),
+    # the last step as the time model reads it (dryrun/timeline.py): ("compute", {(flops,
+    # bytes): products}),
     # ("issue", i), ("wait", i) and, when asked for, ("memory", live bytes)
     events: list[tuple[str, Any]] = field(default_factory=list)
     step_start_bytes: int = 0  # live bytes when the last step began (its peak rises from here)
@@ -255,17 +256,18 @@ def engine_facts(engine: Engine) -> dict[str, Any]:
 
 
 def _event_writer(events: list, tracker: meta.Tracker, memory: bool, ops: bool) -> Callable:
-    """A tracker listener: matmul FLOPs added into the last compute event (a new one after a
-    collective event), with ``ops`` every other array operation added into this stretch's
-    ("elementwise", (operations, bytes)) event, and with ``memory`` the live bytes after every
-    allocation and free."""
+    """A tracker listener: each matrix product counted into the last compute event (a new one
+    after a collective event) as {(FLOPs, bytes): products}, with ``ops`` every other array
+    operation added into this stretch's ("elementwise", (operations, bytes)) event, and with
+    ``memory`` the live bytes after every allocation and free."""
 
     def write(kind: str, amount: int, category: str) -> None:
-        if kind == "matmul":
-            if events and events[-1][0] == "compute":
-                events[-1] = ("compute", events[-1][1] + amount)
-            else:
-                events.append(("compute", amount))
+        if kind == "matmul":  # products counted by (FLOPs, bytes): a roofline prices each
+            if not events or events[-1][0] != "compute":
+                events.append(("compute", {}))
+            products = events[-1][1]
+            key = (amount, tracker.product_bytes)
+            products[key] = products.get(key, 0) + 1
         elif kind == "op":
             if ops:
                 _add_elementwise(events, amount)

@@ -6,19 +6,35 @@ collective events), each collective as it is issued (``VirtualComm``'s ("issue",
 wait on a non-blocking one (("wait", i)): so stage 3's prefetches, ``overlap_comm``'s bucket
 reductions and their order are the engine's own.
 
-**The cluster.** ``ClusterModel``: ``analysis.Cluster`` (nodes × devices, intra/inter-node α and
-bandwidth per device, device FLOP/s) plus two achieved-efficiency factors,
-``compute_efficiency`` (the fraction of peak FLOP/s the matrix products reach) and
-``network_efficiency`` (the fraction of link bandwidth a collective reaches), and optionally
-``device_memory_bytes``, what one device holds (a rank whose peak exceeds it would not start:
-the report says so), and ``device_flops_fp32``, the fp32 peak at which a float32 run's matrix
-products are timed (``device_flops`` is the 16-bit tensor-core peak; a file without it times
-both at that). Rank r sits on node r // devices_per_node. A collective on a group takes the α-β
-time of ``analysis.timing`` for that group: one node's ring at intra-node α and bandwidth; over
-several nodes with k ranks each, the two-level decomposition of ``Cluster.collective_time`` (k
-intra-node rings and k inter-node rings of one rank per node); unevenly placed groups, a flat
-ring at inter-node α and bandwidth. ``reduce`` costs a broadcast, ``barrier`` a broadcast of
-nothing.
+**The cluster.** ``ClusterModel`` (``dryrun/cluster.py``): physical rates read from a file
+that cites each one, and at most one fitted number, the software factor. Rank r sits on node
+r // devices_per_node.
+
+**Collectives: NCCL's ring over the node hierarchy.** A collective of S bytes (nccl-tests' S)
+on p ranks takes c_α(p)·α + c_β(p)·S / (B · e(S)) (``analysis.timing``'s coefficients), where
+e(S) is ``bus_efficiency_by_size`` (published nccl-tests figures) and B the ring's bus
+bandwidth. NCCL orders one ring through each node in turn, so every step moves a chunk over
+every hop at once: inside a node over NVLink, between nodes over the NICs. The hops run
+together, pipelined, so the ring goes at its slowest hop, and the intra- and inter-node parts
+are NOT added in series:
+
+- on one node: B = intra_bandwidth · intra_efficiency, α = intra_latency;
+- over several nodes with k ranks on each (k > 1): everything the ring carries enters a node
+  through its NICs, and the group's k ranks own k shares of them (every other group of the
+  same shape runs the same collective at the same time), so B = min(intra_bandwidth ·
+  intra_efficiency, k · inter_bandwidth · inter_efficiency), where inter_bandwidth is one
+  device's share, nics_per_node · nic_bandwidth / devices_per_node; α = inter_latency, the
+  slowest hop of a step;
+- one rank per node, or ranks unevenly placed: every hop crosses the network, B = one share.
+
+What it leaves out: NCCL's tree all-reduce and its protocol switches (LL, LL128, Simple) by
+size, except as far as the measured e(S) shows them; contention between different groups'
+collectives running at once. ``reduce`` costs a broadcast, ``barrier`` a broadcast of nothing.
+
+**Matrix products by roofline.** A stretch of compute is {(FLOPs, bytes): products}; each
+product takes max(FLOPs / peak of the run's dtype, bytes / device_memory_bandwidth), and the
+stretch that sum over ``software_factor``, the one number no datasheet gives (the fraction of
+the roofline one software stack reaches), fitted on one named published row.
 
 **The step.** Two streams, as a GPU has: compute runs the trace's compute in order; every
 collective goes on one communication stream, in issue order, starting when it is issued and the
@@ -34,170 +50,70 @@ collective moves only while it is waited: it starts at its wait, not at its issu
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
-from zerosim.analysis.timing import Cluster, collective_time
-
-CLUSTER_KEYS = (
-    "nodes",
-    "devices_per_node",
-    "intra_bandwidth",
-    "inter_bandwidth",
-    "intra_latency",
-    "inter_latency",
-    "device_flops",
+from zerosim.analysis.timing import collective_time
+from zerosim.dryrun.cluster import (
+    CLUSTER_KEYS,
+    CLUSTERS,
+    HOST_KEYS,
+    ClusterModel,
+    cluster_names,
+    load_cluster_model,
 )
-EFFICIENCY_KEYS = ("compute_efficiency", "network_efficiency")
-MEMORY_KEY = "device_memory_bytes"
-FP32_KEY = "device_flops_fp32"  # the fp32 peak, where device_flops is the 16-bit one
-BACKEND_KEY = "backend"  # the array backend whose code path a dry run follows: numpy | cupy
-# a host's rates (zerosim calibrate, docs/dryrun.md): bytes/s of element-wise work, seconds of
-# one array call's fixed cost, and whether communication overlaps compute (MPICH: it does not)
-HOST_KEYS = ("memory_bandwidth", "op_overhead_s", "overlap")
-NOTE_KEYS = ("name", "comment", "calibration", "measurements")
 
-
-@dataclass(frozen=True)
-class ClusterModel:
-    """A cluster, the fractions of its peak compute and bandwidth a step achieves and, when
-    known, each device's memory in bytes."""
-
-    cluster: Cluster
-    compute_efficiency: float = 1.0
-    network_efficiency: float = 1.0
-    name: str = ""
-    device_memory_bytes: float | None = None
-    device_flops_fp32: float | None = None  # None: fp32 products at device_flops too
-    backend: str = "cupy"  # a host (zerosim calibrate): "numpy"
-    memory_bandwidth: float | None = None  # HOST_KEYS: None leaves element-wise work unpriced
-    op_overhead_s: float | None = None
-    overlap: bool = True
-
-    @property
-    def prices_elementwise(self) -> bool:
-        """Whether element-wise operations cost time here (a calibrated host)."""
-        return self.memory_bandwidth is not None or self.op_overhead_s is not None
-
-    def __post_init__(self) -> None:
-        for key in HOST_KEYS[:2]:
-            value = getattr(self, key)
-            if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise ValueError(f"{key} must be a positive number, got {value!r}")
-        if self.backend not in ("numpy", "cupy"):
-            raise ValueError(f"{BACKEND_KEY} must be 'numpy' or 'cupy', got {self.backend!r}")
-        for key in EFFICIENCY_KEYS:
-            value = getattr(self, key)
-            if not 0 < value <= 1:
-                raise ValueError(f"{key} must be in (0, 1], got {value!r}")
-        memory = self.device_memory_bytes
-        if memory is not None and (
-            isinstance(memory, bool) or not isinstance(memory, int | float) or not memory > 0
-        ):
-            raise ValueError(f"{MEMORY_KEY} must be a positive number of bytes, got {memory!r}")
-        fp32 = self.device_flops_fp32
-        if fp32 is not None and (
-            isinstance(fp32, bool) or not isinstance(fp32, int | float) or not fp32 > 0
-        ):
-            raise ValueError(f"{FP32_KEY} must be a positive FLOP/s, got {fp32!r}")
-
-    def for_dtype(self, model_dtype: str) -> ClusterModel:
-        """The cluster as a run in ``model_dtype`` sees it: a float32 run's matrix products at the
-        fp32 peak (``device_flops_fp32``, where the file gives it); 16-bit runs, whose products
-        take 16-bit operands into tensor cores (zerosim upcasts them to accumulate in fp32, as
-        those cores do), at ``device_flops``."""
-        if model_dtype != "float32" or self.device_flops_fp32 is None:
-            return self
-        return replace(self, cluster=replace(self.cluster, device_flops=self.device_flops_fp32))
-
-    def with_efficiencies(self, compute: float, network: float) -> ClusterModel:
-        return replace(self, compute_efficiency=compute, network_efficiency=network)
-
-    def resized(self, world_size: int) -> ClusterModel:
-        """The same nodes, as many as ``world_size`` ranks need."""
-        g = self.cluster.devices_per_node
-        c = self.cluster
-        nodes = -(-world_size // g)
-        cluster = Cluster(
-            nodes, g, c.intra_bandwidth, c.inter_bandwidth, c.intra_latency, c.inter_latency,
-            c.device_flops,
-        )  # fmt: skip
-        return replace(self, cluster=cluster)
-
-
-# the cluster files shipped with zerosim, each number's source in its "comment" (docs/dryrun.md)
-CLUSTERS = Path(__file__).resolve().parent / "clusters"
-
-
-def cluster_names() -> list[str]:
-    """The names ``load_cluster_model`` takes for the shipped cluster files ("selene", …)."""
-    return sorted(p.stem for p in CLUSTERS.glob("*.json"))
-
-
-def load_cluster_model(path: str | Path) -> ClusterModel:
-    """A ``ClusterModel`` from JSON: ``Cluster``'s seven keys, optionally the two efficiencies
-    (default 1), ``device_memory_bytes``, ``backend`` (numpy | cupy, default cupy), a host's
-    ``HOST_KEYS`` (``zerosim calibrate``) and ``name``/``comment``/``calibration``/
-    ``measurements`` notes; other keys are refused.
-
-    ``path``: a cluster JSON file, or the name of one shipped in ``zerosim/dryrun/clusters/``
-    (``cluster_names()``: "selene", "zeropp_v100")."""
-    if not Path(path).exists() and str(path) in cluster_names():
-        path = CLUSTERS / f"{path}.json"
-    if not Path(path).is_file():
-        raise FileNotFoundError(
-            f"cluster {str(path)!r}: no such file, and not one of the shipped clusters "
-            f"{cluster_names()}"
-        )
-    spec = json.loads(Path(path).read_text())
-    optional = [*EFFICIENCY_KEYS, MEMORY_KEY, FP32_KEY, BACKEND_KEY, *HOST_KEYS]
-    unknown = sorted(set(spec) - {*CLUSTER_KEYS, *optional, *NOTE_KEYS})
-    missing = [k for k in CLUSTER_KEYS if k not in spec]
-    if unknown or missing:
-        raise ValueError(
-            f"cluster file {path}: unknown keys {unknown}, missing keys {missing}; expected "
-            f"{list(CLUSTER_KEYS)}, optionally {optional} and {list(NOTE_KEYS)}"
-        )
-    cluster = Cluster(**{k: spec[k] for k in CLUSTER_KEYS})
-    extra = {k: float(spec[k]) for k in EFFICIENCY_KEYS if k in spec}
-    try:
-        return ClusterModel(
-            cluster,
-            **extra,
-            name=str(spec.get("name", "")),
-            device_memory_bytes=spec.get(MEMORY_KEY),
-            device_flops_fp32=spec.get(FP32_KEY),
-            backend=spec.get(BACKEND_KEY, "cupy"),
-            memory_bandwidth=spec.get("memory_bandwidth"),
-            op_overhead_s=spec.get("op_overhead_s"),
-            overlap=bool(spec.get("overlap", True)),
-        )
-    except ValueError as err:
-        raise ValueError(f"cluster file {path}: {err}") from None
+__all__ = [
+    "CLUSTERS",
+    "CLUSTER_KEYS",
+    "HOST_KEYS",
+    "ClusterModel",
+    "StepTime",
+    "chrome_trace",
+    "cluster_names",
+    "group_seconds",
+    "load_cluster_model",
+    "simulate",
+]
 
 
 def group_seconds(model: ClusterModel, op: str, size_bytes: float, members: tuple[int, ...]):
-    """Seconds for one collective of ``size_bytes`` (nccl-tests' S) on the ranks ``members``."""
+    """Seconds for one collective of ``size_bytes`` (nccl-tests' S) on the ranks ``members``:
+    c_α(p)·α + c_β(p)·S / (B · efficiency(S)), the ring's bus bandwidth B as the module
+    docstring derives it."""
     p = len(members)
     if p <= 1:
         return 0.0
-    c, eff = model.cluster, model.network_efficiency
+    c = model.cluster
     op = {"reduce": "broadcast", "barrier": "broadcast"}.get(op, op)
     size = 0.0 if op == "barrier" else size_bytes
     nodes, k = placement(members, c.devices_per_node)
+    intra = c.intra_bandwidth * model.intra_efficiency
+    nic = c.inter_bandwidth * model.inter_efficiency  # one device's share of its node's NICs
     if nodes == 1:
-        return collective_time(op, size, p, c.intra_latency, c.intra_bandwidth * eff)
-    if k:
-        group = Cluster(
-            nodes, k, c.intra_bandwidth * eff, c.inter_bandwidth * eff, c.intra_latency,
-            c.inter_latency, c.device_flops,
-        )  # fmt: skip
-        return group.collective_time(op, size)
-    return collective_time(op, size, p, c.inter_latency, c.inter_bandwidth * eff)
+        alpha, bus = c.intra_latency, intra
+    elif k > 1:  # one ring through every node: NVLink hops and node crossings run at once
+        alpha, bus = c.inter_latency, min(intra, k * nic)
+    else:  # one rank per node, or unevenly placed: every hop crosses the network
+        alpha, bus = c.inter_latency, nic
+    return collective_time(op, size, p, alpha, bus * model.size_efficiency(size))
+
+
+def compute_seconds(model: ClusterModel, products: Any) -> float:
+    """Seconds of one stretch of matrix products by roofline: each product takes the longer of
+    its FLOPs at the dtype's peak and its bytes at the device's memory bandwidth, over the
+    software factor. ``products``: {(FLOPs, bytes): count}, or FLOPs alone (priced at peak)."""
+    peak = model.cluster.device_flops
+    if not isinstance(products, dict):
+        return products / (peak * model.software_factor)
+    bandwidth = model.device_memory_bandwidth
+    seconds = sum(
+        count * max(flops / peak, nbytes / bandwidth if bandwidth else 0.0)
+        for (flops, nbytes), count in products.items()
+    )
+    return seconds / model.software_factor
 
 
 def elementwise_seconds(model: ClusterModel, operations: int, nbytes: int) -> float:
@@ -242,10 +158,9 @@ class StepTime:
 def simulate(
     events: list[tuple[str, Any]], calls: list[Any], model: ClusterModel, spans: bool = False
 ) -> StepTime:
-    """Run one step's ``events`` (("compute", flops), ("elementwise", (operations, bytes)),
-    ("issue", i), ("wait", i), ("memory", live bytes)) on ``model``; ``calls[i]`` is the
-    collective of index i (``VirtualComm.calls``)."""
-    rate = model.cluster.device_flops * model.compute_efficiency
+    """Run one step's ``events`` (("compute", {(flops, bytes): products} or flops),
+    ("elementwise", (operations, bytes)), ("issue", i), ("wait", i), ("memory", live bytes)) on
+    ``model``; ``calls[i]`` is the collective of index i (``VirtualComm.calls``)."""
     now = compute = 0.0  # the compute stream's clock and busy time
     stream = _CommStream(spans)
     pending: dict[int, tuple[float, str]] = {}  # without overlap: issued, moved when waited
@@ -256,7 +171,10 @@ def simulate(
     phases: list[tuple[float, str]] = []
     for kind, value in events:
         if kind in ("compute", "elementwise"):  # elementwise: a host's rates, else free
-            dt = value / rate if kind == "compute" else elementwise_seconds(model, *value)
+            if kind == "compute":
+                dt = compute_seconds(model, value)
+            else:
+                dt = elementwise_seconds(model, *value)
             if spans:
                 label = "matmul" if kind == "compute" else kind
                 stream.spans.append(("compute", label, now, now + dt))

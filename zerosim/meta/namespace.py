@@ -165,7 +165,8 @@ class MetaNamespace:
             return not known[0]
         return None
 
-    def round(self, x: Any, decimals: int = 0, out: Any = None) -> Any:
+    # NumPy's signature; a shape and dtype do not depend on the decimals
+    def round(self, x: Any, decimals: int = 0, out: Any = None) -> Any:  # noqa: V107
         return self.apply(np.round, x, out=out)
 
     def clip(self, x: Any, lo: Any = None, hi: Any = None, out: Any = None, **_: Any) -> Any:
@@ -236,10 +237,12 @@ class MetaNamespace:
         batch = broadcast_shapes(ma[:-2], mb[:-2])
         m, k, n = ma[-2], ma[-1], mb[-1]
         shape = (*batch, *(() if len(sa) == 1 else (m,)), *(() if len(sb) == 1 else (n,)))
-        current().matmul(2 * math.prod(batch) * m * k * n)
+        dtype = result_dtype(np.matmul, (probe(a), probe(b)))
+        result_bytes = math.prod(shape) * np.dtype(dtype).itemsize
+        current().matmul(2 * math.prod(batch) * m * k * n, _nbytes(a, b) + result_bytes)
         if out is not None:
             return _write(out, shape)
-        return MetaArray(shape, result_dtype(np.matmul, (probe(a), probe(b))))
+        return MetaArray(shape, dtype)
 
     def matrix_transpose(self, x: MetaArray) -> MetaArray:
         return x.mT

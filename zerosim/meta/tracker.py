@@ -121,6 +121,7 @@ class Tracker:
         self.peak_total = 0
         self.allocations = 0
         self.matmul_flops = 0
+        self.product_bytes = 0  # operand and result bytes of the product being notified
         self.ops: dict[str, int] = {}  # array operations by kind (module docstring)
         self.op_bytes = 0  # the bytes they read and wrote
         # called as listener(kind, amount, category) for "alloc", "free" and "matmul" events,
@@ -145,8 +146,11 @@ class Tracker:
         for listener in self.listeners:
             listener("free", nbytes, category)
 
-    def matmul(self, flops: int) -> None:
+    def matmul(self, flops: int, nbytes: int = 0) -> None:
+        """Count one matrix product of ``flops`` that reads its operands and writes its result,
+        ``nbytes`` together (what a roofline prices it by: ``dryrun/timeline.py``)."""
         self.matmul_flops += flops
+        self.product_bytes = nbytes
         for listener in self.listeners:
             listener("matmul", flops, "")
 

@@ -31,7 +31,7 @@ class _GradMode:
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
-        exc: BaseException | None,
+        exc: BaseException | None,  # noqa: V107 (the context-manager protocol's signature)
         tb: TracebackType | None,
     ) -> None:
         _state.enabled = self._previous

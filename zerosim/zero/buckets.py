@@ -46,12 +46,12 @@ class BufferPool:
     """
 
     def __init__(self, xp: Any, dtype: Any) -> None:
-        self.xp = xp
-        self.dtype = np.dtype(dtype)
-        self.free: dict[np.dtype, list[Any]] = {}
+        self.xp: Any = xp  # the array module buffers are made with
+        self.dtype: np.dtype = np.dtype(dtype)  # the dtype a take() without one gets
+        self.free: dict[np.dtype, list[Any]] = {}  # per dtype, the buffers not lent out
         self.lent: dict[int, Any] = {}  # id(view) -> the buffer it is a view of
-        self.nbytes = 0
-        self.allocations = 0
+        self.nbytes: int = 0  # bytes of every buffer made, lent or free
+        self.allocations: int = 0  # buffers made (a pool that works makes few)
 
     def take(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
         """A zero-filled array of this shape (and dtype), a view of a pooled buffer."""
@@ -91,7 +91,7 @@ class PendingReductions:
 
     def __init__(self, give: Callable[[Any], None]) -> None:
         self.items: list[tuple[Any, Any, Any, tuple]] = []  # oldest first
-        self.give = give  # gives a pooled view back (``BufferPool.give``)
+        self.give: Callable[[Any], None] = give  # gives a pooled view back (``BufferPool.give``)
 
     def add(self, handle: Any, out: Any, land: Callable[[Any], None] | None, views: tuple) -> None:
         self.items.append((handle, out, land, views))
@@ -117,9 +117,10 @@ class ReduceSequence:
     the result where the stage says (``land``) and gives the buffers back."""
 
     def __init__(self, strategy: Any, pool: BufferPool) -> None:
-        self.strategy = strategy  # its scaling, its wire dtype, overlap or block, its comm
-        self.pool = pool  # bucket buffers, lent and given back
-        self.pending = PendingReductions(pool.give)  # started reductions, oldest first
+        self.strategy: Any = strategy  # its scaling, its wire dtype, overlap or block, its comm
+        self.pool: BufferPool = pool  # bucket buffers, lent and given back
+        # started reductions, oldest first
+        self.pending: PendingReductions = PendingReductions(pool.give)
 
     def take(self, shape: int | tuple[int, ...], dtype: Any = None) -> Any:
         """A zero-filled bucket buffer from the pool; its bytes are the pool's
@@ -179,10 +180,10 @@ class BucketQueue:
     """
 
     def __init__(self, members: list[list[int]], launch: Callable[[int], None]) -> None:
-        self.members = members
-        self.launch = launch
+        self.members: list[list[int]] = members  # per bucket, the ids of its parameters
+        self.launch: Callable[[int], None] = launch  # the stage's reduction of bucket b
         self.waiting: list[set[int]] = []  # per bucket, the parameters not ready yet
-        self.next = 0  # the first bucket not launched yet
+        self.next: int = 0  # the first bucket not launched yet
         self.start()
 
     def start(self) -> None:
@@ -227,7 +228,7 @@ class BucketAllReduce(GradReducer):
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
-        self.reducing = False  # only the boundary backward reduces
+        self.reducing: bool = False  # only the boundary backward reduces
         # per group, its buckets, launched in order as backward finishes their parameters
         self.queues: list[BucketQueue] = [
             self.bucket_queue(gi, g) for gi, g in enumerate(strategy.groups)
@@ -292,6 +293,7 @@ class BucketReduceScatter(GradReducer):
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         size = strategy.zero.reduce_bucket_size
+        # per group, its fixed buckets and each bucket's pieces
         self.plans: list[BucketPlan] = [BucketPlan.plan(g, size) for g in strategy.groups]
         # per group, its buckets, launched in order as backward finishes their parameters
         self.queues: list[BucketQueue] = [
@@ -403,11 +405,15 @@ class RankMajorGroup:
     gradients arrive, launched by ``queue`` strictly in bucket order."""
 
     def __init__(self, g: Any, world_size: int, bucket_size: int, launch: Callable) -> None:
-        self.members = static_buckets(g.partition.chunks, world_size, bucket_size)  # indices
-        self.bucket_of = {i: k for k, members in enumerate(self.members) for i in members}
+        # indices
+        self.members: list[list[int]] = static_buckets(g.partition.chunks, world_size, bucket_size)
+        # parameter index -> its bucket
+        self.bucket_of: dict[int, int] = {
+            i: k for k, members in enumerate(self.members) for i in members
+        }
         self.buffers: dict[int, Any] = {}  # bucket -> its (N, width) buffer while being filled
         ids = [[id(g.named_params[i][1]) for i in members] for members in self.members]
-        self.queue = BucketQueue(ids, launch)  # launches the buckets in order
+        self.queue: BucketQueue = BucketQueue(ids, launch)  # launches the buckets in order
 
 
 class RankMajorReduceScatter(GradReducer):

@@ -42,19 +42,20 @@ class ParamCoordinator:
 
     def __init__(self, fetcher: Any, model: Module, zero: Any) -> None:
         strategy = fetcher.strategy
-        self.fetcher = fetcher  # moves the bytes: start_gather, finish_gather, free
-        self.itemsize = strategy.dtype.itemsize  # bytes of a gathered element
-        self.zero = zero
-        self.prefetch = bool(zero.overlap_comm) and zero.stage3_prefetch_bucket_size > 0
-        self.modules: dict[int, list[Parameter]] = {}
-        self.state: dict[int, str] = {}
-        self.handles: dict[int, Any] = {}
-        self.live = 0  # elements gathered or in flight (persistent parameters excluded)
-        self.peak_live_bytes = 0
+        self.fetcher: Any = fetcher  # moves the bytes: start_gather, finish_gather, free
+        self.itemsize: int = strategy.dtype.itemsize  # bytes of a gathered element
+        self.zero: Any = zero  # the zero_optimization settings
+        # with overlap_comm: gather ahead along the trace
+        self.prefetch: bool = bool(zero.overlap_comm) and zero.stage3_prefetch_bucket_size > 0
+        self.modules: dict[int, list[Parameter]] = {}  # module id -> its partitioned parameters
+        self.state: dict[int, str] = {}  # id(param) -> "released" | "inflight" | "available"
+        self.handles: dict[int, Any] = {}  # id(param) -> its gather in flight
+        self.live: int = 0  # elements gathered or in flight (persistent parameters excluded)
+        self.peak_live_bytes: int = 0  # the high-water mark of live, in bytes
         self.trace: list[tuple[int, str]] = []  # (module id, "forward" | "backward")
-        self.trace_valid = False
-        self.recording = True
-        self.position = 0
+        self.trace_valid: bool = False  # the recorded trace holds for later steps
+        self.recording: bool = True  # this micro-step records the trace
+        self.position: int = 0  # the next fetch's place in the trace
         for module in model.modules():
             own = [p for p in module._parameters.values() if not strategy.is_persistent(p)]
             if not own:
@@ -66,7 +67,8 @@ class ParamCoordinator:
             module.register_forward_hook(lambda m, args, out: self.release(m))
             module.register_full_backward_pre_hook(lambda m, grad: self.fetch(m, "backward"))
             module.register_full_backward_hook(lambda m, _gi, _go: self.release(m))
-        self.numel = {id(p): p.numel for ps in self.modules.values() for p in ps}
+        # id(param) -> its elements
+        self.numel: dict[int, int] = {id(p): p.numel for ps in self.modules.values() for p in ps}
 
     # -- the trace --------------------------------------------------------------------------------
     def start_micro_step(self) -> None:

@@ -59,23 +59,23 @@ class DeepSpeedCoordinator:
 
     def __init__(self, fetcher: Any, model: Module, zero: Any) -> None:
         strategy = fetcher.strategy
-        self.fetcher = fetcher  # moves the bytes: start_coalesced_gather, finish_…, free
-        self.itemsize = strategy.dtype.itemsize  # bytes of a gathered element
-        self.zero = zero
+        self.fetcher: Any = fetcher  # moves the bytes: start_coalesced_gather, finish_…, free
+        self.itemsize: int = strategy.dtype.itemsize  # bytes of a gathered element
+        self.zero: Any = zero  # the zero_optimization settings
         self.modules: dict[int, list[Parameter]] = {}  # module id -> its own parameters
         self.order: dict[int, int] = {}  # parameter id -> definition order (DeepSpeed's ds_id)
         self.state: dict[int, str] = {}  # "released" | "inflight" | "available"
         self.persistent: set[int] = set()  # ids of the persistent parameters (ds_persist)
         self.inflight: dict[int, Any] = {}  # parameter id -> its coalesced gather
         self.active: dict[int, set[int]] = {}  # parameter id -> modules running with it
-        self.live = 0  # elements gathered or in flight (DeepSpeed's __n_available_params)
-        self.peak_live_bytes = 0
-        self.mode = "invalid"  # "invalid" -> "record" -> "complete" (DeepSpeed's trace modes)
+        self.live: int = 0  # elements gathered or in flight (DeepSpeed's __n_available_params)
+        self.peak_live_bytes: int = 0  # the high-water mark of live, in bytes
+        self.mode: str = "invalid"  # "invalid" -> "record" -> "complete" (DeepSpeed's trace modes)
         self.trace: list[int] = []  # module ids, one per fetch
         self.param_trace: list[tuple[Parameter, int]] = []  # (parameter, step of that use)
-        self.queue: deque[tuple[Parameter, int]] = deque()
+        self.queue: deque[tuple[Parameter, int]] = deque()  # the trace's uses still to prefetch
         self.fetched_for: dict[int, int] = {}  # parameter id -> latest step taken off the queue
-        self.step = 0
+        self.step: int = 0  # fetches so far in this micro-step (the trace's clock)
         for p in model.parameters():
             self.order.setdefault(id(p), len(self.order))
         for module in model.modules():
@@ -90,7 +90,7 @@ class DeepSpeedCoordinator:
             module.register_forward_hook(lambda m, args, out: self.release(m))
             module.register_full_backward_pre_hook(lambda m, grad: self.fetch(m))
             module.register_full_backward_hook(lambda m, _gi, _go: self._backward_post(m))
-        self.model = model
+        self.model: Module = model  # the model whose modules are hooked
         binding = binding_live_cap(model, zero.stage3_max_live_parameters)
         if binding is not None and strategy.comm.rank == 0:
             name, numel = binding

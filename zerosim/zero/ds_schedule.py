@@ -1,26 +1,19 @@
-"""What DeepSpeed's schedule changes in the paper's flat buffers and norm at stages 1-2.
+"""What DeepSpeed's schedule changes in the paper's gradient norm, whatever the stage.
 
-The paper's stage files (``stage1.py``, ``stage2.py``) pad each flat buffer to a multiple of N,
-lay parameters out in definition order and send the boundary's gradient norm as one partial
-Σg² per rank. DeepSpeed 0.19.8 (``deepspeed/runtime/zero/stage_1_and_2.py``) differs in three
-ways that do not depend on how gradients are reduced, so they live here, mixed into each
-DeepSpeed-schedule class (``stage1_deepspeed.py``, ``stage2_deepspeed.py``):
-
-- ``alignment``: flat buffers pad to a multiple of 2·N (``nccl_start_alignment_factor = 2`` in
-  ``DeepSpeedZeroOptimizer.__init__``: every fp16 shard then starts on a 4-byte boundary).
-- ``round_robin``: with ``round_robin_gradients`` the parameters are laid out round robin over
-  the ranks (``_round_robin_reorder``), so each rank's partition holds every N-th parameter.
-- ``norm_per_group``: the norm is all-reduced once per parameter group
-  (``get_grad_norm_direct``, called per group by ``scaled_global_norm``), not once in all; at
-  stage 3 (``stage3.py``) a norm group is a ``sub_group_size`` sub-group of a parameter group.
-  The sharded step (``sharded_step.py``) sends ``norm_parts`` where a class says so.
+The paper's stage files send the boundary's gradient norm as one partial Σg² per rank.
+DeepSpeed 0.19.8 all-reduces the norm once per parameter group (``get_grad_norm_direct``, called
+per group by ``scaled_global_norm`` in ``deepspeed/runtime/zero/stage_1_and_2.py``), not once in
+all; at stage 3 (``stage3.py``) a norm group is a ``sub_group_size`` sub-group of a parameter
+group. The sharded step (``sharded_step.py``) sends ``norm_parts`` where a class says so
+(``norm_per_group``, set by ``DeepSpeedNormGroups``). DeepSpeed's padding and round robin are its
+layout part (``layouts.DeepSpeedLayout``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from zerosim.zero.partition import DEEPSPEED_ALIGNMENT, Range, deepspeed_sub_groups
+from zerosim.zero.partition import Range, deepspeed_sub_groups
 
 
 def norm_parts(step: Any, inv_scale: float = 1.0) -> list[float]:
@@ -49,14 +42,3 @@ class DeepSpeedNormGroups:
     sharded step sends ``norm_parts``."""
 
     norm_per_group = True
-
-
-class DeepSpeedFlatBuffers(DeepSpeedNormGroups):
-    """Mixin for stages 1-2: DeepSpeed's padding (2·N) and ``round_robin_gradients`` layout."""
-
-    alignment = DEEPSPEED_ALIGNMENT
-
-    @property
-    def round_robin(self) -> bool:
-        """``round_robin_gradients``: parameters laid out round robin over the ranks."""
-        return bool(self.zero.round_robin_gradients)

@@ -36,7 +36,7 @@ class ParamFetcher(ABC):
     coordinator_kind = "paper"
 
     def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy  # the stage: its groups, its communicator, its chunks
+        self.strategy: Any = strategy  # the stage: its groups, its communicator, its chunks
         self.coordinator: Any = None  # attach(): decides when to fetch and release
 
     @abstractmethod

@@ -39,9 +39,9 @@ class ParamChunk:
     """This rank's chunk of one partitioned parameter, and what gathering it needs."""
 
     def __init__(self, comm: Communicator, numel: int, chunk: Any) -> None:
-        self.comm = comm
-        self.numel = numel  # elements of the whole parameter
-        self.chunk = chunk  # ceil(numel / N) elements; past the parameter's end: zero padding
+        self.comm: Communicator = comm  # the ranks the parameter is partitioned over
+        self.numel: int = numel  # elements of the whole parameter
+        self.chunk: Any = chunk  # ceil(numel / N) elements; past the parameter's end: zero padding
 
     @property
     def valid(self) -> int:
@@ -95,10 +95,12 @@ class Init:
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be True or False, got {enabled!r}")
-        self.enabled = enabled
-        self.comm = comm if comm is not None or not enabled else default_comm()
-        self.threshold = 0
-        self.dtype = None if dtype is None else resolve_dtype(dtype)
+        self.enabled: bool = enabled  # False: the block builds whole parameters
+        # the ranks parameters are partitioned over
+        self.comm: Communicator | None = comm if comm is not None or not enabled else default_comm()
+        self.threshold: int = 0  # stage3_param_persistence_threshold: smaller ones stay whole
+        # the dtype parameters are cast to, if any
+        self.dtype: np.dtype | None = None if dtype is None else resolve_dtype(dtype)
         if config is not None and enabled:
             from zerosim.config import load_config
 
@@ -106,10 +108,10 @@ class Init:
             self.threshold = cfg.zero_optimization.stage3_param_persistence_threshold
             if self.dtype is None:
                 self.dtype = resolve_dtype(cfg.model_dtype)
-        self._handle: Any = None
-        self._thread = 0  # the thread that entered: under LocalWorld every rank is a thread
-        self.partitioned = 0  # parameters partitioned by this context
-        self.peak_full_bytes = 0  # the largest whole parameter held while building
+        self._handle: Any = None  # the parameter-registration hook, removed on exit
+        self._thread: int = 0  # the thread that entered: under LocalWorld every rank is a thread
+        self.partitioned: int = 0  # parameters partitioned by this context
+        self.peak_full_bytes: int = 0  # the largest whole parameter held while building
 
     def __enter__(self) -> Init:
         if self.enabled:
@@ -173,18 +175,22 @@ class GatheredParameters:
         for i, p in enumerate(params):
             if not isinstance(p, Parameter):
                 raise TypeError(f"params[{i}] must be a Parameter, got {type(p).__name__}")
-        self.params = [p for p in params if p.partition is not None] if enabled else []
+        # the partitioned ones among those given
+        self.params: list[Parameter] = (
+            [p for p in params if p.partition is not None] if enabled else []
+        )
         comms = {id(p.partition.comm): p.partition.comm for p in self.params}
         if len(comms) > 1:
             raise ValueError("params are partitioned over different communicators; gather each")
-        self.comm = next(iter(comms.values()), None)
+        # their communicator (None: nothing to gather)
+        self.comm: Communicator | None = next(iter(comms.values()), None)
         if modifier_rank is not None and self.comm is not None:
             if not isinstance(modifier_rank, int) or not 0 <= modifier_rank < self.comm.size:
                 raise ValueError(
                     f"modifier_rank must be None or a rank in [0, {self.comm.size}), "
                     f"got {modifier_rank!r}"
                 )
-        self.modifier_rank = modifier_rank
+        self.modifier_rank: int | None = modifier_rank  # whose changes are kept (None: none)
 
     def __enter__(self) -> GatheredParameters:
         for p in self.params:

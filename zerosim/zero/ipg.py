@@ -196,21 +196,25 @@ class IpgBuckets:
         deliver: Callable[[int, int, Any], None],
     ) -> None:
         zero = strategy.zero
-        self.strategy = strategy
-        self.comm = strategy.comm
-        self.flat_starts = flat_starts
-        self.partition_sizes = partition_sizes
-        self.deliver = deliver
-        self.limit = int(zero.reduce_bucket_size)
-        self.switches = dict(
+        self.strategy: Any = strategy  # the stage: its pool, its reduce sequence
+        self.comm: Any = strategy.comm  # the ranks a bucket is reduced over
+        # per group, each parameter's start in the flat buffer
+        self.flat_starts: list[list[int]] = flat_starts
+        # per group, P: the elements of one rank's partition
+        self.partition_sizes: list[int] = partition_sizes
+        # deliver(group, start, values): a piece lands
+        self.deliver: Callable[[int, int, Any], None] = deliver
+        # reduce_bucket_size: a bucket goes before it would overflow this
+        self.limit: int = int(zero.reduce_bucket_size)
+        self.switches: dict[str, bool] = dict(  # DeepSpeed's switches that choose the collective
             reduce_scatter=bool(zero.reduce_scatter),
             use_multi_rank_bucket_allreduce=bool(zero.use_multi_rank_bucket_allreduce),
             contiguous_gradients=bool(zero.contiguous_gradients),
         )
-        self.muon = strategy.muon  # split Muon matrices go to all their owners
+        self.muon: Any = strategy.muon  # split Muon matrices go to all their owners
         self.entries: list[BucketGradient] = []  # the bucket being filled
         self.grads: list[Any] = []  # their gradients (flattened views), until the bucket goes
-        self.numel = 0  # their elements
+        self.numel: int = 0  # their elements
 
     def add(self, group: int, index: int, grad: Any) -> None:
         """Parameter ``index`` of ``group`` joins the bucket (which is reduced first if full)."""
@@ -282,8 +286,8 @@ class Delivery:
     the stage's ``deliver`` (the piece's owner) or to Muon (a split matrix's other owners)."""
 
     def __init__(self, ipg: IpgBuckets, reduction: Reduction) -> None:
-        self.ipg = ipg
-        self.reduction = reduction
+        self.ipg: IpgBuckets = ipg  # the buckets the message came from
+        self.reduction: Reduction = reduction  # which pieces of the message this rank keeps
 
     def __call__(self, message: Any) -> None:
         rank, at = self.ipg.comm.rank, 0
@@ -310,8 +314,8 @@ class IpgAtBoundary(GradReducer):
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
-        self.ipg = ipg_buckets(strategy)  # the bucket being filled
-        self.reducing = False  # with overlap_comm: only the boundary backward reduces
+        self.ipg: IpgBuckets = ipg_buckets(strategy)  # the bucket being filled
+        self.reducing: bool = False  # with overlap_comm: only the boundary backward reduces
         self.added: set[int] = set()  # id(param) of gradients added in this boundary backward
         self.tracker: GradReadyTracker | None = None  # attach(), with overlap_comm
 
@@ -352,7 +356,7 @@ class IpgInBackward(GradReducer):
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
-        self.ipg = ipg_buckets(strategy)  # the bucket being filled
+        self.ipg: IpgBuckets = ipg_buckets(strategy)  # the bucket being filled
         self.added: set[int] = set()  # id(param) of gradients added in this backward
         self.tracker: GradReadyTracker | None = None  # attach(): says when a gradient is final
 

@@ -64,7 +64,7 @@ class LambNorms:
         # id(tile) -> (parameter name, start, stop) of each run of the tile
         self._pieces: dict[int, list[tuple[Hashable, int, int]]] = {}
         for seg in strategy.segments("stepped"):
-            tile = strategy.sharded_step.tiles[seg.group][seg.shard]
+            tile = strategy.sharded_step.tiles[seg.group][seg.tile]
             self._pieces.setdefault(id(tile), []).append(
                 (seg.name, seg.offset, seg.offset + seg.size)
             )

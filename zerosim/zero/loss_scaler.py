@@ -97,7 +97,8 @@ class LossScalerBase(ABC):
     dynamic: bool = False
 
     def __init__(self, cur_scale: float, name: str = "init_scale") -> None:
-        self.cur_scale = _positive(name, cur_scale)
+        # the scale the next loss is multiplied by
+        self.cur_scale: float = _positive(name, cur_scale)
 
     @property
     def loss_scale(self) -> float:
@@ -172,17 +173,23 @@ class DynamicLossScaler(LossScalerBase):
         raise_error_at_min_scale: bool = True,
     ) -> None:
         super().__init__(init_scale)
-        self.scale_factor = _positive("scale_factor", scale_factor)
+        # the scale is multiplied or divided by this
+        self.scale_factor: float = _positive("scale_factor", scale_factor)
         if self.scale_factor <= 1.0:
             raise ValueError(f"scale_factor must be > 1, got {scale_factor!r}")
-        self.scale_window = _count("scale_window", scale_window)
-        self.min_scale = _positive("min_scale", min_scale)
-        self.delayed_shift = _count("delayed_shift", delayed_shift)
-        self.consecutive_hysteresis = bool(consecutive_hysteresis)
-        self.raise_error_at_min_scale = bool(raise_error_at_min_scale)
-        self.cur_iter = 0
-        self.last_overflow_iter = -1
-        self.cur_hysteresis = self.delayed_shift
+        # steps without overflow before the scale grows
+        self.scale_window: int = _count("scale_window", scale_window)
+        # the scale never falls below this
+        self.min_scale: float = _positive("min_scale", min_scale)
+        # hysteresis: overflows tolerated before the scale falls
+        self.delayed_shift: int = _count("delayed_shift", delayed_shift)
+        # refill the hysteresis after a clean step
+        self.consecutive_hysteresis: bool = bool(consecutive_hysteresis)
+        # an overflow at min_scale raises
+        self.raise_error_at_min_scale: bool = bool(raise_error_at_min_scale)
+        self.cur_iter: int = 0  # steps so far
+        self.last_overflow_iter: int = -1  # the step of the last overflow (-1: none)
+        self.cur_hysteresis: int = self.delayed_shift  # overflows left before the scale falls
 
     def update_scale(self, overflow: bool) -> None:
         if overflow:

@@ -112,18 +112,20 @@ class MuonUpdates:
         self.whole: bool = not strategy.partitions_optimizer_states  # every rank steps them all
         self.chunked: bool = strategy.partitions_params  # each cut into N chunks (stage 3)
         self.flat: bool = not (self.whole or self.chunked)  # cut by flat partitions (stages 1-2)
-        self.made = False  # this step's updates are in the gradient storage
+        self.made: bool = False  # this step's updates are in the gradient storage
         self.groups: list[int] = muon_groups(strategy)  # indices of the Muon parameter groups
         self.matrices: list[Matrix] = []  # every matrix of those groups, in order
         self.where: dict[tuple[int, int], Matrix] = {}  # (group, index) -> its matrix
         n, rank = self.comm.size, self.comm.rank
         offload = strategy.offload
         # optimizer offload: DeepSpeed's other path (zero/muon_offload.py)
-        self.offloaded = OffloadedMuon(self) if offload.optimizer != "none" else None
-        self.momentum_on_nvme = (
+        self.offloaded: OffloadedMuon | None = (
+            OffloadedMuon(self) if offload.optimizer != "none" else None
+        )
+        self.momentum_on_nvme: bool = (  # the momentum lives in swap files
             offload.optimizer == "nvme" and not strategy.zero.save_muon_momentum_buffer_in_memory
         )
-        self.momentum_dtype = self._momentum_dtype()
+        self.momentum_dtype: np.dtype = self._momentum_dtype()  # the dtype the momentum is kept in
         for gi in self.groups:
             g = strategy.groups[gi]
             for i, (name, p) in enumerate(g.named_params):
@@ -152,7 +154,9 @@ class MuonUpdates:
                 if m.split and self.flat:
                     m.copies = g.xp.zeros(m.numel, dtype=strategy.dtype)
         # stage 3: each rank keeps the momentum of its chunks, laid out as its gradient shard
-        self.momentum3 = {gi: self._momentum3(gi) for gi in self.groups if self.chunked}
+        self.momentum3: dict[int, Any] = {
+            gi: self._momentum3(gi) for gi in self.groups if self.chunked
+        }
 
     def _momentum3(self, gi: int) -> Any:
         """Stage 3's momentum of group ``gi``: the device's memory, host memory under offload,
@@ -256,7 +260,7 @@ class MuonUpdates:
             g = s.groups[m.group]
             full = None
             for seg in pieces.get(m.name, []):
-                grad = tiles[seg.group][seg.shard].grad
+                grad = tiles[seg.group][seg.tile].grad
                 if full is None:
                     full = g.xp.zeros(m.numel, dtype=grad.dtype)
                 full[seg.param_range.start : seg.param_range.stop] = grad[
@@ -266,7 +270,7 @@ class MuonUpdates:
                 continue
             update = flat(self.update(m.group, full.reshape(m.shape), m.momentum))
             for seg in pieces[m.name]:
-                grad = tiles[seg.group][seg.shard].grad
+                grad = tiles[seg.group][seg.tile].grad
                 grad[seg.offset : seg.offset + seg.size] = update[
                     seg.param_range.start : seg.param_range.stop
                 ]

@@ -76,7 +76,7 @@ class OffloadedMuon:
     def __init__(self, muon: Any) -> None:
         self.muon: Any = muon  # the matrices (zero/muon.py) whose updates are made here
         # stage 3 creates the momentum with the sub-group; stages 1-2 at the first update
-        self.momentum_exists = muon.chunked
+        self.momentum_exists: bool = muon.chunked
 
     def make_updates(self, inv_scale: float) -> None:
         if self.muon.chunked:  # stage 3: every parameter cut into N chunks

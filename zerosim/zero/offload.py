@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -98,11 +99,13 @@ class NvmeStore:
 
     def __init__(self, root: str, rank: int) -> None:
         prefix = f"zerosim_rank{rank}_{os.getpid()}_"
-        self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
-        self.files: dict[str, np.memmap] = {}
-        self.bytes_read = 0
-        self.bytes_written = 0
-        self._finalizer = weakref.finalize(self, _remove, str(self.directory))
+        # this rank's directory of swap files
+        self.directory: Path = Path(tempfile.mkdtemp(prefix=prefix, dir=root))
+        self.files: dict[str, np.memmap] = {}  # name -> its mapped swap file
+        self.bytes_read: int = 0  # bytes read from the files so far
+        self.bytes_written: int = 0  # bytes written to them so far
+        # removes the directory when the store goes
+        self._finalizer: weakref.finalize = weakref.finalize(self, _remove, str(self.directory))
 
     def path(self, name: str) -> Path:
         return self.directory / f"{name}.swp"
@@ -149,10 +152,14 @@ class NvmeOptimizerSwapper:
     """
 
     def __init__(self, strategy: Any, store: NvmeStore, buffer_count: int) -> None:
-        opt = self.optimizer = strategy.optimizer
-        self.store, self.tiles = store, strategy.sharded_step.tiles
-        self.keys = [opt.state_keys(group) for group in opt.param_groups]
-        self.views = [[s.data for s in tiles] for tiles in self.tiles]  # master file views
+        opt = strategy.optimizer
+        self.optimizer: Any = opt  # whose step this replaces
+        self.store: NvmeStore = store  # the swap files of the master and state tiles
+        self.tiles: list[list[Any]] = strategy.sharded_step.tiles  # the tiles, per group
+        # per group, the optimizer's state keys
+        self.keys: list[list[str]] = [opt.state_keys(group) for group in opt.param_groups]
+        # master file views
+        self.views: list[list[Any]] = [[s.data for s in tiles] for tiles in self.tiles]
         self.offsets: list[list[int]] = []  # where each tile starts in its group's files
         self.numel: list[int] = []  # elements in each group's files
         for tiles in self.tiles:
@@ -160,7 +167,7 @@ class NvmeOptimizerSwapper:
             self.offsets.append([0, *ends[:-1]])
             self.numel.append(ends[-1] if ends else 0)
         per_tile = 1 + max(map(len, self.keys), default=0)
-        self.slots = buffer_count // per_tile
+        self.slots: int = buffer_count // per_tile  # tiles swapped in at a time
         if self.slots == 0:
             raise ConfigError(
                 "zero_optimization.offload_optimizer.buffer_count",
@@ -169,11 +176,11 @@ class NvmeOptimizerSwapper:
                 f"({type(opt).__name__} keeps {list(max(self.keys, key=len))})",
             )
         tile = max((s.data.size for tiles in self.tiles for s in tiles), default=0)
-        self.buffers = [
+        self.buffers: list[list[np.ndarray]] = [  # per slot, the master's and each state's buffer
             [np.empty(tile, dtype=strategy.master_dtype) for _ in range(per_tile)]
             for _ in range(self.slots)
         ]
-        self._inner_step = opt.step
+        self._inner_step: Callable[..., Any] = opt.step  # the optimizer's own step
         opt.step = self.step
 
     @property
@@ -258,15 +265,18 @@ class Offload:
 
     def __init__(self, zero: Any, rank: int) -> None:
         opt_cfg, param_cfg = zero.offload_optimizer, zero.offload_param
-        self.optimizer, self.param = opt_cfg.device, param_cfg.device
-        self.buffer_count = opt_cfg.buffer_count
+        self.optimizer: str = opt_cfg.device  # "none", "cpu" or "nvme"
+        self.param: str = param_cfg.device  # the same, for stage 3's parameters
+        # offload_optimizer.buffer_count: nvme swap buffers
+        self.buffer_count: int = opt_cfg.buffer_count
         self.stores: dict[str, NvmeStore] = {}  # one per directory
-        self.optimizer_store = self.param_store = None
+        self.optimizer_store: NvmeStore | None = None  # nvme: the optimizer's swap files
+        self.param_store: NvmeStore | None = None  # nvme: stage 3's parameter swap files
         if self.optimizer == "nvme":
             self.optimizer_store = self._store(opt_cfg.nvme_path, rank)
         if self.param == "nvme":
             self.param_store = self._store(param_cfg.nvme_path, rank)
-        self.swapper: NvmeOptimizerSwapper | None = None
+        self.swapper: NvmeOptimizerSwapper | None = None  # nvme: the swapped optimizer step
 
     def _store(self, root: str, rank: int) -> NvmeStore:
         key = os.path.realpath(root)
@@ -338,8 +348,7 @@ def optimizer_arrays(strategy: Any) -> list[Any]:
     """The arrays an optimizer offload moves: master params and grads, optimizer states (Muon's
     momentum among them)."""
     out = [g.master for g in strategy.groups if g.master is not None]
-    grads = [strategy.master_grad_shard(g) for g in strategy.groups]
-    out += [grad for grad in grads if grad is not None]
+    out += strategy.layout.master_grads  # Megatron's fp16 recipe: its fp32 gradient shard
     opt = strategy.optimizer
     for group, tiles in zip(opt.param_groups, strategy.sharded_step.tiles, strict=True):
         keys = opt.state_keys(group)

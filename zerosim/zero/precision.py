@@ -53,7 +53,7 @@ class MasterWeights:
         for gi, (g, tiles, cut) in enumerate(
             zip(s.groups, step.tiles, step.tile_ranges, strict=True)
         ):
-            persistent = s.master_grad_shard(g)
+            persistent = s.layout.master_grad_shard(gi)
             at, inv = 0, step.group_inv_scale(gi, inv_scale)  # 1 for Muon's updates
             for tile, t in zip(tiles, cut, strict=True):
                 view = s.grad_view(g, t)

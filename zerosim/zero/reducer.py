@@ -34,7 +34,7 @@ class GradReducer(ABC):
     """A stage's gradient reduction; see the module docstring for what a reducer provides."""
 
     def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy  # the stage: its groups, its pool and its reduce sequence
+        self.strategy: Any = strategy  # the stage: its groups, its pool and its reduce sequence
 
     def attach(self, model: Any) -> None:  # noqa: B027 (a no-op by default)
         """Once, after construction: install module hooks (reducers that act during backward)."""

@@ -2,15 +2,18 @@
 name becomes code.
 
 Keyed by (``zero_optimization.stage``, ``zerosim.schedule``, ``zerosim.layout``). A class is a
-stage's algorithm (``stage0.py`` … ``stage3.py``, the paper's, with the paper's parts) or that stage
-given other parts: a gradient reducer (``reducer_cls``, ``reducer.py``) and at stage 3 a parameter
-fetcher (``fetcher_cls``, ``fetcher.py``). DeepSpeed 0.19.8's schedule is each stage with
-DeepSpeed's parts and its flat-buffer padding and norm (``stage0_deepspeed.py`` …); Megatron's
-layout (stage 1 only, ``stage1_megatron.py``) is stage 1 with Megatron's buckets; PyTorch FSDP2's
-schedule (stage 3 only, ``stage3_fsdp2.py``) is stage 3 with FSDP2's dim-0 shards and per-unit
-collectives; ZeRO++ (``stage3_zeropp.py``) is the paper's stage 3 with ZeRO++'s reducer and fetcher,
-picked whenever one of its switches is on, whatever the schedule. The parts of each entry, in the
-comments below, are the class's ``reducer_cls`` / ``fetcher_cls``.
+stage's algorithm (``stage0.py`` … ``stage3.py``, the paper's, with the paper's parts) or that
+stage given other parts, and sets nothing else: a gradient reducer (``reducer_cls``,
+``reducer.py``), at stage 3 a parameter fetcher (``fetcher_cls``, ``fetcher.py``), at stages 0-2
+a flat-buffer layout (``layout_cls``, ``layouts.py``), and the boundary's checks and norm
+(``boundary_rule``, ``DeepSpeedNormGroups``). DeepSpeed 0.19.8's schedule is each stage with
+DeepSpeed's parts (``stage0_deepspeed.py`` …; its layout at stages 1-2); Megatron's layout
+(stage 1 only, ``stage1_megatron.py``) is stage 1 with Megatron's layout part; PyTorch FSDP2's
+schedule (stage 3 only, ``stage3_fsdp2.py``) is stage 3 with FSDP2's dim-0 shards and its
+per-FSDP-module collectives; ZeRO++
+(``stage3_zeropp.py``) is the paper's stage 3 with ZeRO++'s reducer and fetcher, picked whenever
+one of its switches is on, whatever the schedule. The comments below name each entry's reducer
+and fetcher; the layout is the paper's unless a comment says otherwise.
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ STRATEGIES: dict[tuple[int, str, str], type[Strategy]] = {
     (0, "paper", "deepspeed"): Stage0,  # BucketAllReduce
     (0, "deepspeed", "deepspeed"): Stage0DeepSpeed,  # AllReduceAfterBackward
     (1, "paper", "deepspeed"): Stage1,  # UnitReduceScatter
-    (1, "deepspeed", "deepspeed"): Stage1DeepSpeed,  # IpgAtBoundary
-    (1, "paper", "megatron"): Stage1Megatron,  # UnitReduceScatter over Megatron's buckets
+    (1, "deepspeed", "deepspeed"): Stage1DeepSpeed,  # IpgAtBoundary, DeepSpeedLayout
+    (1, "paper", "megatron"): Stage1Megatron,  # UnitReduceScatter, MegatronLayout
     (1, "deepspeed", "megatron"): Stage1MegatronDeepSpeed,  # the same, DeepSpeed's norm
     (2, "paper", "deepspeed"): Stage2,  # BucketReduceScatter
-    (2, "deepspeed", "deepspeed"): Stage2DeepSpeed,  # IpgInBackward
+    (2, "deepspeed", "deepspeed"): Stage2DeepSpeed,  # IpgInBackward, DeepSpeedLayout
     (3, "paper", "deepspeed"): Stage3,  # RankMajorReduceScatter, GatherEach
     (3, "deepspeed", "deepspeed"): Stage3DeepSpeed,  # OpenBucket, CoalescedFetcher
     (3, "fsdp2", "deepspeed"): Stage3FSDP2,  # ModuleReduceScatter, ModuleGather (PyTorch FSDP2's)

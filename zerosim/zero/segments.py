@@ -19,14 +19,14 @@ class Segment:
     """A run of one parameter's elements held in one tile of the optimizer's.
 
     ``param_range`` counts elements of the flattened parameter (``name``); they sit at
-    ``offset`` … ``offset + size`` of the tile ``strategy.sharded_step.tiles[group][shard]`` (its
+    ``offset`` … ``offset + size`` of the tile ``strategy.sharded_step.tiles[group][tile]`` (its
     ``.data`` and every optimizer state array).
     """
 
     name: str
     param_range: Range
     group: int
-    shard: int
+    tile: int  # the tile's index in its group (``ShardedStep.tiles[group]``)
     offset: int
 
     @property

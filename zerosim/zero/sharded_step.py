@@ -19,7 +19,7 @@ What a stage tells this part, once per class (``strategy.py``):
 - ``norm_per_group``: the gradient norm is sent as one partial sum (the paper's) or one per norm
   group (DeepSpeed's, ``ds_schedule.py``);
 - ``grad_view(group, run)``: where the reduced gradient of a run of the flat buffer lies, and
-  ``master_grad_shard(group)`` (Megatron's persistent fp32 gradient shard).
+  its layout part's ``master_grad_shard(group)`` (Megatron's persistent fp32 gradient shard).
 
 Extensions plug in here, never by testing a stage: the master copy under mixed precision or
 offload (``precision.py``), LAMB's per-parameter norms (``lamb.py``), Muon's whole-matrix updates

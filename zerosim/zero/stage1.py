@@ -11,7 +11,7 @@ all-gathered in place, so every rank has the updated parameters again. Per step:
 The reduce-scatter is the reducer this stage is given (``UnitReduceScatter``); beside it:
 DeepSpeed 0.19.8's schedule (``stage1_deepspeed.py``: IPG buckets all-reduced, about
 3(N−1)/N · Ψ per step) and Megatron-LM's distributed optimizer (``stage1_megatron.py``: the same
-reduce-scatter over Megatron's buckets).
+reduce-scatter over Megatron's buckets, the layout part ``layouts.MegatronLayout``).
 """
 
 from __future__ import annotations
@@ -71,11 +71,14 @@ class Stage1(Strategy):
     reducer_cls = UnitReduceScatter  # the paper's in-place reduce-scatter of each unit
 
     def setup_gradients(self) -> None:
-        """Full gradient buffers in the model dtype; module ``.grad`` are views of them."""
+        """Full gradient buffers in the dtype the layout says (the model dtype; Megatron's under
+        bf16: fp32); module ``.grad`` are views of them. The layout adds any fp32 gradient shard
+        it keeps (Megatron's under fp16)."""
         for g in self.groups:
-            g.flat_grad = g.xp.zeros(g.flat_param.size, dtype=self.dtype)
+            g.flat_grad = g.xp.zeros(g.flat_param.size, dtype=self.layout.grad_dtype)
             for i, (_, p) in enumerate(g.named_params):
                 p.grad = g.param_view(i, g.flat_grad)
+        self.layout.keep_master_grads(self.groups)
 
     def land(self, group: int, start: int, values: Any) -> None:
         """A reduced piece this rank owns replaces the local sum in the gradient buffer."""

@@ -63,12 +63,15 @@ class ShardGroup:
 
     def __init__(self, named: list[tuple[str, Parameter]], strategy: Stage3, hyper: dict) -> None:
         comm = strategy.comm
-        self.named_params = named
-        self.hyper = hyper
-        self.partition = part = strategy.make_partition([(n, p.shape) for n, p in named])
-        self.xp = xp_of(named[0][1].data)
-        self.flat_param = self.xp.zeros(part.shard_numel, dtype=strategy.dtype)
-        self.owned = [Range(0, part.shard_numel)]
+        self.named_params: list[tuple[str, Parameter]] = named  # the group's parameters, by name
+        self.hyper: dict = hyper  # the group's hyperparameters (lr, …)
+        part = strategy.make_partition([(n, p.shape) for n, p in named])
+        self.partition: ParamPartition = part  # each parameter's chunks and their offsets
+        self.xp: Any = xp_of(named[0][1].data)  # the array module of its arrays
+        # this rank's chunks of every parameter, end to end
+        self.flat_param: Any = self.xp.zeros(part.shard_numel, dtype=strategy.dtype)
+        # the whole shard: every chunk here is this rank's
+        self.owned: list[Range] = [Range(0, part.shard_numel)]
         self.persistent_buffers: dict[int, Any] = {}  # id(param) -> its whole copy
         self.grad_shard: Any = None  # the reduced gradient of this rank's chunks
         self.master: Any = None  # fp32 master of the chunks (mixed precision, offload)
@@ -114,7 +117,7 @@ class GatherEach(ParamFetcher):
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         s = strategy
-        self.released = s.groups[0].xp.empty(0, dtype=s.dtype)  # a released param's data
+        self.released: Any = s.groups[0].xp.empty(0, dtype=s.dtype)  # a released param's data
         self.gathered: dict[int, Any] = {}  # id(param) -> its gathered buffer
 
     def attach(self, model: Any) -> None:

@@ -61,11 +61,12 @@ class CoalescedGather:
     def __init__(
         self, params: list[Parameter], chunks: list[int], send: Any, buf: Any, handle: Any
     ) -> None:
-        self.params = params  # in the order their chunks sit in each rank's segment
-        self.chunks = chunks  # each parameter's chunk, elements
-        self.send = send  # this rank's chunks end to end (kept alive while in flight)
-        self.buf = buf  # N segments, one per rank
-        self.handle = handle  # the non-blocking all-gather, or None once complete
+        # in the order their chunks sit in each rank's segment
+        self.params: list[Parameter] = params
+        self.chunks: list[int] = chunks  # each parameter's chunk, elements
+        self.send: Any = send  # this rank's chunks end to end (kept alive while in flight)
+        self.buf: Any = buf  # N segments, one per rank
+        self.handle: Any = handle  # the non-blocking all-gather, or None once complete
 
 
 class ShardPieces:
@@ -73,8 +74,9 @@ class ShardPieces:
     (``out[column : column + chunk]``) to the stage's ``land``."""
 
     def __init__(self, land: Any, slots: list[tuple[int, int, int, int]]) -> None:
-        self.land = land  # the stage's: land(group, shard position, values)
-        self.slots = slots  # (group, chunk offset in its shard, chunk, column in the bucket)
+        self.land: Any = land  # the stage's: land(group, shard position, values)
+        # (group, chunk offset in its shard, chunk, column in the bucket)
+        self.slots: list[tuple[int, int, int, int]] = slots
 
     def __call__(self, out: Any) -> None:
         for gi, start, chunk, column in self.slots:
@@ -97,7 +99,7 @@ class OpenBucket(GradReducer):
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         self.open_bucket: list[Parameter] = []  # parameters whose gradients it holds
-        self.open_numel = 0  # their elements, unpadded
+        self.open_numel: int = 0  # their elements, unpadded
         self.tracker: GradReadyTracker | None = None  # attach(): says when a gradient is final
 
     def attach(self, model: Any) -> None:
@@ -180,7 +182,7 @@ class CoalescedFetcher(ParamFetcher):
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         s = strategy
-        self.released = s.groups[0].xp.empty(0, dtype=s.dtype)  # a released param's data
+        self.released: Any = s.groups[0].xp.empty(0, dtype=s.dtype)  # a released param's data
 
     def attach(self, model: Any) -> None:
         self.coordinator = DeepSpeedCoordinator(self, model, self.strategy.zero)

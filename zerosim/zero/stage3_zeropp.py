@@ -59,13 +59,19 @@ class QuantizedGather:
 
     def __init__(self, comm: Any, out: Any, chunk: Any, overlap: bool, block_size: int) -> None:
         xp = array_module(chunk)
-        self.out, self.width, self.block = out, chunk.size, block_size
+        self.out: Any = out  # the whole parameter, dequantized here
+        self.width: int = chunk.size  # elements of each rank's chunk
+        self.block: int = block_size  # elements per scale
         codes, scales = quantize(chunk, WEIGHT_BITS, block_size)
-        self.codes = xp.empty((comm.size, codes.shape[1]), dtype=codes.dtype)
-        self.scales = xp.empty((comm.size, scales.shape[1]), dtype=SCALE_DTYPE)
+        # every rank's int8 codes, one row each
+        self.codes: Any = xp.empty((comm.size, codes.shape[1]), dtype=codes.dtype)
+        # every rank's float32 scales, one row each
+        self.scales: Any = xp.empty((comm.size, scales.shape[1]), dtype=SCALE_DTYPE)
         start = comm.iall_gather if overlap else comm.all_gather
-        self.handles = [start(self.codes, flat(codes)), start(self.scales, scales)]
-        self.nbytes = nbytes(self.codes) + nbytes(self.scales)
+        # the two all-gathers (None once done)
+        self.handles: list[Any] = [start(self.codes, flat(codes)), start(self.scales, scales)]
+        # bytes of codes and scales, held while in flight
+        self.nbytes: int = nbytes(self.codes) + nbytes(self.scales)
 
     def wait(self) -> None:
         for h in self.handles:
@@ -88,16 +94,19 @@ class SecondaryPartition:
     def __init__(
         self, comm: Any, numels: list[int], gathered: list[bool], dtype: Any, xp: Any
     ) -> None:
-        self.comm = comm
+        self.comm: Any = comm  # the hpZ group of g ranks
         g = comm.size
-        self.chunks = [
+        self.chunks: list[int] = [  # each parameter's secondary chunk (0: never gathered)
             max(1, math.ceil(n / g)) if keep else 0
             for n, keep in zip(numels, gathered, strict=True)
         ]
-        self.numels = numels
-        self.offsets = [sum(self.chunks[:i]) for i in range(len(numels))]
-        self.buffer = xp.zeros(sum(self.chunks), dtype=dtype)
-        self.fresh = [False] * len(numels)
+        self.numels: list[int] = numels  # each parameter's elements
+        # where each chunk starts in buffer
+        self.offsets: list[int] = [sum(self.chunks[:i]) for i in range(len(numels))]
+        # this rank's secondary chunks, end to end
+        self.buffer: Any = xp.zeros(sum(self.chunks), dtype=dtype)
+        # per parameter: its chunk holds this step's values
+        self.fresh: list[bool] = [False] * len(numels)
 
     def chunk(self, i: int) -> Any:
         return self.buffer[self.offsets[i] : self.offsets[i] + self.chunks[i]]
@@ -142,13 +151,19 @@ class HierarchicalReducer:
                 "zero_quantized_gradients needs the same number of ranks on every node; got "
                 f"node sizes {[len(m) for m in members]} (set zerosim.ranks_per_node)"
             )
-        self.bits, self.block = bits, block_size
-        self.nodes, self.local = len(members), sizes[0]
+        self.bits: int = bits  # bits per quantized code
+        self.block: int = block_size  # elements per scale
+        self.nodes: int = len(members)  # the number of nodes
+        self.local: int = sizes[0]  # ranks per node
         node = [labels.index(nodes[r]) for r in range(comm.size)]  # node index of each rank
         local = [members[node[r]].index(r) for r in range(comm.size)]  # index within it
-        self.intra = comm.split_by(lambda r: (node[r], r))
-        self.inter = comm.split_by(lambda r: (local[r], node[r]))
-        self.order = [members[b][i] for i in range(self.local) for b in range(self.nodes)]
+        self.intra: Any = comm.split_by(lambda r: (node[r], r))  # the ranks of this node
+        # the ranks of this local index, one per node
+        self.inter: Any = comm.split_by(lambda r: (local[r], node[r]))
+        # the ranks in the order the two hops deliver rows
+        self.order: list[int] = [
+            members[b][i] for i in range(self.local) for b in range(self.nodes)
+        ]
 
     def reduce(self, rows: Any) -> Any:
         """rows: (N, w), row q is what rank q owns; returns the float32 sum of this rank's row."""
@@ -172,20 +187,24 @@ class HierarchicalReducer:
         return dequantize(got_codes, got_scales, width, self.bits, self.block)
 
 
-def quantized_reduce_rows(strategy: Any, out: Any, buf: Any) -> Any:
-    """qgZ's collective of a rank-major bucket: the blocking two-hop quantized all-to-all
-    (``HierarchicalReducer``) when qgZ is on, else the paper's reduce-scatter."""
-    if strategy.qgz is None:
-        return reduce_rows(strategy, out, buf)
-    out[...] = array_module(out).astype(strategy.qgz.reduce(buf), out.dtype)
-    return None
-
-
 class QuantizedBuckets(RankMajorReduceScatter):
     """The paper's rank-major buckets, each reduced under qgZ by the two-hop quantized
     all-to-all instead of a reduce-scatter."""
 
-    collective = staticmethod(quantized_reduce_rows)
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        self.qgz: HierarchicalReducer | None = None  # qgZ: the two-hop quantized all-to-all
+        if strategy.zero.zero_quantized_gradients:
+            block = strategy.quantization_block_size
+            self.qgz = HierarchicalReducer(strategy.comm, GRADIENT_BITS, block)
+
+    def collective(self, strategy: Any, out: Any, buf: Any) -> Any:
+        """qgZ's collective of a rank-major bucket: the blocking two-hop quantized all-to-all
+        (``HierarchicalReducer``) when qgZ is on, else the paper's reduce-scatter."""
+        if self.qgz is None:
+            return reduce_rows(strategy, out, buf)
+        out[...] = array_module(out).astype(self.qgz.reduce(buf), out.dtype)
+        return None
 
 
 class ZeroPPFetcher(GatherEach):
@@ -196,9 +215,9 @@ class ZeroPPFetcher(GatherEach):
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         s = strategy
-        self.in_backward = False  # hpZ gathers secondary chunks in backward; qwZ only forward
+        self.in_backward: bool = False  # hpZ gathers secondary chunks in backward; qwZ only forward
         size = s.zero.zero_hpz_partition_size
-        self.hpz_comm = None  # hpZ: this rank's group of `size` consecutive ranks
+        self.hpz_comm: Any = None  # hpZ: this rank's group of `size` consecutive ranks
         self.secondary: list[SecondaryPartition | None] = [None] * len(s.groups)  # per group
         if size > 1:
             self.hpz_comm = s.comm.split_by(lambda r: (r // size, r))
@@ -271,11 +290,10 @@ class Stage3ZeroPP(Stage3):
     fetcher_cls = ZeroPPFetcher  # the paper's gathers; qwZ's and hpZ's when they are on
 
     def __init__(self, *, quantization_block_size: int = WEIGHT_BLOCK_SIZE, **kwargs: Any) -> None:
-        self.quantization_block_size = quantization_block_size  # elements per scale, qwZ and qgZ
+        """``quantization_block_size`` (``zerosim.quantization_block_size``): elements per
+        scale, read by the fetcher (qwZ) and the reducer (qgZ) as they are built."""
+        self.quantization_block_size: int = quantization_block_size
         super().__init__(**kwargs)
-        self.qgz: HierarchicalReducer | None = None  # qgZ: the two-hop quantized all-to-all
-        if self.zero.zero_quantized_gradients:
-            self.qgz = HierarchicalReducer(self.comm, GRADIENT_BITS, self.quantization_block_size)
 
 
 class Stage3ZeroPPDeepSpeed(DeepSpeedNormGroups, Stage3ZeroPP):

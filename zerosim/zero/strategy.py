@@ -18,7 +18,9 @@ Subclasses, the paper's stages in ``stage0.py`` … ``stage3.py``, decide where 
 (``land``) and what is gathered; how gradients are reduced is a part each is given, its
 *reducer* (``reducer_cls``, ``zerosim/zero/reducer.py``: the paper's fixed buckets in
 ``buckets.py``, DeepSpeed's IPG buckets in ``ipg.py``, …), every reducer running the one reduce
-sequence (``buckets.ReduceSequence``, ``self.reduction``). DeepSpeed's schedule and Megatron's
+sequence (``buckets.ReduceSequence``, ``self.reduction``); where parameters sit in the flat
+buffers is another, its *layout* (``layout_cls``, ``zerosim/zero/layouts.py``: the paper's,
+DeepSpeed's padding and round robin, Megatron's buckets). DeepSpeed's schedule and Megatron's
 layout are the stages given other parts, and ``registry.py`` picks one for a config. A stage
 tells the sharded step about itself by class attributes (``partitions_optimizer_states``,
 ``partitions_params``, ``norm_per_group``), never by its number.
@@ -45,9 +47,10 @@ from zerosim.backend import nbytes, np_dtype, to_host, xp_of
 from zerosim.comm import Communicator
 from zerosim.nn import Parameter
 from zerosim.zero.buckets import BufferPool, ReduceSequence
+from zerosim.zero.layouts import FlatLayout
 from zerosim.zero.muon import MuonUpdates, muon_groups
 from zerosim.zero.offload import Offload
-from zerosim.zero.partition import Layout, Range, deepspeed_layout
+from zerosim.zero.partition import Layout, ParamSlot, Range
 from zerosim.zero.reducer import GradReducer
 from zerosim.zero.schedule import BoundaryChecks, BoundarySettings, paper_checks
 from zerosim.zero.segments import Segment, flat_segments
@@ -69,19 +72,22 @@ class FlatGroup:
         rank: int,
         hyper: dict[str, Any],
     ) -> None:
-        self.named_params = named_params
-        self.layout = layout
-        self.hyper = hyper
+        # the group's parameters, by name
+        self.named_params: list[tuple[str, Parameter]] = named_params
+        self.layout: Layout = layout  # where each parameter sits, who owns what (partition.py)
+        self.hyper: dict[str, Any] = hyper  # the group's hyperparameters (lr, …)
         first = named_params[0][1].data
-        self.xp = xp_of(first)
-        self.flat_param = self.xp.zeros(layout.padded_numel, dtype=dtype)
+        self.xp: Any = xp_of(first)  # the array module of its arrays
+        # the parameters end to end, padded
+        self.flat_param: Any = self.xp.zeros(layout.padded_numel, dtype=dtype)
         by_index = {slot.index: slot for slot in layout.slots}
-        self.slots = [by_index[i] for i in range(len(named_params))]
+        # by parameter index, where it sits
+        self.slots: list[ParamSlot] = [by_index[i] for i in range(len(named_params))]
         for (_, p), slot in zip(named_params, self.slots, strict=True):
             view = self.flat_param[slot.range.start : slot.range.stop]
             view[...] = self.xp.reshape(p.data, (-1,))
             p.data = self.xp.reshape(view, p.shape)
-        self.owned = layout.owned_ranges(rank)  # the flat ranges this rank owns
+        self.owned: list[Range] = layout.owned_ranges(rank)  # the flat ranges this rank owns
         self.master: Any = None  # the optimizer's master copy of them (zerosim/zero/precision.py)
 
     def param_view(self, index: int, flat: Any) -> Any:
@@ -141,9 +147,8 @@ class Strategy(ABC):
     adopts_zero_init = False  # takes over the chunks of a model built inside zero.Init
     norm_per_group = False  # one norm message (the paper's); DeepSpeed's: one per norm group
     reported_norm = "after_scale_update"  # get_global_grad_norm()'s, see engine/reporting.py
-    alignment = 1  # flat buffers pad to a multiple of this times N (the paper: N)
-    round_robin = False  # parameters in definition order (DeepSpeed's may lay them round robin)
     group_cls: type = FlatGroup  # what a stage keeps per parameter group
+    layout_cls: type[FlatLayout] = FlatLayout  # the part that lays out flat buffers (layouts.py)
     boundary_rule = staticmethod(paper_checks)  # schedule.py's table: DeepSpeed's classes own
     reducer_cls: type[GradReducer] = GradReducer  # the part that reduces gradients (reducer.py)
     fetcher_cls: type | None = None  # stage 3's part that gathers parameters (fetcher.py)
@@ -167,31 +172,37 @@ class Strategy(ABC):
         predivide: float = 1.0,
         gradient_average: bool = True,
     ) -> None:
-        self.comm = comm
-        self.prescale, self.predivide = bool(prescale), float(predivide)
+        self.comm: Communicator = comm  # the data-parallel ranks
+        self.prescale: bool = bool(prescale)  # prescale_gradients: divide by N before reducing
+        self.predivide: float = float(predivide)  # gradient_predivide_factor
         # gradient_allreduce_op: True for 'mean' (the sum over ranks / N), False for 'sum'
-        self.gradient_average = bool(gradient_average)
+        self.gradient_average: bool = bool(gradient_average)
         # communication_data_type: gradients are cast to it for their reduction (None: reduced
         # in their buffer's own dtype, the model dtype or fp32 for Megatron's bf16 buffers)
-        self.comm_dtype = None if comm_dtype is None else np.dtype(comm_dtype)
-        self.zero = zero
-        self.dtype = np.dtype(dtype)
-        self.offload = Offload(zero, comm.rank)
+        self.comm_dtype: np.dtype | None = None if comm_dtype is None else np.dtype(comm_dtype)
+        self.zero: Any = zero  # the zero_optimization settings
+        self.dtype: np.dtype = np.dtype(dtype)  # the model dtype: parameters and gradients
+        self.offload: Offload = Offload(zero, comm.rank)  # what is offloaded, and its stores
         master = np.dtype(master_dtype) if master_dtype is not None else self.dtype
         separate = master != self.dtype or self.offload.active  # mixed precision or offload
         # the dtype the optimizer steps a separate master copy in (sharded_step.py), or None
-        self.master_dtype = master if separate else None
-        self.layout_kind = layout
-        self.groups = [self.make_group(named, hyper) for named, hyper in groups]
-        self.where = param_positions(self.groups)  # id(param) -> (group, index)
+        self.master_dtype: np.dtype | None = master if separate else None
+        self.layout_kind: str = layout  # the config's layout name (checkpoints and reports)
+        self.layout: FlatLayout = self.layout_cls(self)  # how the flat buffers are laid out
+        # the parameter groups, laid out (group_cls or ShardGroup)
+        self.groups: list[Any] = [self.make_group(named, hyper) for named, hyper in groups]
+        # id(param) -> (group, index)
+        self.where: dict[int, tuple[int, int]] = param_positions(self.groups)
         # Muon's matrices (zero/muon.py), or None: they change the reduction and the step
-        self.muon = MuonUpdates(self) if muon_groups(self) else None
+        self.muon: MuonUpdates | None = MuonUpdates(self) if muon_groups(self) else None
         self.offload.params_to_files(self.groups)
-        self.live_transient = 0
-        self.peak_transient = 0
+        self.live_transient: int = 0  # bytes of temporary buffers alive now
+        self.peak_transient: int = 0  # their high-water mark
         xp = self.groups[0].xp if self.groups else np
-        self.pool = BufferPool(xp, self.dtype)  # gradient bucket buffers (ZeRO-R's, buckets.py)
-        self.reduction = ReduceSequence(self, self.pool)  # the reduce sequence, reductions pending
+        # gradient bucket buffers (ZeRO-R's, buckets.py)
+        self.pool: BufferPool = BufferPool(xp, self.dtype)
+        # the reduce sequence, reductions pending
+        self.reduction: ReduceSequence = ReduceSequence(self, self.pool)
         self.setup_gradients()
         # the sharded optimizer step: this rank's stepped ranges cut into tiles (sharded_step.py)
         self.sharded_step: ShardedStep = ShardedStep(self, self.muon)
@@ -201,12 +212,9 @@ class Strategy(ABC):
 
     # -- what a stage decides ------------------------------------------------------------------
     def make_group(self, named: list[tuple[str, Parameter]], hyper: dict[str, Any]) -> Any:
-        """Lay one parameter group out (stages 0-2: a FlatGroup of the whole group)."""
-        return self.group_cls(named, self.make_layout(named), self.dtype, self.comm.rank, hyper)
-
-    def make_layout(self, named: list[tuple[str, Parameter]]) -> Layout:
-        shapes = [(n, p.shape) for n, p in named]
-        return deepspeed_layout(shapes, self.comm.size, self.alignment, self.round_robin)
+        """Lay one parameter group out (stages 0-2: a FlatGroup of the whole group, laid out
+        as the layout part says)."""
+        return self.group_cls(named, self.layout.lay_out(named), self.dtype, self.comm.rank, hyper)
 
     def attach(self, model: Any) -> None:
         """Once, after construction: install module hooks (the reducer's, for reducers that act
@@ -268,11 +276,6 @@ class Strategy(ABC):
         """The dtype a gathered parameter's data has (stage 3): the model dtype, or FSDP2's
         param_dtype, which its all-gather casts to."""
         return self.dtype
-
-    def master_grad_shard(self, group: Any) -> Any:
-        """A persistent gradient shard in the master dtype, if the stage keeps one (Megatron's
-        fp16 recipe, ``stage1_megatron.py``); None: gradients are cast at step time."""
-        return None
 
     def before_reduction(self, grads: Any) -> None:
         """Scale gradients about to be summed over ranks, as DeepSpeed does: with
@@ -336,9 +339,8 @@ class Strategy(ABC):
             "grads": self.grad_bytes(),
             "master_params": sum(nbytes(g.master) for g in self.groups if g.master is not None),
         }
-        master_grads = [self.master_grad_shard(g) for g in self.groups]
-        if any(m is not None for m in master_grads):
-            report["master_grads"] = sum(nbytes(m) for m in master_grads if m is not None)
+        if self.layout.master_grads:  # Megatron's fp16 recipe keeps an fp32 gradient shard
+            report["master_grads"] = sum(nbytes(m) for m in self.layout.master_grads)
         tiles_of_groups = self.sharded_step.tiles
         for group, tiles in zip(self.optimizer.param_groups, tiles_of_groups, strict=True):
             for key in self.optimizer.state_keys(group):

@@ -32,8 +32,8 @@ JIT = {"cache": True, "nogil": True, "error_model": "numpy"}
 INLINE = {"inline": "always", "error_model": "numpy"}
 
 
-@intrinsic
-def _sqrt(typingctx: Any, x: Any) -> Any:
+@intrinsic  # numba calls an intrinsic with its typing context first, a codegen with four
+def _sqrt(typingctx: Any, x: Any) -> Any:  # noqa: V107
     """IEEE square root (LLVM's ``llvm.sqrt``), correctly rounded like NumPy's and torch's.
 
     numba's ``math.sqrt`` calls libm's ``sqrt``, which may set errno, so LLVM cannot
@@ -42,7 +42,7 @@ def _sqrt(typingctx: Any, x: Any) -> Any:
     if not isinstance(x, types.Float):
         return None
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:  # noqa: V107
         fn = builder.module.declare_intrinsic("llvm.sqrt", [args[0].type])
         return builder.call(fn, args)
 

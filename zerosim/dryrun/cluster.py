@@ -1,0 +1,243 @@
+"""A cluster as the dry run's time model sees it, read from a file of cited physical rates.
+
+**What a cluster file holds** (``clusters/*.json``, docs/dryrun.md). Numbers a person can look
+up, each as ``{"value": …, "source": "address: quoted line"}``:
+
+- the nodes and the devices on each (``nodes``, ``devices_per_node``);
+- the intra-node link: ``intra_bandwidth`` (bytes/s each way per device, NVLink/NVSwitch) and
+  ``intra_latency``;
+- the inter-node network: ``nic_bandwidth`` (bytes/s of one NIC) and ``nics_per_node``, so that
+  the ``devices_per_node`` devices of a node share ``nics_per_node`` NICs, and ``inter_latency``;
+- the device: ``device_flops`` (16-bit tensor-core peak), ``device_flops_fp32``,
+  ``device_memory_bytes`` and ``device_memory_bandwidth`` (the roofline's bytes/s);
+- the collective algorithm (``collective_algorithm``: NCCL's ``ring``) and what it reaches of
+  the line rate: ``intra_efficiency`` and ``inter_efficiency`` at large messages, and
+  ``bus_efficiency_by_size``, [[bytes, fraction], …] of that large-message bus bandwidth a
+  collective of nccl-tests' size S reaches (interpolated in log S, held at the ends);
+- at most one number no datasheet gives: ``software_factor``, the fraction of the roofline the
+  matrix products of one software stack reach, fitted on ONE named published row.
+
+A file with ``measurements`` (written by ``zerosim calibrate`` on this machine) may give plain
+numbers, and ``inter_bandwidth`` per device instead of NICs, and a host's ``HOST_KEYS``. The two
+factors of earlier files, ``compute_efficiency`` and ``network_efficiency``, are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from zerosim.analysis.timing import Cluster
+
+# analysis.Cluster's keys as a file gives them: inter_bandwidth from the NICs or (a host) itself
+CLUSTER_KEYS = (
+    "nodes",
+    "devices_per_node",
+    "intra_bandwidth",
+    "inter_bandwidth",
+    "intra_latency",
+    "inter_latency",
+    "device_flops",
+)
+NIC_KEYS = ("nic_bandwidth", "nics_per_node")  # inter_bandwidth = nics · nic_bandwidth / devices
+MEMORY_KEY = "device_memory_bytes"
+FP32_KEY = "device_flops_fp32"  # the fp32 peak, where device_flops is the 16-bit one
+BACKEND_KEY = "backend"  # the array backend whose code path a dry run follows: numpy | cupy
+# a host's rates (zerosim calibrate, docs/dryrun.md): bytes/s of element-wise work, seconds of
+# one array call's fixed cost, and whether communication overlaps compute (MPICH: it does not)
+HOST_KEYS = ("memory_bandwidth", "op_overhead_s", "overlap")
+RATE_KEYS = (
+    "device_memory_bandwidth",
+    "intra_efficiency",
+    "inter_efficiency",
+    "bus_efficiency_by_size",
+    "collective_algorithm",
+    "software_factor",
+)
+NOTE_KEYS = ("name", "comment", "calibration", "measurements")
+RETIRED_KEYS = ("compute_efficiency", "network_efficiency")
+ALGORITHMS = ("ring",)
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    """A cluster's physical rates, the one software factor and, when known, each device's
+    memory in bytes."""
+
+    cluster: Cluster
+    software_factor: float = 1.0  # fraction of the roofline the matrix products reach
+    name: str = ""
+    device_memory_bytes: float | None = None
+    device_flops_fp32: float | None = None  # None: fp32 products at device_flops too
+    device_memory_bandwidth: float | None = None  # None: products priced by FLOPs alone
+    intra_efficiency: float = 1.0  # of the intra-node line rate, at large messages
+    inter_efficiency: float = 1.0  # of the NICs' line rate, at large messages
+    bus_efficiency_by_size: tuple[tuple[float, float], ...] = ()  # () : 1 at every size
+    backend: str = "cupy"  # a host (zerosim calibrate): "numpy"
+    memory_bandwidth: float | None = None  # HOST_KEYS: None leaves element-wise work unpriced
+    op_overhead_s: float | None = None
+    overlap: bool = True
+
+    @property
+    def prices_elementwise(self) -> bool:
+        """Whether element-wise operations cost time here (a calibrated host)."""
+        return self.memory_bandwidth is not None or self.op_overhead_s is not None
+
+    def __post_init__(self) -> None:
+        for key in (*HOST_KEYS[:2], MEMORY_KEY, FP32_KEY, "device_memory_bandwidth"):
+            value = getattr(self, key)
+            if value is not None and not _positive(value):
+                raise ValueError(f"{key} must be a positive number, got {value!r}")
+        if self.backend not in ("numpy", "cupy"):
+            raise ValueError(f"{BACKEND_KEY} must be 'numpy' or 'cupy', got {self.backend!r}")
+        for key in ("software_factor", "intra_efficiency", "inter_efficiency"):
+            value = getattr(self, key)
+            if not (_positive(value) and value <= 1):
+                raise ValueError(f"{key} must be in (0, 1], got {value!r}")
+        sizes = [s for s, _ in self.bus_efficiency_by_size]
+        if sizes != sorted(set(sizes)) or not all(
+            _positive(s) and _positive(f) and f <= 1 for s, f in self.bus_efficiency_by_size
+        ):
+            raise ValueError(
+                "bus_efficiency_by_size must be [[bytes, fraction], …] with increasing "
+                f"positive sizes and fractions in (0, 1], got {self.bus_efficiency_by_size!r}"
+            )
+
+    def size_efficiency(self, size_bytes: float) -> float:
+        """The fraction of the large-message bus bandwidth a collective of ``size_bytes`` reaches:
+        ``bus_efficiency_by_size`` interpolated linearly in log size, held at its ends."""
+        points = self.bus_efficiency_by_size
+        if not points:
+            return 1.0
+        if size_bytes <= points[0][0]:
+            return points[0][1]
+        for (s0, f0), (s1, f1) in zip(points, points[1:], strict=False):
+            if size_bytes <= s1:
+                t = math.log(size_bytes / s0) / math.log(s1 / s0)
+                return f0 + t * (f1 - f0)
+        return points[-1][1]
+
+    def for_dtype(self, model_dtype: str) -> ClusterModel:
+        """The cluster as a run in ``model_dtype`` sees it: a float32 run's matrix products at the
+        fp32 peak (``device_flops_fp32``, where the file gives it); 16-bit runs, whose products
+        take 16-bit operands into tensor cores (zerosim upcasts them to accumulate in fp32, as
+        those cores do), at ``device_flops``."""
+        if model_dtype != "float32" or self.device_flops_fp32 is None:
+            return self
+        return replace(self, cluster=replace(self.cluster, device_flops=self.device_flops_fp32))
+
+    def with_software_factor(self, factor: float) -> ClusterModel:
+        return replace(self, software_factor=factor)
+
+    def resized(self, world_size: int) -> ClusterModel:
+        """The same nodes, as many as ``world_size`` ranks need."""
+        nodes = -(-world_size // self.cluster.devices_per_node)
+        return replace(self, cluster=replace(self.cluster, nodes=nodes))
+
+
+def _positive(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and value > 0
+
+
+# the cluster files shipped with zerosim, each number's source beside it (docs/dryrun.md)
+CLUSTERS = Path(__file__).resolve().parent / "clusters"
+
+
+def cluster_names() -> list[str]:
+    """The names ``load_cluster_model`` takes for the shipped cluster files ("selene", …)."""
+    return sorted(p.stem for p in CLUSTERS.glob("*.json"))
+
+
+def load_cluster_model(path: str | Path) -> ClusterModel:
+    """A ``ClusterModel`` from a cluster file (the module docstring says what it holds);
+    unknown keys, retired keys and rates without a source are refused, naming the key.
+
+    ``path``: a cluster JSON file, or the name of one shipped in ``zerosim/dryrun/clusters/``
+    (``cluster_names()``: "selene", "zeropp_v100", …)."""
+    if not Path(path).exists() and str(path) in cluster_names():
+        path = CLUSTERS / f"{path}.json"
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"cluster {str(path)!r}: no such file, and not one of the shipped clusters "
+            f"{cluster_names()}"
+        )
+    spec = json.loads(Path(path).read_text())
+    try:
+        values = _values(spec)
+        return _model(values, str(spec.get("name", "")))
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"cluster file {path}: {err}") from None
+
+
+def _values(spec: dict[str, Any]) -> dict[str, Any]:
+    """Each rate's value, checked: known keys only, every rate with its source unless the file
+    holds measurements of this machine (``zerosim calibrate``)."""
+    retired = [k for k in RETIRED_KEYS if k in spec]
+    if retired:
+        raise ValueError(
+            f"{retired} are no longer cluster keys: the rates are physical, each with its "
+            "source, and the one fitted number is 'software_factor' (fitted on one named "
+            "published row: benchmarks/dryrun_published.py)"
+        )
+    rates = [*CLUSTER_KEYS, *NIC_KEYS, MEMORY_KEY, FP32_KEY, *RATE_KEYS, *HOST_KEYS]
+    unknown = sorted(set(spec) - {*rates, BACKEND_KEY, *NOTE_KEYS})
+    if unknown:
+        raise ValueError(
+            f"unknown keys {unknown}; expected rates {rates}, {BACKEND_KEY!r} and notes "
+            f"{list(NOTE_KEYS)}"
+        )
+    measured = "measurements" in spec
+    values = {}
+    for key in (k for k in rates if k in spec):
+        entry = spec[key]
+        if isinstance(entry, dict):
+            if not isinstance(entry.get("source"), str) or not entry["source"].strip():
+                raise ValueError(f"{key!r} has no 'source' (where it was read, quoted)")
+            if "value" not in entry:
+                raise ValueError(f"{key!r} has a source but no 'value'")
+            values[key] = entry["value"]
+        elif measured:
+            values[key] = entry
+        else:
+            raise ValueError(
+                f"{key!r} is {entry!r} without a source: give it as "
+                '{"value": ..., "source": "address: quoted line"}'
+            )
+    if BACKEND_KEY in spec:
+        values[BACKEND_KEY] = spec[BACKEND_KEY]
+    return values
+
+
+def _model(values: dict[str, Any], name: str) -> ClusterModel:
+    nics = [k for k in NIC_KEYS if k in values]
+    if nics and "inter_bandwidth" in values:
+        raise ValueError("give either 'inter_bandwidth' (per device) or the NICs, not both")
+    if nics:
+        if len(nics) < 2:
+            raise ValueError(f"the NICs need both {list(NIC_KEYS)}, got only {nics}")
+        per_device = values["nics_per_node"] * values["nic_bandwidth"]
+        values["inter_bandwidth"] = per_device / values["devices_per_node"]
+    missing = [k for k in CLUSTER_KEYS if k not in values]
+    if missing:
+        raise ValueError(f"missing keys {missing} (inter_bandwidth: or {list(NIC_KEYS)})")
+    algorithm = values.get("collective_algorithm", "ring")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"collective_algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    return ClusterModel(
+        Cluster(**{k: values[k] for k in CLUSTER_KEYS}),
+        software_factor=values.get("software_factor", 1.0),
+        name=name,
+        device_memory_bytes=values.get(MEMORY_KEY),
+        device_flops_fp32=values.get(FP32_KEY),
+        device_memory_bandwidth=values.get("device_memory_bandwidth"),
+        intra_efficiency=values.get("intra_efficiency", 1.0),
+        inter_efficiency=values.get("inter_efficiency", 1.0),
+        bus_efficiency_by_size=tuple(tuple(p) for p in values.get("bus_efficiency_by_size", ())),
+        backend=values.get(BACKEND_KEY, "cupy"),
+        memory_bandwidth=values.get("memory_bandwidth"),
+        op_overhead_s=values.get("op_overhead_s"),
+        overlap=bool(values.get("overlap", True)),
+    )
