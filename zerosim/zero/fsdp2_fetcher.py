@@ -46,13 +46,15 @@ class FsdpModule:
     def __init__(
         self, module: Module, params: list[Parameter], reshard_after_forward: bool | int
     ) -> None:
-        self.module = module
-        self.params = params  # in the module's named_parameters order (the flat buffer's)
-        self.reshard_after_forward = reshard_after_forward  # True, False or a group size g
-        self.gathered = False  # the parameters' data are whole (or a gather is in flight)
+        self.module: Module = module  # what fully_shard was applied to
+        # in the module's named_parameters order (the flat buffer's)
+        self.params: list[Parameter] = params
+        # True, False or a group size g
+        self.reshard_after_forward: bool | int = reshard_after_forward
+        self.gathered: bool = False  # the parameters' data are whole (or a gather is in flight)
         self.gather: Any = None  # (buffer, handle, group size, chunks) of a gather in flight
         self.post_forward_shard: Any = None  # int reshard: this rank's pieces, end to end
-        self.gathered_nbytes = 0  # bytes of the gathered buffer while gathered
+        self.gathered_nbytes: int = 0  # bytes of the gathered buffer while gathered
         self.post_forward_indices: list[int] = []  # where it sits in the forward order
 
 
@@ -90,13 +92,13 @@ class ModuleGather(ParamFetcher):
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         s = strategy
-        self.param_dtype = s.param_dtype  # the all-gather's and the computation's dtype
-        self.released = s.groups[0].xp.empty(0, dtype=s.param_dtype)  # a freed param's data
+        self.param_dtype: Any = s.param_dtype  # the all-gather's and the computation's dtype
+        self.released: Any = s.groups[0].xp.empty(0, dtype=s.param_dtype)  # a freed param's data
         self.fsdp_modules: list[FsdpModule] = []  # attach(): the blocks, then the root
         self.forward_order: list[FsdpModule] = []  # post-forward order, this micro-step
-        self.keep_after_backward = False  # between micro-batches: reshard_after_backward off
-        self.live = 0  # bytes of gathered parameters and post-forward pieces
-        self.peak_live_bytes = 0
+        self.keep_after_backward: bool = False  # between micro-batches: reshard_after_backward off
+        self.live: int = 0  # bytes of gathered parameters and post-forward pieces
+        self.peak_live_bytes: int = 0  # the most ``live`` has been
         # int reshard_after_forward g: the group of g consecutive ranks this rank belongs to
         self.post_forward_comm: Any = None
         if not isinstance(s.reshard_after_forward, bool):

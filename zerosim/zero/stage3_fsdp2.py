@@ -61,8 +61,10 @@ class AveragedRow:
     stage's ``land``."""
 
     def __init__(self, strategy: Any, slots: list[tuple[int, int, int, int]]) -> None:
-        self.strategy = strategy  # its land(group, shard position, values), its groups of ranks
-        self.slots = slots  # (group, chunk offset in its shard, chunk, column in the row)
+        # its land(group, shard position, values), its groups of ranks
+        self.strategy: Any = strategy
+        # (group, chunk offset in its shard, chunk, column in the row)
+        self.slots: list[tuple[int, int, int, int]] = slots
 
     def __call__(self, row: Any) -> None:
         s = self.strategy
@@ -80,7 +82,7 @@ class ModuleReduceScatter(GradReducer):
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
-        self.boundary = True  # this micro-batch ends the window: reduce
+        self.boundary: bool = True  # this micro-batch ends the window: reduce
         self.accumulated: dict[int, Any] = {}  # id(param) -> its summed gradient, reduce_dtype
 
     def attach(self, model: Any) -> None:
@@ -157,8 +159,8 @@ class Stage3FSDP2(Stage3):
     ) -> None:
         dtype = resolve_dtype(kwargs["dtype"])
         # MixedPrecisionPolicy: the gather's and the computation's dtype, the reduction's
-        self.param_dtype = dtype if param_dtype is None else resolve_dtype(param_dtype)
-        self.reduce_dtype = (
+        self.param_dtype: Any = dtype if param_dtype is None else resolve_dtype(param_dtype)
+        self.reduce_dtype: Any = (
             self.param_dtype if reduce_dtype is None else resolve_dtype(reduce_dtype)
         )
         world = kwargs["comm"]
@@ -175,10 +177,11 @@ class Stage3FSDP2(Stage3):
                 )
             if reshard_after_forward in (1, shard):
                 reshard_after_forward = reshard_after_forward == shard
-        self.reshard_after_forward = reshard_after_forward  # the blocks' (the root: never)
-        self.reshard_after_backward = reshard_after_backward  # between micro-batches
+        # the blocks' (the root: never)
+        self.reshard_after_forward: bool | int = reshard_after_forward
+        self.reshard_after_backward: bool = reshard_after_backward  # between micro-batches
         # the modules fully_shard was applied to before the root (None: each transformer block)
-        self.blocks = blocks
+        self.blocks: list[Any] | None = blocks
         # HSDP: the stage runs in its shard group (row i of the mesh); rows are averaged across
         # the replicas (column j) after each reduce-scatter
         self.replicate_comm: Any = None
