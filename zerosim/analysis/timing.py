@@ -176,6 +176,10 @@ class Cluster:
         return compute_time(flops, self.device_flops, efficiency)
 
 
+# Cluster's fields, in order: the keys a cluster file gives them by
+CLUSTER_KEYS = tuple(Cluster.__dataclass_fields__)
+
+
 def compute_time(flops: float, device_flops: float, efficiency: float = 1.0) -> float:
     """flops / (device_flops · efficiency); efficiency ∈ (0, 1] is the achieved fraction of peak."""
     _check_nonnegative("flops", flops)

@@ -30,18 +30,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from zerosim.analysis.timing import Cluster
+from zerosim.analysis.timing import CLUSTER_KEYS, Cluster
 
 # analysis.Cluster's keys as a file gives them: inter_bandwidth from the NICs or (a host) itself
-CLUSTER_KEYS = (
-    "nodes",
-    "devices_per_node",
-    "intra_bandwidth",
-    "inter_bandwidth",
-    "intra_latency",
-    "inter_latency",
-    "device_flops",
-)
 NIC_KEYS = ("nic_bandwidth", "nics_per_node")  # inter_bandwidth = nics · nic_bandwidth / devices
 MEMORY_KEY = "device_memory_bytes"
 FP32_KEY = "device_flops_fp32"  # the fp32 peak, where device_flops is the 16-bit one

@@ -17,6 +17,7 @@ from typing import Any
 
 from zerosim import analysis
 from zerosim.analysis.stages import STAGES, stage_info
+from zerosim.analysis.timing import CLUSTER_KEYS
 from zerosim.backend import resolve_dtype
 from zerosim.config import read_config_file
 from zerosim.zero.partition import chunk_numel, padded_size
@@ -204,17 +205,6 @@ def stage_collectives(
         if c.elements
     ]
     return [*calls, ("all_reduce", 8)]
-
-
-CLUSTER_KEYS = (
-    "nodes",
-    "devices_per_node",
-    "intra_bandwidth",
-    "inter_bandwidth",
-    "intra_latency",
-    "inter_latency",
-    "device_flops",
-)
 
 
 def load_cluster(path: str | Path) -> analysis.Cluster:
