@@ -4,11 +4,16 @@ paper's stage 3 (``stage3.py``), and why.
 FSDP2 (``torch.distributed.fsdp.fully_shard``, torch 2.13) shards the same three model states as the
 paper's stage 3, but a torch user groups parameters by *FSDP module* (each transformer block, then
 the root model) and FSDP2 moves each FSDP module in one collective. zerosim issues its collectives
-call for call so that torch can be its oracle. What changes:
+call for call so that torch can be its oracle. ``Stage3FSDP2`` is the paper's ``Stage3`` given two
+parts, and its constructor only reads FSDP2's settings: the fetcher (``fsdp2_fetcher.ModuleGather``:
+how parameters are cut, what is gathered when, in which dtype, and whether parameters stay gathered
+between micro-batches) and the reducer (``ModuleReduceScatter`` below: when and how gradients are
+reduced, averaged as they land, HSDP's replicas). What changes:
 
 * **The partition is per parameter along dim 0** (``partition.dim0_partition``, DTensor's
-  ``Shard(0)``): chunk_i = ceil(dim0_i / N) rows of parameter i, padded with zero rows, instead of
-  ceil(numel_i / N) elements. The chunks are the *sharded parameters* and, in the dtype they were
+  ``Shard(0)``; the fetcher's ``partition_rule``, with no persistent parameters): chunk_i =
+  ceil(dim0_i / N) rows of parameter i, padded with zero rows, instead of ceil(numel_i / N)
+  elements. The chunks are the *sharded parameters* and, in the dtype they were
   built in (float32), the optimizer's weights: no separate master copy, whatever ``param_dtype``.
 * **One all-gather per FSDP module, in param_dtype** (``fsdp2_fetcher.ModuleGather``): the FSDP
   module's chunks cast to ``param_dtype`` and gathered together; in forward before the FSDP module
