@@ -278,7 +278,7 @@ class Stage3(Strategy):
             for i, name in enumerate(part.names):
                 shape, valid = part.shapes[i], part.valid(i, self.comm.rank)
                 chunk = g.chunk(i)[:valid]
-                row = part.numels[i] // shape[0] if shape and shape[0] else 1  # elements
+                row = part.numels[i] // shape[0] if shape and shape[0] else 1  # elements a row
                 if row and part.chunks[i] % row == 0:
                     out[name] = g.xp.reshape(chunk, (valid // row, *shape[1:]))
                 else:
