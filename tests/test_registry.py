@@ -76,26 +76,18 @@ def test_a_method_defined_on_a_variant_or_its_mixin_is_seen():
 
 
 # ZeRO++'s class keeps its constructor for one keyword, ``quantization_block_size`` (the engine
-# passes ``zerosim.quantization_block_size`` to it alone; its fetcher and reducer read it)
-KEYWORD_ONLY = {"Stage3ZeroPP.__init__"}
-# FSDP2's stage still replaces these methods of the paper's stage 3 (its config, its partition rule,
-# no persistent parameters, its gathered dtype, resharding between micro-batches, HSDP's owned
-# segments, its averaging, torch's per-parameter norm and to_local()): not yet parts. Listed so
-# that the test still fails on any other method added to it.
-FSDP2_NOT_YET_PARTS = {
-    f"Stage3FSDP2.{m}"
-    for m in (
-        "__init__", "make_partition", "is_persistent", "gathered_dtype", "before_backward",
-        "segments", "average", "param_grad_norms_sq", "local_shards",
-    )
-}  # fmt: skip
+# passes ``zerosim.quantization_block_size`` to it alone; its fetcher and reducer read it);
+# FSDP2's for its config keywords (``reshard_after_forward``, ``param_dtype``, ``reduce_dtype``,
+# ``reshard_after_backward``, ``replicate``, ``blocks``: the engine passes ``zerosim.fsdp2``'s to
+# it alone; HSDP's ``replicate`` splits the communicator before the stage is built on it)
+KEYWORD_ONLY = {"Stage3ZeroPP.__init__", "Stage3FSDP2.__init__"}
 
 
 def test_every_registered_class_is_the_papers_stage_given_parts():
     """Every entry of the registry is one of the paper's stages with parts named as class
     attributes: no method of the stage is replaced by it or by a mixin it adds."""
     for cls in [*STRATEGIES.values(), *ZEROPP.values()]:
-        added = set(methods_added(cls, PAPER[cls.stage])) - KEYWORD_ONLY - FSDP2_NOT_YET_PARTS
+        added = set(methods_added(cls, PAPER[cls.stage])) - KEYWORD_ONLY
         assert not added, (cls.__name__, sorted(added))
 
 

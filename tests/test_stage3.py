@@ -4,7 +4,7 @@ import warnings
 
 import numpy as np
 import pytest
-from engine_cases import Case, check_case, max_rel_error, stays_gathered
+from engine_cases import Case, build_model, check_case, config, max_rel_error, stays_gathered
 
 import zerosim as zs
 from zerosim import optim
@@ -251,3 +251,27 @@ def test_parameters_are_really_partitioned_between_steps():
         assert set(sizes.values()) == {0}  # every parameter released
         # float32 chunks of ceil(numel / 4) elements of every parameter, nothing more
         assert held == 4 * sum(-(-n // 4) for n in numels) < 4 * sum(numels)
+
+
+def _local_shards(comm, case: Case) -> dict:
+    engine, *_ = initialize(build_model(case), config(case), comm=comm)
+    return engine.strategy.local_shards()
+
+
+@pytest.mark.parametrize("schedule", ["paper", "fsdp2"])
+def test_local_shards_are_each_ranks_own_slice_of_every_parameter(schedule):
+    """Before any step, rank r's local shard of a parameter is its slice of the model as built:
+    under FSDP2 rows [r·c, (r+1)·c) with c = ceil(dim0 / N) (torch.chunk's cut, ``to_local()``),
+    under the paper's partition elements [r·c, (r+1)·c) with c = ceil(numel / N)."""
+    n, case = 3, Case(stage=3, model="gpt", schedule=schedule)
+    shards = zs.LocalWorld(n).run(_local_shards, case)
+    for name, p in build_model(case).named_parameters():
+        for r in range(n):
+            if schedule == "fsdp2":
+                c = -(-p.shape[0] // n)
+                want = p.data[r * c : (r + 1) * c]
+                assert shards[r][name].shape == want.shape, (name, r)
+            else:
+                c = -(-p.data.size // n)
+                want = p.data.reshape(-1)[r * c : (r + 1) * c]
+            np.testing.assert_array_equal(shards[r][name].reshape(-1), want.reshape(-1))

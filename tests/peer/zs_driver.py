@@ -68,7 +68,7 @@ def run_case(case: dict, out: Path, comm) -> None:
     (out / f"{case['name']}.rank{comm.rank}.json").write_text(json.dumps(result))
     if comm.rank == 0:
         np.savez(out / f"{case['name']}.npz", **weights)
-    # FSDP2: this rank's rows of each parameter, as torch's ``DTensor.to_local()``
+    # stage 3: this rank's chunk of each parameter (FSDP2: its rows, as ``DTensor.to_local()``)
     local_shards = getattr(engine.strategy, "local_shards", None)
     if local_shards is not None:
         np.savez(out / f"{case['name']}.shard{comm.rank}.npz", **local_shards())

@@ -12,11 +12,18 @@ The stage class names its fetcher (``fetcher_cls``); ``registry.py`` picks the c
 A new fetcher (PyTorch FSDP2's per-unit all-gather, say) subclasses ``ParamFetcher`` and
 provides:
 
-- ``__init__(strategy)``: its state (no hooks yet);
+- ``partition_rule`` (a class attribute): how each parameter is cut into the chunks it gathers,
+  ``partition.per_param_partition`` (ceil(numel / N) elements) unless it gathers other chunks
+  (FSDP2's ``dim0_partition``: ceil(dim0 / N) rows); the stage cuts its shards by it;
+- ``keeps_persistent`` (a class attribute): whether parameters of at most
+  ``stage3_param_persistence_threshold`` elements stay whole, never gathered (FSDP2: none do);
+- ``__init__(strategy)``: its state (no hooks yet), and ``gather_dtype``, the dtype a gathered
+  parameter's data has (the model dtype unless it casts, as FSDP2's ``param_dtype`` does);
 - ``attach(model)``: install the module hooks that fetch and release, and set ``coordinator``
   (whatever keeps ``peak_live_bytes``, the high-water mark of gathered bytes);
-- ``start_micro_step()`` before forward, ``start_backward()`` before backward and
-  ``end_micro_step()`` after it (every parameter released again);
+- ``start_micro_step()`` before forward, ``start_backward(boundary)`` before backward and
+  ``end_micro_step()`` after it (every parameter released again, unless the fetcher keeps them
+  gathered for the next micro-step: FSDP2 without ``reshard_after_backward``);
 - ``after_step()`` once the step's updated chunks are in place, ``step_skipped()`` when an
   overflow skips the step;
 - ``memory()``: the bytes it reports beside the stage's.
@@ -27,6 +34,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from zerosim.zero.partition import per_param_partition
+
 
 class ParamFetcher(ABC):
     """Stage 3's parameter fetching; see the module docstring for what a fetcher provides."""
@@ -34,10 +43,13 @@ class ParamFetcher(ABC):
     # whose coordinator decides when parameters are gathered (the byte formulas of
     # analysis/volume.py follow it): the paper's (coordinator.py) or DeepSpeed's trace
     coordinator_kind = "paper"
+    partition_rule = staticmethod(per_param_partition)  # the chunks: ceil(numel_i / N) elements
+    keeps_persistent = True  # small parameters stay whole (stage3_param_persistence_threshold)
 
     def __init__(self, strategy: Any) -> None:
         self.strategy: Any = strategy  # the stage: its groups, its communicator, its chunks
         self.coordinator: Any = None  # attach(): decides when to fetch and release
+        self.gather_dtype: Any = strategy.dtype  # the dtype of a gathered parameter's data
 
     @abstractmethod
     def attach(self, model: Any) -> None:
@@ -46,8 +58,8 @@ class ParamFetcher(ABC):
     def start_micro_step(self) -> None:
         self.coordinator.start_micro_step()
 
-    def start_backward(self) -> None:  # noqa: B027 (a no-op by default)
-        """Before the model's backward."""
+    def start_backward(self, boundary: bool) -> None:  # noqa: B027 (a no-op by default)
+        """Before the model's backward (``boundary``: it ends the accumulation window)."""
 
     def end_micro_step(self) -> None:
         """After backward: every gathered parameter released."""

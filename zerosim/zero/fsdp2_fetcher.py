@@ -88,11 +88,13 @@ class ModuleGather(ParamFetcher):
     module docstring for when."""
 
     coordinator_kind = "fsdp2"
+    partition_rule = staticmethod(dim0_partition)  # DTensor's Shard(0): ceil(dim0_i / N) rows
+    keeps_persistent = False  # FSDP2 shards every parameter of an FSDP module
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         s = strategy
-        self.param_dtype: Any = s.param_dtype  # the all-gather's and the computation's dtype
+        self.gather_dtype = s.param_dtype  # the all-gather's and the computation's dtype
         self.released: Any = s.groups[0].xp.empty(0, dtype=s.param_dtype)  # a freed param's data
         self.fsdp_modules: list[FsdpModule] = []  # attach(): the blocks, then the root
         self.forward_order: list[FsdpModule] = []  # post-forward order, this micro-step
@@ -120,10 +122,10 @@ class ModuleGather(ParamFetcher):
     def pre_forward(self, mod: FsdpModule, args: tuple) -> tuple:
         self.unshard(mod)
         self.wait(mod)
-        if self.param_dtype == self.strategy.dtype:
+        if self.gather_dtype == self.strategy.dtype:
             return args
         return tuple(
-            xp_of(a).astype(a, self.param_dtype)
+            xp_of(a).astype(a, self.gather_dtype)
             if hasattr(a, "dtype") and is_floating(a.dtype)
             else a
             for a in args
@@ -152,6 +154,11 @@ class ModuleGather(ParamFetcher):
             self.reshard(mod)
 
     # -- the engine's calls ------------------------------------------------------------------------
+    def start_backward(self, boundary: bool) -> None:
+        """Between micro-batches (not at the boundary) parameters stay gathered when
+        ``reshard_after_backward`` is off (torch: ``set_reshard_after_backward(False)``)."""
+        self.keep_after_backward = not (boundary or self.strategy.reshard_after_backward)
+
     def start_micro_step(self) -> None:
         self.forward_order = []
         for mod in self.fsdp_modules:
@@ -181,12 +188,12 @@ class ModuleGather(ParamFetcher):
             chunks = [s.groups[gi].chunk(i) for gi, i in where]
             sizes = [c.size for c in chunks]
             xp = xp_of(chunks[0])
-            send = xp.astype(xp.concat(chunks) if len(chunks) > 1 else chunks[0], self.param_dtype)
+            send = xp.astype(xp.concat(chunks) if len(chunks) > 1 else chunks[0], self.gather_dtype)
         else:
             comm, sizes = self.post_forward_comm, self.post_forward_chunks(mod)
             mod.post_forward_shard = None
             self.live -= nbytes(send)
-        buf = xp_of(send).empty(send.size * comm.size, dtype=self.param_dtype)
+        buf = xp_of(send).empty(send.size * comm.size, dtype=self.gather_dtype)
         handle = s.start_or_run(comm.iall_gather, comm.all_gather, buf, send)
         mod.gather = (buf, handle, comm.size, sizes)
         mod.gathered = True
@@ -232,7 +239,7 @@ class ModuleGather(ParamFetcher):
         comm, xp = self.post_forward_comm, xp_of(mod.params[0].data)
         pieces = []
         for p, chunk in zip(mod.params, self.post_forward_chunks(mod), strict=True):
-            piece = xp.zeros(chunk, dtype=self.param_dtype)
+            piece = xp.zeros(chunk, dtype=self.gather_dtype)
             lo = comm.rank * chunk
             valid = max(0, min(chunk, p.numel - lo))
             if valid:

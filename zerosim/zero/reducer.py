@@ -15,7 +15,11 @@ A new reducer (PyTorch FSDP2's per-unit reduction, say) subclasses ``GradReducer
 - ``attach(model)``: install the module hooks it needs (``GradReadyTracker``), if any;
 - ``before_backward(boundary)`` and ``after_backward(boundary)``: the second reduces whatever is
   left and waits until every reduced piece has landed (the stage averages after it);
-- ``bucket_pieces()``: each bucket's piece per rank when pieces are uneven (the dry run), else [].
+- ``bucket_pieces()``: each bucket's piece per rank when pieces are uneven (the dry run), else [];
+- ``lands_averaged`` (a class attribute, stage 3): True when each reduced piece is already the
+  mean as it lands (FSDP2 divides each reduced row by N), so the stage does not average again;
+- ``replica()``: which copy of its shards this rank holds where shards are replicated (HSDP's
+  replicas, FSDP2's ``replicate``), 0 where they are not: only replica 0 owns them (checkpoints).
 
 Every reduction goes through the strategy's one reduce sequence, ``strategy.reduction``
 (``buckets.ReduceSequence``: ``wire_buffer`` from the pool → ``reduce``: ``before_reduction`` →
@@ -32,6 +36,8 @@ from typing import Any
 
 class GradReducer(ABC):
     """A stage's gradient reduction; see the module docstring for what a reducer provides."""
+
+    lands_averaged = False  # each piece lands as the sum over ranks: the stage averages it
 
     def __init__(self, strategy: Any) -> None:
         self.strategy: Any = strategy  # the stage: its groups, its pool and its reduce sequence
@@ -50,3 +56,7 @@ class GradReducer(ABC):
         """Each bucket's piece per rank where buckets are cut unevenly over the ranks (the
         paper's stage 2); the dry run runs ranks with equal pieces once."""
         return []
+
+    def replica(self) -> int:
+        """Which copy of its shards this rank holds (0: the owner; shards are not replicated)."""
+        return 0

@@ -50,8 +50,9 @@ from zerosim.zero.coordinator import ParamCoordinator
 from zerosim.zero.fetcher import ParamFetcher
 from zerosim.zero.init import ParamChunk
 from zerosim.zero.offload import read_param_chunk
-from zerosim.zero.partition import ParamPartition, Range, per_param_partition
+from zerosim.zero.partition import ParamPartition, Range
 from zerosim.zero.segments import Segment
+from zerosim.zero.sharded_step import sum_sq
 from zerosim.zero.strategy import Strategy
 
 
@@ -156,11 +157,15 @@ class Stage3(Strategy):
     fetcher_cls: type[ParamFetcher] = GatherEach  # the paper's per-parameter gathers
 
     def is_persistent(self, p: Parameter) -> bool:
-        return p.numel <= self.zero.stage3_param_persistence_threshold
+        """Whether p stays whole on every rank: at most ``stage3_param_persistence_threshold``
+        elements, where the fetcher keeps such parameters (FSDP2's does not)."""
+        threshold = self.zero.stage3_param_persistence_threshold
+        return self.fetcher_cls.keeps_persistent and p.numel <= threshold
 
     def make_partition(self, named_shapes: list[tuple[str, tuple[int, ...]]]) -> ParamPartition:
-        """How each parameter is cut into chunks: DeepSpeed's ceil(numel_i / N) elements."""
-        return per_param_partition(named_shapes, self.comm.size)
+        """How each parameter is cut into chunks: as the fetcher gathers them (the paper's and
+        DeepSpeed's: ceil(numel_i / N) elements; FSDP2's: ceil(dim0_i / N) rows)."""
+        return self.fetcher_cls.partition_rule(named_shapes, self.comm.size)
 
     def make_group(self, named: list[tuple[str, Parameter]], hyper: dict[str, Any]) -> ShardGroup:
         return ShardGroup(named, self, hyper)
@@ -191,15 +196,16 @@ class Stage3(Strategy):
         self.fetcher.start_micro_step()
 
     def before_backward(self, boundary: bool) -> None:
-        self.fetcher.start_backward()
+        self.fetcher.start_backward(boundary)
         self.reducer.before_backward(boundary)
 
     def after_backward(self, boundary: bool) -> None:
         """The reducer has summed every gradient into the gradient shard; every gathered
-        parameter is released; at the boundary the sums over ranks become means."""
+        parameter is released; at the boundary the sums over ranks become means (unless the
+        reducer landed them as means already)."""
         self.reducer.after_backward(boundary)
         self.fetcher.end_micro_step()
-        if boundary:
+        if boundary and not self.reducer.lands_averaged:
             for g in self.groups:
                 self.average(g.grad_shard)
 
@@ -226,9 +232,16 @@ class Stage3(Strategy):
         return sum(nbytes(g.grad_shard) for g in self.groups)
 
     # -- views for the engine, checkpoints and reports --------------------------------------------
+    def gathered_dtype(self) -> np.dtype:
+        return self.fetcher.gather_dtype
+
     def segments(self, which: str = "owned") -> list[Segment]:
+        """Each chunk's runs in this rank's tiles. Where shards are replicated (HSDP) every
+        replica steps its own copy and the first owns them (what a checkpoint saves)."""
         if which not in ("owned", "stepped"):
             raise ValueError(f"which must be 'owned' or 'stepped', got {which!r}")
+        if which == "owned" and self.reducer.replica():
+            return []
         out = []
         for gi, g in enumerate(self.groups):
             part = g.partition
@@ -242,6 +255,34 @@ class Stage3(Strategy):
                     if x is not None:
                         rng = Range(first + x.start - local.start, first + x.stop - local.start)
                         out.append(Segment(name, rng, gi, k, x.start - tile.start))
+        return out
+
+    def param_grad_norms_sq(self, inv_scale: float = 1.0) -> list[float]:
+        """This rank's Σg² of each parameter's chunk, in the model's order (padding is 0): the
+        partial ‖g‖² per parameter that torch's ``clip_grad_norm_`` sums over ranks (FSDP2)."""
+        out = []
+        for g in self.groups:
+            part = g.partition
+            for i in range(len(part.names)):
+                start = part.offsets[i]
+                out.append(sum_sq(g.grad_shard[start : start + part.chunks[i]]) * inv_scale**2)
+        return out
+
+    def local_shards(self) -> dict[str, Any]:
+        """{name: this rank's chunk of the parameter}, unpadded (empty past the last element);
+        cut into rows when the chunks are whole rows, as under FSDP2's dim-0 partition, where it
+        is torch's ``DTensor.to_local()``."""
+        out = {}
+        for g in self.groups:
+            part = g.partition
+            for i, name in enumerate(part.names):
+                shape, valid = part.shapes[i], part.valid(i, self.comm.rank)
+                chunk = g.chunk(i)[:valid]
+                row = part.numels[i] // shape[0] if shape and shape[0] else 1  # elements a row
+                if row and part.chunks[i] % row == 0:
+                    out[name] = g.xp.reshape(chunk, (valid // row, *shape[1:]))
+                else:
+                    out[name] = chunk
         return out
 
     def full_state_dict(self) -> dict[str, np.ndarray]:

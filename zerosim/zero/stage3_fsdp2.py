@@ -4,11 +4,16 @@ paper's stage 3 (``stage3.py``), and why.
 FSDP2 (``torch.distributed.fsdp.fully_shard``, torch 2.13) shards the same three model states as the
 paper's stage 3, but a torch user groups parameters by *FSDP module* (each transformer block, then
 the root model) and FSDP2 moves each FSDP module in one collective. zerosim issues its collectives
-call for call so that torch can be its oracle. What changes:
+call for call so that torch can be its oracle. ``Stage3FSDP2`` is the paper's ``Stage3`` given two
+parts, and its constructor only reads FSDP2's settings: the fetcher (``fsdp2_fetcher.ModuleGather``:
+how parameters are cut, what is gathered when, in which dtype, and whether parameters stay gathered
+between micro-batches) and the reducer (``ModuleReduceScatter`` below: when and how gradients are
+reduced, averaged as they land, HSDP's replicas). What changes:
 
 * **The partition is per parameter along dim 0** (``partition.dim0_partition``, DTensor's
-  ``Shard(0)``): chunk_i = ceil(dim0_i / N) rows of parameter i, padded with zero rows, instead of
-  ceil(numel_i / N) elements. The chunks are the *sharded parameters* and, in the dtype they were
+  ``Shard(0)``; the fetcher's ``partition_rule``, with no persistent parameters): chunk_i =
+  ceil(dim0_i / N) rows of parameter i, padded with zero rows, instead of ceil(numel_i / N)
+  elements. The chunks are the *sharded parameters* and, in the dtype they were
   built in (float32), the optimizer's weights: no separate master copy, whatever ``param_dtype``.
 * **One all-gather per FSDP module, in param_dtype** (``fsdp2_fetcher.ModuleGather``): the FSDP
   module's chunks cast to ``param_dtype`` and gathered together; in forward before the FSDP module
@@ -46,11 +51,8 @@ from zerosim.backend import assign, flat, resolve_dtype, xp_of
 from zerosim.nn import Parameter
 from zerosim.zero.buckets import MAX_IN_FLIGHT, pack_rank_major, reduce_rows
 from zerosim.zero.fsdp2_fetcher import FsdpModule, ModuleGather
-from zerosim.zero.partition import ParamPartition, dim0_partition
 from zerosim.zero.reducer import GradReducer
 from zerosim.zero.schedule import fsdp2_checks
-from zerosim.zero.segments import Segment
-from zerosim.zero.sharded_step import sum_sq
 from zerosim.zero.stage3 import Stage3
 
 
@@ -79,6 +81,8 @@ class AveragedRow:
 class ModuleReduceScatter(GradReducer):
     """FSDP2's reducer: one reduce-scatter of each FSDP module's gradients after its backward, at
     the last micro-batch of an accumulation window; before it, gradients are summed locally."""
+
+    lands_averaged = True  # each reduced row divided by N as it lands (FSDP2's ReduceOp.AVG)
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
@@ -137,6 +141,11 @@ class ModuleReduceScatter(GradReducer):
         """Every reduce-scatter of this backward has landed."""
         self.strategy.reduction.pending.complete()
 
+    def replica(self) -> int:
+        """HSDP: this rank's row of the mesh (every replica holds the same shards)."""
+        replicas = self.strategy.replicate_comm
+        return 0 if replicas is None else replicas.rank
+
 
 class Stage3FSDP2(Stage3):
     """Stage 3 with FSDP2's dim-0 shards, per-FSDP-module all-gathers and reduce-scatters."""
@@ -192,53 +201,3 @@ class Stage3FSDP2(Stage3):
             )
         kwargs["comm_dtype"] = self.reduce_dtype  # the dtype gradients travel in
         super().__init__(**kwargs)
-
-    def make_partition(self, named_shapes: list[tuple[str, tuple[int, ...]]]) -> ParamPartition:
-        """FSDP2's: ceil(dim0_i / N) rows of every parameter."""
-        return dim0_partition(named_shapes, self.comm.size)
-
-    def is_persistent(self, p: Parameter) -> bool:
-        return False  # FSDP2 shards every parameter of an FSDP module
-
-    def gathered_dtype(self) -> Any:
-        return self.param_dtype
-
-    def before_backward(self, boundary: bool) -> None:
-        """Between micro-batches parameters stay gathered when reshard_after_backward is off."""
-        self.fetcher.keep_after_backward = not (boundary or self.reshard_after_backward)
-        super().before_backward(boundary)
-
-    def segments(self, which: str = "owned") -> list[Segment]:
-        """Under HSDP every replica holds the same shards: the first replica owns them (what a
-        checkpoint saves); each rank still steps its own."""
-        if which == "owned" and self.replicate_comm is not None and self.replicate_comm.rank:
-            return []
-        return super().segments(which)
-
-    def param_grad_norms_sq(self, inv_scale: float = 1.0) -> list[float]:
-        """This rank's Σg² of each parameter's chunk, in the model's order: what torch's
-        ``clip_grad_norm_`` sends, one partial ‖g‖² per DTensor gradient (padding rows are 0)."""
-        out = []
-        for g in self.groups:
-            part = g.partition
-            for i in range(len(part.names)):
-                start = part.offsets[i]
-                out.append(sum_sq(g.grad_shard[start : start + part.chunks[i]]) * inv_scale**2)
-        return out
-
-    def local_shards(self) -> dict[str, Any]:
-        """{name: this rank's rows of the parameter}, unpadded, as torch's ``DTensor.to_local()``:
-        ceil(dim0 / N) rows, fewer on the last ranks holding rows, none past them."""
-        out = {}
-        for g in self.groups:
-            part, rank = g.partition, self.comm.rank
-            for i, name in enumerate(part.names):
-                shape = part.shapes[i]
-                row = part.numels[i] // shape[0] if shape and shape[0] else 1
-                valid = part.valid(i, rank)
-                rows = g.chunk(i)[:valid]
-                out[name] = g.xp.reshape(rows, (valid // row, *shape[1:]) if shape else (valid,))
-        return out
-
-    def average(self, grads: Any) -> None:
-        """Nothing left to do: each reduced row was divided by N as it landed (FSDP2's AVG)."""

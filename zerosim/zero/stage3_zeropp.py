@@ -262,7 +262,7 @@ class ZeroPPFetcher(GatherEach):
         self.in_backward = False
         super().start_micro_step()
 
-    def start_backward(self) -> None:
+    def start_backward(self, boundary: bool) -> None:
         self.in_backward = True
 
     def end_micro_step(self) -> None:

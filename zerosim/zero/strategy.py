@@ -273,8 +273,8 @@ class Strategy(ABC):
         return flat_segments(self, which)
 
     def gathered_dtype(self) -> np.dtype:
-        """The dtype a gathered parameter's data has (stage 3): the model dtype, or FSDP2's
-        param_dtype, which its all-gather casts to."""
+        """The dtype a gathered parameter's data has: the model dtype (stage 3: its fetcher's
+        ``gather_dtype``, FSDP2's param_dtype, which its all-gather casts to)."""
         return self.dtype
 
     def before_reduction(self, grads: Any) -> None:
