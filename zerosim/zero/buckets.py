@@ -393,6 +393,27 @@ def pack_rank_major(block: Any, grad: Any) -> None:
         assign(block[rows, :rest], grad[rows * chunk :])
 
 
+def pack_chunks(
+    strategy: Any, params: list[Any], grads: list[Any]
+) -> tuple[Any, list[tuple[int, int, int, int]], int]:
+    """Stage 3's input to one reduce-scatter of several parameters' gradients: a pooled
+    (N, width) buffer holding each gradient padded to N · chunk_i, rank-major (rank r's chunks
+    end to end in row r), with the slots (group, chunk offset in the shard, chunk, column in the
+    row) that say where each piece of the reduced row lands, and the width."""
+    s = strategy
+    slots, width = [], 0
+    for p in params:
+        gi, i = s.where[id(p)]
+        part = s.groups[gi].partition
+        slots.append((gi, part.offsets[i], part.chunks[i], width))
+        width += part.chunks[i]
+    s.reduction.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
+    buf = s.reduction.wire_buffer((s.comm.size, width))
+    for grad, (_, _, chunk, column) in zip(grads, slots, strict=True):
+        pack_rank_major(buf[:, column : column + chunk], flat(grad))
+    return buf, slots, width
+
+
 def reduce_rows(strategy: Any, out: Any, buf: Any) -> Any:
     """A ``ReduceSequence.reduce`` collective: a rank-major (N, width) bucket summed over ranks into
     ``out`` (this rank's row); the reduce-scatter's handle, or None once it is done."""

@@ -253,12 +253,18 @@ def per_param_partition(
 ) -> ParamPartition:
     """DeepSpeed stage 3's partition: each parameter split into N chunks of ceil(numel / N)."""
     numels = [math.prod(shape) for _, shape in named_shapes]
-    chunks = [chunk_numel(n, world_size) for n in numels]
+    return partition_of(named_shapes, [chunk_numel(n, world_size) for n in numels], world_size)
+
+
+def partition_of(
+    named_shapes: list[tuple[str, tuple[int, ...]]], chunks: list[int], world_size: int
+) -> ParamPartition:
+    """The partition that gives parameter i ``chunks[i]`` elements on each rank, end to end."""
     offsets = [sum(chunks[:i]) for i in range(len(chunks))]
     return ParamPartition(
         tuple(n for n, _ in named_shapes),
         tuple(tuple(s) for _, s in named_shapes),
-        tuple(numels),
+        tuple(math.prod(shape) for _, shape in named_shapes),
         tuple(chunks),
         tuple(offsets),
         world_size,
@@ -279,15 +285,7 @@ def dim0_partition(
     for (_, shape), numel in zip(named_shapes, numels, strict=True):
         rows = shape[0] if shape else 1
         chunks.append(max(1, math.ceil(rows / world_size)) * (numel // rows if rows else 1))
-    offsets = [sum(chunks[:i]) for i in range(len(chunks))]
-    return ParamPartition(
-        tuple(n for n, _ in named_shapes),
-        tuple(tuple(s) for _, s in named_shapes),
-        tuple(numels),
-        tuple(chunks),
-        tuple(offsets),
-        world_size,
-    )
+    return partition_of(named_shapes, chunks, world_size)
 
 
 def deepspeed_sub_groups(chunks: Sequence[int], sub_group_size: int) -> list[list[int]]:

@@ -45,7 +45,7 @@ from typing import Any
 
 from zerosim.backend import assign, flat, xp_of
 from zerosim.nn import GradReadyTracker, Linear, Parameter
-from zerosim.zero.buckets import MAX_IN_FLIGHT, pack_rank_major, reduce_rows
+from zerosim.zero.buckets import MAX_IN_FLIGHT, pack_chunks, reduce_rows
 from zerosim.zero.ds_coordinator import DeepSpeedCoordinator
 from zerosim.zero.ds_schedule import DeepSpeedNormGroups
 from zerosim.zero.fetcher import ParamFetcher
@@ -137,17 +137,8 @@ class OpenBucket(GradReducer):
             self.all_reduce_bucket(members, numel)
             return
         members.sort(key=lambda p: s.where[id(p)])  # DeepSpeed sorts a bucket by ds_id
-        slots = []  # (group, chunk offset in the shard, chunk, column in the bucket)
-        width = 0
+        buf, slots, width = pack_chunks(s, members, [p.grad for p in members])
         for p in members:
-            gi, i = s.where[id(p)]
-            part = s.groups[gi].partition
-            slots.append((gi, part.offsets[i], part.chunks[i], width))
-            width += part.chunks[i]
-        s.reduction.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        buf = s.reduction.wire_buffer((s.comm.size, width))
-        for p, (_, _, chunk, column) in zip(members, slots, strict=True):
-            pack_rank_major(buf[:, column : column + chunk], flat(p.grad))
             p.grad = None
         s.reduction.reduce(buf, ShardPieces(s.land, slots), partial(reduce_rows, s), width)
 

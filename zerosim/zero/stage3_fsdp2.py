@@ -47,9 +47,9 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from zerosim.backend import assign, flat, resolve_dtype, xp_of
+from zerosim.backend import assign, resolve_dtype, xp_of
 from zerosim.nn import Parameter
-from zerosim.zero.buckets import MAX_IN_FLIGHT, pack_rank_major, reduce_rows
+from zerosim.zero.buckets import pack_chunks, reduce_rows
 from zerosim.zero.fsdp2_fetcher import FsdpModule, ModuleGather
 from zerosim.zero.reducer import GradReducer
 from zerosim.zero.schedule import fsdp2_checks
@@ -123,16 +123,7 @@ class ModuleReduceScatter(GradReducer):
         """One reduce-scatter of an FSDP module's gradients: each padded to N · chunk_i,
         rank-major."""
         s = self.strategy
-        slots, width = [], 0  # (group, chunk offset in the shard, chunk, column in the row)
-        for p, _ in ready:
-            gi, i = s.where[id(p)]
-            part = s.groups[gi].partition
-            slots.append((gi, part.offsets[i], part.chunks[i], width))
-            width += part.chunks[i]
-        s.reduction.pending.complete(leave=MAX_IN_FLIGHT - 1)  # free a buffer
-        buf = s.reduction.wire_buffer((s.comm.size, width))
-        for (_, grad), (_, _, chunk, column) in zip(ready, slots, strict=True):
-            pack_rank_major(buf[:, column : column + chunk], flat(grad))
+        buf, slots, width = pack_chunks(s, [p for p, _ in ready], [g for _, g in ready])
         s.reduction.reduce(buf, AveragedRow(s, slots), partial(reduce_rows, s), width)
         if s.replicate_comm is not None:  # FSDP2 all-reduces a row as soon as it is reduced
             s.reduction.pending.complete()
