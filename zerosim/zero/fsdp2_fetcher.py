@@ -116,7 +116,7 @@ class ModuleGather(ParamFetcher):
             m.register_forward_pre_hook(lambda _m, args, mod=mod: self.pre_forward(mod, args))
             m.register_forward_hook(lambda _m, args, out, mod=mod: self.post_forward(mod))
             m.register_full_backward_pre_hook(lambda _m, g, mod=mod: self.pre_backward(mod))
-            m.register_full_backward_hook(lambda _m, gi, go, mod=mod: self.post_backward(mod))
+            m.register_full_backward_hook(lambda _m, _gi, _go, mod=mod: self.post_backward(mod))
 
     # -- the hooks ---------------------------------------------------------------------------------
     def pre_forward(self, mod: FsdpModule, args: tuple) -> tuple:

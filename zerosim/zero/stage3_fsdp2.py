@@ -92,7 +92,7 @@ class ModuleReduceScatter(GradReducer):
     def attach(self, model: Any) -> None:
         for mod in self.strategy.fetcher.fsdp_modules:
             mod.module.register_full_backward_hook(
-                lambda _m, gi, go, mod=mod: self.post_backward(mod)
+                lambda _m, _gi, _go, mod=mod: self.post_backward(mod)
             )
 
     def before_backward(self, boundary: bool) -> None:
