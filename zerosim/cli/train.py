@@ -30,6 +30,7 @@ from zerosim.comm import Communicator, LocalComm
 from zerosim.engine import initialize
 from zerosim.report import workloads
 from zerosim.zero.fetcher import coordinator_kind
+from zerosim.zero.partition import dim0_partition
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 4,
@@ -209,20 +210,30 @@ def step_timing(comm: Communicator, clocks: np.ndarray) -> dict[str, Any]:
     }
 
 
-def fsdp2_formula(strategy: Any, accumulation: int) -> dict[str, int]:
-    """FSDP2's bytes per step (``fsdp2_step_bytes``) from its FSDP modules' all-gather inputs."""
-    shards = []
+def fsdp2_formula(strategy: Any, accumulation: int, rank: int = 0) -> dict[str, int]:
+    """FSDP2's bytes per step (``fsdp2_step_bytes``) from its FSDP modules' all-gather inputs:
+    ceil(dim0 / N) rows of each parameter, and under an int reshard_after_forward g the
+    ceil(dim0 / g) rows its blocks keep; ``rank`` in the whole world (its replica under HSDP)."""
+    n, g = strategy.comm.size, strategy.reshard_after_forward
+    shards, group_shards = [], []
     for mod in strategy.fetcher.fsdp_modules:
         where = [strategy.where[id(p)] for p in mod.params]
         shards.append(sum(strategy.groups[gi].partition.chunks[i] for gi, i in where))
+        if not isinstance(g, bool):
+            named = [("", strategy.groups[gi].partition.shapes[i]) for gi, i in where]
+            group_shards.append(sum(dim0_partition(named, g).chunks))
+    replicas = strategy.replicate_comm
     return fsdp2_step_bytes(
         shards,
-        strategy.comm.size,
+        n,
         strategy.param_dtype.itemsize,
         strategy.reduce_dtype.itemsize,
         accumulation,
-        strategy.reshard_after_forward,
+        g,
         strategy.reshard_after_backward,
+        group_shards=group_shards or None,
+        replicate=1 if replicas is None else replicas.size,
+        replica=rank // n,
     )
 
 
@@ -250,12 +261,11 @@ def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[i
     )
     rows = []
     if schedule == "fsdp2":
-        if strategy.replicate_comm is not None or strategy.fetcher.post_forward_comm is not None:
-            return None  # HSDP's all-reduces, an int reshard's gathers: no closed form here yet
-        formula = fsdp2_formula(strategy, k)
         params = sum(len(g.partition.names) for g in strategy.groups)  # one norm element each
+        shard = strategy.comm.size  # the norm's all-reduce runs in the shard group
         for r in range(n):
-            clip = clip_bytes(n, r, checks["clip"], params) if "clip" in checks else 0
+            formula = fsdp2_formula(strategy, k, r)
+            clip = clip_bytes(shard, r % shard, checks["clip"], params) if "clip" in checks else 0
             rows.append([formula["forward"], formula["backward"], formula["step"], clip])
         return rows
     for r in range(n):
