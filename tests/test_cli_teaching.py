@@ -608,3 +608,31 @@ def test_a_size_beyond_1e18_is_refused_naming_the_range(argv, capsys):
         f"argument --params: must be a whole number of parameters from 0 to 1e18 (such as "
         f"7.5e9), got '{value}'"
     )
+
+
+def test_compare_runs_fsdp2s_stage_3_beside_the_papers_with_dim0_shards(capsys):
+    """The MLP under FSDP2 at N = 3 (torch's [out, in] weights, each Linear one FSDP module):
+    ceil(dim0 / 3) rows of every parameter, S = 2,838 + 22,102 + 1,028 elements per rank;
+    every module gathered in forward and again in backward, reduce-scattered once; one
+    float32 norm element per parameter (6)."""
+    n = 3
+    argv = ["compare", "-n", str(n), "--stage", "3", "--steps", "2", "--schedule", "paper"]
+    data = run_json(capsys, *argv, "fsdp2", "--json")
+    assert [(r["name"], r["schedule"]) for r in data["stages"]] == [("3", "paper"), ("3", "fsdp2")]
+    row = data["stages"][1]
+    units = [(256, 32), (256,), (256, 256), (256,), (10, 256), (10,)]
+    shard = sum(-(-shape[0] // n) * math.prod(shape[1:]) for shape in units)
+    assert shard == 2838 + 22102 + 1028 and row["padded_numel"] == n * shard
+    once = (n - 1) * shard * 4
+    for rank, measured in enumerate(row["bytes"]["measured"]):
+        assert measured == [once, 2 * once, 0, analysis.clip_bytes(n, rank, 4, len(units))]
+    for measured in row["memory"]["measured"]:  # params, grads, master, states, persistent
+        assert measured == [shard * 4, shard * 4, 0, 2 * shard * 4, 0]
+    assert row["bytes"]["equal"] and row["memory"]["equal"] and data["ok"] is True
+    # the first Linear runs while the second is prefetched: the two largest neighbours
+    assert row["peak_gathered_params"] == [n * (2838 + 22102) * 4] * n
+
+
+def test_compare_refuses_fsdp2_under_mixed_precision(capsys):
+    line = refusal(capsys, "compare", "-n", "2", "--schedule", "fsdp2", "--precision", "bf16")
+    assert line == "zerosim compare: --schedule fsdp2 needs --precision fp32, got 'bf16'"

@@ -16,7 +16,7 @@ from fractions import Fraction
 from typing import Any
 
 from zerosim import analysis
-from zerosim.analysis import EVERY_STAGE_SCHEDULES
+from zerosim.analysis import EVERY_STAGE_SCHEDULES, SCHEDULES
 from zerosim.analysis.stages import STAGES
 from zerosim.backend import PRECISION_DTYPES
 from zerosim.cli.arguments import int_at_least, parameter_count, refuse
@@ -250,6 +250,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     stages = _stages(args.stage, tuple(STAGES))
     if args.precision != "fp32" and args.dtype != "float32":
         return refuse("compare", f"--precision {args.precision} needs --dtype float32")
+    if "fsdp2" in args.schedule and args.precision != "fp32":
+        return refuse("compare", f"--schedule fsdp2 needs --precision fp32, got {args.precision!r}")
     result, rank = _run_on_world(
         args,
         compare.compare,
@@ -563,10 +565,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     comp.add_argument(
         "--schedule",
         nargs="+",
-        choices=list(EVERY_STAGE_SCHEDULES),
+        choices=list(SCHEDULES),
         default=list(EVERY_STAGE_SCHEDULES),
         help="zerosim.schedule to run each stage under: DeepSpeed 0.19.8's collectives, the "
-        "ZeRO paper's, or both side by side (default both)",
+        "ZeRO paper's, or both side by side (default both); fsdp2 adds PyTorch FSDP2's for "
+        "stage 3 (fp32 only)",
     )
     _common(comp)
     comp.set_defaults(func=cmd_compare)

@@ -24,13 +24,13 @@ from zerosim.analysis import (
     full_precision_model_states,
     step_bytes,
 )
-from zerosim.analysis.volume import fsdp2_step_bytes, stage3_backward_gathers
+from zerosim.analysis.volume import stage3_backward_gathers
 from zerosim.checkpoint import load_checkpoint, save_checkpoint
 from zerosim.comm import Communicator, LocalComm
 from zerosim.engine import initialize
 from zerosim.report import workloads
+from zerosim.report.compare import fsdp2_formula
 from zerosim.zero.fetcher import coordinator_kind
-from zerosim.zero.partition import dim0_partition
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 4,
@@ -208,33 +208,6 @@ def step_timing(comm: Communicator, clocks: np.ndarray) -> dict[str, Any]:
         "step_wall_s": [float(t) for t in wall[0]],
         "step_cpu_share": [None if np.isnan(v) else float(v) for v in share],
     }
-
-
-def fsdp2_formula(strategy: Any, accumulation: int, rank: int = 0) -> dict[str, int]:
-    """FSDP2's bytes per step (``fsdp2_step_bytes``) from its FSDP modules' all-gather inputs:
-    ceil(dim0 / N) rows of each parameter, and under an int reshard_after_forward g the
-    ceil(dim0 / g) rows its blocks keep; ``rank`` in the whole world (its replica under HSDP)."""
-    n, g = strategy.comm.size, strategy.reshard_after_forward
-    shards, group_shards = [], []
-    for mod in strategy.fetcher.fsdp_modules:
-        where = [strategy.where[id(p)] for p in mod.params]
-        shards.append(sum(strategy.groups[gi].partition.chunks[i] for gi, i in where))
-        if not isinstance(g, bool):
-            named = [("", strategy.groups[gi].partition.shapes[i]) for gi, i in where]
-            group_shards.append(sum(dim0_partition(named, g).chunks))
-    replicas = strategy.replicate_comm
-    return fsdp2_step_bytes(
-        shards,
-        n,
-        strategy.param_dtype.itemsize,
-        strategy.reduce_dtype.itemsize,
-        accumulation,
-        g,
-        strategy.reshard_after_backward,
-        group_shards=group_shards or None,
-        replicate=1 if replicas is None else replicas.size,
-        replica=rank // n,
-    )
 
 
 def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[int]] | None:
