@@ -636,3 +636,45 @@ def test_compare_runs_fsdp2s_stage_3_beside_the_papers_with_dim0_shards(capsys):
 def test_compare_refuses_fsdp2_under_mixed_precision(capsys):
     line = refusal(capsys, "compare", "-n", "2", "--schedule", "fsdp2", "--precision", "bf16")
     assert line == "zerosim compare: --schedule fsdp2 needs --precision fp32, got 'bf16'"
+
+
+def _gpt_fsdp2_units(n: int) -> list[int]:
+    """S_u of gpt:2,16,40,32 (untied; torch's [out, in] weights) at N ranks: each block, then
+    the root (wte, wpe, ln_f, lm_head); ceil(dim0 / N) rows of every parameter."""
+    h, vocab, seq = 16, 40, 32
+    block = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,)]
+    block += [(4 * h, h), (4 * h,), (h, 4 * h), (h,)]
+    root = [(vocab, h), (seq, h), (h,), (h,), (vocab, h)]
+    return [sum(-(-s[0] // n) * math.prod(s[1:]) for s in u) for u in (block, block, root)]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_volume_json_gives_fsdp2s_schedule_from_the_models_shapes(k, capsys):
+    """At N = 6 every 16-row parameter pads to 18 rows: forward gathers every FSDP module
+    k times, backward the two blocks again k times, then one reduce-scatter of each."""
+    n, b = 6, 2
+    units = _gpt_fsdp2_units(n)
+    argv = ["volume", "--model", "gpt:2,16,40,32", "--dp", str(n), "--dtype", "bfloat16"]
+    data = run_json(capsys, *argv, "--accumulation", str(k), "--json")
+    row = data["fsdp2"]
+    assert row["padded_numel"] == n * sum(units)
+    assert row["forward"] == k * (n - 1) * b * sum(units)
+    assert row["backward"] == (n - 1) * b * (k * sum(units[:2]) + sum(units))
+    assert row["step"] == 0 and row["total"] == row["forward"] + row["backward"]
+    assert "fsdp2" not in run_json(capsys, "volume", "--params", "1000", "--dp", "4", "--json")
+
+
+def test_memory_json_gives_fsdp2s_shards_and_gathered_peak(capsys):
+    """bf16 gathers, fp32 shards (the optimizer's weights), gradient shard and Adam's 2 states:
+    (2 + 2) · 4 · S bytes; the root stays gathered, a block runs beside the prefetched one."""
+    n = 6
+    units = _gpt_fsdp2_units(n)
+    argv = ["memory", "--model", "gpt:2,16,40,32", "--dp", str(n), "--stage", "3"]
+    data = run_json(capsys, *argv, "--dtype", "bfloat16", "--num-states", "2", "--json")
+    (row,) = data["fsdp2"]
+    s = sum(units)
+    assert (row["params"], row["grads"], row["optimizer_states"]) == (4 * s, 4 * s, 8 * s)
+    assert row["total"] == 16 * s and row["padded_numel"] == n * s
+    assert row["peak_gathered_params"] == n * 2 * (units[2] + 2 * units[0])
+    argv = ["memory", "--model", "gpt:2,16,40,32", "--dp", str(n), "--stage", "1", "--json"]
+    assert "fsdp2" not in run_json(capsys, *argv)
