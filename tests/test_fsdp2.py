@@ -481,3 +481,19 @@ def test_fsdp2_hsdp_and_int_reshard_bytes_equal_zerosim_trains_rows_and_the_clos
         for r in range(n):
             assert got[r]["measured"][:3] == [forward, backward, 0], (fsdp2, r)
             assert got[0]["rows"][r] == got[r]["measured"], (fsdp2, r)
+
+
+def test_fsdp2_memory_counts_the_gradients_kept_between_micro_batches():
+    """float64, N = 3: with 2 micro-batches every unsharded gradient waits for the last one in
+    reduce_dtype (Ψ · 8 bytes); with 1 nothing waits. reshard_after_forward false: every FSDP
+    module gathered at the end of forward, N · 8 · Σ_u S_u."""
+    n = 3
+    for k in (1, 2):
+        case = Case(stage=3, steps=1, model="mlp", accumulation=k)
+        memory = zs.LocalWorld(n).run(train_fsdp2, case, {"reshard_after_forward": False})[0][
+            "memory"
+        ]
+        numel = sum(math.prod(s) for u in unit_shapes(case) for s in u)
+        assert memory["peak_accumulated_grads"] == (8 * numel if k == 2 else 0)
+        shards = sum(shard_elements(s, n) for s in unit_shapes(case))
+        assert memory["peak_gathered_params"] == n * 8 * shards
