@@ -335,6 +335,26 @@ def _memory_formula(
     return categories, [memory[c] for c in categories]
 
 
+def _boundary_rows(
+    formulas: list[dict[str, int]], phases: tuple[str, ...], checks: dict[str, int], elements: int
+) -> list[list[int]]:
+    """Each rank's bytes of ``phases``: the schedule's ``formulas``, then clip and overflow,
+    all-reduces of ``elements`` elements of the schedule's dtypes (none: 0); ``elements`` is 1
+    except under FSDP2, whose norm sends one per parameter (torch's clip_grad_norm_)."""
+    n = len(formulas)
+    return [
+        [
+            formula[p]
+            if p in formula
+            else clip_bytes(n, r, checks[p], elements)
+            if p in checks
+            else 0
+            for p in phases
+        ]
+        for r, formula in enumerate(formulas)
+    ]
+
+
 def _predicted(
     name: str,
     config: dict[str, Any],
@@ -372,20 +392,8 @@ def _predicted(
         float64=model_dtype == "float64",
     )
     phases = PHASES + (("overflow",) if "overflow" in checks else ())
-    # clip and overflow: one-element all-reduces, of the schedule's dtypes (none: 0); FSDP2's
-    # norm: one element per parameter (torch's clip_grad_norm_ on DTensors)
     elements = len(list(net.named_parameters())) if schedule == "fsdp2" else 1
-    per_rank = [
-        [
-            formula[p]
-            if p in formula
-            else clip_bytes(n, r, checks[p], elements)
-            if p in checks
-            else 0
-            for p in phases
-        ]
-        for r, formula in enumerate(formulas)
-    ]
+    per_rank = _boundary_rows(formulas, phases, checks, elements)
     states = len(engine.optimizer.state_keys(engine.optimizer.param_groups[0]))
     categories, memory = _memory_formula(
         name, strategy.stage, pad, n, model_dtype, precision, states, persistent

@@ -173,11 +173,7 @@ def volume_data(
     formula in both
     (DeepSpeed's coalesces each module's gathers into one call; with a prefetch bucket or live
     cap smaller than the model its bytes follow the module trace: docs/formulas.md).
-
-    ``fsdp2``, given the model's named ``shapes``: PyTorch FSDP2's schedule
-    (``analysis.fsdp2_step_bytes``, param_dtype = reduce_dtype = ``dtype``), each parameter
-    padded along dim 0, one all-gather per FSDP module (``fsdp2_units``) in forward and again in
-    backward for the blocks, one reduce-scatter per FSDP module.
+    ``fsdp2``, given the model's named ``shapes``: PyTorch FSDP2's schedule (``_fsdp2_volume``).
     """
     b = resolve_dtype(dtype).itemsize
     stages = {}
@@ -195,11 +191,7 @@ def volume_data(
     clip = {"end_ranks": analysis.clip_bytes(dp, 0)}
     clip["middle_ranks"] = analysis.clip_bytes(dp, 1) if dp > 2 else None
     deepspeed = _deepspeed_volume(int(params), dp, b, accumulation, stages, numels)
-    extra = {}
-    if shapes is not None:
-        units = fsdp2_units(shapes, dp)
-        phases = analysis.fsdp2_step_bytes(units, dp, b, b, accumulation)
-        extra["fsdp2"] = {"padded_numel": dp * sum(units), **phases, "total": sum(phases.values())}
+    extra = {} if shapes is None else {"fsdp2": _fsdp2_volume(shapes, dp, b, accumulation)}
     return {
         **extra,
         "num_params": params,
@@ -212,6 +204,18 @@ def volume_data(
         "deepspeed": deepspeed,
         "clip_bytes": clip,
     }
+
+
+def _fsdp2_volume(
+    shapes: list[tuple[str, tuple[int, ...]]], dp: int, b: int, accumulation: int
+) -> dict[str, int]:
+    """``volume_data``'s "fsdp2" row: PyTorch FSDP2's schedule (``analysis.fsdp2_step_bytes``,
+    param_dtype = reduce_dtype = the dtype of ``b`` bytes), each parameter padded along dim 0,
+    one all-gather per FSDP module (``fsdp2_units``) in forward and again in backward for the
+    blocks, one reduce-scatter per FSDP module."""
+    units = fsdp2_units(shapes, dp)
+    phases = analysis.fsdp2_step_bytes(units, dp, b, b, accumulation)
+    return {"padded_numel": dp * sum(units), **phases, "total": sum(phases.values())}
 
 
 def _deepspeed_volume(
