@@ -169,3 +169,13 @@ def test_deepspeed_messages_of_20000_parameters_take_linear_time():
     numels = [1000] * 20_000
     messages = deepspeed_gradient_messages(numels, 8, reduce_bucket_size=10**6)
     assert sum(m for _, m, _ in messages) == sum(numels)
+
+
+def test_fsdp2_step_bytes_needs_the_group_shards_of_an_int_reshard():
+    from zerosim.analysis import fsdp2_step_bytes
+
+    with pytest.raises(ValueError, match="reshard_after_forward=2: an int needs group_shards"):
+        fsdp2_step_bytes([10, 4], 4, 2, 4, reshard_after_forward=2)
+    # blocks of 10 elements per rank at N = 4 keep 20 per rank in pairs: (2−1)·2 bytes·20 each
+    got = fsdp2_step_bytes([10, 4], 4, 2, 4, reshard_after_forward=2, group_shards=[20, 8])
+    assert got == {"forward": 3 * 2 * 14, "backward": 1 * 2 * 20 + 3 * 4 * 14, "step": 0}

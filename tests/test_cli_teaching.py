@@ -608,3 +608,73 @@ def test_a_size_beyond_1e18_is_refused_naming_the_range(argv, capsys):
         f"argument --params: must be a whole number of parameters from 0 to 1e18 (such as "
         f"7.5e9), got '{value}'"
     )
+
+
+def test_compare_runs_fsdp2s_stage_3_beside_the_papers_with_dim0_shards(capsys):
+    """The MLP under FSDP2 at N = 3 (torch's [out, in] weights, each Linear one FSDP module):
+    ceil(dim0 / 3) rows of every parameter, S = 2,838 + 22,102 + 1,028 elements per rank;
+    every module gathered in forward and again in backward, reduce-scattered once; one
+    float32 norm element per parameter (6)."""
+    n = 3
+    argv = ["compare", "-n", str(n), "--stage", "3", "--steps", "2", "--schedule", "paper"]
+    data = run_json(capsys, *argv, "fsdp2", "--json")
+    assert [(r["name"], r["schedule"]) for r in data["stages"]] == [("3", "paper"), ("3", "fsdp2")]
+    row = data["stages"][1]
+    units = [(256, 32), (256,), (256, 256), (256,), (10, 256), (10,)]
+    shard = sum(-(-shape[0] // n) * math.prod(shape[1:]) for shape in units)
+    assert shard == 2838 + 22102 + 1028 and row["padded_numel"] == n * shard
+    once = (n - 1) * shard * 4
+    for rank, measured in enumerate(row["bytes"]["measured"]):
+        assert measured == [once, 2 * once, 0, analysis.clip_bytes(n, rank, 4, len(units))]
+    for measured in row["memory"]["measured"]:  # params, grads, master, states, persistent
+        assert measured == [shard * 4, shard * 4, 0, 2 * shard * 4, 0]
+    assert row["bytes"]["equal"] and row["memory"]["equal"] and data["ok"] is True
+    # the first Linear runs while the second is prefetched: the two largest neighbours
+    assert row["peak_gathered_params"] == [n * (2838 + 22102) * 4] * n
+
+
+def test_compare_refuses_fsdp2_under_mixed_precision(capsys):
+    line = refusal(capsys, "compare", "-n", "2", "--schedule", "fsdp2", "--precision", "bf16")
+    assert line == "zerosim compare: --schedule fsdp2 needs --precision fp32, got 'bf16'"
+
+
+def _gpt_fsdp2_units(n: int) -> list[int]:
+    """S_u of gpt:2,16,40,32 (untied; torch's [out, in] weights) at N ranks: each block, then
+    the root (wte, wpe, ln_f, lm_head); ceil(dim0 / N) rows of every parameter."""
+    h, vocab, seq = 16, 40, 32
+    block = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,)]
+    block += [(4 * h, h), (4 * h,), (h, 4 * h), (h,)]
+    root = [(vocab, h), (seq, h), (h,), (h,), (vocab, h)]
+    return [sum(-(-s[0] // n) * math.prod(s[1:]) for s in u) for u in (block, block, root)]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_volume_json_gives_fsdp2s_schedule_from_the_models_shapes(k, capsys):
+    """At N = 6 every 16-row parameter pads to 18 rows: forward gathers every FSDP module
+    k times, backward the two blocks again k times, then one reduce-scatter of each."""
+    n, b = 6, 2
+    units = _gpt_fsdp2_units(n)
+    argv = ["volume", "--model", "gpt:2,16,40,32", "--dp", str(n), "--dtype", "bfloat16"]
+    data = run_json(capsys, *argv, "--accumulation", str(k), "--json")
+    row = data["fsdp2"]
+    assert row["padded_numel"] == n * sum(units)
+    assert row["forward"] == k * (n - 1) * b * sum(units)
+    assert row["backward"] == (n - 1) * b * (k * sum(units[:2]) + sum(units))
+    assert row["step"] == 0 and row["total"] == row["forward"] + row["backward"]
+    assert "fsdp2" not in run_json(capsys, "volume", "--params", "1000", "--dp", "4", "--json")
+
+
+def test_memory_json_gives_fsdp2s_shards_and_gathered_peak(capsys):
+    """bf16 gathers, fp32 shards (the optimizer's weights), gradient shard and Adam's 2 states:
+    (2 + 2) · 4 · S bytes; the root stays gathered, a block runs beside the prefetched one."""
+    n = 6
+    units = _gpt_fsdp2_units(n)
+    argv = ["memory", "--model", "gpt:2,16,40,32", "--dp", str(n), "--stage", "3"]
+    data = run_json(capsys, *argv, "--dtype", "bfloat16", "--num-states", "2", "--json")
+    (row,) = data["fsdp2"]
+    s = sum(units)
+    assert (row["params"], row["grads"], row["optimizer_states"]) == (4 * s, 4 * s, 8 * s)
+    assert row["total"] == 16 * s and row["padded_numel"] == n * s
+    assert row["peak_gathered_params"] == n * 2 * (units[2] + 2 * units[0])
+    argv = ["memory", "--model", "gpt:2,16,40,32", "--dp", str(n), "--stage", "1", "--json"]
+    assert "fsdp2" not in run_json(capsys, *argv)

@@ -442,3 +442,58 @@ def test_fsdp2_dry_run_sends_the_closed_form_from_the_shapes():
         sent = entry["bytes_sent"]
         assert sent["forward"] == (n - 1) * 2 * total
         assert sent["backward"] == (n - 1) * (2 * blocks + 4 * total)
+
+
+def _step_rows(comm, case: Case, fsdp2: dict) -> dict:
+    """One optimizer step's bytes sent by phase (the ledger) and ``zerosim train``'s rows."""
+    from zerosim.cli.train import PHASES, expected_rows
+
+    engine, *_ = initialize(build_model(case), fsdp2_config(case, **fsdp2), comm=comm)
+    x, y = data(case, comm.size)
+    comm.ledger.reset()
+    optimizer_step(engine, comm, case, x, y, 0)
+    measured = [comm.ledger.bytes_sent(phase=p) for p in PHASES]
+    return {"measured": measured, "rows": expected_rows(engine, [], 0)}
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_fsdp2_hsdp_and_int_reshard_bytes_equal_zerosim_trains_rows_and_the_closed_form(
+    accumulation,
+):
+    """N = 4, float64. HSDP 2 x 2: the gathers and reduce-scatters of a shard group of 2 and
+    an all-reduce of each reduced row over R = 2 replicas (a ring of two sends half the row
+    twice: S_u elements). reshard_after_forward = 2 (no HSDP): forward gathers over all 4,
+    backward over pairs, ceil(dim0 / 2) rows of each block parameter (the other test's forms)."""
+    n, b = 4, 8
+    case = Case(stage=3, steps=1, model="gpt", accumulation=accumulation, clip=0.5)
+    k = accumulation
+    *blocks, root = unit_shapes(case)
+    for fsdp2, m in (({"replicate": 2}, 2), ({"reshard_after_forward": 2}, 4)):
+        units = [shard_elements(s, m) for s in [*blocks, root]]
+        s_blocks = sum(units[:-1])
+        if "replicate" in fsdp2:
+            regather, replicas = k * (m - 1) * s_blocks, sum(units)
+        else:
+            regather, replicas = k * sum(shard_elements(s, 2) for s in blocks), 0
+        forward = k * (m - 1) * b * sum(units)
+        backward = b * (regather + (m - 1) * sum(units) + replicas)
+        got = zs.LocalWorld(n).run(_step_rows, case, fsdp2)
+        for r in range(n):
+            assert got[r]["measured"][:3] == [forward, backward, 0], (fsdp2, r)
+            assert got[0]["rows"][r] == got[r]["measured"], (fsdp2, r)
+
+
+def test_fsdp2_memory_counts_the_gradients_kept_between_micro_batches():
+    """float64, N = 3: with 2 micro-batches every unsharded gradient waits for the last one in
+    reduce_dtype (Ψ · 8 bytes); with 1 nothing waits. reshard_after_forward false: every FSDP
+    module gathered at the end of forward, N · 8 · Σ_u S_u."""
+    n = 3
+    for k in (1, 2):
+        case = Case(stage=3, steps=1, model="mlp", accumulation=k)
+        memory = zs.LocalWorld(n).run(train_fsdp2, case, {"reshard_after_forward": False})[0][
+            "memory"
+        ]
+        numel = sum(math.prod(s) for u in unit_shapes(case) for s in u)
+        assert memory["peak_accumulated_grads"] == (8 * numel if k == 2 else 0)
+        shards = sum(shard_elements(s, n) for s in unit_shapes(case))
+        assert memory["peak_gathered_params"] == n * 8 * shards

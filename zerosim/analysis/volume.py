@@ -677,23 +677,49 @@ def fsdp2_step_bytes(
     param_bytes: int,
     reduce_bytes: int,
     accumulation: int = 1,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     reshard_after_backward: bool = True,
+    *,
+    group_shards: list[int] | None = None,
+    replicate: int = 1,
+    replica: int = 0,
 ) -> dict[str, int]:
     """{phase: bytes one rank sends} in one optimizer step of PyTorch FSDP2's schedule
     (``zero/stage3_fsdp2.py``). ``module_shards``: S_u, the elements of each unit's all-gather
     input on one rank (Σ ceil(dim0_i / N) · numel_i / dim0_i over its parameters), the blocks
     first and the root last; b_p, b_r the bytes of param_dtype and reduce_dtype; k micro-batches.
+    N (``world_size``) is the shard group's size: under HSDP, N / R of the whole world.
 
         forward    (N−1)·b_p·Σ_u S_u · (k, or 1 when parameters stay gathered between them)
         backward   (N−1)·b_p·k·Σ_blocks S_u   (blocks resharded after forward; the root is not)
                  + (N−1)·b_r·Σ_u S_u          (one reduce-scatter per unit, last micro-batch)
+
+    An int ``reshard_after_forward`` g keeps ceil(dim0 / g) rows per rank after forward, so
+    backward gathers inside groups of g ranks: (g−1)·b_p·k·Σ_blocks S_u(g), ``group_shards``
+    giving each unit's S_u(g) in the same order. HSDP (``replicate`` R > 1): each reduced row of
+    S_u elements is all-reduced across the R replicas, a ring in which replica ``replica`` sends
+    2·S_u − c_i − c_{i+1} elements of b_r bytes (c_i: the ring's chunks of the row).
     """
+    from zerosim.comm.ring import model_bytes
+
     n, blocks, total = world_size, sum(module_shards[:-1]), sum(module_shards)
     forward_passes = accumulation if reshard_after_backward else 1
-    regathered = accumulation * blocks if reshard_after_forward else 0
+    if reshard_after_forward is True:
+        regathered = (n - 1) * accumulation * blocks
+    elif reshard_after_forward is False:
+        regathered = 0
+    else:
+        if group_shards is None:
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward!r}: an int needs group_shards, "
+                "each block's elements per rank in groups of that many ranks"
+            )
+        regathered = (reshard_after_forward - 1) * accumulation * sum(group_shards[:-1])
+    replicas = sum(
+        model_bytes("all_reduce", u, replicate, replica, reduce_bytes)[0] for u in module_shards
+    )
     return {
         "forward": (n - 1) * param_bytes * total * forward_passes,
-        "backward": (n - 1) * (param_bytes * regathered + reduce_bytes * total),
+        "backward": param_bytes * regathered + (n - 1) * reduce_bytes * total + replicas,
         "step": 0,
     }

@@ -16,7 +16,7 @@ from fractions import Fraction
 from typing import Any
 
 from zerosim import analysis
-from zerosim.analysis import EVERY_STAGE_SCHEDULES
+from zerosim.analysis import EVERY_STAGE_SCHEDULES, SCHEDULES
 from zerosim.analysis.stages import STAGES
 from zerosim.backend import PRECISION_DTYPES
 from zerosim.cli.arguments import int_at_least, parameter_count, refuse
@@ -57,7 +57,8 @@ def _dtype(args: argparse.Namespace) -> str:
 
 def _volume(args: argparse.Namespace) -> dict[str, Any]:
     knobs = (args.accumulation, args.dtype, args.persistent_numel, args.stage3_reuse)
-    return volume_data(args.params, args.dp, *knobs, numels=getattr(args, "numels", None))
+    named = {"numels": getattr(args, "numels", None), "shapes": getattr(args, "shapes", None)}
+    return volume_data(args.params, args.dp, *knobs, **named)
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
@@ -89,6 +90,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
             args.offload_optimizer,
             args.offload_param,
             numels=args.numels,
+            shapes=args.shapes,
         )
     except ValueError as err:
         return refuse("memory", str(err))
@@ -104,6 +106,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
         f"params {args.offload_param}",
         *_table(["N", *heads], rows, [6, 17, *[16] * (len(heads) - 1)]),
     ]
+    for row in data.get("fsdp2", []):  # --model and stage 3: FSDP2's dim-0 shards
+        gb = analysis.format_paper_gb(Fraction(row["total"]) / 10**9)
+        peak = analysis.format_paper_gb(Fraction(row["peak_gathered_params"]) / 10**9)
+        lines.append(
+            f"FSDP2 at N = {row['dp']}: {gb} GB (fp32 shards are the optimizer's weights), "
+            f"gathered peak {peak} GB (root + 2 blocks)"
+        )
     _emit(args, data, "\n".join(lines))
     if args.plot:
         series = {heads[i]: [cell[n, s] for n in args.dp] for i, s in enumerate(stages)}
@@ -160,6 +169,13 @@ def cmd_volume(args: argparse.Namespace) -> int:
         "stages 1-2: DeepSpeed all-reduces each gradient bucket, 2(N−1)/N·Ψ, where the paper",
         "reduce-scatters it, (N−1)/N·Ψ_pad; its norm all-reduce is one float32 (4 B)",
     ]
+    if "fsdp2" in data:  # --model: PyTorch FSDP2's schedule, each parameter padded on dim 0
+        lines += [
+            "",
+            "PyTorch FSDP2's schedule (stage 3; param_dtype = reduce_dtype, blocks resharded "
+            "after forward):",
+            *_table(head, [cells("fsdp2", data["fsdp2"])], widths),
+        ]
     if "whole_params" in data:
         lines += ["", whole_params.format_volume(data["whole_params"])]
     _emit(args, data, "\n".join(lines))
@@ -250,6 +266,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     stages = _stages(args.stage, tuple(STAGES))
     if args.precision != "fp32" and args.dtype != "float32":
         return refuse("compare", f"--precision {args.precision} needs --dtype float32")
+    if "fsdp2" in args.schedule and args.precision != "fp32":
+        return refuse("compare", f"--schedule fsdp2 needs --precision fp32, got {args.precision!r}")
     result, rank = _run_on_world(
         args,
         compare.compare,
@@ -390,14 +408,15 @@ def _model_params(args: argparse.Namespace, command: str) -> int | None:
     model) from ``--model`` when given; the exit code 2 of a refusal, else None."""
     from zerosim.report.tables import model_description
 
-    args.numels = None
+    args.numels = args.shapes = None
     if getattr(args, "model", None) is None:
         return None
     try:
         desc = model_description(args.model)
     except ValueError as err:
         return refuse(command, str(err))
-    args.numels = [math.prod(shape) for _, shape in desc.parameter_shapes()]
+    args.shapes = list(desc.parameter_shapes())
+    args.numels = [math.prod(shape) for _, shape in args.shapes]
     args.params = sum(args.numels)
     return None
 
@@ -563,10 +582,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     comp.add_argument(
         "--schedule",
         nargs="+",
-        choices=list(EVERY_STAGE_SCHEDULES),
+        choices=list(SCHEDULES),
         default=list(EVERY_STAGE_SCHEDULES),
         help="zerosim.schedule to run each stage under: DeepSpeed 0.19.8's collectives, the "
-        "ZeRO paper's, or both side by side (default both)",
+        "ZeRO paper's, or both side by side (default both); fsdp2 adds PyTorch FSDP2's for "
+        "stage 3 (fp32 only)",
     )
     _common(comp)
     comp.set_defaults(func=cmd_compare)

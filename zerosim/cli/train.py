@@ -24,11 +24,12 @@ from zerosim.analysis import (
     full_precision_model_states,
     step_bytes,
 )
-from zerosim.analysis.volume import fsdp2_step_bytes, stage3_backward_gathers
+from zerosim.analysis.volume import stage3_backward_gathers
 from zerosim.checkpoint import load_checkpoint, save_checkpoint
 from zerosim.comm import Communicator, LocalComm
 from zerosim.engine import initialize
 from zerosim.report import workloads
+from zerosim.report.compare import fsdp2_formula
 from zerosim.zero.fetcher import coordinator_kind
 
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -209,23 +210,6 @@ def step_timing(comm: Communicator, clocks: np.ndarray) -> dict[str, Any]:
     }
 
 
-def fsdp2_formula(strategy: Any, accumulation: int) -> dict[str, int]:
-    """FSDP2's bytes per step (``fsdp2_step_bytes``) from its FSDP modules' all-gather inputs."""
-    shards = []
-    for mod in strategy.fetcher.fsdp_modules:
-        where = [strategy.where[id(p)] for p in mod.params]
-        shards.append(sum(strategy.groups[gi].partition.chunks[i] for gi, i in where))
-    return fsdp2_step_bytes(
-        shards,
-        strategy.comm.size,
-        strategy.param_dtype.itemsize,
-        strategy.reduce_dtype.itemsize,
-        accumulation,
-        strategy.reshard_after_forward,
-        strategy.reshard_after_backward,
-    )
-
-
 def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[int]] | None:
     """Per rank, the bytes of ``PHASES`` one optimizer step sends by ``zerosim.analysis``: the
     paper's schedule from Ψ_pad, DeepSpeed's (stages 0-2, DeepSpeed's layout) from the model's
@@ -250,12 +234,11 @@ def expected_rows(engine: Any, order: list[int], persistent: int) -> list[list[i
     )
     rows = []
     if schedule == "fsdp2":
-        if strategy.replicate_comm is not None or strategy.fetcher.post_forward_comm is not None:
-            return None  # HSDP's all-reduces, an int reshard's gathers: no closed form here yet
-        formula = fsdp2_formula(strategy, k)
         params = sum(len(g.partition.names) for g in strategy.groups)  # one norm element each
+        shard = strategy.comm.size  # the norm's all-reduce runs in the shard group
         for r in range(n):
-            clip = clip_bytes(n, r, checks["clip"], params) if "clip" in checks else 0
+            formula = fsdp2_formula(strategy, k, r)
+            clip = clip_bytes(shard, r % shard, checks["clip"], params) if "clip" in checks else 0
             rows.append([formula["forward"], formula["backward"], formula["step"], clip])
         return rows
     for r in range(n):

@@ -1,7 +1,8 @@
 """Measured against predicted: run each ZeRO stage on a world and set it beside the formulas.
 
 For every stage (0, 1, 2, 3 and Megatron's layout) on the communicator it is given, under each
-collective schedule asked for (``zerosim.schedule``: DeepSpeed's and the ZeRO paper's), in
+collective schedule asked for (``zerosim.schedule``: DeepSpeed's and the ZeRO paper's; FSDP2's
+for stage 3 only, beside them, its bytes from ``analysis.fsdp2_step_bytes``), in
 fp32/fp64 or in fp16/bf16 mixed precision, ``compare`` trains a few optimizer steps and
 collects, from every rank:
 
@@ -37,6 +38,7 @@ import numpy as np
 
 from zerosim.analysis import (
     EVERY_STAGE_SCHEDULES,
+    SCHEDULES,
     alpha_beta_coefficients,
     boundary_messages,
     clip_bytes,
@@ -45,13 +47,14 @@ from zerosim.analysis import (
     step_bytes,
 )
 from zerosim.analysis.stages import STAGES, stage_info
-from zerosim.analysis.volume import stage3_backward_gathers
+from zerosim.analysis.volume import fsdp2_step_bytes, stage3_backward_gathers
 from zerosim.backend import PRECISION_DTYPES
 from zerosim.comm import Communicator
 from zerosim.engine import initialize
 from zerosim.report import workloads
 from zerosim.report.tables import element_bytes, model_states
 from zerosim.zero.fetcher import coordinator_kind
+from zerosim.zero.partition import dim0_partition
 
 PHASES = ("forward", "backward", "step", "clip")
 MEMORY = ("params", "grads", "master_params", "optimizer_states")
@@ -84,6 +87,11 @@ def stage_config(
             f"got {dtype!r}"
         )
     stage, layout = info.stage, info.layout
+    if schedule == "fsdp2" and (stage != 3 or precision != "fp32"):
+        raise ValueError(
+            f"schedule 'fsdp2' runs stage 3 with precision 'fp32' (FSDP2 has no fp16/bf16 "
+            f"sections), got stage {name!r} and precision {precision!r}"
+        )
     section = {"stage": stage, "reduce_bucket_size": bucket, **(STAGE3_PLAIN if stage == 3 else {})}
     config = {
         "train_micro_batch_size_per_gpu": 4,
@@ -197,6 +205,33 @@ def _deepspeed_formula_bytes(
     )  # fmt: skip
 
 
+def fsdp2_formula(strategy: Any, accumulation: int, rank: int = 0) -> dict[str, int]:
+    """FSDP2's bytes per step (``fsdp2_step_bytes``) from its FSDP modules' all-gather inputs:
+    ceil(dim0 / N) rows of each parameter, and under an int reshard_after_forward g the
+    ceil(dim0 / g) rows its blocks keep; ``rank`` in the whole world (its replica under HSDP)."""
+    n, g = strategy.comm.size, strategy.reshard_after_forward
+    shards, group_shards = [], []
+    for mod in strategy.fetcher.fsdp_modules:
+        where = [strategy.where[id(p)] for p in mod.params]
+        shards.append(sum(strategy.groups[gi].partition.chunks[i] for gi, i in where))
+        if not isinstance(g, bool):
+            named = [("", strategy.groups[gi].partition.shapes[i]) for gi, i in where]
+            group_shards.append(sum(dim0_partition(named, g).chunks))
+    replicas = strategy.replicate_comm
+    return fsdp2_step_bytes(
+        shards,
+        n,
+        strategy.param_dtype.itemsize,
+        strategy.reduce_dtype.itemsize,
+        accumulation,
+        g,
+        strategy.reshard_after_backward,
+        group_shards=group_shards or None,
+        replicate=1 if replicas is None else replicas.size,
+        replica=rank // n,
+    )
+
+
 def gradient_order(model: Any) -> list[int]:
     """Starts recording the order backward finishes ``model``'s gradients (parameter indices,
     the first backward's), which DeepSpeed's gradient buckets follow: returns the list that
@@ -260,6 +295,8 @@ def _formula_rows(
     n, pad, knobs = strategy.comm.size, strategy.padded_numel, config["zero_optimization"]
     schedule, k = config["zerosim"]["schedule"], config["gradient_accumulation_steps"]
     coordinator = coordinator_kind(strategy)
+    if schedule == "fsdp2":
+        return [fsdp2_formula(strategy, k, r) for r in range(n)]
     if schedule == "deepspeed" and strategy.stage < 3 and name != "megatron":
         numels = [p.numel for _, p in net.named_parameters()]
         formulas = [
@@ -296,6 +333,26 @@ def _memory_formula(
         categories.append("persistent_params")
         memory["persistent_params"] = persistent * np.dtype(model_dtype).itemsize
     return categories, [memory[c] for c in categories]
+
+
+def _boundary_rows(
+    formulas: list[dict[str, int]], phases: tuple[str, ...], checks: dict[str, int], elements: int
+) -> list[list[int]]:
+    """Each rank's bytes of ``phases``: the schedule's ``formulas``, then clip and overflow,
+    all-reduces of ``elements`` elements of the schedule's dtypes (none: 0); ``elements`` is 1
+    except under FSDP2, whose norm sends one per parameter (torch's clip_grad_norm_)."""
+    n = len(formulas)
+    return [
+        [
+            formula[p]
+            if p in formula
+            else clip_bytes(n, r, checks[p], elements)
+            if p in checks
+            else 0
+            for p in phases
+        ]
+        for r, formula in enumerate(formulas)
+    ]
 
 
 def _predicted(
@@ -335,14 +392,8 @@ def _predicted(
         float64=model_dtype == "float64",
     )
     phases = PHASES + (("overflow",) if "overflow" in checks else ())
-    # clip and overflow: one-element all-reduces, of the schedule's dtypes (none: 0)
-    per_rank = [
-        [
-            formula[p] if p in formula else clip_bytes(n, r, checks[p]) if p in checks else 0
-            for p in phases
-        ]
-        for r, formula in enumerate(formulas)
-    ]
+    elements = len(list(net.named_parameters())) if schedule == "fsdp2" else 1
+    per_rank = _boundary_rows(formulas, phases, checks, elements)
     states = len(engine.optimizer.state_keys(engine.optimizer.param_groups[0]))
     categories, memory = _memory_formula(
         name, strategy.stage, pad, n, model_dtype, precision, states, persistent
@@ -498,15 +549,18 @@ def compare(
     schedules: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Fit α and B on ``comm``, then :func:`run_stage` every stage under every schedule (in that
-    order: all stages of the first schedule first); the report (collective)."""
+    order: all stages of the first schedule first; "fsdp2" runs stage 3 only); the report
+    (collective)."""
     stages = list(STAGES) if stages is None else stages
     schedules = EVERY_STAGE_SCHEDULES if schedules is None else schedules
     for schedule in schedules:
-        if schedule not in EVERY_STAGE_SCHEDULES:
-            raise ValueError(
-                f"schedule must be one of {EVERY_STAGE_SCHEDULES}, got {schedule!r} (compare runs "
-                "every stage; FSDP2's schedule is stage 3 only and not compared here yet)"
-            )
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if "fsdp2" in schedules and precision != "fp32":
+        raise ValueError(
+            f"precision must be 'fp32' with schedule 'fsdp2' (FSDP2 has no fp16/bf16 sections), "
+            f"got {precision!r}"
+        )
     fit = fit_world(comm)
     rows = [
         run_stage(
@@ -514,6 +568,7 @@ def compare(
         )
         for sched in schedules
         for s in stages
+        if sched != "fsdp2" or STAGES[s].stage == 3  # FSDP2's is a stage-3 schedule
     ]
     ok = all(r["bytes"]["equal"] and r["memory"]["equal"] for r in rows)
     return {

@@ -20,7 +20,7 @@ from zerosim.analysis.stages import STAGES, stage_info
 from zerosim.analysis.timing import CLUSTER_KEYS
 from zerosim.backend import resolve_dtype
 from zerosim.config import read_config_file
-from zerosim.zero.partition import chunk_numel, padded_size
+from zerosim.zero.partition import chunk_numel, dim0_partition, padded_size
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 # DeepSpeed's names for the training precision -> the dtype of the parameters
@@ -80,11 +80,14 @@ def memory_data(
     offload_optimizer: str = "none",
     offload_param: str = "none",
     numels: list[int] | None = None,
+    shapes: list[tuple[str, tuple[int, ...]]] | None = None,
 ) -> dict[str, Any]:
     """Bytes per rank by category for every (N, stage); what ``zerosim memory --json`` prints.
 
     With a model's parameter sizes (``numels``), stage 3 counts Ψ_pad as its partition pads
-    it: every parameter cut into N chunks of ceil(numel/N) (``stage3_padded_numel``)."""
+    it: every parameter cut into N chunks of ceil(numel/N) (``stage3_padded_numel``). With its
+    named shapes too (``shapes``) and stage 3 asked for, ``fsdp2`` adds PyTorch FSDP2's rows
+    (``fsdp2_memory``)."""
     offload = {"offload_optimizer": offload_optimizer, "offload_param": offload_param}
     rows = []
     for n in dp:
@@ -92,7 +95,48 @@ def memory_data(
             psi = params if s != "3" or numels is None else stage3_padded_numel(numels, n)
             m = model_states(s, psi, n, dtype, num_states, **offload)
             rows.append({"dp": n, "stage": s, **m.as_dict(), **m.split()})
-    return {"num_params": params, "dtype": dtype, "num_states": num_states, **offload, "rows": rows}
+    data = {"num_params": params, "dtype": dtype, "num_states": num_states, **offload}
+    if shapes is not None and "3" in stages:
+        data["fsdp2"] = [fsdp2_memory(shapes, n, dtype, num_states) for n in dp]
+    return {**data, "rows": rows}
+
+
+def fsdp2_units(shapes: list[tuple[str, tuple[int, ...]]], world_size: int) -> list[int]:
+    """S_u of each FSDP module as a torch user applies ``fully_shard``: every transformer block
+    (``blocks.<i>``) in order, then the root with the rest; S_u = Σ ceil(dim0 / N) · numel / dim0
+    over its parameters (``dim0_partition``)."""
+    blocks: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    root = []
+    for name, shape in shapes:
+        parts = name.split(".")
+        if parts[0] == "blocks" and len(parts) > 2:
+            blocks.setdefault(parts[1], []).append((name, shape))
+        else:
+            root.append((name, shape))
+    return [sum(dim0_partition(u, world_size).chunks) for u in [*blocks.values(), root]]
+
+
+def fsdp2_memory(
+    shapes: list[tuple[str, tuple[int, ...]]], world_size: int, dtype: str, num_states: int
+) -> dict[str, int]:
+    """FSDP2's bytes per rank: the sharded parameters, which are the optimizer's weights (fp32
+    under a 16-bit ``dtype``, the param_dtype; else ``dtype``), their gradient shard and K_s
+    states in the same dtype, S = Σ_u S_u elements of each; ``peak_gathered_params``: the root
+    gathered for the whole pass plus the largest block and the one prefetched beside it, N · b
+    per element of param_dtype."""
+    b = resolve_dtype(dtype).itemsize
+    shard_b = 4 if b == 2 else b
+    units = fsdp2_units(shapes, world_size)
+    s = sum(units)
+    return {
+        "dp": world_size,
+        "padded_numel": world_size * s,
+        "params": shard_b * s,
+        "grads": shard_b * s,
+        "optimizer_states": num_states * shard_b * s,
+        "total": (2 + num_states) * shard_b * s,
+        "peak_gathered_params": world_size * b * (units[-1] + 2 * max(units[:-1], default=0)),
+    }
 
 
 def stage3_padded_numel(numels: list[int], world_size: int) -> int:
@@ -109,6 +153,7 @@ def volume_data(
     persistent_numel: int = 0,
     reuse: bool = False,
     numels: list[int] | None = None,
+    shapes: list[tuple[str, tuple[int, ...]]] | None = None,
 ) -> dict[str, Any]:
     """Bytes one rank sends per optimizer step, by phase and stage (``zerosim volume --json``).
 
@@ -129,6 +174,7 @@ def volume_data(
     formula in both
     (DeepSpeed's coalesces each module's gathers into one call; with a prefetch bucket or live
     cap smaller than the model its bytes follow the module trace: docs/formulas.md).
+    ``fsdp2``, given the model's named ``shapes``: PyTorch FSDP2's schedule (``_fsdp2_volume``).
     """
     b = resolve_dtype(dtype).itemsize
     stages = {}
@@ -146,7 +192,9 @@ def volume_data(
     clip = {"end_ranks": analysis.clip_bytes(dp, 0)}
     clip["middle_ranks"] = analysis.clip_bytes(dp, 1) if dp > 2 else None
     deepspeed = _deepspeed_volume(int(params), dp, b, accumulation, stages, numels)
+    extra = {} if shapes is None else {"fsdp2": _fsdp2_volume(shapes, dp, b, accumulation)}
     return {
+        **extra,
         "num_params": params,
         "dp": dp,
         "itemsize": b,
@@ -157,6 +205,18 @@ def volume_data(
         "deepspeed": deepspeed,
         "clip_bytes": clip,
     }
+
+
+def _fsdp2_volume(
+    shapes: list[tuple[str, tuple[int, ...]]], dp: int, b: int, accumulation: int
+) -> dict[str, int]:
+    """``volume_data``'s "fsdp2" row: PyTorch FSDP2's schedule (``analysis.fsdp2_step_bytes``,
+    param_dtype = reduce_dtype = the dtype of ``b`` bytes), each parameter padded along dim 0,
+    one all-gather per FSDP module (``fsdp2_units``) in forward and again in backward for the
+    blocks, one reduce-scatter per FSDP module."""
+    units = fsdp2_units(shapes, dp)
+    phases = analysis.fsdp2_step_bytes(units, dp, b, b, accumulation)
+    return {"padded_numel": dp * sum(units), **phases, "total": sum(phases.values())}
 
 
 def _deepspeed_volume(

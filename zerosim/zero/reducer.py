@@ -52,6 +52,10 @@ class GradReducer(ABC):
     def after_backward(self, boundary: bool) -> None:
         """Called after it: reduce what is left; every reduced piece has landed on return."""
 
+    def memory(self) -> dict[str, int]:
+        """``peak_*`` bytes the reducer held for a while beyond its buckets (none by default)."""
+        return {}
+
     def bucket_pieces(self) -> list[list[int]]:
         """Each bucket's piece per rank where buckets are cut unevenly over the ranks (the
         paper's stage 2); the dry run runs ranks with equal pieces once."""

@@ -319,6 +319,7 @@ class Stage3(Strategy):
             nbytes(b) for g in self.groups for b in g.persistent_buffers.values()
         )
         report.update(self.fetcher.memory())
+        report.update(self.reducer.memory())
         return report
 
     @property

@@ -47,7 +47,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from zerosim.backend import assign, resolve_dtype, xp_of
+from zerosim.backend import assign, nbytes, resolve_dtype, xp_of
 from zerosim.nn import Parameter
 from zerosim.zero.buckets import pack_chunks, reduce_rows
 from zerosim.zero.fsdp2_fetcher import FsdpModule, ModuleGather
@@ -88,6 +88,7 @@ class ModuleReduceScatter(GradReducer):
         super().__init__(strategy)
         self.boundary: bool = True  # this micro-batch ends the window: reduce
         self.accumulated: dict[int, Any] = {}  # id(param) -> its summed gradient, reduce_dtype
+        self.peak_accumulated_bytes: int = 0  # the most ``accumulated`` has held
 
     def attach(self, model: Any) -> None:
         for mod in self.strategy.fetcher.fsdp_modules:
@@ -129,8 +130,15 @@ class ModuleReduceScatter(GradReducer):
             s.reduction.pending.complete()
 
     def after_backward(self, boundary: bool) -> None:
-        """Every reduce-scatter of this backward has landed."""
+        """Every reduce-scatter of this backward has landed; before the last micro-batch, every
+        unsharded gradient is kept until the next."""
         self.strategy.reduction.pending.complete()
+        held = sum(nbytes(g) for g in self.accumulated.values())
+        self.peak_accumulated_bytes = max(self.peak_accumulated_bytes, held)
+
+    def memory(self) -> dict[str, int]:
+        """The unsharded gradients kept between micro-batches (reduce_dtype), at their most."""
+        return {"peak_accumulated_grads": self.peak_accumulated_bytes}
 
     def replica(self) -> int:
         """HSDP: this rank's row of the mesh (every replica holds the same shards)."""
