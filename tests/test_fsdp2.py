@@ -354,8 +354,10 @@ def test_fsdp2_hsdp_checkpoint_is_saved_once_and_loads_under_stage_1_and_back(tm
 
 
 # -- the torch-style face: zerosim.fsdp.fully_shard ---------------------------------------------
-def train_fully_shard(comm, case: Case, mp: dict, raf=True) -> dict:
-    """A torch user's loop: fully_shard each block, then the model; AdamW over its parameters."""
+def train_fully_shard(comm, case: Case, mp: dict, raf=True, keep_gathered=False) -> dict:
+    """A torch user's loop: fully_shard each block, then the model; AdamW over its parameters;
+    with ``case.accumulation`` k, no gradient sync on the first k − 1 micro-batches (and, with
+    ``keep_gathered``, no reshard after their backward); with ``case.clip``, clip_grad_norm_."""
     model = build_model(case)
     blocks = model.blocks if case.model == "gpt" else list(model.layers)[::2]  # the Linears
     policy = zs.fsdp.MixedPrecisionPolicy(**mp)
@@ -364,12 +366,18 @@ def train_fully_shard(comm, case: Case, mp: dict, raf=True) -> dict:
     zs.fsdp.fully_shard(model, mesh=comm, mp_policy=policy)
     optimizer = zs.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01)
     x, y = data(case, comm.size)
-    width, steps = comm.size * case.micro, []
+    width, steps, k = comm.size * case.micro, [], case.accumulation
     for s in range(case.steps):
         comm.ledger.reset()
-        at = s * width + comm.rank * case.micro
-        model(x[at : at + case.micro], y[at : at + case.micro])
-        model.backward()
+        for j in range(k):
+            last = j == k - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last or not keep_gathered)
+            at = (s * k + j) * width + comm.rank * case.micro
+            model(x[at : at + case.micro], y[at : at + case.micro])
+            model.backward(grad_scale=1.0 / k)
+        if case.clip > 0:
+            zs.fsdp.clip_grad_norm_(model.parameters(), case.clip)
         optimizer.step()
         optimizer.zero_grad()
         steps.append([(r.op, np.dtype(r.dtype).name, r.bytes_sent) for r in comm.ledger.records])
@@ -397,6 +405,55 @@ def test_fully_shard_matches_single_process_run_and_the_config_routes_collective
         for (shape, dtype), p in zip(got[r]["data"], shapes.values(), strict=True):
             assert shape == (math.ceil(p.shape[0] / n) * math.prod(p.shape[1:]),)
             assert dtype == np.float64
+
+
+def train_fsdp2_all_phases(comm, case: Case, fsdp2: dict) -> dict:
+    """The config route, every collective of each step (the clip phase's too)."""
+    engine, *_ = initialize(build_model(case), fsdp2_config(case, **fsdp2), comm=comm)
+    x, y = data(case, comm.size)
+    steps = []
+    for s in range(case.steps):
+        comm.ledger.reset()
+        optimizer_step(engine, comm, case, x, y, s)
+        steps.append([(r.op, np.dtype(r.dtype).name, r.bytes_sent) for r in comm.ledger.records])
+    return {"params": engine.full_state_dict(), "steps": steps}
+
+
+@pytest.mark.parametrize("keep_gathered", [False, True])
+def test_fully_shard_accumulates_without_sync_and_clips_as_the_config_route(keep_gathered):
+    """set_requires_gradient_sync(False) on the first micro-batch of two (and, with
+    ``keep_gathered``, set_reshard_after_backward(False)), then clip_grad_norm_: the one-process
+    run's weights, and the config route's collectives (gradient_accumulation_steps 2,
+    gradient_clipping, reshard_after_backward), call for call with the norm's all-reduce."""
+    n = 3
+    case = Case(stage=3, steps=4, model="gpt", accumulation=2, clip=0.05)
+    got = zs.LocalWorld(n).run(train_fully_shard, case, {}, True, keep_gathered)
+    route = zs.LocalWorld(n).run(
+        train_fsdp2_all_phases, case, {"reshard_after_backward": not keep_gathered}
+    )
+    want = reference(case, n)
+    params = dict(build_model(case).named_parameters())
+    for r in range(n):
+        assert max_rel_error(got[r]["params"], want) < 1e-12
+        for mine, theirs in zip(got[r]["steps"], route[r]["steps"], strict=True):
+            assert mine == theirs
+        # one reduce-scatter per FSDP module per step (the last micro-batch's), one norm
+        for step in got[r]["steps"]:
+            assert sum(op == "reduce_scatter" for op, _, _ in step) == len(unit_shapes(case))
+            assert sum(op == "all_reduce" for op, _, _ in step) == 1
+    # the norm: one float64 element per parameter (zerosim's float64 reference runs), which a
+    # ring all-reduce sends 2(N − 1) times over all ranks, whatever the chunking
+    for s in range(case.steps):
+        sent = [b for r in range(n) for op, _, b in got[r]["steps"][s] if op == "all_reduce"]
+        assert sum(sent) == 2 * (n - 1) * len(params) * 8
+
+
+def test_clip_grad_norm_refuses_parameters_of_no_sharded_model():
+    model = build_model(Case(model="mlp"))
+    with pytest.raises(ValueError, match="fully_shard"):
+        zs.fsdp.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(ValueError, match="max_norm"):
+        zs.fsdp.clip_grad_norm_(model.parameters(), 0.0)
 
 
 def test_fully_shard_with_a_bf16_policy_gathers_bf16_and_reduces_float32():

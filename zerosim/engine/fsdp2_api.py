@@ -10,6 +10,7 @@ torch's names and defaults, running the strategy of ``zerosim.schedule: "fsdp2"`
     for x, y in batches:                   # this rank's micro-batch
         loss = model(x, y)
         model.backward()                   # torch: loss.backward()
+        zs.fsdp.clip_grad_norm_(model.parameters(), 1.0)   # optional, torch's
         optimizer.step()
         optimizer.zero_grad()
 
@@ -19,8 +20,13 @@ then. Between steps every parameter's ``.data`` is this rank's chunk (a view of 
 torch's DTensor holds locally, ceil(dim0 / N) rows flattened) and after backward its ``.grad``
 is the reduced chunk, so an optimizer over ``model.parameters()`` steps exactly the shards, as
 torch's does. That holds for rules that act element by element (SGD, Adam, AdamW, …), not for
-LAMB or Muon, which need whole matrices. Every backward reduces (torch's default); gradients
-accumulate into ``.grad`` until ``zero_grad``. No clipping helper is provided here.
+LAMB or Muon, which need whole matrices. Every backward reduces (torch's default) and adds into
+``.grad`` until ``zero_grad``; to accumulate without reducing, as torch's users do, call
+``model.set_requires_gradient_sync(False)`` before every micro-batch but the last (the unsharded
+gradients are summed locally, in ``reduce_dtype``, and reduced once) and, to keep the parameters
+gathered between those micro-batches, ``model.set_reshard_after_backward(False)``.
+``clip_grad_norm_`` is torch's on the sharded gradients: one all-reduce of each parameter's
+partial ‖g‖², then every gradient times min(1, max_norm / (norm + 1e-6)).
 """
 
 from __future__ import annotations
@@ -30,10 +36,15 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from zerosim import optim
 from zerosim.comm import Communicator, default_comm
 from zerosim.config.sections import ZeroConfig
+from zerosim.engine.boundary import global_grad_norm
+from zerosim.engine.engine import clip_coef
 from zerosim.nn import Module
+from zerosim.zero.schedule import BoundarySettings, fsdp2_checks
 from zerosim.zero.stage3_fsdp2 import Stage3FSDP2
 
 
@@ -53,11 +64,15 @@ class FullyShardState:
     def __init__(
         self, module: Module, mesh: Any, reshard_after_forward: bool | int, mp: Any
     ) -> None:
-        self.module = module
-        self.mesh = mesh  # the communicator (torch: the device mesh); None: the default
-        self.reshard_after_forward = reshard_after_forward
-        self.mp_policy = mp
+        self.module: Module = module
+        self.mesh: Any = mesh  # the communicator (torch: the device mesh); None: the default
+        self.reshard_after_forward: bool | int = reshard_after_forward
+        self.mp_policy: MixedPrecisionPolicy = mp
         self.strategy: Stage3FSDP2 | None = None  # the root's, built at its first forward
+        # set_requires_gradient_sync: False, this backward sums gradients locally, unreduced
+        self.requires_gradient_sync: bool = True
+        # set_reshard_after_backward: False, parameters stay gathered until the next forward
+        self.reshard_after_backward: bool = True
 
     def pre_forward(self, args: tuple) -> tuple | None:
         """The root's first forward builds the strategy; every forward starts a micro-step."""
@@ -80,12 +95,16 @@ class FullyShardState:
                     start = g.partition.offsets[i]
                     g.grad_shard[start : start + g.partition.chunks[i]] = 0
                 p.grad = None
+        s.reshard_after_backward = self.reshard_after_backward
+        s.before_backward(self.requires_gradient_sync)
 
     def post_backward(self) -> None:
-        """Every reduction has landed: each parameter shows its chunk and its reduced chunk."""
+        """Every reduction has landed: each parameter shows its chunk and its reduced chunk
+        (unchanged by a backward that only summed locally), unless it was kept gathered."""
         s = self.strategy
-        s.after_backward(True)
-        show_shards(s)
+        s.after_backward(self.requires_gradient_sync)
+        if self.requires_gradient_sync or self.reshard_after_backward:
+            show_shards(s)  # else whole, gathered, until the next micro-batch's backward
 
 
 def show_shards(strategy: Stage3FSDP2) -> None:
@@ -134,7 +153,50 @@ def fully_shard(
             raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
         _STATES[module] = state
     module.register_forward_pre_hook(lambda _m, args: _root_pre_forward(state, args))
+    # torch's FSDPModule methods, on this module and every module given to fully_shard inside it
+    module.set_requires_gradient_sync = lambda flag: _set_inside(
+        module, "requires_gradient_sync", flag
+    )
+    module.set_reshard_after_backward = lambda flag: _set_inside(
+        module, "reshard_after_backward", flag
+    )
     return module
+
+
+def _set_inside(module: Module, field: str, value: bool) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{field} must be True or False, got {value!r}")
+    for s in _states():
+        if _holds(module, s.module):
+            setattr(s, field, value)
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float) -> float:
+    """torch's ``clip_grad_norm_`` on FSDP2's sharded gradients: the 2-norm of every gradient of
+    the root that holds ``parameters`` (one all-reduce of each parameter's partial ‖g‖²), every
+    gradient multiplied by min(1, max_norm / (norm + 1e-6)); returns the norm."""
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
+    params = list(parameters)
+    owners = [
+        s.strategy
+        for s in _states()
+        if s.strategy is not None and all(id(p) in s.strategy.where for p in params)
+    ]
+    if not params or not owners:
+        raise ValueError(
+            "clip_grad_norm_: the parameters must be those of a model given to fully_shard "
+            "that has run a forward and a backward"
+        )
+    strategy = owners[0]
+    reference = np.dtype(strategy.dtype) == np.float64  # zerosim's float64 runs: a float64 norm
+    settings = BoundarySettings(False, False, float(max_norm), reference_precision=reference)
+    checks = fsdp2_checks(settings)
+    norm = global_grad_norm(strategy, strategy.comm, checks)
+    coef = clip_coef(norm, max_norm)  # torch's clamp: nan for a nan norm
+    for g in strategy.groups:
+        g.grad_shard *= coef
+    return norm
 
 
 def _root_pre_forward(state: FullyShardState, args: tuple) -> tuple | None:
