@@ -193,10 +193,16 @@ class QuantizedBuckets(RankMajorReduceScatter):
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
-        self.qgz: HierarchicalReducer | None = None  # qgZ: the two-hop quantized all-to-all
-        if strategy.zero.zero_quantized_gradients:
-            block = strategy.quantization_block_size
-            self.qgz = HierarchicalReducer(strategy.comm, GRADIENT_BITS, block)
+        # qgZ: the two-hop quantized all-to-all, built at attach()
+        self.qgz: HierarchicalReducer | None = None
+
+    def attach(self, model: Any) -> None:
+        """The bucket hooks; under qgZ its two groups of ranks, split after hpZ's (the fetcher,
+        built with the stage), so the ledger names them world/split2 and world/split3."""
+        super().attach(model)
+        s = self.strategy
+        if s.zero.zero_quantized_gradients:
+            self.qgz = HierarchicalReducer(s.comm, GRADIENT_BITS, s.quantization_block_size)
 
     def collective(self, strategy: Any, out: Any, buf: Any) -> Any:
         """qgZ's collective of a rank-major bucket: the blocking two-hop quantized all-to-all
