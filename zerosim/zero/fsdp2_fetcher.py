@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from array_api_compat import is_array_api_obj
+
 from zerosim.backend import nbytes, xp_of
 from zerosim.nn import Module, Parameter
 from zerosim.nn.functional import is_floating
@@ -126,7 +128,7 @@ class ModuleGather(ParamFetcher):
             return args
         return tuple(
             xp_of(a).astype(a, self.gather_dtype)
-            if hasattr(a, "dtype") and is_floating(a.dtype)
+            if is_array_api_obj(a) and is_floating(a.dtype)
             else a
             for a in args
         )
