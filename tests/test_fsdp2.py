@@ -448,8 +448,13 @@ def test_fully_shard_accumulates_without_sync_and_clips_as_the_config_route(keep
         assert sum(sent) == 2 * (n - 1) * len(params) * 8
 
 
-def test_clip_grad_norm_refuses_parameters_of_no_sharded_model():
+def test_the_torch_face_refuses_bad_switches_and_parameters_of_no_run_model():
     model = build_model(Case(model="mlp"))
+    zs.fsdp.fully_shard(model)
+    with pytest.raises(TypeError, match="requires_gradient_sync must be True or False, got 1"):
+        model.set_requires_gradient_sync(1)
+    with pytest.raises(TypeError, match="reshard_after_backward must be True or False, got None"):
+        model.set_reshard_after_backward(None)
     with pytest.raises(ValueError, match="fully_shard"):
         zs.fsdp.clip_grad_norm_(model.parameters(), 1.0)
     with pytest.raises(ValueError, match="max_norm"):
