@@ -102,6 +102,12 @@ def test_boundary_messages_and_clip_bytes():
     }
     assert analysis.boundary_messages(2, schedule="deepspeed", float64=True) == {"clip": 8}
     assert [clip_bytes(4, r, 4) for r in range(4)] == [4, 8, 8, 4]
+    # FSDP2 (torch's clip_grad_norm_ on DTensors): no flag, a float32 norm element per parameter
+    # and only to clip; a ring all-reduce sends each of its E elements 2(N − 1) times in all
+    assert analysis.boundary_messages(3, schedule="fsdp2", clip=0.0) == {}
+    assert analysis.boundary_messages(3, schedule="fsdp2", clip=1.0) == {"clip": 4}
+    assert analysis.boundary_messages(3, schedule="fsdp2", float64=True) == {"clip": 8}
+    assert sum(clip_bytes(3, r, 4, elements=29) for r in range(3)) == 2 * 2 * 29 * 4
 
 
 def test_the_schedule_is_checked():
