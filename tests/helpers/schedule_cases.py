@@ -35,18 +35,22 @@ class Case:
     schedule: str
     recompute: bool = False
     max_live: int | None = None
+    overlap: bool = True  # overlap_comm: non-blocking reductions, waited later
 
     @property
     def name(self) -> str:
         name = f"stage{self.stage}-{self.schedule}" + ("-recompute" if self.recompute else "")
-        return name + ("" if self.max_live is None else f"-max_live{self.max_live}")
+        name += "" if self.max_live is None else f"-max_live{self.max_live}"
+        return name + ("" if self.overlap else "-no_overlap")
 
 
 def cases() -> list[Case]:
     """Both stages on both schedules; recomputation on both schedules at stage 3 (where it
-    gathers the blocks again) and on DeepSpeed's at stage 2; the binding cap."""
+    gathers the blocks again) and on DeepSpeed's at stage 2; the binding cap; the paper's stage 2
+    without ``overlap_comm``, whose blocking reduce-scatters complete inside the call (no wait)."""
     return [
         Case(2, "paper"),
+        Case(2, "paper", overlap=False),
         Case(2, "deepspeed"),
         Case(2, "deepspeed", recompute=True),
         Case(3, "paper"),
@@ -58,7 +62,7 @@ def cases() -> list[Case]:
 
 
 def config(case: Case) -> dict:
-    zero = {"stage": case.stage, "reduce_bucket_size": 300, "overlap_comm": True}
+    zero = {"stage": case.stage, "reduce_bucket_size": 300, "overlap_comm": case.overlap}
     if case.stage == 3:
         zero.update(stage3_param_persistence_threshold=10, stage3_prefetch_bucket_size=400)
     if case.max_live is not None:

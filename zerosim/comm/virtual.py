@@ -147,12 +147,19 @@ class VirtualComm(Communicator):
 
     def _completion(self) -> Callable[[], None]:
         """What ``wait()`` runs for a non-blocking call completed at once: it notes the wait when
-        events are asked for (the call's index is the next one: its record is written after)."""
+        events are asked for. The call's index is the next one (its record is written after).
+        A blocking call built on a non-blocking one (``reduce_scatter_v``) completes it inside
+        the call, before its record: that is no wait, as a real rank's ledger has none."""
         events = self.root._events
         if events is None:
             return _nothing
         index = len(self.calls)
-        return lambda: events.append(("wait", index))
+
+        def note_wait() -> None:
+            if len(self.calls) > index:  # the record is written: the call was in flight
+                events.append(("wait", index))
+
+        return note_wait
 
     def _native_iall_gather(self, out: Any, inp: Any, in_place: bool) -> Callable[[], None]:
         self._native_all_gather(out, inp, in_place)

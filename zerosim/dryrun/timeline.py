@@ -164,9 +164,6 @@ def simulate(
     now = compute = 0.0  # the compute stream's clock and busy time
     stream = _CommStream(spans)
     pending: dict[int, tuple[float, str]] = {}  # without overlap: issued, moved when waited
-    # a call waited before its record is written (VirtualComm notes a wait that runs inside
-    # the call with the next index): it acts as a blocking call when it is issued
-    waited_early: set[int] = set()
     memory: list[tuple[float, int]] = []
     phases: list[tuple[float, str]] = []
     for kind, value in events:
@@ -186,16 +183,13 @@ def simulate(
             label = f"{r.op} {r.phase} {r.group}"
             if spans and (not phases or phases[-1][1] != r.phase):
                 phases.append((now, r.phase))
-            blocking = r.blocking or value in waited_early
+            blocking = r.blocking
             if model.overlap or blocking:
                 end = stream.run(value, dt, label, now)
                 now = end if blocking else now
             else:  # no progress thread: it moves when it is waited
                 pending[value] = (dt, label)
         elif kind == "wait":
-            if value not in stream.ends and value not in pending:
-                waited_early.add(value)
-                continue
             for i in sorted(i for i in pending if i <= value):  # MPI progresses these in order
                 stream.run(i, *pending.pop(i), now)
             now = max(now, stream.ends[value])
