@@ -74,6 +74,7 @@ __all__ = [
     "chrome_trace",
     "cluster_names",
     "group_seconds",
+    "kernel_seconds",
     "load_cluster_model",
     "simulate",
 ]
@@ -118,9 +119,23 @@ def compute_seconds(model: ClusterModel, products: Any) -> float:
 
 def elementwise_seconds(model: ClusterModel, operations: int, nbytes: int) -> float:
     """Seconds of ``operations`` array calls moving ``nbytes``: each call's fixed cost plus the
-    bytes at the memory bandwidth, where the cluster file gives them (``HOST_KEYS``)."""
+    bytes at the memory bandwidth, where the cluster file gives them (``HOST_KEYS``), or on a
+    GPU as kernels (``kernel_seconds``)."""
+    if model.prices_kernels:
+        return kernel_seconds(model, operations, nbytes)
     fixed = operations * (model.op_overhead_s or 0.0)
     return fixed + (nbytes / model.memory_bandwidth if model.memory_bandwidth else 0.0)
+
+
+def kernel_seconds(model: ClusterModel, kernels: int, nbytes: int) -> float:
+    """Seconds of ``kernels`` GPU kernel calls that read and write ``nbytes`` in all:
+    kernels · ``kernel_launch_s`` + nbytes / ``device_memory_bandwidth``. Element-wise work is
+    memory-bound (a few FLOPs an element against an A100's 2 TB/s), so its bytes at the HBM's
+    rate are its time; the fixed cost of a call is what a kernel of a few elements still takes.
+    Both at the datasheet's and the measured rates, not over the software factor, which is the
+    matrix products' alone."""
+    launches = kernels * model.kernel_launch_s
+    return launches + nbytes / model.device_memory_bandwidth
 
 
 @lru_cache(maxsize=4096)
@@ -170,7 +185,7 @@ def simulate(
     memory: list[tuple[float, int]] = []
     phases: list[tuple[float, str]] = []
     for kind, value in events:
-        if kind in ("compute", "elementwise"):  # elementwise: a host's rates, else free
+        if kind in ("compute", "elementwise"):  # elementwise: a host's or a GPU's kernels
             if kind == "compute":
                 dt = compute_seconds(model, value)
             else:
