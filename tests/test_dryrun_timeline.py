@@ -391,11 +391,13 @@ NVLINK, NVLINK_EFF, HCA, HCA_EFF, ALPHA_INTER = 300e9, 0.822, 25e9, 0.94, 15e-6
 
 def test_a_ring_all_gather_over_two_nodes_from_the_cited_rates_by_hand():
     """16 ranks, 8 on each of 2 nodes: one ring, NVLink hops and node crossings at once, so the
-    ring runs at the slower of NVLink and the 8 ranks' 8 NICs, not their two times added."""
+    ring runs at the slower of NVLink and the 8 ranks' 8 NICs, not their two times added; of its
+    15 hops one crosses the network (15 us) and 14 stay on NVLink (5 us), as NCCL's tuning model
+    sums a ring's latency."""
     selene = load_cluster_model("selene").resized(16)
     size = 64 * 2**20
     bus = min(NVLINK * NVLINK_EFF, 8 * HCA * HCA_EFF)  # 188 GB/s: the NICs bind
-    by_hand = 15 * ALPHA_INTER + (15 / 16) * size / (bus * 142.28 / 159.43)
+    by_hand = 14 * 5e-6 + 1 * ALPHA_INTER + (15 / 16) * size / (bus * 142.28 / 159.43)
     assert group_seconds(selene, "all_gather", size, tuple(range(16))) == pytest.approx(
         by_hand, rel=1e-4
     )
@@ -491,3 +493,29 @@ def test_adam_on_the_cupy_path_is_one_kernel_priced_from_selenes_cited_rates_by_
     selene = load_cluster_model("selene")
     by_hand = 11.4e-6 + 7 * 4 * n / 2.039e12
     assert kernel_seconds(selene, 1, 7 * 4 * n) == pytest.approx(by_hand)
+
+
+def test_a_rings_latency_counts_only_its_node_crossings_at_the_networks_by_hand():
+    """Table 2's 768 GPUs, 96 nodes of 8: a ring all-gather's 767 hops are 95 node crossings at
+    15 us and 672 NVLink hops at 5 us, 4.785 ms (the earlier model's 767 × 15 us was 11.5 ms); an
+    all-reduce twice that. A message of nothing costs its latency alone."""
+    selene = load_cluster_model("selene").resized(768)
+    ranks = tuple(range(768))
+    assert group_seconds(selene, "all_gather", 0.0, ranks) == pytest.approx(672 * 5e-6 + 95 * 15e-6)
+    assert group_seconds(selene, "all_reduce", 0.0, ranks) == pytest.approx(
+        2 * (672 * 5e-6 + 95 * 15e-6)
+    )
+
+
+def test_an_all_to_all_over_nodes_sends_each_ranks_bytes_through_its_own_nic_share_by_hand():
+    """2 nodes × 2 ranks (CLUSTER: NVLink 100 B/s, one NIC share 10 B/s, no latency): an
+    all-to-all of 40 B sends 10 B to each of 3 peers, 10 B over NVLink (0.1 s) and 20 B off the
+    node through the sender's own share (2 s) at once: 2 s, where a ring's sharing of the node's
+    NICs would give (3/4)·40/20 = 1.5 s. With latency (1 us on the node, 10 us off it): one peer
+    on the node, two off it."""
+    model = ClusterModel(CLUSTER)
+    assert group_seconds(model, "all_to_all", 40, (0, 1, 2, 3)) == pytest.approx(2.0)
+    assert group_seconds(model, "all_to_all", 40, (0, 1)) == pytest.approx(0.5 * 40 / 100)
+    assert group_seconds(model, "all_to_all", 40, (0, 2)) == pytest.approx(0.5 * 40 / 10)
+    timed = ClusterModel(Cluster(2, 2, 100.0, 10.0, 1e-6, 10e-6, 1000.0))
+    assert group_seconds(timed, "all_to_all", 0.0, (0, 1, 2, 3)) == pytest.approx(1e-6 + 2e-5)
