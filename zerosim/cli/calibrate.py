@@ -61,13 +61,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     )
     elementwise = calibrate.measure_elementwise(budget, [2**20, 2**22] if args.quick else None)
     overhead = calibrate.measure_op_overhead(budget)
+    host = calibrate.measure_host(budget, args.quick)
     collectives: list = []
     if args.ranks > 1:
         try:
             collectives = _launch_collectives(args.ranks, args.quick)
         except (OSError, RuntimeError) as err:
             return refuse("calibrate", str(err))
-    spec = calibrate.cluster_file(args.ranks, matmul, elementwise, overhead, collectives)
+    spec = calibrate.cluster_file(args.ranks, matmul, elementwise, overhead, collectives, host)
     Path(args.out).write_text(json.dumps(spec, indent=1) + "\n")
     if args.json:
         print(json.dumps(spec))
@@ -76,7 +77,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"wrote {args.out}: matmul {spec['device_flops'] / 1e9:.1f} GFLOP/s, element-wise "
             f"{spec['memory_bandwidth'] / 1e9:.1f} GB/s, {spec['op_overhead_s'] * 1e6:.2f} µs a "
             f"call, collectives α {spec['intra_latency'] * 1e6:.1f} µs, "
-            f"{spec['intra_bandwidth'] / 1e9:.2f} GB/s on {args.ranks} rank(s)"
+            f"{spec['intra_bandwidth'] / 1e9:.2f} GB/s on {args.ranks} rank(s); "
+            f"{spec['call_overhead_s'] * 1e9:.0f} ns a Python call, "
+            f"{spec['page_fault_s'] * 1e6:.2f} µs a fresh page"
         )
     return 0
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.meta.tracker import Storage, values
+from zerosim.meta.tracker import Storage, current, values
 
 DEVICE = "meta"
 
@@ -151,6 +151,13 @@ def _is_index_array(k: Any) -> bool:
 
 def _is_mask(k: Any) -> bool:
     return probe(k) == np.bool_
+
+
+def _copied(kind: str, source: Any, result: Any) -> Any:
+    """``result``, a copy of ``source``'s elements, counted as one operation of ``kind`` that
+    reads ``source`` and writes ``result`` (what a host's time model prices)."""
+    current().op(kind, source.nbytes + result.nbytes)
+    return result
 
 
 class Flags:
@@ -279,17 +286,17 @@ class MetaArray:
         if strides is None:
             if copy is False:
                 raise ValueError("unable to avoid creating a copy while reshaping")
-            return MetaArray(new, self.dtype, value=self.value)  # NumPy copies
+            return _copied("reshape", self, MetaArray(new, self.dtype, value=self.value))
         return self._view(new, strides, self._offset)
 
     def astype(self, dtype: Any, copy: bool = True) -> MetaArray:
         dtype = np.dtype(dtype)
         if not copy and dtype == self.dtype:
             return self
-        return MetaArray(self.shape, dtype, value=self.value)
+        return _copied("astype", self, MetaArray(self.shape, dtype, value=self.value))
 
     def copy(self) -> MetaArray:
-        return MetaArray(self.shape, self.dtype, value=self.value)
+        return _copied("copy", self, MetaArray(self.shape, self.dtype, value=self.value))
 
     def ravel(self) -> MetaArray:
         return self.reshape(-1)
@@ -385,14 +392,16 @@ class MetaArray:
         if type(key) is tuple and all(type(k) in _BASIC_KEYS for k in key):
             return self._basic(key)
         key = self._key(key)
-        if self._is_advanced(key):
-            return MetaArray(self._advanced_shape(key), self.dtype)  # a copy, as NumPy's
+        if self._is_advanced(key):  # a copy, as NumPy's: the rows read, the result written
+            result = MetaArray(self._advanced_shape(key), self.dtype)
+            return _copied("getitem", result, result)
         return self._basic(key)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         key = self._key(key)
         target = self._advanced_shape(key) if self._is_advanced(key) else self._basic(key).shape
         np.broadcast_shapes(shape_of(value), target)  # NumPy's error when they do not fit
+        current().op("setitem", 2 * math.prod(target) * self.dtype.itemsize)  # read, written
         self.value = None
 
     # -- values ------------------------------------------------------------------------------

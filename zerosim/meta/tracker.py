@@ -122,14 +122,16 @@ class Tracker:
         self.allocations = 0
         self.matmul_flops = 0
         self.product_bytes = 0  # operand and result bytes of the product being notified
+        self.storage = 0  # id() of the storage being allocated or freed, while notified
         self.ops: dict[str, int] = {}  # array operations by kind (module docstring)
         self.op_bytes = 0  # the bytes they read and wrote
         # called as listener(kind, amount, category) for "alloc", "free" and "matmul" events,
         # and listener("op", bytes, operation kind) for each array operation
         self.listeners: list[Callable[[str, int, str], None]] = []
 
-    def allocate(self, nbytes: int, category: str) -> None:
+    def allocate(self, nbytes: int, category: str, storage: int = 0) -> None:
         self.allocations += 1
+        self.storage = storage
         live = self.live[category] + nbytes
         self.live[category] = live
         if live > self.peak[category]:
@@ -140,7 +142,8 @@ class Tracker:
         for listener in self.listeners:
             listener("alloc", nbytes, category)
 
-    def free(self, nbytes: int, category: str) -> None:
+    def free(self, nbytes: int, category: str, storage: int = 0) -> None:
+        self.storage = storage
         self.live[category] -= nbytes
         self.live_total -= nbytes
         for listener in self.listeners:
@@ -188,12 +191,12 @@ class Storage:
         self.nbytes = nbytes
         self.tracker = current()
         self.category = category or category_of(*allocation_site(3))
-        self.tracker.allocate(nbytes, self.category)
+        self.tracker.allocate(nbytes, self.category, id(self))
 
     def __del__(self) -> None:
         tracker = getattr(self, "tracker", None)
         if tracker is not None:
-            tracker.free(self.nbytes, self.category)
+            tracker.free(self.nbytes, self.category, id(self))
 
 
 @dataclass
