@@ -30,8 +30,9 @@ def add_subcommand(sub: Any) -> None:
     p = sub.add_parser(
         "calibrate",
         help="measure this machine (microbenchmarks only) and write a cluster file for dryrun",
-        description="Matrix products, element-wise bandwidth, a call's fixed cost and zerosim's "
-        "collectives on N ranks, written as a cluster file (docs/dryrun.md) that zerosim dryrun "
+        description="Matrix products, element-wise bandwidth, a call's fixed cost, zerosim's "
+        "own Python calls, a fresh page's first touch and zerosim's collectives on N ranks, "
+        "written as a cluster file (docs/dryrun.md) that zerosim dryrun "
         "--cluster reads. Run it without mpirun: it launches mpirun -n N for the collectives.",
     )
     p.add_argument("--out", required=True, metavar="HOST.json", help="the cluster file to write")

@@ -11,6 +11,11 @@ step: operands too large for the cache where they would be, a fresh output for e
   one; bytes/s = 3·n·4 / seconds. ``memory_bandwidth`` is the median over the large sizes.
 - **a call's fixed cost** (``op_overhead_s``): ``np.add`` on one-element arrays with ``out=``,
   the part of every array operation that does not grow with its size.
+- **matrix products by intensity** (``matmul_by_intensity``): every product measured, small
+  ones and attention's batched ones (``batched``) too, as [FLOP per byte, FLOP/s].
+- **zerosim's own Python calls** (``call_overhead_s``), **a fresh page's first touch**
+  (``page_fault_s``, ``hugepage_fault_s``): what a NumPy step spends besides its array calls
+  (``dryrun/host.py`` counts both in the dry run).
 - **collectives** (``collectives``, measured by ``measure_collectives`` on N ranks): zerosim's own
   ``MPIComm`` calls (argument checks, cross-rank check, ledger) over a grid of sizes; the α and
   bandwidth of the time model's ring formula c_α·α + c_β·S/B (``analysis.timing``) fitted to them
