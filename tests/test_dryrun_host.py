@@ -18,6 +18,7 @@ from zerosim.dryrun.host import (
     MMAP_THRESHOLD,
     MallocModel,
     PythonCalls,
+    advised_regions,
     counted_code,
     mapped_pages,
 )
@@ -185,3 +186,15 @@ def test_malformed_host_keys_are_refused_naming_key_and_value(tmp_path, key, val
     path = write_cluster(tmp_path / "host.json", **spec)
     with pytest.raises(ValueError, match=message):
         load_cluster_model(path)
+
+
+def test_numpys_advice_on_the_heap_makes_whole_fresh_2_mib_regions_huge_pages():
+    # a 6 MiB buffer whose data starts at byte 16 of a heap taken as 2 MiB-aligned: the advice
+    # covers bytes 4,096 … 6 MiB, holding the regions 2-4 MiB and 4-6 MiB
+    assert advised_regions(16, 6 << 20, touched=0, resident=(6 << 20) + 4096) == 2
+    # with the first 3 MiB touched before, only the region 4-6 MiB is touched whole now
+    assert advised_regions(16, 6 << 20, touched=3 << 20, resident=(6 << 20) + 4096) == 1
+    m = MallocModel(hugepages=True)
+    m.threshold = 32 << 20  # as after a freed mapping of 32 MiB: a 6 MiB buffer on the heap
+    small, huge = m.allocate(6 << 20, key=1)
+    assert huge == 2 and small == math.ceil(((6 << 20) + 32) / 4096) - 2 * 512

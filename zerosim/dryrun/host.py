@@ -30,7 +30,8 @@ zeroes each one. NumPy takes its buffers from glibc's malloc, which serves a req
 NumPy asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``) on buffers of 4 MiB and
 more (``np._core.multiarray._get_madvise_hugepage()``): from the first page boundary after the
 chunk's 16-byte header, so the first 2 MiB of such a mapping (the mapping starts on a 2 MiB
-boundary) and its tail take 4 KiB pages and the 2 MiB regions between them one fault each.
+boundary) and its tail take 4 KiB pages and the 2 MiB regions between them one fault each; on
+the heap, the 2 MiB regions inside the advised range that are touched for the first time.
 Left out: the heap's fragmentation and its trimming (``M_TRIM_THRESHOLD``), and NumPy's cache
 of buffers under 1 KiB. ``calibrate`` measures a 4 KiB fault and a 2 MiB one.
 """
@@ -124,6 +125,17 @@ def mapped_pages(nbytes: int, hugepages: bool) -> tuple[int, int]:
     return pages - huge * (HUGE_PAGE // PAGE), huge
 
 
+def advised_regions(data: int, nbytes: int, touched: int, resident: int) -> int:
+    """The 2 MiB regions of the heap (its start taken as 2 MiB-aligned) inside NumPy's advised
+    range of a buffer at ``data`` (from its first page boundary to its last) that lie wholly
+    in the pages first touched now, from ``touched`` to ``resident``: one fault each. A region
+    part-touched before keeps its 4 KiB pages."""
+    start = max(-(-data // PAGE) * PAGE, touched)
+    end = min((data + nbytes) // PAGE * PAGE, resident)
+    first, last = -(-start // HUGE_PAGE), end // HUGE_PAGE
+    return max(0, last - first)
+
+
 class Heap:
     """glibc's main heap as addresses: a request is served by the smallest free chunk that
     holds it (split, the rest stays free), else carved from the top; a freed chunk merges with
@@ -138,22 +150,25 @@ class Heap:
         self.free_at: dict[int, int] = {}  # address → size of a free chunk
         self.free_ending: dict[int, int] = {}  # end address → address of a free chunk
 
-    def allocate(self, size: int) -> tuple[int, int]:
-        """(address, 4 KiB pages touched for the first time) of a chunk of ``size`` bytes."""
+    def allocate(self, size: int) -> tuple[int, int, int]:
+        """(address, chunk size, 4 KiB pages touched for the first time) of a chunk of at least
+        ``size`` bytes (a free chunk less than ``MIN_CHUNK`` larger is taken whole)."""
         i = bisect.bisect_left(self.free_chunks, (size, -1))
         if i < len(self.free_chunks):
             found, address = self.free_chunks[i]
             self._unlink(address)
             if found - size >= MIN_CHUNK:
                 self._link(address + size, found - size)
+            else:
+                size = found
         else:
             address, self.top = self.top, self.top + size
         end = address + size
         if end <= self.resident:
-            return address, 0
+            return address, size, 0
         pages = -(-(end - self.resident) // PAGE)
         self.resident += pages * PAGE
-        return address, pages
+        return address, size, pages
 
     def free(self, address: int, size: int, trim_threshold: int) -> None:
         if address + size in self.free_at:  # merge with the free chunk after it
@@ -190,26 +205,30 @@ class MallocModel:
         self.hugepages = hugepages
         self.threshold = MMAP_THRESHOLD
         self.heap = Heap()
-        self.live: dict[int, int | None] = {}  # key → its heap address (None: mmapped)
+        self.live: dict[int, tuple[int, int] | None] = {}  # key → heap (address, size) or None
         self.faults = [0, 0]  # (4 KiB, 2 MiB) faults so far
 
     def allocate(self, nbytes: int, key: int) -> tuple[int, int]:
         request = request_size(nbytes)
         if request >= self.threshold:
-            address = None
+            chunk = None  # mapped
             small, huge = mapped_pages(nbytes, self.hugepages)
         else:
-            address, small = self.heap.allocate(request)
-            huge = 0
-        self.live[key] = address
+            before = self.heap.resident
+            address, size, small = self.heap.allocate(request)
+            chunk, huge = (address, size), 0
+            if self.hugepages and nbytes >= HUGEPAGE_MIN_BYTES and small:
+                huge = advised_regions(address + CHUNK_HEADER, nbytes, before, self.heap.resident)
+                small -= huge * (HUGE_PAGE // PAGE)
+        self.live[key] = chunk
         self.faults[0] += small
         self.faults[1] += huge
         return small, huge
 
     def free(self, nbytes: int, key: int) -> None:
-        address = self.live.pop(key)
-        if address is not None:
-            self.heap.free(address, request_size(nbytes), 2 * self.threshold)
+        chunk = self.live.pop(key)
+        if chunk is not None:
+            self.heap.free(*chunk, 2 * self.threshold)
             return
         chunk = mapped_chunk(nbytes)  # unmapped
         if self.threshold < chunk <= MMAP_THRESHOLD_MAX:
