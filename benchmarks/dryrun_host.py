@@ -14,7 +14,9 @@ per step, the smallest share of that wall time any rank spent on the CPU (``step
 A step in which some rank got less than ``CPU_SHARE`` (0.9) of the wall time as CPU time saw
 another process take its core: it is dropped, and the table says how many were. "measured" is
 the median wall time of the steps kept after the two warm-up steps; a row with none kept is
-reported, not judged ("all steps s" is the median of every timed step, dropped ones too).
+reported, not judged ("all steps s" is the median of every timed step, dropped ones too, and
+"rank 0 CPU s" the median of rank 0's CPU seconds a step: on a loaded machine, at N = 1, the
+step the rank would take with its core to itself).
 
 **The target.** Predicted / measured within ±15% for a step of 100 ms or more, ±25% for a
 faster one, on every judged row (N = 1 and 2). The table is markdown, with the load average
@@ -99,6 +101,7 @@ def measure(model: str, ranks: int, cfg: Path, steps: int) -> dict:
         "kept": len(kept),
         "dropped": dropped,
         "median_all_s": report["step_s"],
+        "cpu_s": report.get("step_cpu_s"),
     }
 
 
@@ -141,7 +144,7 @@ def grid(quick: bool, shapes: int) -> list[tuple[str, int, int, str, str]]:
 
 HEADER = (
     "| model | N | stage | schedule | dtype | measured s | predicted s | pred/meas | target "
-    "| within | steps kept | dropped | all steps s | load |"
+    "| within | steps kept | dropped | all steps s | rank 0 CPU s | load |"
 )
 
 
@@ -152,7 +155,8 @@ def row_line(r: dict) -> str:
     return (
         f"| {r['model']} | {r['ranks']} | {r['stage']} | {r['schedule']} | {r['dtype']} | "
         f"{measured} | {r['predicted_s']:.4f} | {ratio} | ±{r['target']:.0%} | {verdict} | "
-        f"{r['kept']} | {r['dropped']} | {r['median_all_s']:.4f} | {r['load']:.1f} |"
+        f"{r['kept']} | {r['dropped']} | {r['median_all_s']:.4f} | {r['cpu_s'] or 0:.4f} | "
+        f"{r['load']:.1f} |"
     )
 
 
