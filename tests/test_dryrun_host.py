@@ -23,7 +23,7 @@ from zerosim.dryrun.host import (
     mapped_pages,
 )
 from zerosim.dryrun.run import recipe, run_world
-from zerosim.dryrun.timeline import ClusterModel, self_copy_seconds, simulate
+from zerosim.dryrun.timeline import ClusterModel, host_breakdown, self_copy_seconds, simulate
 
 MODEL = "gpt:2,128,128,64,4"  # Ψ = 0.5M
 
@@ -161,6 +161,11 @@ def test_python_calls_fresh_pages_products_and_one_rank_copies_priced_by_hand():
     by_hand = 3000 * 5e-7 + 100 * 2e-6 + 2 * 1e-4 + 3 * 4e6 / rate + 2 * 8e6 / 4e9
     assert step.step_s == pytest.approx(by_hand)
     assert step.compute_s == pytest.approx(by_hand - 2 * 8e6 / 4e9)
+    parts = host_breakdown(events, host)
+    assert parts["products_s"] == pytest.approx(3 * 4e6 / rate)
+    assert parts["python_s"] == pytest.approx(3000 * 5e-7) and parts["python_calls"] == 3000
+    assert parts["faults_s"] == pytest.approx(100 * 2e-6 + 2 * 1e-4)
+    assert (parts["fresh_pages"], parts["fresh_huge_pages"], parts["elementwise_s"]) == (100, 2, 0)
     # held at the ends; a GPU cluster (no host keys) prices none of them
     assert host.matmul_rate(1e3, 1e3) == 2e10 and host.matmul_rate(1e9, 1e3) == 6e10
     gpu = simulate(events[:2], [], ClusterModel(Cluster(1, 1, 1e9, 1e9, 1e-5, 1e-5, 1e11)))

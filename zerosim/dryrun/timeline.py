@@ -81,6 +81,7 @@ __all__ = [
     "chrome_trace",
     "cluster_names",
     "group_seconds",
+    "host_breakdown",
     "host_product_seconds",
     "host_seconds",
     "load_cluster_model",
@@ -252,6 +253,29 @@ def host_product_seconds(model: ClusterModel, products: dict) -> float:
         count * flops / model.matmul_rate(flops, nbytes)
         for (flops, nbytes), count in products.items()
     )
+
+
+def host_breakdown(events: list[tuple[str, Any]], model: ClusterModel) -> dict[str, Any]:
+    """What a host's compute stream spends its step on, by kind: the seconds of the products,
+    element-wise operations, zerosim's own Python calls and fresh pages, and their counts."""
+    seconds = dict.fromkeys(COMPUTE_KINDS, 0.0)
+    calls = pages = huge = 0
+    for kind, value in events:
+        if kind in seconds:
+            seconds[kind] += _compute_stream_seconds(model, kind, value)
+        if kind == "python":
+            calls += value
+        elif kind == "faults":
+            pages, huge = pages + value[0], huge + value[1]
+    return {
+        "products_s": seconds["compute"],
+        "elementwise_s": seconds["elementwise"],
+        "python_s": seconds["python"],
+        "faults_s": seconds["faults"],
+        "python_calls": calls,
+        "fresh_pages": pages,
+        "fresh_huge_pages": huge,
+    }
 
 
 def _compute_stream_seconds(model: ClusterModel, kind: str, value: Any) -> float:
