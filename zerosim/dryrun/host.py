@@ -69,6 +69,7 @@ class PythonCalls:
         self.calls = 0
         self.events = events
         self._counted: dict[tuple[Any, bool], bool] = {}  # (code, as a caller) → counted
+        self._before: Any = None  # the profile function that was on before this one
 
     def _hook(self, frame: Any, event: str, arg: Any) -> None:
         if event != "call":
@@ -97,11 +98,12 @@ class PythonCalls:
         return found
 
     def __enter__(self) -> PythonCalls:
+        self._before = sys.getprofile()  # a profiler already on (cProfile, …) is put back after
         sys.setprofile(self._hook)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        sys.setprofile(None)
+        sys.setprofile(self._before)
 
 
 def request_size(nbytes: int) -> int:
