@@ -203,3 +203,23 @@ def test_numpys_advice_on_the_heap_makes_whole_fresh_2_mib_regions_huge_pages():
     m.threshold = 32 << 20  # as after a freed mapping of 32 MiB: a 6 MiB buffer on the heap
     small, huge = m.allocate(6 << 20, key=1)
     assert huge == 2 and small == math.ceil(((6 << 20) + 32) / 4096) - 2 * 512
+
+
+def test_copies_are_counted_as_operations_with_the_bytes_they_read_and_write():
+    import numpy as np
+
+    from zerosim import meta
+
+    xp = meta.NAMESPACE
+    with meta.tracking(backend="numpy") as tracker:
+        x = xp.zeros((8, 4), np.float32)  # 128 bytes
+        tracker.ops.clear()
+        tracker.op_bytes = 0
+        x.astype(np.float64)  # reads 128, writes 256
+        x.astype(np.float32, copy=False)  # no copy: not an operation
+        x.copy()  # 128 + 128
+        x[2:4] = 1.0  # writes 2 rows of 16 bytes, reading as many: 2 · 32
+        xp.concatenate([x, x])  # reads 256, writes 256
+        x[xp.zeros((3,), np.int64)]  # a fancy index: 3 rows of 16 bytes, read and written
+    assert tracker.ops == {"astype": 1, "copy": 1, "setitem": 1, "concatenate": 1, "getitem": 1}
+    assert tracker.op_bytes == (128 + 256) + 256 + 64 + 512 + 96

@@ -25,9 +25,11 @@ and function (first match wins, cached per call site):
 (k, n) matrix, over its batch dimensions, to ``matmul_flops``.
 
 **Operations**: ``ops`` counts the array operations by kind (a ufunc's name such as ``multiply``,
-``matmul``, a reduction's name, ``kernel`` for one call of a fused update rule): the calls a
-backend makes, each with a fixed cost on top of its bytes; ``op_bytes`` the bytes they read and
-wrote (operands and result; a matrix product's are priced by its FLOPs instead and count none).
+``matmul``, a reduction's name, ``kernel`` for one call of a fused update rule, and the copies:
+``astype``, ``copy``, a ``reshape`` or fancy index (``getitem``) that copies, ``setitem``,
+``concatenate``, ``stack``, ``take``, ``add_at``): the calls a backend makes, each with a fixed
+cost on top of its bytes; ``op_bytes`` the bytes they read and wrote (operands and result; a
+matrix product's are priced by its FLOPs instead and count none).
 
 **The backend it stands for** (``Values.backend``): where zerosim's code branches on the array
 type (``backend.is_host_array``: NumPy's cache-sized optimizer blocks and numba kernels, a few
