@@ -147,6 +147,7 @@ def test_python_calls_fresh_pages_products_and_one_rank_copies_priced_by_hand():
         page_fault_s=2e-6,
         hugepage_fault_s=1e-4,
         matmul_by_intensity=((10.0, 2e10), (100.0, 6e10)),
+        one_rank_collective_s=3e-5,
         overlap=False,
     )
     # a product of 4e6 FLOPs over 1e5 bytes: 40 FLOP/byte, between the two measured points
@@ -158,9 +159,12 @@ def test_python_calls_fresh_pages_products_and_one_rank_copies_priced_by_hand():
         ("issue", 0),  # an all-gather of 8 MB on one rank
     ]
     step = simulate(events, [Call("all_gather", 8e6, (0,))], host)
-    by_hand = 3000 * 5e-7 + 100 * 2e-6 + 2 * 1e-4 + 3 * 4e6 / rate + 2 * 8e6 / 4e9
+    gather = 3e-5 + 2 * 8e6 / 4e9  # the call's fixed cost and its copy
+    by_hand = 3000 * 5e-7 + 100 * 2e-6 + 2 * 1e-4 + 3 * 4e6 / rate + gather
     assert step.step_s == pytest.approx(by_hand)
-    assert step.compute_s == pytest.approx(by_hand - 2 * 8e6 / 4e9)
+    assert step.compute_s == pytest.approx(by_hand - gather)
+    one = simulate([("issue", 0)], [Call("all_reduce", 8e6, (0,))], host)
+    assert one.step_s == pytest.approx(3e-5)  # in place: the fixed cost alone
     parts = host_breakdown(events, host)
     assert parts["products_s"] == pytest.approx(3 * 4e6 / rate)
     assert parts["python_s"] == pytest.approx(3000 * 5e-7) and parts["python_calls"] == 3000
@@ -178,6 +182,7 @@ def test_python_calls_fresh_pages_products_and_one_rank_copies_priced_by_hand():
         ("call_overhead_s", -1, "call_overhead_s must be a positive number, got -1"),
         ("page_fault_s", "fast", "page_fault_s must be a positive number, got 'fast'"),
         ("hugepage_fault_s", 0, "hugepage_fault_s must be a positive number, got 0"),
+        ("one_rank_collective_s", [], r"one_rank_collective_s must be a positive number, got \[\]"),
         ("matmul_by_intensity", [[10, 1e9], [5, 2e9]], "matmul_by_intensity must be"),
         ("matmul_by_intensity", [[10, -1]], r"got \(\(10, -1\),\)"),
     ],

@@ -66,7 +66,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     collectives: list = []
     if args.ranks > 1:
         try:
-            collectives = _launch_collectives(args.ranks, args.quick)
+            collectives, host["one_rank_collective_s"] = _launch_collectives(args.ranks, args.quick)
         except (OSError, RuntimeError) as err:
             return refuse("calibrate", str(err))
     spec = calibrate.cluster_file(args.ranks, matmul, elementwise, overhead, collectives, host)
@@ -94,8 +94,9 @@ def _mpirun() -> str:
     return found
 
 
-def _launch_collectives(ranks: int, quick: bool) -> list:
-    """Run the collective benchmarks under ``mpirun -n ranks``; rank 0's rows."""
+def _launch_collectives(ranks: int, quick: bool) -> tuple[list, float]:
+    """Run the collective benchmarks under ``mpirun -n ranks``: rank 0's rows, and the seconds
+    of one collective on a group of one rank."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "collectives.json"
         cmd = [_mpirun(), "-n", str(ranks), sys.executable, "-m", "zerosim", "calibrate"]
@@ -108,7 +109,8 @@ def _launch_collectives(ranks: int, quick: bool) -> list:
                 f"mpirun -n {ranks} for the collectives failed ({proc.returncode}): "
                 f"{proc.stderr.strip()[-500:]}"
             )
-        return json.loads(out.read_text())
+        found = json.loads(out.read_text())
+        return found["rows"], found["one_rank_collective_s"]
 
 
 def _collectives_worker(args: argparse.Namespace) -> int:
@@ -118,6 +120,8 @@ def _collectives_worker(args: argparse.Namespace) -> int:
     comm = MPIComm()
     sizes = calibrate.COLLECTIVE_SIZES[::2] if args.quick else None
     rows = calibrate.measure_collectives(comm, BUDGET_S[args.quick], sizes)
+    one_rank = calibrate.measure_one_rank_collective(comm, BUDGET_S[args.quick])
     if comm.rank == 0:
-        Path(args.collectives_worker).write_text(json.dumps(rows))
+        found = {"rows": rows, "one_rank_collective_s": one_rank}
+        Path(args.collectives_worker).write_text(json.dumps(found))
     return 0

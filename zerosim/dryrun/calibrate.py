@@ -219,6 +219,22 @@ def measure_collectives(comm: Any, budget_s: float, sizes: list[int] | None = No
     return rows
 
 
+def measure_one_rank_collective(comm: Any, budget_s: float) -> float:
+    """CPU seconds of one of zerosim's collectives on a group of one rank (``comm`` split by
+    rank): an all-gather of one float32, so that its copy is nothing and what is left is the
+    call's fixed cost (zerosim's checks, ledger and MPI's call). A step at N = 1 issues its
+    collectives on such groups."""
+    solo = comm.split(comm.rank, name="calibrate_one_rank")
+    full, part = np.ones(1, np.float32), np.ones(1, np.float32)
+
+    def hundred() -> None:
+        for _ in range(100):
+            solo.all_gather(full, part)
+        solo.ledger.reset()
+
+    return seconds_per_call(hundred, budget_s) / 100
+
+
 def _synchronized_seconds(comm: Any, call: Callable[[], None], budget_s: float) -> float:
     """The median over repeats of the slowest rank's seconds for ``call``; every rank runs as
     many repeats (rank 0's budget decides, broadcast), each after a barrier."""
@@ -316,7 +332,7 @@ def cluster_file(
 
 
 # the rates measure_host writes as they are
-HOST_RATES = ("call_overhead_s", "page_fault_s", "hugepage_fault_s")
+HOST_RATES = ("call_overhead_s", "page_fault_s", "hugepage_fault_s", "one_rank_collective_s")
 
 
 def measure_host(budget_s: float, quick: bool = False) -> dict[str, Any]:

@@ -48,8 +48,15 @@ HOST_KEYS = (
     "page_fault_s",  # the first touch of a fresh 4 KiB page
     "hugepage_fault_s",  # the first touch of a fresh 2 MiB huge page
     "matmul_by_intensity",  # [[FLOP per byte, FLOP/s], …]: a product's rate by its intensity
+    "one_rank_collective_s",  # a collective on a group of one rank: its fixed cost
 )
-HOST_SECONDS = ("op_overhead_s", "call_overhead_s", "page_fault_s", "hugepage_fault_s")
+HOST_SECONDS = (
+    "op_overhead_s",
+    "call_overhead_s",
+    "page_fault_s",
+    "hugepage_fault_s",
+    "one_rank_collective_s",
+)
 RATE_KEYS = (
     "device_memory_bandwidth",
     "intra_efficiency",
@@ -84,6 +91,7 @@ class ClusterModel:
     call_overhead_s: float | None = None  # HOST_KEYS: None leaves Python calls unpriced
     page_fault_s: float | None = None  # None leaves fresh pages unpriced
     hugepage_fault_s: float | None = None
+    one_rank_collective_s: float | None = None  # None: a one-rank collective costs its copy
     matmul_by_intensity: tuple[tuple[float, float], ...] = ()  # (): every product at the peak
 
     @property

@@ -52,7 +52,8 @@ buffers, at ``page_fault_s`` per 4 KiB page and ``hugepage_fault_s`` per 2 MiB o
 ``matmul_by_intensity`` each product runs at the rate measured for its FLOP per byte (small
 products far below large ones) instead of the roofline. A gather or
 reduce-scatter on a group of one rank is MPI's copy of its S bytes into the output: read and
-written once each, 2·S at ``memory_bandwidth``.
+written once each, 2·S at ``memory_bandwidth``; every collective on one rank also costs
+``one_rank_collective_s``, the fixed cost of such a call.
 """
 
 from __future__ import annotations
@@ -147,12 +148,14 @@ SELF_COPIES = ("all_gather", "reduce_scatter")
 
 
 def self_copy_seconds(model: ClusterModel, op: str, size_bytes: float) -> float:
-    """A collective on one rank, on a host: MPI copies the S bytes of a gather or a
-    reduce-scatter from input to output, reading and writing each, 2·S at the memory bandwidth
-    (an in-place all-reduce or broadcast moves nothing)."""
+    """A collective on one rank, on a host: its fixed cost (``one_rank_collective_s``, where
+    measured), and MPI's copy of the S bytes of a gather or a reduce-scatter from input to
+    output, reading and writing each, 2·S at the memory bandwidth (an in-place all-reduce or
+    broadcast moves nothing)."""
+    fixed = model.one_rank_collective_s or 0.0
     if op not in SELF_COPIES or not model.memory_bandwidth:
-        return 0.0
-    return 2 * size_bytes / model.memory_bandwidth
+        return fixed
+    return fixed + 2 * size_bytes / model.memory_bandwidth
 
 
 @lru_cache(maxsize=4096)
