@@ -4,36 +4,43 @@ A NumPy step on a CPU pays for two things that no array operation counts, and th
 count both because it executes the very same engine code as the real run:
 
 **Python calls** (``PythonCalls``). Between two array calls the engine, the strategy, the hooks
-and the layers run their own Python: tens of thousands of calls a step at stage 3 (a fetch and a
-release per module, bookkeeping per parameter and bucket). While the representative runs its
-traced step, a profile hook (``sys.setprofile``) counts every call of a function whose module
-is in zerosim's package, leaving out ``zerosim.meta`` (the stand-in for NumPy, absent from a
-real run) and ``zerosim.comm`` (the communicator's own Python: a real run's ``MPIComm`` does
-different work there, and the collectives' measured latency already includes it), and calls
-these make into the rest of zerosim (a shape-only array asking ``zerosim.backend``), and
-``zerosim.backend``'s own small helpers, which the layers reach on a shape-only array where a
-NumPy array takes their ``isinstance(x, np.ndarray)`` shortcut. The count is
-written into the trace as ("python", calls) between the collective events, and priced at
+and the layers run their own Python: thousands of calls a step (1,500 to 4,000 for GPTs of 1M to
+19M parameters at N = 1, more at stage 3: a fetch and a release per module). While the
+representative runs its traced step, a profile hook (``sys.setprofile``) counts every call of a
+function in zerosim's package, leaving out
+
+- ``zerosim.meta``, the stand-in for NumPy, absent from a real run;
+- ``zerosim.comm``: a real run's ``MPIComm`` does other work there, and the collectives'
+  measured latency already holds it;
+- ``zerosim.dryrun``, and every call these three make into the rest of zerosim;
+- ``zerosim.backend``'s small helpers, which the layers reach on a shape-only array where a NumPy
+  array takes their ``isinstance(x, np.ndarray)`` shortcut.
+
+The count goes into the trace as ("python", calls) between the collective events, priced at
 ``call_overhead_s``, one call's cost measured by ``zerosim calibrate``.
 
 **Fresh pages** (``MallocModel``). A fresh buffer's pages fault on first touch: the kernel
 zeroes each one. NumPy takes its buffers from glibc's malloc, which serves a request of n bytes
 
-- from its heap (``brk``) below the mmap threshold: freed memory is reused there, so only a heap
-  that grows past its high-water mark touches new pages;
-- with a fresh ``mmap`` at or above the threshold, unmapped again when freed: every such buffer
-  faults all its pages. The threshold starts at 128 KiB and rises to the size of any mmapped
-  chunk freed above it, up to 32 MiB (glibc's ``M_MMAP_THRESHOLD``, "dynamic mmap threshold" in
-  ``mallopt(3)``), so after the first step only buffers larger than every earlier freed one,
-  or larger than 32 MiB, are mapped afresh.
+- below the mmap threshold from its heap (``Heap``: addresses, best fit, a freed chunk merged
+  with its free neighbours and into the top): pages below the heap's break were touched before,
+  so only a heap that grows touches new ones; when the free top exceeds the trim threshold
+  (twice the mmap threshold) the break moves down to 128 KiB above it (``M_TOP_PAD``), and the
+  next growth touches those pages again. A step's activations grow the heap and are freed at
+  its end, so every step touches them afresh (``strace`` of a real step shows the same brk);
+- at or above the threshold with a fresh ``mmap``, unmapped again when freed: every such
+  buffer faults all its pages. The threshold starts at 128 KiB and rises to the size of any
+  mapped chunk freed above it, up to 32 MiB (glibc's dynamic ``M_MMAP_THRESHOLD``,
+  ``mallopt(3)``).
 
 NumPy asks for transparent huge pages (``madvise(MADV_HUGEPAGE)``) on buffers of 4 MiB and
-more (``np._core.multiarray._get_madvise_hugepage()``): from the first page boundary after the
-chunk's 16-byte header, so the first 2 MiB of such a mapping (the mapping starts on a 2 MiB
-boundary) and its tail take 4 KiB pages and the 2 MiB regions between them one fault each; on
-the heap, the 2 MiB regions inside the advised range that are touched for the first time.
-Left out: the heap's fragmentation and its trimming (``M_TRIM_THRESHOLD``), and NumPy's cache
-of buffers under 1 KiB. ``calibrate`` measures a 4 KiB fault and a 2 MiB one.
+more (``np._core.multiarray._get_madvise_hugepage()``), from the first page boundary after the
+chunk's 16-byte header: the first 2 MiB of such a mapping (which starts on a 2 MiB boundary) and
+its tail take 4 KiB pages and the 2 MiB regions between them one fault each; on the heap, the
+2 MiB regions inside the advised range touched for the first time (the heap's start taken as
+2 MiB-aligned). Left out: glibc's bins (unsorted, small, large, the last remainder), the Python
+objects that share the heap, and NumPy's cache of buffers under 1 KiB. ``calibrate`` measures a
+4 KiB fault and a 2 MiB one.
 """
 
 from __future__ import annotations
