@@ -1,6 +1,7 @@
 """The dry run's step time against real runs on this machine: predicted / measured per row.
 
     python -m benchmarks.dryrun_host [--quick] [--steps 10] [--host HOST.json] [--json PATH]
+        [--shapes K] [--ranks 1 2] [--stages 0 3] [--schedules paper] [--dtypes fp32]
     python -m benchmarks.dryrun_host --faults     # the allocator model against ru_minflt
 
 First ``zerosim calibrate --ranks 2`` measures this host (microbenchmarks only); then for each row
@@ -117,9 +118,20 @@ def within(ratio: float, measured_s: float) -> bool:
     return 1 - tolerance <= ratio <= 1 + tolerance
 
 
-def grid(quick: bool, shapes: int) -> list[tuple[str, int, int, str, str]]:
+def grid(
+    quick: bool, shapes: int, only: dict | None = None
+) -> list[tuple[str, int, int, str, str]]:
     """(model, N, stage, schedule, dtype) rows: every combination, or with ``quick`` eight that
-    cover each stage, schedule, dtype and N once or more on the two smallest shapes."""
+    cover each stage, schedule, dtype and N once or more on the two smallest shapes; ``only``
+    keeps the rows whose N, stage, schedule or dtype is among those it names."""
+    rows = _rows(quick, shapes)
+    for position, name in enumerate(("ranks", "stages", "schedules", "dtypes"), start=1):
+        if only and only.get(name):
+            rows = [row for row in rows if row[position] in only[name]]
+    return rows
+
+
+def _rows(quick: bool, shapes: int) -> list[tuple[str, int, int, str, str]]:
     if quick:
         small, medium = SHAPES[0][0], SHAPES[1][0]
         return [
@@ -262,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many shapes")
     p.add_argument("--faults", action="store_true", help="the allocator model against ru_minflt")
+    p.add_argument("--ranks", type=int, nargs="+", help="only these N")
+    p.add_argument("--stages", type=int, nargs="+", help="only these stages")
+    p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help="only these schedules")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, help="only these dtypes")
     p.add_argument("--counts-worker", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.counts_worker:
@@ -277,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     print("|" + "---|" * HEADER.count(" | ") + "---|")
     rows = []
-    for row in grid(args.quick, args.shapes):
+    only = {k: getattr(args, k) for k in ("ranks", "stages", "schedules", "dtypes")}
+    for row in grid(args.quick, args.shapes, only):
         rows.append(run_row(*row, args, tmp, host))
         print(row_line(rows[-1]), flush=True)
     print(f"\n{summary(rows)}")

@@ -34,5 +34,7 @@ def test_the_grid_is_the_issues_and_quick_covers_every_stage_schedule_dtype_and_
     for position, values in [(1, {1, 2, 4}), (2, {0, 1, 2, 3}), (3, {"paper", "deepspeed"}),
                              (4, {"fp32", "bf16"})]:  # fmt: skip
         assert {row[position] for row in quick} == values
+    subset = bench.grid(False, 1, {"ranks": [2], "stages": [3], "dtypes": None})
+    assert len(subset) == 2 * 2 and {(n, stage) for _, n, stage, *_ in subset} == {(2, 3)}
     assert bench.config(2, "paper", "bf16")["bf16"] == {"enabled": True}
     assert "bf16" not in bench.config(2, "paper", "fp32")
