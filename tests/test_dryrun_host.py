@@ -223,8 +223,8 @@ def test_copies_are_counted_as_operations_with_the_bytes_they_read_and_write():
         x.astype(np.float64)  # reads 128, writes 256
         x.astype(np.float32, copy=False)  # no copy: not an operation
         x.copy()  # 128 + 128
-        x[2:4] = 1.0  # writes 2 rows of 16 bytes, reading as many: 2 · 32
+        x[2:4] = 1.0  # a write through an index: not counted (meta/tracker.py says why)
         xp.concatenate([x, x])  # reads 256, writes 256
         x[xp.zeros((3,), np.int64)]  # a fancy index: 3 rows of 16 bytes, read and written
-    assert tracker.ops == {"astype": 1, "copy": 1, "setitem": 1, "concatenate": 1, "getitem": 1}
-    assert tracker.op_bytes == (128 + 256) + 256 + 64 + 512 + 96
+    assert tracker.ops == {"astype": 1, "copy": 1, "concatenate": 1, "getitem": 1}
+    assert tracker.op_bytes == (128 + 256) + 256 + 512 + 96

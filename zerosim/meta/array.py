@@ -401,7 +401,6 @@ class MetaArray:
         key = self._key(key)
         target = self._advanced_shape(key) if self._is_advanced(key) else self._basic(key).shape
         np.broadcast_shapes(shape_of(value), target)  # NumPy's error when they do not fit
-        current().op("setitem", 2 * math.prod(target) * self.dtype.itemsize)  # read, written
         self.value = None
 
     # -- values ------------------------------------------------------------------------------

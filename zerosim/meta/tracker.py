@@ -26,10 +26,12 @@ and function (first match wins, cached per call site):
 
 **Operations**: ``ops`` counts the array operations by kind (a ufunc's name such as ``multiply``,
 ``matmul``, a reduction's name, ``kernel`` for one call of a fused update rule, and the copies:
-``astype``, ``copy``, a ``reshape`` or fancy index (``getitem``) that copies, ``setitem``,
-``concatenate``, ``stack``, ``take``, ``add_at``): the calls a backend makes, each with a fixed
-cost on top of its bytes; ``op_bytes`` the bytes they read and wrote (operands and result; a
-matrix product's are priced by its FLOPs instead and count none).
+``astype``, ``copy``, a ``reshape`` or fancy index (``getitem``) that copies, ``concatenate``,
+``stack``, ``take``, ``add_at``): the calls a backend makes, each with a fixed cost on top of
+its bytes; ``op_bytes`` the bytes they read and wrote (operands and result; a matrix product's
+are priced by its FLOPs instead and count none). Writes through an index (``x[i] = y``) are not
+counted: how many a step makes differs between ranks of one class (the gradient pieces that
+land in a rank's shard), and a class's representative must count what each member would.
 
 **The backend it stands for** (``Values.backend``): where zerosim's code branches on the array
 type (``backend.is_host_array``: NumPy's cache-sized optimizer blocks and numba kernels, a few
