@@ -235,6 +235,8 @@ class MallocModel:
         return small, huge
 
     def free(self, nbytes: int, key: int) -> None:
+        if key not in self.live:  # made before the model was watching: nothing to give back
+            return
         chunk = self.live.pop(key)
         if chunk is not None:
             self.heap.free(*chunk, 2 * self.threshold)

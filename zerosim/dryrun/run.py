@@ -20,6 +20,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,7 +222,7 @@ def _traced_step(
         pages.events = events
     comm = engine.comm
     comm.record_events(events)
-    with PythonCalls(events if ops else None):
+    with PythonCalls(events) if ops else nullcontext():
         _train_step(engine, *batch)
     comm.record_events(None)
     tracker.listeners.clear()
