@@ -12,6 +12,7 @@ from zerosim.analysis.timing import collective_time
 from zerosim.cli.main import main
 from zerosim.dryrun import dry_run, load_cluster_model
 from zerosim.dryrun.calibrate import fit_alpha_bandwidth
+from zerosim.dryrun.host import numpy_hugepages
 from zerosim.dryrun.timeline import CLUSTER_KEYS, HOST_KEYS
 
 
@@ -27,12 +28,21 @@ def host(tmp_path_factory):
 def test_quick_calibration_writes_a_cluster_file_the_dry_run_loads(host):
     path, _ = host
     spec = json.loads(path.read_text())
+    # a 2 MiB page's first touch is measured where NumPy advises huge pages
+    huge = () if numpy_hugepages() else ("hugepage_fault_s",)
     for key in (*CLUSTER_KEYS, *HOST_KEYS, "backend", "device_memory_bytes"):
-        assert key in spec, key
+        assert (key in spec) != (key in huge), key
     assert spec["backend"] == "numpy" and spec["overlap"] is False
     assert spec["devices_per_node"] == 2 and spec["nodes"] == 1
+    seconds = {"call_overhead_s", "page_fault_s", "hugepage_fault_s", "one_rank_collective_s"}
+    seconds -= set(huge)
     for key in (*CLUSTER_KEYS, "memory_bandwidth", "op_overhead_s", "device_memory_bytes"):
         assert spec[key] > 0, key
+    for key in seconds:  # a call and a fresh page: microseconds, not milliseconds
+        assert 0 < spec[key] < 1e-2, key
+    intensities = [x for x, _ in spec["matmul_by_intensity"]]
+    assert intensities == sorted(intensities) and len(intensities) >= 4
+    assert spec["measurements"]["faults"]["pages"] >= 16_384  # 64 MiB of 4 KiB pages
     model = load_cluster_model(path)
     assert model.backend == "numpy" and model.prices_elementwise and not model.overlap
     cfg = {

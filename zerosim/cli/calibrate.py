@@ -30,8 +30,9 @@ def add_subcommand(sub: Any) -> None:
     p = sub.add_parser(
         "calibrate",
         help="measure this machine (microbenchmarks only) and write a cluster file for dryrun",
-        description="Matrix products, element-wise bandwidth, a call's fixed cost and zerosim's "
-        "collectives on N ranks, written as a cluster file (docs/dryrun.md) that zerosim dryrun "
+        description="Matrix products, element-wise bandwidth, a call's fixed cost, zerosim's "
+        "own Python calls, a fresh page's first touch and zerosim's collectives on N ranks, "
+        "written as a cluster file (docs/dryrun.md) that zerosim dryrun "
         "--cluster reads. Run it without mpirun: it launches mpirun -n N for the collectives.",
     )
     p.add_argument("--out", required=True, metavar="HOST.json", help="the cluster file to write")
@@ -61,13 +62,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     )
     elementwise = calibrate.measure_elementwise(budget, [2**20, 2**22] if args.quick else None)
     overhead = calibrate.measure_op_overhead(budget)
+    host = calibrate.measure_host(budget, args.quick)
     collectives: list = []
     if args.ranks > 1:
         try:
-            collectives = _launch_collectives(args.ranks, args.quick)
+            collectives, host["one_rank_collective_s"] = _launch_collectives(args.ranks, args.quick)
         except (OSError, RuntimeError) as err:
             return refuse("calibrate", str(err))
-    spec = calibrate.cluster_file(args.ranks, matmul, elementwise, overhead, collectives)
+    spec = calibrate.cluster_file(args.ranks, matmul, elementwise, overhead, collectives, host)
     Path(args.out).write_text(json.dumps(spec, indent=1) + "\n")
     if args.json:
         print(json.dumps(spec))
@@ -76,7 +78,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"wrote {args.out}: matmul {spec['device_flops'] / 1e9:.1f} GFLOP/s, element-wise "
             f"{spec['memory_bandwidth'] / 1e9:.1f} GB/s, {spec['op_overhead_s'] * 1e6:.2f} µs a "
             f"call, collectives α {spec['intra_latency'] * 1e6:.1f} µs, "
-            f"{spec['intra_bandwidth'] / 1e9:.2f} GB/s on {args.ranks} rank(s)"
+            f"{spec['intra_bandwidth'] / 1e9:.2f} GB/s on {args.ranks} rank(s); "
+            f"{spec['call_overhead_s'] * 1e9:.0f} ns a Python call, "
+            f"{spec['page_fault_s'] * 1e6:.2f} µs a fresh page"
         )
     return 0
 
@@ -90,8 +94,9 @@ def _mpirun() -> str:
     return found
 
 
-def _launch_collectives(ranks: int, quick: bool) -> list:
-    """Run the collective benchmarks under ``mpirun -n ranks``; rank 0's rows."""
+def _launch_collectives(ranks: int, quick: bool) -> tuple[list, float]:
+    """Run the collective benchmarks under ``mpirun -n ranks``: rank 0's rows, and the seconds
+    of one collective on a group of one rank."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "collectives.json"
         cmd = [_mpirun(), "-n", str(ranks), sys.executable, "-m", "zerosim", "calibrate"]
@@ -104,7 +109,8 @@ def _launch_collectives(ranks: int, quick: bool) -> list:
                 f"mpirun -n {ranks} for the collectives failed ({proc.returncode}): "
                 f"{proc.stderr.strip()[-500:]}"
             )
-        return json.loads(out.read_text())
+        found = json.loads(out.read_text())
+        return found["rows"], found["one_rank_collective_s"]
 
 
 def _collectives_worker(args: argparse.Namespace) -> int:
@@ -114,6 +120,8 @@ def _collectives_worker(args: argparse.Namespace) -> int:
     comm = MPIComm()
     sizes = calibrate.COLLECTIVE_SIZES[::2] if args.quick else None
     rows = calibrate.measure_collectives(comm, BUDGET_S[args.quick], sizes)
+    one_rank = calibrate.measure_one_rank_collective(comm, BUDGET_S[args.quick])
     if comm.rank == 0:
-        Path(args.collectives_worker).write_text(json.dumps(rows))
+        found = {"rows": rows, "one_rank_collective_s": one_rank}
+        Path(args.collectives_worker).write_text(json.dumps(found))
     return 0

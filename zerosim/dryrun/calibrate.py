@@ -11,6 +11,11 @@ step: operands too large for the cache where they would be, a fresh output for e
   one; bytes/s = 3·n·4 / seconds. ``memory_bandwidth`` is the median over the large sizes.
 - **a call's fixed cost** (``op_overhead_s``): ``np.add`` on one-element arrays with ``out=``,
   the part of every array operation that does not grow with its size.
+- **matrix products by intensity** (``matmul_by_intensity``): every product measured, small
+  ones and attention's batched ones (``batched``) too, as [FLOP per byte, FLOP/s].
+- **zerosim's own Python calls** (``call_overhead_s``), **a fresh page's first touch**
+  (``page_fault_s``, ``hugepage_fault_s``): what a NumPy step spends besides its array calls
+  (``dryrun/host.py`` counts both in the dry run).
 - **collectives** (``collectives``, measured by ``measure_collectives`` on N ranks): zerosim's own
   ``MPIComm`` calls (argument checks, cross-rank check, ledger) over a grid of sizes; the α and
   bandwidth of the time model's ring formula c_α·α + c_β·S/B (``analysis.timing``) fitted to them
@@ -32,6 +37,10 @@ from zerosim.analysis.timing import alpha_beta_coefficients
 GPT_SHAPES = [(512, 256, 768), (512, 256, 1024), (1024, 512, 1536), (1024, 512, 2048),
               (2048, 768, 3072)]  # fmt: skip
 SQUARE_SIZES = [128, 256, 512, 1024]
+SMALL_SHAPES = [(256, 128, 128), (256, 128, 384), (256, 128, 512), (64, 64, 64), (32, 32, 128)]
+# (batch·heads, T, d, T) and (batch·heads, T, T, d): attention's batched products
+ATTENTION_SHAPES = [(16, 64, 32, 64), (16, 64, 64, 32), (16, 128, 64, 128), (32, 128, 64, 128),
+                    (32, 128, 128, 64)]  # fmt: skip
 ELEMENTWISE_SIZES = [2**20, 2**22, 2**24]  # 4 MiB to 64 MiB per float32 operand
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 COLLECTIVE_SIZES = [2**k for k in range(2, 25, 2)]  # bytes: 4 B to 16 MiB
@@ -57,12 +66,113 @@ def measure_matmul(budget_s: float, shapes: list[tuple[int, int, int]] | None = 
     """[[m, k, n, FLOP/s], …] of float32 products with a fresh output each."""
     rng = np.random.default_rng(0)
     rows = []
-    for m, k, n in shapes or [*GPT_SHAPES, *((s, s, s) for s in SQUARE_SIZES)]:
+    every = [*GPT_SHAPES, *SMALL_SHAPES, *((s, s, s) for s in SQUARE_SIZES)]
+    for m, k, n in shapes or every:
         a = rng.standard_normal((m, k), dtype=np.float32)
         b = rng.standard_normal((k, n), dtype=np.float32)
         dt = seconds_per_call(lambda a=a, b=b: a @ b, budget_s)
         rows.append([m, k, n, 2 * m * k * n / dt])
     return rows
+
+
+def measure_batched_matmul(budget_s: float, shapes: list[tuple[int, ...]] | None = None) -> list:
+    """[[batch, m, k, n, FLOP/s], …] of float32 batched products (attention's scores and
+    context: (B·heads, T, d)·(B·heads, d, T) and back), where NumPy runs one small product per
+    matrix of the batch."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for b, m, k, n in shapes or ATTENTION_SHAPES:
+        x = rng.standard_normal((b, m, k), dtype=np.float32)
+        y = rng.standard_normal((b, k, n), dtype=np.float32)
+        dt = seconds_per_call(lambda x=x, y=y: x @ y, budget_s)
+        rows.append([b, m, k, n, 2 * b * m * k * n / dt])
+    return rows
+
+
+def matmul_by_intensity(matmul: list, batched: list) -> list:
+    """[[FLOP per byte, FLOP/s], …] of every measured product, by increasing intensity: the
+    rate a host's time model reads for a product of that intensity (FLOPs over its operands'
+    and result's bytes, as the meta tracker counts them). Small products run far below the
+    large ones' rate (one BLAS call's fixed cost, no blocking to amortize), and a product's
+    intensity is what tells them apart."""
+    rates: dict[float, list[float]] = {}
+    for b, m, k, n, rate in [[1, *row] for row in matmul] + batched:
+        flops, nbytes = 2 * b * m * k * n, 4 * b * (m * k + k * n + m * n)
+        rates.setdefault(round(flops / nbytes, 6), []).append(rate)
+    return [[x, statistics.median(r)] for x, r in sorted(rates.items())]  # one rate a point
+
+
+def measure_call_overhead(budget_s: float) -> tuple[float, int]:
+    """(seconds of one of zerosim's own Python calls, calls timed): CPU seconds of a sample of
+    zerosim's own code with no array work, over the calls ``host.PythonCalls`` counts in it
+    (the hook off while timed). The sample is what runs between a step's array calls: the
+    config's checks (small functions reading a few attributes and calling the next) and the
+    model's walks over its modules and parameters (generators, as the hooks and the strategy
+    walk them)."""
+    from zerosim.config import load_config  # noqa: PLC0415
+    from zerosim.dryrun.host import PythonCalls  # noqa: PLC0415
+    from zerosim.nn import GPT  # noqa: PLC0415
+
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3},
+    }
+    model = GPT(64, 16, 2, 2, 32)
+
+    def sample() -> None:
+        load_config(config, 2)
+        for _ in range(10):
+            for _ in model.named_parameters():
+                pass
+            for _ in model.modules():
+                pass
+
+    with PythonCalls() as counter:
+        sample()
+    return seconds_per_call(sample, budget_s) / counter.calls, counter.calls
+
+
+def measure_page_faults(budget_s: float, nbytes: int = 64 << 20) -> dict[str, float]:
+    """The CPU seconds of one first touch of a fresh page: ``np.empty`` of ``nbytes`` (beyond
+    glibc's mmap ceiling of 32 MiB, so each is a fresh mapping) and a fill, less the fill of a
+    buffer already touched, over the minor faults the kernel counted (``ru_minflt``); once with
+    NumPy's huge-page advice off (4 KiB pages: ``page_fault_s``), once on (its 2 MiB pages,
+    the 4 KiB ones it still takes priced at ``page_fault_s``: ``hugepage_fault_s``)."""
+    import resource  # noqa: PLC0415
+
+    from zerosim.dryrun.host import mapped_pages, numpy_hugepages  # noqa: PLC0415
+
+    core = getattr(np, "_core", None) or np.core
+    n = nbytes // 4
+    reused = np.empty(n, np.float32)
+    fill = seconds_per_call(lambda: reused.fill(1.0), budget_s)
+
+    def fresh() -> None:
+        np.empty(n, np.float32).fill(1.0)
+
+    def faults_and_seconds() -> tuple[int, float]:
+        """(minor faults of one fresh buffer, its extra seconds over a reused one)."""
+        seconds = seconds_per_call(fresh, budget_s)
+        start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        fresh()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
+        return faults, max(seconds - fill, 1e-12)
+
+    advice = numpy_hugepages()
+    try:
+        core.multiarray._set_madvise_hugepage(False)
+        pages, seconds = faults_and_seconds()
+        page_s = seconds / max(pages, 1)
+        huge_s = None
+        if advice:
+            core.multiarray._set_madvise_hugepage(True)
+            _, seconds = faults_and_seconds()
+            small, huge = mapped_pages(nbytes, True)
+            huge_s = max(seconds - small * page_s, 1e-12) / huge
+    finally:
+        core.multiarray._set_madvise_hugepage(advice)
+    return {"page_fault_s": page_s, "hugepage_fault_s": huge_s, "pages": pages, "fill_s": fill}
 
 
 def measure_elementwise(budget_s: float, sizes: list[int] | None = None) -> list:
@@ -109,6 +219,22 @@ def measure_collectives(comm: Any, budget_s: float, sizes: list[int] | None = No
     return rows
 
 
+def measure_one_rank_collective(comm: Any, budget_s: float) -> float:
+    """CPU seconds of one of zerosim's collectives on a group of one rank (``comm`` split by
+    rank): an all-gather of one float32, so that its copy is nothing and what is left is the
+    call's fixed cost (zerosim's checks, ledger and MPI's call). A step at N = 1 issues its
+    collectives on such groups."""
+    solo = comm.split(comm.rank, name="calibrate_one_rank")
+    full, part = np.ones(1, np.float32), np.ones(1, np.float32)
+
+    def hundred() -> None:
+        for _ in range(100):
+            solo.all_gather(full, part)
+        solo.ledger.reset()
+
+    return seconds_per_call(hundred, budget_s) / 100
+
+
 def _synchronized_seconds(comm: Any, call: Callable[[], None], budget_s: float) -> float:
     """The median over repeats of the slowest rank's seconds for ``call``; every rank runs as
     many repeats (rank 0's budget decides, broadcast), each after a barrier."""
@@ -153,9 +279,19 @@ def fit_alpha_bandwidth(rows: list, p: int) -> tuple[float, float]:
 
 
 def cluster_file(
-    ranks: int, matmul: list, elementwise: list, op_overhead_s: float, collectives: list
+    ranks: int,
+    matmul: list,
+    elementwise: list,
+    op_overhead_s: float,
+    collectives: list,
+    host: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The cluster file of this host (``timeline.load_cluster_model`` reads it)."""
+    """The cluster file of this host (``timeline.load_cluster_model`` reads it); ``host``: what
+    ``measure_host`` measured besides (Python calls, page faults, batched products)."""
+    host = host or {}
+    extra = {key: host[key] for key in HOST_RATES if host.get(key) is not None}
+    if "batched" in host:
+        extra["matmul_by_intensity"] = matmul_by_intensity(matmul, host["batched"])
     import os  # noqa: PLC0415
     import platform  # noqa: PLC0415
 
@@ -169,7 +305,10 @@ def cluster_file(
         "none fitted on a step time: device_flops the median float32 matmul rate, "
         "memory_bandwidth element-wise bytes/s beyond the cache, op_overhead_s one ufunc "
         "call's fixed cost, intra_latency/intra_bandwidth the ring formula fitted to zerosim's "
-        "MPIComm collectives; device_memory_bytes the RAM shared by the ranks",
+        "MPIComm collectives; device_memory_bytes the RAM shared by the ranks; "
+        "call_overhead_s one of zerosim's own Python calls, page_fault_s and hugepage_fault_s "
+        "the first touch of a fresh 4 KiB / 2 MiB page, matmul_by_intensity the products' rate "
+        "by FLOP per byte",
         "backend": "numpy",
         "nodes": 1,
         "devices_per_node": ranks,
@@ -182,9 +321,31 @@ def cluster_file(
         "memory_bandwidth": statistics.median(large),
         "op_overhead_s": op_overhead_s,
         "overlap": False,  # MPICH has no progress thread: a collective moves while it is waited
+        **extra,
         "measurements": {
             "matmul": matmul,
             "elementwise": elementwise,
             "collectives": collectives,
+            **{key: host[key] for key in ("batched", "calls", "faults") if key in host},
         },
+    }
+
+
+# the rates measure_host writes as they are
+HOST_RATES = ("call_overhead_s", "page_fault_s", "hugepage_fault_s", "one_rank_collective_s")
+
+
+def measure_host(budget_s: float, quick: bool = False) -> dict[str, Any]:
+    """What a NumPy step spends besides its array calls and products, and the batched
+    products: the keys ``cluster_file`` takes as ``host``."""
+    call_s, calls = measure_call_overhead(budget_s)
+    faults = measure_page_faults(budget_s)
+    batched = measure_batched_matmul(budget_s, ATTENTION_SHAPES[:2] if quick else None)
+    return {
+        "call_overhead_s": call_s,
+        "page_fault_s": faults["page_fault_s"],
+        "hugepage_fault_s": faults["hugepage_fault_s"],
+        "batched": batched,
+        "calls": {"calls_timed": calls, "seconds_a_call": call_s},
+        "faults": faults,
     }

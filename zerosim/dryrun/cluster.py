@@ -41,8 +41,25 @@ MEMORY_KEY = "device_memory_bytes"
 FP32_KEY = "device_flops_fp32"  # the fp32 peak, where device_flops is the 16-bit one
 BACKEND_KEY = "backend"  # the array backend whose code path a dry run follows: numpy | cupy
 # a host's rates (zerosim calibrate, docs/dryrun.md): bytes/s of element-wise work, seconds of
-# one array call's fixed cost, and whether communication overlaps compute (MPICH: it does not)
-HOST_KEYS = ("memory_bandwidth", "op_overhead_s", "overlap")
+# one array call's fixed cost, and whether communication overlaps compute (MPICH: it does not);
+# what a step spends besides array work: zerosim's own Python calls and fresh pages
+HOST_KEYS = (
+    "memory_bandwidth",
+    "op_overhead_s",
+    "overlap",
+    "call_overhead_s",  # one of zerosim's own Python calls (dryrun/host.py)
+    "page_fault_s",  # the first touch of a fresh 4 KiB page
+    "hugepage_fault_s",  # the first touch of a fresh 2 MiB huge page
+    "matmul_by_intensity",  # [[FLOP per byte, FLOP/s], …]: a product's rate by its intensity
+    "one_rank_collective_s",  # a collective on a group of one rank: its fixed cost
+)
+HOST_SECONDS = (
+    "op_overhead_s",
+    "call_overhead_s",
+    "page_fault_s",
+    "hugepage_fault_s",
+    "one_rank_collective_s",
+)
 KERNEL_KEY = "kernel_launch_s"  # a GPU's fixed seconds a kernel call: element-wise work priced
 RATE_KEYS = (
     "device_memory_bandwidth",
@@ -77,6 +94,11 @@ class ClusterModel:
     op_overhead_s: float | None = None
     overlap: bool = True
     kernel_launch_s: float | None = None  # a GPU's fixed cost of one kernel call
+    call_overhead_s: float | None = None  # HOST_KEYS: None leaves Python calls unpriced
+    page_fault_s: float | None = None  # None leaves fresh pages unpriced
+    hugepage_fault_s: float | None = None
+    one_rank_collective_s: float | None = None  # None: a one-rank collective costs its copy
+    matmul_by_intensity: tuple[tuple[float, float], ...] = ()  # (): every product at the peak
 
     @property
     def prices_elementwise(self) -> bool:
@@ -96,7 +118,14 @@ class ClusterModel:
         )
 
     def __post_init__(self) -> None:
-        for key in (*HOST_KEYS[:2], MEMORY_KEY, FP32_KEY, "device_memory_bandwidth", KERNEL_KEY):
+        for key in (
+            "memory_bandwidth",
+            *HOST_SECONDS,
+            MEMORY_KEY,
+            FP32_KEY,
+            "device_memory_bandwidth",
+            KERNEL_KEY,
+        ):
             value = getattr(self, key)
             if value is not None and not _positive(value):
                 raise ValueError(f"{key} must be a positive number, got {value!r}")
@@ -106,6 +135,14 @@ class ClusterModel:
             value = getattr(self, key)
             if not (_positive(value) and value <= 1):
                 raise ValueError(f"{key} must be in (0, 1], got {value!r}")
+        points = self.matmul_by_intensity
+        if [x for x, _ in points] != sorted({x for x, _ in points}) or not all(
+            _positive(x) and _positive(rate) for x, rate in points
+        ):
+            raise ValueError(
+                "matmul_by_intensity must be [[FLOP per byte, FLOP/s], …] with increasing "
+                f"positive intensities and positive rates, got {points!r}"
+            )
         sizes = [s for s, _ in self.bus_efficiency_by_size]
         if sizes != sorted(set(sizes)) or not all(
             _positive(s) and _positive(f) and f <= 1 for s, f in self.bus_efficiency_by_size
@@ -127,6 +164,21 @@ class ClusterModel:
             if size_bytes <= s1:
                 t = math.log(size_bytes / s0) / math.log(s1 / s0)
                 return f0 + t * (f1 - f0)
+        return points[-1][1]
+
+    def matmul_rate(self, flops: float, nbytes: float) -> float:
+        """A host's FLOP/s for a product of ``flops`` reading and writing ``nbytes``: the
+        measured rate at its intensity (FLOP per byte), interpolated linearly in log intensity
+        and held at the ends; the peak where the file has none."""
+        points = self.matmul_by_intensity
+        if not points or nbytes <= 0:
+            return self.cluster.device_flops
+        x = flops / nbytes
+        if x <= points[0][0]:
+            return points[0][1]
+        for (x0, r0), (x1, r1) in zip(points, points[1:], strict=False):
+            if x <= x1:
+                return r0 + math.log(x / x0) / math.log(x1 / x0) * (r1 - r0)
         return points[-1][1]
 
     def for_dtype(self, model_dtype: str) -> ClusterModel:
@@ -247,7 +299,8 @@ def _model(values: dict[str, Any], name: str) -> ClusterModel:
         bus_efficiency_by_size=tuple(tuple(p) for p in values.get("bus_efficiency_by_size", ())),
         backend=values.get(BACKEND_KEY, "cupy"),
         memory_bandwidth=values.get("memory_bandwidth"),
-        op_overhead_s=values.get("op_overhead_s"),
         overlap=bool(values.get("overlap", True)),
         kernel_launch_s=values.get(KERNEL_KEY),
+        **{key: values.get(key) for key in HOST_SECONDS},
+        matmul_by_intensity=tuple(tuple(p) for p in values.get("matmul_by_intensity", ())),
     )

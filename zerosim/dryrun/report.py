@@ -9,7 +9,7 @@ from typing import Any
 from zerosim import analysis
 from zerosim.analysis.volume import stage3_backward_gathers
 from zerosim.dryrun.run import ModelRecipe, RankRun, host_peak_rss_bytes
-from zerosim.dryrun.timeline import ClusterModel, StepTime, simulate
+from zerosim.dryrun.timeline import ClusterModel, StepTime, host_breakdown, simulate
 
 GIB = 2**30
 
@@ -134,6 +134,8 @@ def step_time(
             "software_factor": cluster.software_factor,
         },
     }
+    if cluster.prices_elementwise:  # a host: what its compute stream spent the step on
+        time["host"] = host_breakdown(run.events, resized)
     return time, slowest
 
 

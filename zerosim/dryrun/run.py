@@ -20,6 +20,7 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from zerosim.comm.record import Record
 from zerosim.comm.virtual import VirtualComm, VirtualWorld
 from zerosim.config import load_config, read_config_file
 from zerosim.config.values import as_mapping
+from zerosim.dryrun.host import MallocModel, PythonCalls, numpy_hugepages
 from zerosim.engine import Engine, initialize
 from zerosim.nn import GPT, MLP, Module, Transformer, checkpoint
 from zerosim.nn.description import ModelDescription
@@ -171,6 +173,10 @@ def run_rank(
     the element-wise operations between collectives (a host's time model prices them)."""
     comm = world.comm(rank)
     with meta.tracking(overflow=overflow, fill=fill, backend=backend) as tracker:
+        # a host's fresh pages: glibc's malloc replayed over every allocation of the run
+        pages = _FreshPages(MallocModel(numpy_hugepages()), tracker) if op_events else None
+        if pages is not None:
+            tracker.listeners.append(pages.listen)
         with shape_only_init():
             net = model.build()
         if recompute:
@@ -183,15 +189,8 @@ def run_rank(
         tracker.reset_peaks()  # the last step is the one measured and written as events
         step_start = tracker.live_total
         flops_before = tracker.matmul_flops
-        tracker.ops.clear()  # the operations of the last step
-        tracker.op_bytes = 0
         last_step = engine.global_steps
-        events: list[tuple[str, Any]] = []
-        tracker.listeners.append(_event_writer(events, tracker, memory_events, op_events))
-        comm.record_events(events)
-        _train_step(engine, x, y)
-        comm.record_events(None)
-        tracker.listeners.clear()
+        events = _traced_step(engine, (x, y), tracker, pages, memory_events, op_events)
         result = RankRun(
             rank,
             comm,
@@ -208,6 +207,48 @@ def run_rank(
             result.facts = {**engine_facts(engine), "recompute": recompute}
         del engine, net
     return result
+
+
+def _traced_step(
+    engine: Engine, batch: tuple, tracker: meta.Tracker, pages: Any, memory: bool, ops: bool
+) -> list[tuple[str, Any]]:
+    """Run the last step, writing its events (``RankRun.events``); with ``ops`` (a host's time
+    model) also its array operations, zerosim's own Python calls and its fresh pages."""
+    tracker.ops.clear()  # the operations of the last step
+    tracker.op_bytes = 0
+    events: list[tuple[str, Any]] = []
+    tracker.listeners.append(_event_writer(events, tracker, memory, ops))
+    if pages is not None:
+        pages.events = events
+    comm = engine.comm
+    comm.record_events(events)
+    with PythonCalls(events) if ops else nullcontext():
+        _train_step(engine, *batch)
+    comm.record_events(None)
+    tracker.listeners.clear()
+    return events
+
+
+class _FreshPages:
+    """A tracker listener replaying allocations through ``MallocModel``; while ``events`` is
+    set, each allocation's faults go into the trace as ("faults", (4 KiB, 2 MiB))."""
+
+    def __init__(self, malloc: MallocModel, tracker: meta.Tracker) -> None:
+        self.malloc = malloc
+        self.tracker = tracker
+        self.events: list | None = None
+
+    def listen(self, kind: str, nbytes: int, category: str) -> None:
+        if kind == "free":
+            self.malloc.free(nbytes, self.tracker.storage)
+        elif kind == "alloc":
+            small, huge = self.malloc.allocate(nbytes, self.tracker.storage)
+            if self.events is not None and (small or huge):
+                if self.events and self.events[-1][0] == "faults":
+                    s, h = self.events[-1][1]
+                    self.events[-1] = ("faults", (s + small, h + huge))
+                else:
+                    self.events.append(("faults", (small, huge)))
 
 
 def recompute_blocks(net: Module, name: str) -> None:

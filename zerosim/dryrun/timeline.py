@@ -49,7 +49,15 @@ its collective ends. step = when both streams are done; exposed communication = 
 ("elementwise", (operations, bytes)) events, every array operation between two collective
 events that is not a matrix product, priced at ``op_overhead_s`` a call plus the bytes at
 ``memory_bandwidth``; and with ``overlap`` false (MPICH has no progress thread) a non-blocking
-collective moves only while it is waited: it starts at its wait, not at its issue.
+collective moves only while it is waited: it starts at its wait, not at its issue. What the
+engine spends besides array work (``dryrun/host.py``): ("python", calls), zerosim's own Python
+calls, at ``call_overhead_s`` each, and ("faults", (pages, huge pages)), the first touch of fresh
+buffers, at ``page_fault_s`` per 4 KiB page and ``hugepage_fault_s`` per 2 MiB one. With
+``matmul_by_intensity`` each product runs at the rate measured for its FLOP per byte (small
+products far below large ones) instead of the roofline. A gather or
+reduce-scatter on a group of one rank is MPI's copy of its S bytes into the output: read and
+written once each, 2·S at ``memory_bandwidth``; every collective on one rank also costs
+``one_rank_collective_s``, the fixed cost of such a call.
 """
 
 from __future__ import annotations
@@ -79,6 +87,9 @@ __all__ = [
     "cluster_names",
     "group_seconds",
     "hop_latency",
+    "host_breakdown",
+    "host_product_seconds",
+    "host_seconds",
     "kernel_seconds",
     "load_cluster_model",
     "simulate",
@@ -177,6 +188,30 @@ def kernel_seconds(model: ClusterModel, kernels: int, nbytes: int) -> float:
     return launches + nbytes / model.device_memory_bandwidth
 
 
+def host_seconds(model: ClusterModel, kind: str, value: Any) -> float:
+    """Seconds of a host's work besides array operations (module docstring): ("python", calls)
+    or ("faults", (4 KiB pages, 2 MiB pages)); 0 where the cluster file does not price it."""
+    if kind == "python":
+        return value * (model.call_overhead_s or 0.0)
+    pages, huge = value
+    return pages * (model.page_fault_s or 0.0) + huge * (model.hugepage_fault_s or 0.0)
+
+
+# collectives that copy their input into a separate output on a group of one rank
+SELF_COPIES = ("all_gather", "reduce_scatter")
+
+
+def self_copy_seconds(model: ClusterModel, op: str, size_bytes: float) -> float:
+    """A collective on one rank, on a host: its fixed cost (``one_rank_collective_s``, where
+    measured), and MPI's copy of the S bytes of a gather or a reduce-scatter from input to
+    output, reading and writing each, 2·S at the memory bandwidth (an in-place all-reduce or
+    broadcast moves nothing)."""
+    fixed = model.one_rank_collective_s or 0.0
+    if op not in SELF_COPIES or not model.memory_bandwidth:
+        return fixed
+    return fixed + 2 * size_bytes / model.memory_bandwidth
+
+
 @lru_cache(maxsize=4096)
 def placement(members: tuple[int, ...], devices_per_node: int) -> tuple[int, int]:
     """(nodes the ranks ``members`` span, ranks on each when every node holds as many, else 0).
@@ -209,11 +244,16 @@ class StepTime:
         }
 
 
+# the events the compute stream runs, one after another
+COMPUTE_KINDS = ("compute", "elementwise", "python", "faults")
+
+
 def simulate(
     events: list[tuple[str, Any]], calls: list[Any], model: ClusterModel, spans: bool = False
 ) -> StepTime:
     """Run one step's ``events`` (("compute", {(flops, bytes): products} or flops),
-    ("elementwise", (operations, bytes)), ("issue", i), ("wait", i), ("memory", live bytes)) on
+    ("elementwise", (operations, bytes)), ("python", calls), ("faults", (pages, huge pages)),
+    ("issue", i), ("wait", i), ("memory", live bytes)) on
     ``model``; ``calls[i]`` is the collective of index i (``VirtualComm.calls``)."""
     now = compute = 0.0  # the compute stream's clock and busy time
     stream = _CommStream(spans)
@@ -221,11 +261,8 @@ def simulate(
     memory: list[tuple[float, int]] = []
     phases: list[tuple[float, str]] = []
     for kind, value in events:
-        if kind in ("compute", "elementwise"):  # elementwise: a host's or a GPU's kernels
-            if kind == "compute":
-                dt = compute_seconds(model, value)
-            else:
-                dt = elementwise_seconds(model, *value)
+        if kind in COMPUTE_KINDS:  # elementwise, python, faults: a host's rates, else free
+            dt = _compute_stream_seconds(model, kind, value)
             if spans:
                 label = "matmul" if kind == "compute" else kind
                 stream.spans.append(("compute", label, now, now + dt))
@@ -233,7 +270,10 @@ def simulate(
             compute += dt
         elif kind == "issue":
             r = calls[value].record
-            dt = group_seconds(model, r.op, r.size_bytes, calls[value].comm.members)
+            members = calls[value].comm.members
+            dt = group_seconds(model, r.op, r.size_bytes, members)
+            if len(members) == 1:
+                dt = self_copy_seconds(model, r.op, r.size_bytes)
             label = f"{r.op} {r.phase} {r.group}"
             if spans and (not phases or phases[-1][1] != r.phase):
                 phases.append((now, r.phase))
@@ -255,6 +295,48 @@ def simulate(
     if memory:
         memory.append((step, memory[-1][1]))  # held until the step ends
     return StepTime(step, compute, stream.busy, step - compute, stream.spans, memory, phases)
+
+
+def host_product_seconds(model: ClusterModel, products: dict) -> float:
+    """Seconds of a stretch of matrix products on a host whose file measured products by
+    intensity (``matmul_by_intensity``): each at the rate measured for its FLOP per byte."""
+    return sum(
+        count * flops / model.matmul_rate(flops, nbytes)
+        for (flops, nbytes), count in products.items()
+    )
+
+
+def host_breakdown(events: list[tuple[str, Any]], model: ClusterModel) -> dict[str, Any]:
+    """What a host's compute stream spends its step on, by kind: the seconds of the products,
+    element-wise operations, zerosim's own Python calls and fresh pages, and their counts."""
+    seconds = dict.fromkeys(COMPUTE_KINDS, 0.0)
+    calls = pages = huge = 0
+    for kind, value in events:
+        if kind in seconds:
+            seconds[kind] += _compute_stream_seconds(model, kind, value)
+        if kind == "python":
+            calls += value
+        elif kind == "faults":
+            pages, huge = pages + value[0], huge + value[1]
+    return {
+        "products_s": seconds["compute"],
+        "elementwise_s": seconds["elementwise"],
+        "python_s": seconds["python"],
+        "faults_s": seconds["faults"],
+        "python_calls": calls,
+        "fresh_pages": pages,
+        "fresh_huge_pages": huge,
+    }
+
+
+def _compute_stream_seconds(model: ClusterModel, kind: str, value: Any) -> float:
+    if kind == "compute":
+        if model.matmul_by_intensity and isinstance(value, dict):
+            return host_product_seconds(model, value)
+        return compute_seconds(model, value)
+    if kind == "elementwise":
+        return elementwise_seconds(model, *value)
+    return host_seconds(model, kind, value)
 
 
 class _CommStream:

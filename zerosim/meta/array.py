@@ -153,6 +153,13 @@ def _is_mask(k: Any) -> bool:
     return probe(k) == np.bool_
 
 
+def _copied(kind: str, source: Any, result: Any) -> Any:
+    """``result``, a copy of ``source``'s elements, counted as one operation of ``kind`` that
+    reads ``source`` and writes ``result`` (what a host's time model prices)."""
+    current().op(kind, source.nbytes + result.nbytes)
+    return result
+
+
 class Flags:
     """The part of NumPy's ``flags`` that zerosim reads."""
 
@@ -279,20 +286,17 @@ class MetaArray:
         if strides is None:
             if copy is False:
                 raise ValueError("unable to avoid creating a copy while reshaping")
-            return MetaArray(new, self.dtype, value=self.value)  # NumPy copies
+            return _copied("reshape", self, MetaArray(new, self.dtype, value=self.value))
         return self._view(new, strides, self._offset)
 
     def astype(self, dtype: Any, copy: bool = True) -> MetaArray:
         dtype = np.dtype(dtype)
         if not copy and dtype == self.dtype:
             return self
-        out = MetaArray(self.shape, dtype, value=self.value)
-        current().op("astype", self.nbytes + out.nbytes)  # a copy: read, converted, written
-        return out
+        return _copied("astype", self, MetaArray(self.shape, dtype, value=self.value))
 
     def copy(self) -> MetaArray:
-        current().op("copy", 2 * self.nbytes)
-        return MetaArray(self.shape, self.dtype, value=self.value)
+        return _copied("copy", self, MetaArray(self.shape, self.dtype, value=self.value))
 
     def ravel(self) -> MetaArray:
         return self.reshape(-1)
@@ -388,8 +392,9 @@ class MetaArray:
         if type(key) is tuple and all(type(k) in _BASIC_KEYS for k in key):
             return self._basic(key)
         key = self._key(key)
-        if self._is_advanced(key):
-            return MetaArray(self._advanced_shape(key), self.dtype)  # a copy, as NumPy's
+        if self._is_advanced(key):  # a copy, as NumPy's: the rows read, the result written
+            result = MetaArray(self._advanced_shape(key), self.dtype)
+            return _copied("getitem", result, result)
         return self._basic(key)
 
     def __setitem__(self, key: Any, value: Any) -> None:

@@ -56,6 +56,14 @@ def _nbytes(*operands: Any) -> int:
     return sum(x.nbytes for x in operands if isinstance(x, MetaArray | np.ndarray))
 
 
+def _joined(kind: str, sources: list, result: Any) -> Any:
+    """``result``, made by copying elements (``sources`` read, or as many as it holds when
+    none are given), counted as one operation of ``kind`` (what a host's time model prices)."""
+    read = _nbytes(*sources) if sources else result.nbytes
+    current().op(kind, read + result.nbytes)
+    return result
+
+
 def _write(out: MetaArray, shape: tuple[int, ...]) -> MetaArray:
     """``out`` receiving a result of ``shape`` (NumPy's error when it cannot)."""
     if broadcast_shapes(shape, out.shape) != out.shape:
@@ -270,14 +278,13 @@ class MetaNamespace:
         arrays = list(arrays)
         dtype = np.result_type(*(probe(a) for a in arrays))
         if axis is None:
-            out = MetaArray((sum(math.prod(shape_of(a)) for a in arrays),), dtype)
-        else:
-            first = shape_of(arrays[0])
-            axis = _axes(axis, len(first))[0]
-            total = sum(shape_of(a)[axis] for a in arrays)
-            out = MetaArray((*first[:axis], total, *first[axis + 1 :]), dtype)
-        current().op("concatenate", _nbytes(*arrays) + out.nbytes)  # each part copied in
-        return out
+            flat = MetaArray((sum(math.prod(shape_of(a)) for a in arrays),), dtype)
+            return _joined("concatenate", arrays, flat)
+        first = shape_of(arrays[0])
+        axis = _axes(axis, len(first))[0]
+        total = sum(shape_of(a)[axis] for a in arrays)
+        joined = MetaArray((*first[:axis], total, *first[axis + 1 :]), dtype)
+        return _joined("concatenate", arrays, joined)
 
     concat = concatenate
 
@@ -286,14 +293,15 @@ class MetaNamespace:
         first = shape_of(arrays[0])
         axis = int(axis) % (len(first) + 1)
         shape = (*first[:axis], len(arrays), *first[axis:])
-        return MetaArray(shape, np.result_type(*(probe(a) for a in arrays)))
+        stacked = MetaArray(shape, np.result_type(*(probe(a) for a in arrays)))
+        return _joined("stack", arrays, stacked)
 
     def take(self, x: Any, indices: Any, axis: int | None = None, **_: Any) -> MetaArray:
         shape, index = shape_of(x), shape_of(indices)
         if axis is None:
-            return MetaArray(index, x.dtype)
+            return _joined("take", [], MetaArray(index, x.dtype))
         axis = _axes(axis, len(shape))[0]
-        return MetaArray((*shape[:axis], *index, *shape[axis + 1 :]), x.dtype)
+        return _joined("take", [], MetaArray((*shape[:axis], *index, *shape[axis + 1 :]), x.dtype))
 
     def take_along_axis(self, x: Any, indices: Any, axis: int) -> MetaArray:
         shape, index = shape_of(x), shape_of(indices)
@@ -318,6 +326,7 @@ class MetaNamespace:
         """NumPy's ``np.add.at(target, indices, values)``: in place, nothing allocated."""
         rows = shape_of(indices)
         broadcast_shapes(shape_of(values), (*rows, *target.shape[1:]))
+        current().op("add_at", 3 * _nbytes(values))  # values read, their rows read and written
         target.value = None
 
     # -- dtypes ------------------------------------------------------------------------------

@@ -25,10 +25,14 @@ and function (first match wins, cached per call site):
 (k, n) matrix, over its batch dimensions, to ``matmul_flops``.
 
 **Operations**: ``ops`` counts the array operations by kind (a ufunc's name such as ``multiply``,
-``matmul``, a reduction's name, ``kernel`` for one call of a fused update rule, ``astype``,
-``copy``, ``setitem`` and ``concatenate`` for the copies; creating an array is not one): the calls a
-backend makes, each with a fixed cost on top of its bytes; ``op_bytes`` the bytes they read and
-wrote (operands and result; a matrix product's are priced by its FLOPs instead and count none).
+``matmul``, a reduction's name, ``kernel`` for one call of a fused update rule, and the copies:
+``astype``, ``copy``, a ``reshape`` or fancy index (``getitem``) that copies, ``setitem`` (a
+write through an index), ``concatenate``, ``stack``, ``take``, ``add_at``; creating an array is
+not one): the calls a backend makes, each with a fixed cost on top of its bytes; ``op_bytes`` the
+bytes they read and wrote (operands and result; a matrix product's are priced by its FLOPs
+instead and count none). How many ``setitem`` a step makes differs a little between ranks of one
+class (the gradient pieces that land in a rank's shard), so a class's representative counts
+its own, within a few per cent of each member's.
 
 **The backend it stands for** (``Values.backend``): where zerosim's code branches on the array
 type (``backend.is_host_array``: NumPy's cache-sized optimizer blocks and numba kernels, a few
@@ -123,14 +127,16 @@ class Tracker:
         self.allocations = 0
         self.matmul_flops = 0
         self.product_bytes = 0  # operand and result bytes of the product being notified
+        self.storage = 0  # id() of the storage being allocated or freed, while notified
         self.ops: dict[str, int] = {}  # array operations by kind (module docstring)
         self.op_bytes = 0  # the bytes they read and wrote
         # called as listener(kind, amount, category) for "alloc", "free" and "matmul" events,
         # and listener("op", bytes, operation kind) for each array operation
         self.listeners: list[Callable[[str, int, str], None]] = []
 
-    def allocate(self, nbytes: int, category: str) -> None:
+    def allocate(self, nbytes: int, category: str, storage: int = 0) -> None:
         self.allocations += 1
+        self.storage = storage
         live = self.live[category] + nbytes
         self.live[category] = live
         if live > self.peak[category]:
@@ -141,7 +147,8 @@ class Tracker:
         for listener in self.listeners:
             listener("alloc", nbytes, category)
 
-    def free(self, nbytes: int, category: str) -> None:
+    def free(self, nbytes: int, category: str, storage: int = 0) -> None:
+        self.storage = storage
         self.live[category] -= nbytes
         self.live_total -= nbytes
         for listener in self.listeners:
@@ -189,12 +196,12 @@ class Storage:
         self.nbytes = nbytes
         self.tracker = current()
         self.category = category or category_of(*allocation_site(3))
-        self.tracker.allocate(nbytes, self.category)
+        self.tracker.allocate(nbytes, self.category, id(self))
 
     def __del__(self) -> None:
         tracker = getattr(self, "tracker", None)
         if tracker is not None:
-            tracker.free(self.nbytes, self.category)
+            tracker.free(self.nbytes, self.category, id(self))
 
 
 @dataclass

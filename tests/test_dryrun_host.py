@@ -1,0 +1,230 @@
+"""A host's time model beyond array work (``dryrun/host.py``): zerosim's own Python calls counted
+in the dry run against the same count in a real NumPy run, glibc's malloc replayed on
+allocation sequences derived by hand, a gather on one rank as a copy of its closed-form bytes,
+the new cluster keys refused when malformed, and each priced by hand-worked numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from cluster_files import write_cluster
+from mpi_helpers import run_mpi
+
+from zerosim.analysis.timing import Cluster
+from zerosim.dryrun import load_cluster_model
+from zerosim.dryrun.host import (
+    MMAP_THRESHOLD,
+    MallocModel,
+    PythonCalls,
+    advised_regions,
+    counted_code,
+    mapped_pages,
+)
+from zerosim.dryrun.run import recipe, run_world
+from zerosim.dryrun.timeline import ClusterModel, host_breakdown, self_copy_seconds, simulate
+
+MODEL = "gpt:2,128,128,64,4"  # Ψ = 0.5M
+
+
+def config(stage: int, schedule: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+        "zerosim": {"dtype": "float32", "schedule": schedule},
+    }
+
+
+def dry_events(stage: int, schedule: str, world: int = 1) -> list:
+    runs, _ = run_world(
+        recipe(MODEL), world, config(stage, schedule), steps=3, backend="numpy", op_events=True
+    )
+    return runs[0][1].events
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(("stage", "schedule"), [(2, "paper"), (3, "deepspeed")])
+def test_python_calls_counted_in_the_dry_run_equal_a_real_numpy_runs(tmp_path, stage, schedule):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config(stage, schedule)))
+    proc = run_mpi(1, ["tests/helpers/host_counts_worker.py", MODEL, str(path)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("COUNTS"))
+    real_calls = int(line.split()[1])
+    dry_calls = sum(n for kind, n in dry_events(stage, schedule) if kind == "python")
+    assert real_calls > 1000  # the layers, hooks and strategy: thousands of calls a step
+    # the data-dependent branches (docs/dryrun.md) may take a few calls more or fewer: a value
+    # the dry run reads is its fill, not the real run's; a stand-in's calls would be thousands
+    assert dry_calls == pytest.approx(real_calls, rel=0.01)
+
+
+def test_only_zerosims_own_code_is_counted():
+    assert counted_code("zerosim.zero.stage3") and counted_code("zerosim.nn.linear")
+    for module in ("zerosim.meta.array", "zerosim.comm.mpi", "zerosim.dryrun.run", "numpy"):
+        assert not counted_code(module), module
+
+    def outside() -> int:
+        return 1
+
+    with PythonCalls() as counter:
+        for _ in range(5):
+            outside()  # this test's own module: not zerosim's
+    assert counter.calls == 0
+
+
+def test_small_buffers_reuse_the_heap_and_a_freed_mapping_raises_the_threshold():
+    m = MallocModel(hugepages=True)
+    # 1,000 bytes: glibc's request 1,008 (8-byte size field, 16-byte rounding) on the heap
+    assert m.allocate(1000, key=1) == (1, 0)  # the heap's first page
+    assert m.allocate(1000, key=2) == (0, 0)  # the same page
+    # 1 MiB ≥ 128 KiB: a mapping of 1 MiB + 16 bytes of header, 257 pages touched
+    assert m.allocate(1 << 20, key=3) == (257, 0)
+    m.free(1 << 20, key=3)
+    assert m.threshold == (1 << 20) + 4096  # the freed chunk's size: glibc's dynamic threshold
+    # now on the heap, from byte 2,016 to 2,016 + 1,048,592: pages 1 … 256 are new
+    assert m.allocate(1 << 20, key=4) == (math.ceil((2016 + 1048592 - 4096) / 4096), 0)
+    m.free(1 << 20, key=4)  # back into the top; below the trim threshold (2 × 1 MiB + 8 KiB)
+    assert m.allocate(1 << 20, key=5) == (0, 0)  # its pages are reused
+    assert m.faults == [1 + 257 + 256, 0]
+
+
+def test_a_heap_top_above_the_trim_threshold_is_given_back_and_touched_again():
+    m = MallocModel(hugepages=True)
+    # four requests of 100,016 bytes: the heap's top at 400,064, 98 pages touched
+    assert [m.allocate(100_000, key=k)[0] for k in range(4)] == [25, 24, 25, 24]
+    for k in (3, 2, 1):  # freed from the top down
+        m.free(100_000, key=k)
+    # after the third free the top starts at 100,016 and 301,392 bytes are free above it, over
+    # the trim threshold 2 × 128 KiB: the heap keeps M_TOP_PAD (128 KiB) above the top
+    assert m.heap.resident == math.ceil((100_016 + 131_072) / 4096) * 4096 == 233_472
+    m.free(100_000, key=0)
+    pages = [m.allocate(100_000, key=k)[0] for k in range(3)]
+    assert pages == [0, 0, math.ceil((300_048 - 233_472) / 4096)]  # the third crosses it: 17
+
+
+def test_numpys_huge_page_advice_leaves_the_first_2_mib_and_the_tail_in_small_pages():
+    # 64 MiB + 16 bytes of header: 16,385 small pages without advice; with it the 31 regions
+    # of 2 MiB after the first take one fault each and 513 small pages remain
+    assert mapped_pages(64 << 20, hugepages=False) == (16_385, 0)
+    assert mapped_pages(64 << 20, hugepages=True) == (16_385 - 31 * 512, 31)
+    assert mapped_pages(2 << 20, hugepages=True) == (513, 0)  # under 4 MiB: no advice
+    assert MMAP_THRESHOLD == 128 << 10
+
+
+def test_one_rank_gathers_and_reduce_scatters_are_copies_of_the_closed_form_bytes():
+    """Stage 3 under the paper's schedule on one rank: a rank's shard is its whole parameter,
+    so forward and backward gather nothing; the gradients' reduce-scatter and the updated
+    parameters' all-gather move Ψ·4 bytes each, every byte read and written once: 2·2·Ψ·4."""
+    runs, _ = run_world(recipe(MODEL), 1, config(3, "paper"), backend="numpy", op_events=True)
+    run = runs[0][1]
+    params = sum(p.numel for p in recipe(MODEL).build().parameters())  # Ψ: one rank, no padding
+    host = ClusterModel(Cluster(1, 1, 1e9, 1e9, 1e-5, 1e-5, 1e30), memory_bandwidth=1e9)
+    copies = sum(
+        self_copy_seconds(host, run.comm.calls[i].record.op, run.comm.calls[i].record.size_bytes)
+        for kind, i in run.events
+        if kind == "issue"
+    )
+    assert copies == pytest.approx(2 * 2 * params * 4 / 1e9)
+    assert self_copy_seconds(host, "all_reduce", 1e6) == 0.0  # in place: nothing moves
+
+
+class Call:  # a stand-in of VirtualComm.calls' entries: a record and its group
+    def __init__(self, op, size, members):
+        self.record = type(
+            "R", (), dict(op=op, size_bytes=size, phase="p", group=0, blocking=True)
+        )()
+        self.comm = type("C", (), dict(members=members))()
+
+
+def test_python_calls_fresh_pages_products_and_one_rank_copies_priced_by_hand():
+    host = ClusterModel(
+        Cluster(1, 1, 1e9, 1e9, 1e-5, 1e-5, 1e11),
+        backend="numpy",
+        memory_bandwidth=4e9,
+        call_overhead_s=5e-7,
+        page_fault_s=2e-6,
+        hugepage_fault_s=1e-4,
+        matmul_by_intensity=((10.0, 2e10), (100.0, 6e10)),
+        one_rank_collective_s=3e-5,
+        overlap=False,
+    )
+    # a product of 4e6 FLOPs over 1e5 bytes: 40 FLOP/byte, between the two measured points
+    rate = 2e10 + math.log(40 / 10) / math.log(100 / 10) * (6e10 - 2e10)
+    events = [
+        ("python", 3000),
+        ("faults", (100, 2)),
+        ("compute", {(4e6, 1e5): 3}),
+        ("issue", 0),  # an all-gather of 8 MB on one rank
+    ]
+    step = simulate(events, [Call("all_gather", 8e6, (0,))], host)
+    gather = 3e-5 + 2 * 8e6 / 4e9  # the call's fixed cost and its copy
+    by_hand = 3000 * 5e-7 + 100 * 2e-6 + 2 * 1e-4 + 3 * 4e6 / rate + gather
+    assert step.step_s == pytest.approx(by_hand)
+    assert step.compute_s == pytest.approx(by_hand - gather)
+    one = simulate([("issue", 0)], [Call("all_reduce", 8e6, (0,))], host)
+    assert one.step_s == pytest.approx(3e-5)  # in place: the fixed cost alone
+    parts = host_breakdown(events, host)
+    assert parts["products_s"] == pytest.approx(3 * 4e6 / rate)
+    assert parts["python_s"] == pytest.approx(3000 * 5e-7) and parts["python_calls"] == 3000
+    assert parts["faults_s"] == pytest.approx(100 * 2e-6 + 2 * 1e-4)
+    assert (parts["fresh_pages"], parts["fresh_huge_pages"], parts["elementwise_s"]) == (100, 2, 0)
+    # held at the ends; a GPU cluster (no host keys) prices none of them
+    assert host.matmul_rate(1e3, 1e3) == 2e10 and host.matmul_rate(1e9, 1e3) == 6e10
+    gpu = simulate(events[:2], [], ClusterModel(Cluster(1, 1, 1e9, 1e9, 1e-5, 1e-5, 1e11)))
+    assert gpu.step_s == 0.0
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("call_overhead_s", -1, "call_overhead_s must be a positive number, got -1"),
+        ("page_fault_s", "fast", "page_fault_s must be a positive number, got 'fast'"),
+        ("hugepage_fault_s", 0, "hugepage_fault_s must be a positive number, got 0"),
+        ("one_rank_collective_s", [], r"one_rank_collective_s must be a positive number, got \[\]"),
+        ("matmul_by_intensity", [[10, 1e9], [5, 2e9]], "matmul_by_intensity must be"),
+        ("matmul_by_intensity", [[10, -1]], r"got \(\(10, -1\),\)"),
+    ],
+)
+def test_malformed_host_keys_are_refused_naming_key_and_value(tmp_path, key, value, message):
+    spec = {
+        "nodes": 1, "devices_per_node": 1, "intra_bandwidth": 1e10, "inter_bandwidth": 1e10,
+        "intra_latency": 1e-5, "inter_latency": 1e-5, "device_flops": 1e11, "backend": "numpy",
+        key: value,
+    }  # fmt: skip
+    path = write_cluster(tmp_path / "host.json", **spec)
+    with pytest.raises(ValueError, match=message):
+        load_cluster_model(path)
+
+
+def test_numpys_advice_on_the_heap_makes_whole_fresh_2_mib_regions_huge_pages():
+    # a 6 MiB buffer whose data starts at byte 16 of a heap taken as 2 MiB-aligned: the advice
+    # covers bytes 4,096 … 6 MiB, holding the regions 2-4 MiB and 4-6 MiB
+    assert advised_regions(16, 6 << 20, touched=0, resident=(6 << 20) + 4096) == 2
+    # with the first 3 MiB touched before, only the region 4-6 MiB is touched whole now
+    assert advised_regions(16, 6 << 20, touched=3 << 20, resident=(6 << 20) + 4096) == 1
+    m = MallocModel(hugepages=True)
+    m.threshold = 32 << 20  # as after a freed mapping of 32 MiB: a 6 MiB buffer on the heap
+    small, huge = m.allocate(6 << 20, key=1)
+    assert huge == 2 and small == math.ceil(((6 << 20) + 32) / 4096) - 2 * 512
+
+
+def test_copies_are_counted_as_operations_with_the_bytes_they_read_and_write():
+    import numpy as np
+
+    from zerosim import meta
+
+    xp = meta.NAMESPACE
+    with meta.tracking(backend="numpy") as tracker:
+        x = xp.zeros((8, 4), np.float32)  # 128 bytes
+        tracker.ops.clear()
+        tracker.op_bytes = 0
+        x.astype(np.float64)  # reads 128, writes 256
+        x.astype(np.float32, copy=False)  # no copy: not an operation
+        x.copy()  # 128 + 128
+        x[2:4] = 1.0  # a write through an index: 2 rows of 16 bytes written, a scalar read
+        xp.concatenate([x, x])  # reads 256, writes 256
+        x[xp.zeros((3,), np.int64)]  # a fancy index: 3 rows of 16 bytes, read and written
+    assert tracker.ops == {"astype": 1, "copy": 1, "setitem": 1, "concatenate": 1, "getitem": 1}
+    assert tracker.op_bytes == (128 + 256) + 256 + 32 + 512 + 96
