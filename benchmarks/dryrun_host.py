@@ -182,8 +182,8 @@ def run_row(model: str, n: int, stage: int, schedule: str, dtype: str, args, tmp
     ratio = None if measured is None else dry["step_s"] / measured
     judged = n in JUDGED_RANKS and ratio is not None
     return {
-        "model": model, "ranks": n, "stage": stage, "schedule": schedule, "dtype": dtype,
-        **real, "predicted_s": dry["step_s"], "compute_s": dry["compute_s"],
+        "kind": "row", "model": model, "ranks": n, "stage": stage, "schedule": schedule,
+        "dtype": dtype, **real, "predicted_s": dry["step_s"], "compute_s": dry["compute_s"],
         "comm_s": dry["comm_s"], "ratio": ratio, "load": load,
         "target": TARGETS[(measured or dry["step_s"]) >= SLOW_STEP_S],
         "within": within(ratio, measured) if judged else None,
@@ -298,9 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_row(*row, args, tmp, host))
         print(row_line(rows[-1]), flush=True)
     print(f"\n{summary(rows)}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"host": json.loads(host.read_text()),
-                                               "rows": rows}, indent=1))  # fmt: skip
+    if args.json:  # the rows, then the host's calibration as one row of its own
+        host_row = {"kind": "host", **json.loads(host.read_text())}
+        Path(args.json).write_text(json.dumps([*rows, host_row], indent=1))
     return 0
 
 

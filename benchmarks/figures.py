@@ -375,6 +375,35 @@ def long_run(rows: Rows, path: str | Path) -> Path:
     return _save(fig, path)
 
 
+def dryrun_host(rows: Rows, path: str | Path) -> Path:
+    """Predicted against measured step seconds on this machine, every row of the grid (log
+    axes) on the y = x line with ±15%: judged rows filled, in target or not by colour; N = 4
+    (reported, not judged) hollow."""
+    grid = [r for r in rows if r.get("kind") == "row" and r["measured_s"] is not None]
+    fig, (ax,) = _figure(6, 5, 1)
+    ok, miss = _colors(2)
+    for r in grid:
+        color = miss if r["within"] is False else ok
+        ax.scatter(
+            r["measured_s"],
+            r["predicted_s"],
+            color=color,
+            facecolors=color if r["within"] is not None else "none",
+            s=18,
+        )
+    times = [v for r in grid for v in (r["measured_s"], r["predicted_s"])] or [1e-3, 1.0]
+    line = np.geomspace(min(times) / 1.5, max(times) * 1.5, 50)
+    ax.plot(line, line, color="black", linewidth=0.8)
+    ax.fill_between(line, 0.85 * line, 1.15 * line, color="grey", alpha=0.2, label="±15%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step s (zerosim train under mpirun)")
+    ax.set_ylabel("predicted step s (zerosim dryrun --cluster host.json)")
+    ax.set_title("this machine: filled judged (N = 1, 2), hollow N = 4; red: outside target")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 PLOTS: dict[str, Callable[[Rows, str | Path], Path]] = {
     "collectives": collectives,
     "optimizer_step": optimizer_step,
@@ -385,6 +414,7 @@ PLOTS: dict[str, Callable[[Rows, str | Path], Path]] = {
     "zero_init_cap": zero_init_cap,
     "large_gpt": large_gpt,
     "dryrun": dryrun,
+    "dryrun_host": dryrun_host,
     "long_run": long_run,
 }
 

@@ -373,9 +373,16 @@ def sample_rows() -> dict[str, list[dict]]:
         }
         for way, growth in (("bounded", 1.0), ("totals", 1.02), ("scan", 1.8))
     ]
+    dryrun_host = [
+        _host_row(1, 0.30, 0.29, True),
+        _host_row(2, 0.05, 0.06, True),
+        _host_row(4, 0.40, 0.25, None),
+        {"kind": "host", "device_flops": 9e10},
+    ]
     return {
         "long_run": long_run,
         "dryrun": dryrun,
+        "dryrun_host": dryrun_host,
         "large_gpt": large_gpt,
         "zero_init_cap": zero_init_cap,
         "allocations": allocations,
@@ -385,6 +392,38 @@ def sample_rows() -> dict[str, list[dict]]:
         "training_step": training,
         "scaling": scaling,
     }
+
+
+def _host_row(n, measured, predicted, within, kept=8, dropped=0):
+    """One row of ``benchmarks/dryrun_host.py``'s JSON."""
+    return {
+        "kind": "row", "model": "gpt:2,192,256,64,4", "ranks": n, "stage": 2,
+        "schedule": "paper", "dtype": "fp32", "measured_s": measured, "kept": kept,
+        "dropped": dropped, "median_all_s": measured, "cpu_s": measured,
+        "predicted_s": predicted, "compute_s": predicted, "comm_s": 0.0,
+        "ratio": None if measured is None else predicted / measured, "load": 1.0,
+        "target": 0.15, "within": within,
+    }  # fmt: skip
+
+
+def test_the_host_target_needs_every_judged_row_within_and_none_left_unjudged():
+    from benchmarks import targets
+
+    inside = [_host_row(1, 0.30, 0.29, True), _host_row(2, 0.05, 0.06, True)]
+    reported = [_host_row(4, 0.40, 0.10, None)]  # N = 4: reported, never judged
+    text, met = targets.dryrun_host(inside + reported)
+    assert met and text.startswith("2 of 2 judged rows within target (pred/meas 0.97-1.20)")
+    assert "N = 4 (reported): 0.25-0.25" in text
+    outside = _host_row(2, 0.30, 0.20, False)
+    assert targets.dryrun_host([*inside, outside]) == (
+        "2 of 3 judged rows within target"
+        + " (pred/meas 0.67-1.20); 0 N ≤ 2 rows with every step dropped; 0 of 24 timed steps "
+        "dropped (a rank under 0.9 CPU)",
+        False,
+    )
+    dropped = {**_host_row(1, None, 0.2, None, kept=0, dropped=8)}
+    text, met = targets.dryrun_host([*inside, dropped])
+    assert not met and "1 N ≤ 2 rows with every step dropped; 8 of 24" in text
 
 
 @pytest.mark.slow
