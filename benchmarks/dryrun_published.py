@@ -9,12 +9,19 @@ llm-foundry's sweep.
 Source: MosaicML llm-foundry's MPT throughput tables on A100s (PyTorch FSDP under Composer),
 kept cell for cell in ``examples/published/llm_foundry/a100.csv`` with their address, FLOP
 convention and configuration (``examples/published/llm_foundry/README.md``). Each row is dry-run
-as zerosim can run it today: the MPT preset at the row's sequence (learned positions, so the
-parameter count is the row's ``NumParams``), ZeRO-3 on DeepSpeed's schedule (FULL_SHARD shards
-as stage 3 does; FSDP's own per-unit schedule is not modelled yet), bf16 with fp32 Adam, the
-row's micro-batch and gradient accumulation, recomputation where the row checkpoints
-activations, and ``stage3_max_live_parameters`` 1e10 (the rule: at least the largest module, so
-prefetch is never switched off; FSDP has no such cap).
+as Composer ran it (``description`` and ``config``, held to the README's rules by
+tests/test_dryrun_published.py): the MPT preset at the row's sequence (learned positions, so the
+parameter count is the row's ``NumParams``) with FlashAttention, under zerosim's FSDP2 schedule
+with one unit per block and the root, fp32 shards and Adam, the row's mixed precision (DEFAULT:
+bf16 gathers, fp32 reduce-scatters; PURE: bf16 both), FULL_SHARD as ``reshard_after_forward``
+true (SHARD_GRAD_OP would be false: ZeRO-2's parameters kept from forward to backward; the tables
+have none), parameters re-gathered and gradients reduce-scattered every micro-batch (Composer
+calls no ``no_sync`` on an FSDP model, ``composer/trainer/dist_strategy.py``,
+``ddp_sync_context``), the row's micro-batch, accumulation and checkpointing. Where zerosim's
+FSDP2 differs from Composer's FSDP1: FSDP1 flattens each unit into one ``FlatParameter`` cut in
+N equal pieces (zerosim cuts each parameter along dim 0, as FSDP2 does: a little more padding),
+and FSDP1 prefetches the next unit's gather in backward only (``BACKWARD_PRE``) while FSDP2
+prefetches in forward too.
 
 The clusters are ``zerosim/dryrun/clusters/mosaic_a100_80gb.json`` and ``…_40gb.json``: physical
 rates, each cited in the file (NVLink, the 1600 Gb/s of RoCE per node, nccl-tests' efficiencies,
@@ -25,15 +32,12 @@ Every other row is a prediction, printed beside the published MFU (the source's 
 (6·N + 12·L·d·s) per token, recomputation not counted, over 312 TFLOP/s per GPU), whatever it
 shows; rows whose peak in zerosim's accounting exceeds the device's memory are marked OOM (the
 run would not start there) and left out of the summary, their MFU printed as what the step would
-take: zerosim's attention keeps the s × s softmax probabilities in fp32, where the published runs
-use FlashAttention, which keeps none. A dry run takes from 15 s to many minutes here (30B at
-sequence 8192), so ``--max-gpus`` and ``--limit`` pick a subset; the fitted row is always run.
+take. ``--max-gpus`` and ``--limit`` pick a subset; the fitted row is always run.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -51,7 +55,7 @@ from zerosim.dryrun import load_cluster_model, run_world  # noqa: E402
 from zerosim.dryrun.published import SweepRow, read_sweep  # noqa: E402
 from zerosim.dryrun.report import step_time  # noqa: E402
 from zerosim.dryrun.run import ModelRecipe  # noqa: E402
-from zerosim.nn import PRESETS, Transformer  # noqa: E402
+from zerosim.nn import PRESETS, ModelDescription, Transformer  # noqa: E402
 
 SWEEP = ROOT / "examples/published/llm_foundry/a100.csv"
 PEAK = 312e12  # the tables' GPU_AVAILABLE_FLOPS for an A100 in bf16
@@ -59,25 +63,65 @@ CLUSTERS = {"a100_80gb": "mosaic_a100_80gb", "a100_40gb": "mosaic_a100_40gb"}
 FITTED = {"a100_80gb": ("mpt-7b", 2048, 8), "a100_40gb": ("mpt-7b", 2048, 8)}  # model, seq, GPUs
 
 
+def description(row: SweepRow) -> ModelDescription:
+    """The row's model: the MPT preset at the row's sequence (learned positions, so its
+    parameter count is the row's ``NumParams``) with FlashAttention (the yamls' ``attn_impl:
+    flash``)."""
+    return PRESETS[row.model].with_(seq=row.seq, attention="flash")
+
+
 def model_recipe(row: SweepRow) -> ModelRecipe:
-    desc = dataclasses.replace(PRESETS[row.model], seq=row.seq)
+    desc = description(row)
     xp = meta.NAMESPACE
 
     def batch(b: int) -> tuple:
         return xp.zeros((b, row.seq), np.int64), xp.zeros((b, row.seq), np.int64)
 
-    return ModelRecipe(f"{row.model}@{row.seq}", lambda: Transformer(desc), batch)
+    return ModelRecipe(f"{row.model}@{row.seq}", lambda: Transformer(desc), batch, desc=desc)
+
+
+# Composer's fsdp_config.mixed_precision → MixedPrecisionPolicy (README.md): the gather's dtype
+# and the reduce-scatter's
+MIXED_PRECISION = {"DEFAULT": ("bfloat16", "float32"), "PURE": ("bfloat16", "bfloat16")}
+# FSDP's sharding strategy → reshard_after_forward: FULL_SHARD frees a block's parameters after
+# its forward and gathers them again in backward (ZeRO-3); SHARD_GRAD_OP keeps them gathered from
+# forward to backward (ZeRO-2's parameters, whole during the pass)
+RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 
 
 def config(row: SweepRow) -> dict:
+    """The row's run under zerosim's FSDP2 schedule as Composer's FSDP1 runs it: one unit per
+    block (and the root), parameters re-gathered for every micro-batch (resharded after
+    backward) and gradients reduce-scattered after every micro-batch (Composer does not call
+    ``no_sync`` on an FSDP model), fp32 shards and Adam, the row's mixed precision and sharding
+    strategy."""
+    param_dtype, reduce_dtype = MIXED_PRECISION[row.mixed_precision]
     return {
         "train_micro_batch_size_per_gpu": row.micro_batch,
         "gradient_accumulation_steps": row.grad_accum,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e10},
-        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+        "zerosim": {
+            "schedule": "fsdp2",
+            "fsdp2": {
+                "param_dtype": param_dtype,
+                "reduce_dtype": reduce_dtype,
+                "reshard_after_forward": RESHARD_AFTER_FORWARD[row.sharding],
+                "reshard_after_backward": True,
+                "reduce_every_micro_batch": True,
+            },
+        },
         "steps_per_print": 10**9,
     }
+
+
+def row_runs(row: SweepRow) -> list:
+    """The dry run of one row: its class representatives' runs (the time on stderr)."""
+    start = time.perf_counter()
+    runs, _ = run_world(model_recipe(row), row.gpus, config(row), recompute=row.recompute)
+    print(f"  line {row.line}: {row.model} seq {row.seq} on {row.gpus}, "
+          f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+    return runs
 
 
 def model_flops_per_step(row: SweepRow) -> float:
@@ -118,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [r for r in mine if r is not fitted and r.gpus <= (args.max_gpus or r.gpus)]
         chosen = [fitted, *chosen[: args.limit]]
         start = time.perf_counter()
-        traces = [run_world(model_recipe(r), r.gpus, config(r), recompute=r.recompute)[0]
-                  for r in chosen]  # fmt: skip
+        traces = [row_runs(r) for r in chosen]
         factor = fit_software(fitted, traces[0], base)
         cluster = base.with_software_factor(factor)
         print(f"{gpu}: software_factor {factor:.4f} fitted on line {fitted.line} "
@@ -150,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
               f"median |error| {median:.1%}")  # fmt: skip
     print(
         f"rows over the device's memory in zerosim's accounting: "
-        f"{sum(e['oom'] for e in table)} of {len(table)} (their MFU is what the step would "
-        f"take; zerosim's attention keeps the s x s probabilities, FlashAttention does not)"
+        f"{sum(e['oom'] for e in table)} of {len(table)} (their MFU is what the step would take)"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))

@@ -164,3 +164,19 @@ def test_a_description_says_flash_only_where_it_is_built():
         nn.PRESETS["llama2-7b"].with_(attention="flash")
     model = nn.Transformer(nn.PRESETS["mpt-125m"].tiny().with_(attention="flash"))
     assert all(isinstance(block.attn, nn.FlashSelfAttention) for block in model.blocks)
+
+
+def test_the_dry_run_of_a_gpu_counts_the_tiles_flops_in_one_kernel_per_pass():
+    """Standing for a GPU, each pass is FlashAttention's one fused kernel: the FLOPs of the tiles
+    computed on the host's path, and the same bytes kept for backward; no tile in device memory,
+    so the activation peak is at most the host path's."""
+    desc = nn.PRESETS["mpt-125m"].tiny().with_(seq=200, attention="flash")
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 0},
+        "bf16": {"enabled": True},
+    }
+    host, gpu = (dry_run(desc, 1, cfg, backend=b)["ranks"][0] for b in ("numpy", "cupy"))
+    assert gpu["flops"] == host["flops"]
+    assert gpu["activation_peak_bytes"] <= host["activation_peak_bytes"]
