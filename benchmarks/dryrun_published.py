@@ -146,46 +146,49 @@ def fit_software(row: SweepRow, runs: list, base) -> float:
     return fit_factor(lambda c: predicted_mfu(row, runs, c)[0], row.mfu, base)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--table", choices=sorted(CLUSTERS), action="append")
-    parser.add_argument("--max-gpus", type=int, default=None, help="only rows on at most N GPUs")
-    parser.add_argument("--limit", type=int, default=None, help="at most K rows per table")
-    parser.add_argument("--json", metavar="PATH", help="also write the table as JSON")
-    args = parser.parse_args(argv)
-    rows = read_sweep(SWEEP)
-    table = []
-    for gpu in args.table or sorted(CLUSTERS):
-        base = load_cluster_model(CLUSTERS[gpu])
-        mine = [r for r in rows if r.gpu == gpu]
-        fitted = next(r for r in mine if (r.model, r.seq, r.gpus) == FITTED[gpu])
-        chosen = [r for r in mine if r is not fitted and r.gpus <= (args.max_gpus or r.gpus)]
-        chosen = [fitted, *chosen[: args.limit]]
-        start = time.perf_counter()
-        traces = [row_runs(r) for r in chosen]
-        factor = fit_software(fitted, traces[0], base)
-        cluster = base.with_software_factor(factor)
-        print(f"{gpu}: software_factor {factor:.4f} fitted on line {fitted.line} "
-              f"({fitted.model}, seq {fitted.seq}, {fitted.gpus} GPUs); "
-              f"{len(chosen)} rows in {time.perf_counter() - start:.0f} s")  # fmt: skip
-        for r, runs in zip(chosen, traces, strict=True):
-            mfu, step = predicted_mfu(r, runs, cluster)
-            peak = peak_bytes(runs)
-            oom = peak > base.device_memory_bytes
-            table.append({**r._asdict(), "predicted_mfu": mfu, "step_s": step,
-                          "peak_bytes": peak, "oom": oom, "fitted": r is fitted})  # fmt: skip
-    print(f"{'line':>4} {'model':>9} {'seq':>6} {'GPUs':>4} {'mb':>3} {'ga':>3} {'ckpt':>5} "
-          f"{'published':>9} {'predicted':>9} {'ratio':>6}  peak GB")  # fmt: skip
-    ratios = []  # predicted rows that fit the device in zerosim's accounting
-    for e in table:
-        ratio = e["predicted_mfu"] / e["mfu"]
-        if not (e["oom"] or e["fitted"]):
-            ratios.append(ratio)
-        flag = "  OOM: would not start" if e["oom"] else ""
-        print(f"{e['line']:>4} {e['model']:>9} {e['seq']:>6} {e['gpus']:>4} "
-              f"{e['micro_batch']:>3} {e['grad_accum']:>3} {str(e['recompute']):>5} "
-              f"{e['mfu']:>9.2f} {e['predicted_mfu']:>9.1f} {ratio:>6.3f}  "
-              f"{e['peak_bytes'] / 1e9:.1f}{' (fitted)' if e['fitted'] else ''}{flag}")  # fmt: skip
+def row_cost(row: SweepRow) -> int:
+    """How long a row's dry run takes, roughly: each micro-batch runs every layer's operations."""
+    return PRESETS[row.model].layers * row.grad_accum
+
+
+def predict_table(gpu: str, rows: list[SweepRow], args: argparse.Namespace, table: list) -> None:
+    """Fit ``gpu``'s software factor on its ``FITTED`` row, then dry-run the chosen rows one by
+    one, each entry added to ``table`` (and written to ``--json``) as soon as it is known."""
+    base = load_cluster_model(CLUSTERS[gpu])
+    mine = [r for r in rows if r.gpu == gpu]
+    fitted = next(r for r in mine if (r.model, r.seq, r.gpus) == FITTED[gpu])
+    chosen = [r for r in mine if r is not fitted and r.gpus <= (args.max_gpus or r.gpus)]
+    if args.order == "cost":
+        chosen.sort(key=row_cost)
+    runs = row_runs(fitted)
+    factor = fit_software(fitted, runs, base)
+    cluster = base.with_software_factor(factor)
+    print(f"{gpu}: software_factor {factor:.4f} fitted on line {fitted.line} "
+          f"({fitted.model}, seq {fitted.seq}, {fitted.gpus} GPUs)", flush=True)  # fmt: skip
+    for r in [fitted, *chosen[: args.limit]]:
+        runs = runs if r is fitted else row_runs(r)
+        mfu, step = predicted_mfu(r, runs, cluster)
+        peak = peak_bytes(runs)
+        table.append({**r._asdict(), "predicted_mfu": mfu, "step_s": step, "peak_bytes": peak,
+                      "oom": peak > base.device_memory_bytes, "fitted": r is fitted})  # fmt: skip
+        print_row(table[-1])
+        if args.json:
+            Path(args.json).write_text(json.dumps(table, indent=1))
+
+
+def print_row(e: dict) -> None:
+    ratio = e["predicted_mfu"] / e["mfu"]
+    flag = "  OOM: would not start" if e["oom"] else ""
+    print(f"{e['line']:>4} {e['model']:>9} {e['seq']:>6} {e['gpus']:>4} "
+          f"{e['micro_batch']:>3} {e['grad_accum']:>3} {str(e['recompute']):>5} "
+          f"{e['mfu']:>9.2f} {e['predicted_mfu']:>9.1f} {ratio:>6.3f}  "
+          f"{e['peak_bytes'] / 1e9:.1f}{' (fitted)' if e['fitted'] else ''}{flag}",
+          flush=True)  # fmt: skip
+
+
+def summary(table: list) -> None:
+    """Within 20% and the median error over the predicted rows that fit the device."""
+    ratios = [e["predicted_mfu"] / e["mfu"] for e in table if not (e["oom"] or e["fitted"])]
     if ratios:
         within = sum(abs(x - 1) <= 0.2 for x in ratios) / len(ratios)
         median = statistics.median(abs(x - 1) for x in ratios)
@@ -195,8 +198,24 @@ def main(argv: list[str] | None = None) -> int:
         f"rows over the device's memory in zerosim's accounting: "
         f"{sum(e['oom'] for e in table)} of {len(table)} (their MFU is what the step would take)"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(table, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--table", choices=sorted(CLUSTERS), action="append")
+    parser.add_argument("--max-gpus", type=int, default=None, help="only rows on at most N GPUs")
+    parser.add_argument("--limit", type=int, default=None, help="at most K rows per table")
+    parser.add_argument("--order", choices=("file", "cost"), default="file",
+                        help="cost: the quickest rows first (layers x accumulation)")  # fmt: skip
+    parser.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    args = parser.parse_args(argv)
+    rows = read_sweep(SWEEP)
+    table: list = []
+    print(f"{'line':>4} {'model':>9} {'seq':>6} {'GPUs':>4} {'mb':>3} {'ga':>3} {'ckpt':>5} "
+          f"{'published':>9} {'predicted':>9} {'ratio':>6}  peak GB")  # fmt: skip
+    for gpu in args.table or sorted(CLUSTERS):
+        predict_table(gpu, rows, args, table)
+    summary(table)
     return 0
 
 
