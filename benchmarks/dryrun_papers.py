@@ -21,6 +21,8 @@ configuration where a paper publishes none, chosen by a rule stated before predi
 fp16 and bf16 at one rate). ZeRO++: the tutorial's config (``published.zeropp_config``); of its
 model sizes only the 18B has a published shape, so only its rows are predicted. Model TFLOP/s
 per GPU by Narayanan et al.'s eq. 3, recomputation counted (``examples/published/*/README.md``).
+Element-wise work and the optimizer step are priced too (``op_events``: the array operations
+between two collective events, as the kernels CuPy launches: ``timeline.kernel_seconds``).
 ``--write`` stores each fitted factor in its cluster file with the row it was fitted on. About
 15-30 minutes here: ten dry runs of 384 to 2,240 ranks.
 """
@@ -86,7 +88,9 @@ def narayanan_runs(row) -> list:
     """The dry run of one Table 2 row: its class representatives' runs."""
     config = narayanan_config(row.micro_batch, row.batch // (row.gpus * row.micro_batch))
     start = time.perf_counter()
-    runs, _ = run_world(recipe(row.model), row.gpus, config, recompute=True, steps=2)
+    runs, _ = run_world(
+        recipe(row.model), row.gpus, config, recompute=True, steps=2, op_events=True
+    )
     print(f"  {row.model} on {row.gpus}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return runs
 
@@ -121,7 +125,9 @@ def zeropp_cases() -> list[dict]:
             key = (tokens, scheme)
             if key not in traces:
                 cfg = zeropp_config(tokens // shape.seq, scheme == "ZeRO++")
-                traces[key], wall = run_world(model, ZEROPP_GPUS, cfg, recompute=True)
+                traces[key], wall = run_world(
+                    model, ZEROPP_GPUS, cfg, recompute=True, op_events=True
+                )
                 print(f"  {size} {scheme}, {tokens} tokens: {wall:.0f} s", file=sys.stderr)
             cases.append(
                 {

@@ -23,9 +23,11 @@ from zerosim.dryrun.timeline import (
     cluster_names,
     compute_seconds,
     group_seconds,
+    kernel_seconds,
     load_cluster_model,
     simulate,
 )
+from zerosim.optim.functional.adam import adam
 
 # 2 nodes × 2 devices; bandwidths in bytes/s, no latency, 1,000 FLOP/s: easy arithmetic
 CLUSTER = Cluster(2, 2, 100.0, 10.0, 0.0, 0.0, 1000.0)
@@ -184,6 +186,15 @@ def test_cluster_files_name_what_is_wrong(tmp_path):
             ValueError, match=f"device_memory_bytes must be a positive number, got {bad!r}"
         ):
             load_cluster_model(path)
+    for bad in (0, -1e-6, "11us"):
+        write_cluster(path, **good, kernel_launch_s=bad)
+        with pytest.raises(
+            ValueError, match=f"kernel_launch_s must be a positive number, got {bad!r}"
+        ):
+            load_cluster_model(path)
+    path.write_text(json.dumps({**sourced(good), "kernel_launch_s": 1e-5}))
+    with pytest.raises(ValueError, match="'kernel_launch_s' is 1e-05 without a source"):
+        load_cluster_model(path)
     write_cluster(path, **good, device_memory_bytes=80 * 2**30)
     assert load_cluster_model(path).resized(64).device_memory_bytes == 80 * 2**30
     with pytest.raises(FileNotFoundError, match=r"not one of the shipped clusters \[.*'selene'"):
@@ -380,11 +391,13 @@ NVLINK, NVLINK_EFF, HCA, HCA_EFF, ALPHA_INTER = 300e9, 0.822, 25e9, 0.94, 15e-6
 
 def test_a_ring_all_gather_over_two_nodes_from_the_cited_rates_by_hand():
     """16 ranks, 8 on each of 2 nodes: one ring, NVLink hops and node crossings at once, so the
-    ring runs at the slower of NVLink and the 8 ranks' 8 NICs, not their two times added."""
+    ring runs at the slower of NVLink and the 8 ranks' 8 NICs, not their two times added; of its
+    15 hops one crosses the network (15 us) and 14 stay on NVLink (5 us), as NCCL's tuning model
+    sums a ring's latency."""
     selene = load_cluster_model("selene").resized(16)
     size = 64 * 2**20
     bus = min(NVLINK * NVLINK_EFF, 8 * HCA * HCA_EFF)  # 188 GB/s: the NICs bind
-    by_hand = 15 * ALPHA_INTER + (15 / 16) * size / (bus * 142.28 / 159.43)
+    by_hand = 14 * 5e-6 + 1 * ALPHA_INTER + (15 / 16) * size / (bus * 142.28 / 159.43)
     assert group_seconds(selene, "all_gather", size, tuple(range(16))) == pytest.approx(
         by_hand, rel=1e-4
     )
@@ -444,3 +457,65 @@ def test_the_size_efficiency_is_the_quoted_busbw_over_its_largest():
         top = busbw[max(busbw)]
         for size, fraction in entry["value"]:
             assert fraction == pytest.approx(busbw[size] / top, abs=5e-5), (name, size)
+
+
+def test_element_wise_work_on_a_gpu_is_kernel_calls_and_bytes_at_the_memory_bandwidth_by_hand():
+    """A GPU (CuPy's path) with 100 B/s of memory and 0.5 s a kernel call: 3 calls moving 200 B
+    take 3·0.5 + 200/100 = 3.5 s, not over the software factor (the products' alone: 1,000
+    FLOPs at 1,000·0.5 FLOP/s take 2 s). Without a call's cost, or on a host's path, the GPU
+    rates price nothing."""
+    gpu = ClusterModel(
+        CLUSTER, software_factor=0.5, device_memory_bandwidth=100.0, kernel_launch_s=0.5
+    )
+    assert kernel_seconds(gpu, 3, 200) == pytest.approx(3.5)
+    events = [("elementwise", (3, 200)), ("compute", 1000), ("elementwise", (1, 0))]
+    step = simulate(events, [], gpu)
+    assert (step.step_s, step.compute_s) == pytest.approx((3.5 + 2.0 + 0.5, 6.0))
+    unpriced = ClusterModel(CLUSTER, software_factor=0.5, device_memory_bandwidth=100.0)
+    assert simulate(events, [], unpriced).step_s == pytest.approx(2.0)
+    host_path = ClusterModel(
+        CLUSTER, device_memory_bandwidth=100.0, kernel_launch_s=0.5, backend="numpy"
+    )
+    assert not host_path.prices_elementwise
+    assert simulate(events, [], host_path).step_s == pytest.approx(1.0)
+
+
+def test_adam_on_the_cupy_path_is_one_kernel_priced_from_selenes_cited_rates_by_hand():
+    """An fp32 Adam step on a shard of n elements is CuPy's one ElementwiseKernel: it reads the
+    parameter, gradient and two moments and writes back all but the gradient, 7·4·n bytes. On
+    Selene (A100 80GB: 2,039 GB/s; a CuPy kernel call 11.4 us, CuPy's own benchmark) a shard
+    of 10⁸ elements takes 11.4 us + 2.8 GB / 2,039 GB/s."""
+    n, xp = 10**8, meta.NAMESPACE
+    with meta.tracking(backend="cupy") as tracker:
+        p, g, m, v = (xp.zeros((n,), "float32") for _ in range(4))
+        adam(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    assert tracker.ops == {"kernel": 1} and tracker.op_bytes == 7 * 4 * n
+    selene = load_cluster_model("selene")
+    by_hand = 11.4e-6 + 7 * 4 * n / 2.039e12
+    assert kernel_seconds(selene, 1, 7 * 4 * n) == pytest.approx(by_hand)
+
+
+def test_a_rings_latency_counts_only_its_node_crossings_at_the_networks_by_hand():
+    """Table 2's 768 GPUs, 96 nodes of 8: a ring all-gather's 767 hops are 95 node crossings at
+    15 us and 672 NVLink hops at 5 us, 4.785 ms (the earlier model's 767 × 15 us was 11.5 ms); an
+    all-reduce twice that. A message of nothing costs its latency alone."""
+    selene = load_cluster_model("selene").resized(768)
+    ranks = tuple(range(768))
+    assert group_seconds(selene, "all_gather", 0.0, ranks) == pytest.approx(672 * 5e-6 + 95 * 15e-6)
+    assert group_seconds(selene, "all_reduce", 0.0, ranks) == pytest.approx(
+        2 * (672 * 5e-6 + 95 * 15e-6)
+    )
+
+
+def test_an_all_to_all_over_nodes_sends_each_ranks_bytes_through_its_own_nic_share_by_hand():
+    """2 nodes × 2 ranks (CLUSTER: NVLink 100 B/s, one NIC share 10 B/s, no latency): an
+    all-to-all of 40 B sends 10 B to each of 3 peers, 10 B over NVLink (0.1 s) and 20 B off the
+    node through the sender's own share (2 s) at once: 2 s, where a ring's sharing of the node's
+    NICs would give (3/4)·40/20 = 1.5 s. With latency (1 us on the node, 10 us off it): one peer
+    on the node, two off it."""
+    model = ClusterModel(CLUSTER)
+    assert group_seconds(model, "all_to_all", 40, (0, 1, 2, 3)) == pytest.approx(2.0)
+    assert group_seconds(model, "all_to_all", 40, (0, 1)) == pytest.approx(0.5 * 40 / 100)
+    assert group_seconds(model, "all_to_all", 40, (0, 2)) == pytest.approx(0.5 * 40 / 10)
+    timed = ClusterModel(Cluster(2, 2, 100.0, 10.0, 1e-6, 10e-6, 1000.0))
+    assert group_seconds(timed, "all_to_all", 0.0, (0, 1, 2, 3)) == pytest.approx(1e-6 + 2e-5)

@@ -227,3 +227,20 @@ def test_namespace_names_what_it_lacks():
         _ = xp.fft
     assert xp.float32 == np.dtype(np.float32)
     assert math.isinf(xp.inf)
+
+
+def test_copies_are_counted_as_operations_with_the_bytes_they_move():
+    """A cast, a copy, a write into a slice and a concatenation are each one call (a kernel on a
+    GPU) that reads its source and writes its result: 10 float32 elements are 40 bytes, as
+    bfloat16 20."""
+    xp = meta.NAMESPACE
+    with meta.tracking() as t:
+        a = xp.zeros((10,), "float32")
+        a.astype("bfloat16")  # reads 40, writes 20
+        a.astype("float32", copy=False)  # no copy: nothing counted
+        a.copy()  # 40 + 40
+        a[2:6] = xp.zeros((4,), "float32")  # reads 16, writes 16
+        a[:] = 0.0  # a scalar: writes 40
+        xp.concat([a, a])  # reads 80, writes 80
+    assert t.ops == {"astype": 1, "copy": 1, "setitem": 2, "concatenate": 1}
+    assert t.op_bytes == 60 + 80 + 32 + 40 + 160

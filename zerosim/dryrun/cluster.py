@@ -9,7 +9,10 @@ up, each as ``{"value": …, "source": "address: quoted line"}``:
 - the inter-node network: ``nic_bandwidth`` (bytes/s of one NIC) and ``nics_per_node``, so that
   the ``devices_per_node`` devices of a node share ``nics_per_node`` NICs, and ``inter_latency``;
 - the device: ``device_flops`` (16-bit tensor-core peak), ``device_flops_fp32``,
-  ``device_memory_bytes`` and ``device_memory_bandwidth`` (the roofline's bytes/s);
+  ``device_memory_bytes`` and ``device_memory_bandwidth`` (the roofline's bytes/s, and the rate
+  of element-wise work), and ``kernel_launch_s``, the fixed seconds of one kernel call: with it a
+  GPU cluster prices every array operation that is not a matrix product (element-wise work, the
+  optimizer step) as the kernels CuPy launches;
 - the collective algorithm (``collective_algorithm``: NCCL's ``ring``) and what it reaches of
   the line rate: ``intra_efficiency`` and ``inter_efficiency`` at large messages, and
   ``bus_efficiency_by_size``, [[bytes, fraction], …] of that large-message bus bandwidth a
@@ -40,8 +43,10 @@ BACKEND_KEY = "backend"  # the array backend whose code path a dry run follows: 
 # a host's rates (zerosim calibrate, docs/dryrun.md): bytes/s of element-wise work, seconds of
 # one array call's fixed cost, and whether communication overlaps compute (MPICH: it does not)
 HOST_KEYS = ("memory_bandwidth", "op_overhead_s", "overlap")
+KERNEL_KEY = "kernel_launch_s"  # a GPU's fixed seconds a kernel call: element-wise work priced
 RATE_KEYS = (
     "device_memory_bandwidth",
+    KERNEL_KEY,
     "intra_efficiency",
     "inter_efficiency",
     "bus_efficiency_by_size",
@@ -71,14 +76,27 @@ class ClusterModel:
     memory_bandwidth: float | None = None  # HOST_KEYS: None leaves element-wise work unpriced
     op_overhead_s: float | None = None
     overlap: bool = True
+    kernel_launch_s: float | None = None  # a GPU's fixed cost of one kernel call
 
     @property
     def prices_elementwise(self) -> bool:
-        """Whether element-wise operations cost time here (a calibrated host)."""
-        return self.memory_bandwidth is not None or self.op_overhead_s is not None
+        """Whether element-wise operations cost time here: a calibrated host, or a GPU whose
+        file gives a kernel call's cost and its memory bandwidth."""
+        host = self.memory_bandwidth is not None or self.op_overhead_s is not None
+        return host or self.prices_kernels
+
+    @property
+    def prices_kernels(self) -> bool:
+        """Whether element-wise work is priced as a GPU's kernels (``kernel_launch_s`` a call,
+        the bytes at ``device_memory_bandwidth``): a file for the CuPy path that gives both."""
+        return (
+            self.backend == "cupy"
+            and self.kernel_launch_s is not None
+            and self.device_memory_bandwidth is not None
+        )
 
     def __post_init__(self) -> None:
-        for key in (*HOST_KEYS[:2], MEMORY_KEY, FP32_KEY, "device_memory_bandwidth"):
+        for key in (*HOST_KEYS[:2], MEMORY_KEY, FP32_KEY, "device_memory_bandwidth", KERNEL_KEY):
             value = getattr(self, key)
             if value is not None and not _positive(value):
                 raise ValueError(f"{key} must be a positive number, got {value!r}")
@@ -231,4 +249,5 @@ def _model(values: dict[str, Any], name: str) -> ClusterModel:
         memory_bandwidth=values.get("memory_bandwidth"),
         op_overhead_s=values.get("op_overhead_s"),
         overlap=bool(values.get("overlap", True)),
+        kernel_launch_s=values.get(KERNEL_KEY),
     )

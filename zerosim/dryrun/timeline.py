@@ -23,9 +23,13 @@ are NOT added in series:
   through its NICs, and the group's k ranks own k shares of them (every other group of the
   same shape runs the same collective at the same time), so B = min(intra_bandwidth ·
   intra_efficiency, k · inter_bandwidth · inter_efficiency), where inter_bandwidth is one
-  device's share, nics_per_node · nic_bandwidth / devices_per_node; α = inter_latency, the
-  slowest hop of a step;
+  device's share, nics_per_node · nic_bandwidth / devices_per_node;
 - one rank per node, or ranks unevenly placed: every hop crosses the network, B = one share.
+
+α is a hop's latency as NCCL's tuning model sums them along the ring's path (``hop_latency``):
+of a ring all-gather's p − 1 hops over M nodes, M − 1 cross the network (inter_latency) and the
+rest stay on NVLink (intra_latency). An all-to-all is a pairwise exchange, not a ring: over
+nodes, each rank's bytes off its node go through its own NIC share (``all_to_all_seconds``).
 
 What it leaves out: NCCL's tree all-reduce and its protocol switches (LL, LL128, Simple) by
 size, except as far as the measured e(S) shows them; contention between different groups'
@@ -74,6 +78,8 @@ __all__ = [
     "chrome_trace",
     "cluster_names",
     "group_seconds",
+    "hop_latency",
+    "kernel_seconds",
     "load_cluster_model",
     "simulate",
 ]
@@ -82,7 +88,8 @@ __all__ = [
 def group_seconds(model: ClusterModel, op: str, size_bytes: float, members: tuple[int, ...]):
     """Seconds for one collective of ``size_bytes`` (nccl-tests' S) on the ranks ``members``:
     c_α(p)·α + c_β(p)·S / (B · efficiency(S)), the ring's bus bandwidth B as the module
-    docstring derives it."""
+    docstring derives it and α the mean latency of a hop along the path (``hop_latency``);
+    an all-to-all over nodes by ``all_to_all_seconds``."""
     p = len(members)
     if p <= 1:
         return 0.0
@@ -92,13 +99,46 @@ def group_seconds(model: ClusterModel, op: str, size_bytes: float, members: tupl
     nodes, k = placement(members, c.devices_per_node)
     intra = c.intra_bandwidth * model.intra_efficiency
     nic = c.inter_bandwidth * model.inter_efficiency  # one device's share of its node's NICs
+    if nodes > 1 and k > 1 and op == "all_to_all":
+        return all_to_all_seconds(model, size, p, k, intra, nic)
+    alpha = hop_latency(model, op, p, nodes, k)
     if nodes == 1:
-        alpha, bus = c.intra_latency, intra
+        bus = intra
     elif k > 1:  # one ring through every node: NVLink hops and node crossings run at once
-        alpha, bus = c.inter_latency, min(intra, k * nic)
+        bus = min(intra, k * nic)
     else:  # one rank per node, or unevenly placed: every hop crosses the network
-        alpha, bus = c.inter_latency, nic
+        bus = nic
     return collective_time(op, size, p, alpha, bus * model.size_efficiency(size))
+
+
+def hop_latency(model: ClusterModel, op: str, p: int, nodes: int, k: int) -> float:
+    """The mean latency of one of a collective's c_α(p) hops, as NCCL's tuning model sums them
+    (src/graph/tuning.cc: ``latencies += (nsteps-nInterSteps)*intraLat + nInterSteps*interLat``,
+    nInterSteps = nNodes − 1 of a ring all-gather's p − 1 steps): a chunk travels the ring's
+    path, so only the node crossings pay the network's latency, the other hops NVLink's. A
+    ring over ``nodes`` nodes: (p − nodes)·intra_latency + (nodes − 1)·inter_latency over p − 1
+    hops (an all-reduce's 2(p − 1) the same ratio); an all-to-all's p − 1 peers: k − 1 on the
+    node, p − k off it. A broadcast (zerosim's binomial tree) keeps the network's latency."""
+    c = model.cluster
+    if nodes == 1:
+        return c.intra_latency
+    if op == "broadcast":
+        return c.inter_latency
+    inter_hops = p - k if op == "all_to_all" and k > 0 else nodes - 1
+    return ((p - 1 - inter_hops) * c.intra_latency + inter_hops * c.inter_latency) / (p - 1)
+
+
+def all_to_all_seconds(
+    model: ClusterModel, size: float, p: int, k: int, intra: float, nic: float
+) -> float:
+    """An all-to-all of S bytes over nodes of k ranks each (pairwise exchange, p − 1 steps):
+    each rank sends S/p to every peer, (k − 1)·S/p over NVLink and (p − k)·S/p through its own
+    share of the NICs, both at once, so the slower of the two binds; a ring's k-fold sharing of
+    a node's NICs does not apply, as every byte off the node is the sender's own."""
+    alpha = hop_latency(model, "all_to_all", p, p // k, k)
+    efficiency = model.size_efficiency(size)
+    beta = max((k - 1) * size / (p * intra), (p - k) * size / (p * nic)) / efficiency
+    return (p - 1) * alpha + beta
 
 
 def compute_seconds(model: ClusterModel, products: Any) -> float:
@@ -118,9 +158,23 @@ def compute_seconds(model: ClusterModel, products: Any) -> float:
 
 def elementwise_seconds(model: ClusterModel, operations: int, nbytes: int) -> float:
     """Seconds of ``operations`` array calls moving ``nbytes``: each call's fixed cost plus the
-    bytes at the memory bandwidth, where the cluster file gives them (``HOST_KEYS``)."""
+    bytes at the memory bandwidth, where the cluster file gives them (``HOST_KEYS``), or on a
+    GPU as kernels (``kernel_seconds``)."""
+    if model.prices_kernels:
+        return kernel_seconds(model, operations, nbytes)
     fixed = operations * (model.op_overhead_s or 0.0)
     return fixed + (nbytes / model.memory_bandwidth if model.memory_bandwidth else 0.0)
+
+
+def kernel_seconds(model: ClusterModel, kernels: int, nbytes: int) -> float:
+    """Seconds of ``kernels`` GPU kernel calls that read and write ``nbytes`` in all:
+    kernels · ``kernel_launch_s`` + nbytes / ``device_memory_bandwidth``. Element-wise work is
+    memory-bound (a few FLOPs an element against an A100's 2 TB/s), so its bytes at the HBM's
+    rate are its time; the fixed cost of a call is what a kernel of a few elements still takes.
+    Both at the datasheet's and the measured rates, not over the software factor, which is the
+    matrix products' alone."""
+    launches = kernels * model.kernel_launch_s
+    return launches + nbytes / model.device_memory_bandwidth
 
 
 @lru_cache(maxsize=4096)
@@ -170,7 +224,7 @@ def simulate(
     memory: list[tuple[float, int]] = []
     phases: list[tuple[float, str]] = []
     for kind, value in events:
-        if kind in ("compute", "elementwise"):  # elementwise: a host's rates, else free
+        if kind in ("compute", "elementwise"):  # elementwise: a host's or a GPU's kernels
             if kind == "compute":
                 dt = compute_seconds(model, value)
             else:

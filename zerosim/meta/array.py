@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.meta.tracker import Storage, values
+from zerosim.meta.tracker import Storage, current, values
 
 DEVICE = "meta"
 
@@ -286,9 +286,12 @@ class MetaArray:
         dtype = np.dtype(dtype)
         if not copy and dtype == self.dtype:
             return self
-        return MetaArray(self.shape, dtype, value=self.value)
+        out = MetaArray(self.shape, dtype, value=self.value)
+        current().op("astype", self.nbytes + out.nbytes)  # a copy: read, converted, written
+        return out
 
     def copy(self) -> MetaArray:
+        current().op("copy", 2 * self.nbytes)
         return MetaArray(self.shape, self.dtype, value=self.value)
 
     def ravel(self) -> MetaArray:
@@ -393,6 +396,8 @@ class MetaArray:
         key = self._key(key)
         target = self._advanced_shape(key) if self._is_advanced(key) else self._basic(key).shape
         np.broadcast_shapes(shape_of(value), target)  # NumPy's error when they do not fit
+        read = value.nbytes if isinstance(value, MetaArray | np.ndarray) else 0
+        current().op("setitem", math.prod(target) * self.itemsize + read)  # a copy into self
         self.value = None
 
     # -- values ------------------------------------------------------------------------------

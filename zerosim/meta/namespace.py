@@ -270,11 +270,14 @@ class MetaNamespace:
         arrays = list(arrays)
         dtype = np.result_type(*(probe(a) for a in arrays))
         if axis is None:
-            return MetaArray((sum(math.prod(shape_of(a)) for a in arrays),), dtype)
-        first = shape_of(arrays[0])
-        axis = _axes(axis, len(first))[0]
-        total = sum(shape_of(a)[axis] for a in arrays)
-        return MetaArray((*first[:axis], total, *first[axis + 1 :]), dtype)
+            out = MetaArray((sum(math.prod(shape_of(a)) for a in arrays),), dtype)
+        else:
+            first = shape_of(arrays[0])
+            axis = _axes(axis, len(first))[0]
+            total = sum(shape_of(a)[axis] for a in arrays)
+            out = MetaArray((*first[:axis], total, *first[axis + 1 :]), dtype)
+        current().op("concatenate", _nbytes(*arrays) + out.nbytes)  # each part copied in
+        return out
 
     concat = concatenate
 

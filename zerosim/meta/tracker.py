@@ -25,7 +25,8 @@ and function (first match wins, cached per call site):
 (k, n) matrix, over its batch dimensions, to ``matmul_flops``.
 
 **Operations**: ``ops`` counts the array operations by kind (a ufunc's name such as ``multiply``,
-``matmul``, a reduction's name, ``kernel`` for one call of a fused update rule): the calls a
+``matmul``, a reduction's name, ``kernel`` for one call of a fused update rule, ``astype``,
+``copy``, ``setitem`` and ``concatenate`` for the copies; creating an array is not one): the calls a
 backend makes, each with a fixed cost on top of its bytes; ``op_bytes`` the bytes they read and
 wrote (operands and result; a matrix product's are priced by its FLOPs instead and count none).
 

@@ -9,7 +9,9 @@ coefficients are ``fused.AdamCoefficients`` / ``fused.SGDCoefficients``, made by
 Used for float32 and float64 CuPy arrays (parameter, gradient and states of one dtype,
 contiguous); 16-bit parameters, whose state is float32, take the rules' element-wise path.
 CuPy compiles a kernel on its first call and caches it. This module imports CuPy on first use
-only; it runs where CuPy sees a GPU (tests/test_gpu.py).
+only; it runs where CuPy sees a GPU (tests/test_gpu.py). A dry run standing for CuPy takes the
+same branch and counts each call as the one kernel it is (``fused.shape_only_kernel``), so its
+time model prices the step as one pass over memory, not as the rules' ufunc calls.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from zerosim.backend import is_cupy
+from zerosim.backend import is_cupy, is_host_array, xp_of
 from zerosim.optim.functional import fused
 
 _ADAM_IN = (
@@ -85,7 +87,7 @@ def applies(param: Any, grad: Any, *states: Any) -> bool:
     """True for CuPy arrays of one float32/float64 dtype, all contiguous (None states skipped),
     unless the fused path is switched off (``fused.switched_off``)."""
     arrays = (param, grad, *(s for s in states if s is not None))
-    if not is_cupy(param) or fused.switched_off():
+    if not _stands_for_cupy(param) or fused.switched_off():
         return False
     return all(
         type(a) is type(param)
@@ -96,9 +98,19 @@ def applies(param: Any, grad: Any, *states: Any) -> bool:
     )
 
 
+def _stands_for_cupy(x: Any) -> bool:
+    """A CuPy array, or a dry run's shape-only array standing for one (``meta.Values.backend``
+    "cupy")."""
+    shape_only = getattr(type(x), "__zerosim_namespace__", None) is not None
+    return is_cupy(x) or (shape_only and not is_host_array(x))
+
+
 def adam(param: Any, grad: Any, states: list[Any], c: Any, amsgrad: bool) -> None:
     """Adam/AdamW in one kernel call; ``c`` is ``fused.AdamCoefficients``."""
     m, v, v_max = states
+    if not is_cupy(param):  # a dry run: the one call counted
+        fused.shape_only_kernel(xp_of(param))(param, grad, *(s for s in states if s is not None), c)
+        return
     scalars = (
         c.weight_decay,
         c.maximize,
@@ -131,6 +143,11 @@ def sgd(param: Any, grad: Any, buffer: Any, c: Any) -> None:
         c.nesterov,
         c.first_step,
     )
+    if not is_cupy(param):  # a dry run: the one call counted
+        fused.shape_only_kernel(xp_of(param))(
+            param, grad, *(b for b in (buffer,) if b is not None), c
+        )
+        return
     if buffer is None:
         _kernels()["sgd"](grad, *scalars, param)
     else:
