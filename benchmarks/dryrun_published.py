@@ -118,7 +118,8 @@ def config(row: SweepRow) -> dict:
 def row_runs(row: SweepRow) -> list:
     """The dry run of one row: its class representatives' runs (the time on stderr)."""
     start = time.perf_counter()
-    runs, _ = run_world(model_recipe(row), row.gpus, config(row), recompute=row.recompute)
+    recipe = model_recipe(row)
+    runs, _ = run_world(recipe, row.gpus, config(row), recompute=row.recompute, op_events=True)
     print(f"  line {row.line}: {row.model} seq {row.seq} on {row.gpus}, "
           f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
     return runs
