@@ -25,9 +25,13 @@ prefetches in forward too.
 
 The clusters are ``zerosim/dryrun/clusters/mosaic_a100_80gb.json`` and ``…_40gb.json``: physical
 rates, each cited in the file (NVLink, the 1600 Gb/s of RoCE per node, nccl-tests' efficiencies,
-HBM bandwidth for the roofline). The one fitted number per (cluster, software) is
-``software_factor``, fitted on ONE row named before any prediction was looked at: the 7B model
-at sequence 2048 on 8 GPUs of each table (``FITTED``).
+HBM bandwidth for the roofline and for element-wise work, a kernel call's fixed cost). Every array
+operation that is not a matrix product is priced as the kernel CuPy would launch for it (its
+bytes at the HBM's rate, plus the call; ``--no-elementwise`` leaves them unpriced), and
+FlashAttention as one fused kernel per pass (``zerosim/nn/flash.py``). The one fitted number per
+(cluster, software) is ``software_factor``, fitted on ONE row named before any prediction was
+looked at: the 7B model at sequence 2048 on 8 GPUs of each table (``FITTED``); 1 where even the
+roofline is slower than the published row.
 Every other row is a prediction, printed beside the published MFU (the source's own formula:
 (6·N + 12·L·d·s) per token, recomputation not counted, over 312 TFLOP/s per GPU), whatever it
 shows; rows whose peak in zerosim's accounting exceeds the device's memory are marked OOM (the
@@ -115,11 +119,12 @@ def config(row: SweepRow) -> dict:
     }
 
 
-def row_runs(row: SweepRow) -> list:
-    """The dry run of one row: its class representatives' runs (the time on stderr)."""
+def row_runs(row: SweepRow, elementwise: bool = True) -> list:
+    """The dry run of one row: its class representatives' runs (the time on stderr), with the
+    element-wise operations recorded for the cluster to price unless ``elementwise`` is false."""
     start = time.perf_counter()
-    recipe = model_recipe(row)
-    runs, _ = run_world(recipe, row.gpus, config(row), recompute=row.recompute, op_events=True)
+    recipe, cfg = model_recipe(row), config(row)
+    runs, _ = run_world(recipe, row.gpus, cfg, recompute=row.recompute, op_events=elementwise)
     print(f"  line {row.line}: {row.model} seq {row.seq} on {row.gpus}, "
           f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
     return runs
@@ -161,13 +166,13 @@ def predict_table(gpu: str, rows: list[SweepRow], args: argparse.Namespace, tabl
     chosen = [r for r in mine if r is not fitted and r.gpus <= (args.max_gpus or r.gpus)]
     if args.order == "cost":
         chosen.sort(key=row_cost)
-    runs = row_runs(fitted)
+    runs = row_runs(fitted, args.elementwise)
     factor = fit_software(fitted, runs, base)
     cluster = base.with_software_factor(factor)
     print(f"{gpu}: software_factor {factor:.4f} fitted on line {fitted.line} "
           f"({fitted.model}, seq {fitted.seq}, {fitted.gpus} GPUs)", flush=True)  # fmt: skip
     for r in [fitted, *chosen[: args.limit]]:
-        runs = runs if r is fitted else row_runs(r)
+        runs = runs if r is fitted else row_runs(r, args.elementwise)
         mfu, step = predicted_mfu(r, runs, cluster)
         peak = peak_bytes(runs)
         table.append({**r._asdict(), "predicted_mfu": mfu, "step_s": step, "peak_bytes": peak,
@@ -209,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--order", choices=("file", "cost"), default="file",
                         help="cost: the quickest rows first (layers x accumulation)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    parser.add_argument("--no-elementwise", dest="elementwise", action="store_false",
+                        help="price matrix products and collectives only")  # fmt: skip
     args = parser.parse_args(argv)
     rows = read_sweep(SWEEP)
     table: list = []
