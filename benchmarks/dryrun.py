@@ -249,7 +249,9 @@ def zeropp_rows() -> list[dict]:
                 micro = tokens // shape.seq
                 if key not in traces:
                     cfg = zeropp_config(micro, scheme == "ZeRO++")
-                    traces[key], wall = run_world(model, ZEROPP_GPUS, cfg, recompute=True)
+                    traces[key], wall = run_world(
+                        model, ZEROPP_GPUS, cfg, recompute=True, op_events=True
+                    )
                     print(f"  {size} {scheme}, {tokens} tokens: {wall:.0f} s", file=sys.stderr)
                 t, _ = step_time(traces[key], ZEROPP_GPUS, cluster, model, recompute=True)
                 row |= {

@@ -157,7 +157,14 @@ def test_representatives_and_all_ranks_agree(stage, schedule, zeropp):
         for r in members:
             (own,) = [x for m, x in every if m == [r]]
             assert _key(records_of(run, r)) == _key(records_of(own, r)), f"rank {r}"
-            assert run.memory == own.memory and run.tracker == own.tracker, f"rank {r}"
+            assert run.memory == own.memory, f"rank {r}"
+            # a copy into a shard is one call per parameter piece it takes: members of a class
+            # may take a few pieces more or fewer, the same bytes (the only count that differs)
+            mine, theirs = dict(run.tracker), dict(own.tracker)
+            ops, own_ops = dict(mine.pop("ops")), dict(theirs.pop("ops"))
+            assert mine == theirs, f"rank {r}"
+            pieces, own_pieces = ops.pop("setitem", 0), own_ops.pop("setitem", 0)
+            assert ops == own_ops and abs(pieces - own_pieces) <= 0.1 * own_pieces, f"rank {r}"
 
 
 def test_ledger_events_note_issues_and_completing_waits_in_program_order():

@@ -171,8 +171,8 @@ def kernel_seconds(model: ClusterModel, kernels: int, nbytes: int) -> float:
     kernels · ``kernel_launch_s`` + nbytes / ``device_memory_bandwidth``. Element-wise work is
     memory-bound (a few FLOPs an element against an A100's 2 TB/s), so its bytes at the HBM's
     rate are its time; the fixed cost of a call is what a kernel of a few elements still takes.
-    Both at the datasheet's and the measured rates, not over the software factor, which is the
-    matrix products' alone."""
+    Both at the file's cited rates, not over the software factor, which is the matrix
+    products' alone."""
     launches = kernels * model.kernel_launch_s
     return launches + nbytes / model.device_memory_bandwidth
 
