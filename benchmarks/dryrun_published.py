@@ -9,31 +9,39 @@ llm-foundry's sweep.
 Source: MosaicML llm-foundry's MPT throughput tables on A100s (PyTorch FSDP under Composer),
 kept cell for cell in ``examples/published/llm_foundry/a100.csv`` with their address, FLOP
 convention and configuration (``examples/published/llm_foundry/README.md``). Each row is dry-run
-as zerosim can run it today: the MPT preset at the row's sequence (learned positions, so the
-parameter count is the row's ``NumParams``), ZeRO-3 on DeepSpeed's schedule (FULL_SHARD shards
-as stage 3 does; FSDP's own per-unit schedule is not modelled yet), bf16 with fp32 Adam, the
-row's micro-batch and gradient accumulation, recomputation where the row checkpoints
-activations, and ``stage3_max_live_parameters`` 1e10 (the rule: at least the largest module, so
-prefetch is never switched off; FSDP has no such cap).
+as Composer ran it (``description`` and ``config``, held to the README's rules by
+tests/test_dryrun_published.py): the MPT preset at the row's sequence (learned positions, so the
+parameter count is the row's ``NumParams``) with FlashAttention, under zerosim's FSDP2 schedule
+with one unit per block and the root, fp32 shards and Adam, the row's mixed precision (DEFAULT:
+bf16 gathers, fp32 reduce-scatters; PURE: bf16 both), FULL_SHARD as ``reshard_after_forward``
+true (SHARD_GRAD_OP would be false: ZeRO-2's parameters kept from forward to backward; the tables
+have none), parameters re-gathered and gradients reduce-scattered every micro-batch (Composer
+calls no ``no_sync`` on an FSDP model, ``composer/trainer/dist_strategy.py``,
+``ddp_sync_context``), the row's micro-batch, accumulation and checkpointing. Where zerosim's
+FSDP2 differs from Composer's FSDP1: FSDP1 flattens each unit into one ``FlatParameter`` cut in
+N equal pieces (zerosim cuts each parameter along dim 0, as FSDP2 does: a little more padding),
+and FSDP1 prefetches the next unit's gather in backward only (``BACKWARD_PRE``) while FSDP2
+prefetches in forward too.
 
 The clusters are ``zerosim/dryrun/clusters/mosaic_a100_80gb.json`` and ``…_40gb.json``: physical
 rates, each cited in the file (NVLink, the 1600 Gb/s of RoCE per node, nccl-tests' efficiencies,
-HBM bandwidth for the roofline). The one fitted number per (cluster, software) is
-``software_factor``, fitted on ONE row named before any prediction was looked at: the 7B model
-at sequence 2048 on 8 GPUs of each table (``FITTED``).
+HBM bandwidth for the roofline and for element-wise work, a kernel call's fixed cost). Every array
+operation that is not a matrix product is priced as the kernel CuPy would launch for it (its
+bytes at the HBM's rate, plus the call; ``--no-elementwise`` leaves them unpriced), and
+FlashAttention as one fused kernel per pass (``zerosim/nn/flash.py``). The one fitted number per
+(cluster, software) is ``software_factor``, fitted on ONE row named before any prediction was
+looked at: the 7B model at sequence 2048 on 8 GPUs of each table (``FITTED``); 1 where even the
+roofline is slower than the published row.
 Every other row is a prediction, printed beside the published MFU (the source's own formula:
 (6·N + 12·L·d·s) per token, recomputation not counted, over 312 TFLOP/s per GPU), whatever it
 shows; rows whose peak in zerosim's accounting exceeds the device's memory are marked OOM (the
 run would not start there) and left out of the summary, their MFU printed as what the step would
-take: zerosim's attention keeps the s × s softmax probabilities in fp32, where the published runs
-use FlashAttention, which keeps none. A dry run takes from 15 s to many minutes here (30B at
-sequence 8192), so ``--max-gpus`` and ``--limit`` pick a subset; the fitted row is always run.
+take. ``--max-gpus`` and ``--limit`` pick a subset; the fitted row is always run.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -51,7 +59,7 @@ from zerosim.dryrun import load_cluster_model, run_world  # noqa: E402
 from zerosim.dryrun.published import SweepRow, read_sweep  # noqa: E402
 from zerosim.dryrun.report import step_time  # noqa: E402
 from zerosim.dryrun.run import ModelRecipe  # noqa: E402
-from zerosim.nn import PRESETS, Transformer  # noqa: E402
+from zerosim.nn import PRESETS, ModelDescription, Transformer  # noqa: E402
 
 SWEEP = ROOT / "examples/published/llm_foundry/a100.csv"
 PEAK = 312e12  # the tables' GPU_AVAILABLE_FLOPS for an A100 in bf16
@@ -59,25 +67,67 @@ CLUSTERS = {"a100_80gb": "mosaic_a100_80gb", "a100_40gb": "mosaic_a100_40gb"}
 FITTED = {"a100_80gb": ("mpt-7b", 2048, 8), "a100_40gb": ("mpt-7b", 2048, 8)}  # model, seq, GPUs
 
 
+def description(row: SweepRow) -> ModelDescription:
+    """The row's model: the MPT preset at the row's sequence (learned positions, so its
+    parameter count is the row's ``NumParams``) with FlashAttention (the yamls' ``attn_impl:
+    flash``)."""
+    return PRESETS[row.model].with_(seq=row.seq, attention="flash")
+
+
 def model_recipe(row: SweepRow) -> ModelRecipe:
-    desc = dataclasses.replace(PRESETS[row.model], seq=row.seq)
+    desc = description(row)
     xp = meta.NAMESPACE
 
     def batch(b: int) -> tuple:
         return xp.zeros((b, row.seq), np.int64), xp.zeros((b, row.seq), np.int64)
 
-    return ModelRecipe(f"{row.model}@{row.seq}", lambda: Transformer(desc), batch)
+    return ModelRecipe(f"{row.model}@{row.seq}", lambda: Transformer(desc), batch, desc=desc)
+
+
+# Composer's fsdp_config.mixed_precision → MixedPrecisionPolicy (README.md): the gather's dtype
+# and the reduce-scatter's
+MIXED_PRECISION = {"DEFAULT": ("bfloat16", "float32"), "PURE": ("bfloat16", "bfloat16")}
+# FSDP's sharding strategy → reshard_after_forward: FULL_SHARD frees a block's parameters after
+# its forward and gathers them again in backward (ZeRO-3); SHARD_GRAD_OP keeps them gathered from
+# forward to backward (ZeRO-2's parameters, whole during the pass)
+RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 
 
 def config(row: SweepRow) -> dict:
+    """The row's run under zerosim's FSDP2 schedule as Composer's FSDP1 runs it: one unit per
+    block (and the root), parameters re-gathered for every micro-batch (resharded after
+    backward) and gradients reduce-scattered after every micro-batch (Composer does not call
+    ``no_sync`` on an FSDP model), fp32 shards and Adam, the row's mixed precision and sharding
+    strategy."""
+    param_dtype, reduce_dtype = MIXED_PRECISION[row.mixed_precision]
     return {
         "train_micro_batch_size_per_gpu": row.micro_batch,
         "gradient_accumulation_steps": row.grad_accum,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e10},
-        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+        "zerosim": {
+            "schedule": "fsdp2",
+            "fsdp2": {
+                "param_dtype": param_dtype,
+                "reduce_dtype": reduce_dtype,
+                "reshard_after_forward": RESHARD_AFTER_FORWARD[row.sharding],
+                "reshard_after_backward": True,
+                "reduce_every_micro_batch": True,
+            },
+        },
         "steps_per_print": 10**9,
     }
+
+
+def row_runs(row: SweepRow, elementwise: bool = True) -> list:
+    """The dry run of one row: its class representatives' runs (the time on stderr), with the
+    element-wise operations recorded for the cluster to price unless ``elementwise`` is false."""
+    start = time.perf_counter()
+    recipe, cfg = model_recipe(row), config(row)
+    runs, _ = run_world(recipe, row.gpus, cfg, recompute=row.recompute, op_events=elementwise)
+    print(f"  line {row.line}: {row.model} seq {row.seq} on {row.gpus}, "
+          f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+    return runs
 
 
 def model_flops_per_step(row: SweepRow) -> float:
@@ -102,47 +152,49 @@ def fit_software(row: SweepRow, runs: list, base) -> float:
     return fit_factor(lambda c: predicted_mfu(row, runs, c)[0], row.mfu, base)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--table", choices=sorted(CLUSTERS), action="append")
-    parser.add_argument("--max-gpus", type=int, default=None, help="only rows on at most N GPUs")
-    parser.add_argument("--limit", type=int, default=None, help="at most K rows per table")
-    parser.add_argument("--json", metavar="PATH", help="also write the table as JSON")
-    args = parser.parse_args(argv)
-    rows = read_sweep(SWEEP)
-    table = []
-    for gpu in args.table or sorted(CLUSTERS):
-        base = load_cluster_model(CLUSTERS[gpu])
-        mine = [r for r in rows if r.gpu == gpu]
-        fitted = next(r for r in mine if (r.model, r.seq, r.gpus) == FITTED[gpu])
-        chosen = [r for r in mine if r is not fitted and r.gpus <= (args.max_gpus or r.gpus)]
-        chosen = [fitted, *chosen[: args.limit]]
-        start = time.perf_counter()
-        traces = [run_world(model_recipe(r), r.gpus, config(r), recompute=r.recompute)[0]
-                  for r in chosen]  # fmt: skip
-        factor = fit_software(fitted, traces[0], base)
-        cluster = base.with_software_factor(factor)
-        print(f"{gpu}: software_factor {factor:.4f} fitted on line {fitted.line} "
-              f"({fitted.model}, seq {fitted.seq}, {fitted.gpus} GPUs); "
-              f"{len(chosen)} rows in {time.perf_counter() - start:.0f} s")  # fmt: skip
-        for r, runs in zip(chosen, traces, strict=True):
-            mfu, step = predicted_mfu(r, runs, cluster)
-            peak = peak_bytes(runs)
-            oom = peak > base.device_memory_bytes
-            table.append({**r._asdict(), "predicted_mfu": mfu, "step_s": step,
-                          "peak_bytes": peak, "oom": oom, "fitted": r is fitted})  # fmt: skip
-    print(f"{'line':>4} {'model':>9} {'seq':>6} {'GPUs':>4} {'mb':>3} {'ga':>3} {'ckpt':>5} "
-          f"{'published':>9} {'predicted':>9} {'ratio':>6}  peak GB")  # fmt: skip
-    ratios = []  # predicted rows that fit the device in zerosim's accounting
-    for e in table:
-        ratio = e["predicted_mfu"] / e["mfu"]
-        if not (e["oom"] or e["fitted"]):
-            ratios.append(ratio)
-        flag = "  OOM: would not start" if e["oom"] else ""
-        print(f"{e['line']:>4} {e['model']:>9} {e['seq']:>6} {e['gpus']:>4} "
-              f"{e['micro_batch']:>3} {e['grad_accum']:>3} {str(e['recompute']):>5} "
-              f"{e['mfu']:>9.2f} {e['predicted_mfu']:>9.1f} {ratio:>6.3f}  "
-              f"{e['peak_bytes'] / 1e9:.1f}{' (fitted)' if e['fitted'] else ''}{flag}")  # fmt: skip
+def row_cost(row: SweepRow) -> int:
+    """How long a row's dry run takes, roughly: each micro-batch runs every layer's operations."""
+    return PRESETS[row.model].layers * row.grad_accum
+
+
+def predict_table(gpu: str, rows: list[SweepRow], args: argparse.Namespace, table: list) -> None:
+    """Fit ``gpu``'s software factor on its ``FITTED`` row, then dry-run the chosen rows one by
+    one, each entry added to ``table`` (and written to ``--json``) as soon as it is known."""
+    base = load_cluster_model(CLUSTERS[gpu])
+    mine = [r for r in rows if r.gpu == gpu]
+    fitted = next(r for r in mine if (r.model, r.seq, r.gpus) == FITTED[gpu])
+    chosen = [r for r in mine if r is not fitted and r.gpus <= (args.max_gpus or r.gpus)]
+    if args.order == "cost":
+        chosen.sort(key=row_cost)
+    runs = row_runs(fitted, args.elementwise)
+    factor = fit_software(fitted, runs, base)
+    cluster = base.with_software_factor(factor)
+    print(f"{gpu}: software_factor {factor:.4f} fitted on line {fitted.line} "
+          f"({fitted.model}, seq {fitted.seq}, {fitted.gpus} GPUs)", flush=True)  # fmt: skip
+    for r in [fitted, *chosen[: args.limit]]:
+        runs = runs if r is fitted else row_runs(r, args.elementwise)
+        mfu, step = predicted_mfu(r, runs, cluster)
+        peak = peak_bytes(runs)
+        table.append({**r._asdict(), "predicted_mfu": mfu, "step_s": step, "peak_bytes": peak,
+                      "oom": peak > base.device_memory_bytes, "fitted": r is fitted})  # fmt: skip
+        print_row(table[-1])
+        if args.json:
+            Path(args.json).write_text(json.dumps(table, indent=1))
+
+
+def print_row(e: dict) -> None:
+    ratio = e["predicted_mfu"] / e["mfu"]
+    flag = "  OOM: would not start" if e["oom"] else ""
+    print(f"{e['line']:>4} {e['model']:>9} {e['seq']:>6} {e['gpus']:>4} "
+          f"{e['micro_batch']:>3} {e['grad_accum']:>3} {str(e['recompute']):>5} "
+          f"{e['mfu']:>9.2f} {e['predicted_mfu']:>9.1f} {ratio:>6.3f}  "
+          f"{e['peak_bytes'] / 1e9:.1f}{' (fitted)' if e['fitted'] else ''}{flag}",
+          flush=True)  # fmt: skip
+
+
+def summary(table: list) -> None:
+    """Within 20% and the median error over the predicted rows that fit the device."""
+    ratios = [e["predicted_mfu"] / e["mfu"] for e in table if not (e["oom"] or e["fitted"])]
     if ratios:
         within = sum(abs(x - 1) <= 0.2 for x in ratios) / len(ratios)
         median = statistics.median(abs(x - 1) for x in ratios)
@@ -150,11 +202,28 @@ def main(argv: list[str] | None = None) -> int:
               f"median |error| {median:.1%}")  # fmt: skip
     print(
         f"rows over the device's memory in zerosim's accounting: "
-        f"{sum(e['oom'] for e in table)} of {len(table)} (their MFU is what the step would "
-        f"take; zerosim's attention keeps the s x s probabilities, FlashAttention does not)"
+        f"{sum(e['oom'] for e in table)} of {len(table)} (their MFU is what the step would take)"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(table, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--table", choices=sorted(CLUSTERS), action="append")
+    parser.add_argument("--max-gpus", type=int, default=None, help="only rows on at most N GPUs")
+    parser.add_argument("--limit", type=int, default=None, help="at most K rows per table")
+    parser.add_argument("--order", choices=("file", "cost"), default="file",
+                        help="cost: the quickest rows first (layers x accumulation)")  # fmt: skip
+    parser.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    parser.add_argument("--no-elementwise", dest="elementwise", action="store_false",
+                        help="price matrix products and collectives only")  # fmt: skip
+    args = parser.parse_args(argv)
+    rows = read_sweep(SWEEP)
+    table: list = []
+    print(f"{'line':>4} {'model':>9} {'seq':>6} {'GPUs':>4} {'mb':>3} {'ga':>3} {'ckpt':>5} "
+          f"{'published':>9} {'predicted':>9} {'ratio':>6}  peak GB")  # fmt: skip
+    for gpu in args.table or sorted(CLUSTERS):
+        predict_table(gpu, rows, args, table)
+    summary(table)
     return 0
 
 

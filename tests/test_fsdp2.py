@@ -559,3 +559,25 @@ def test_fsdp2_memory_counts_the_gradients_kept_between_micro_batches():
         assert memory["peak_accumulated_grads"] == (8 * numel if k == 2 else 0)
         shards = sum(shard_elements(s, n) for s in unit_shapes(case))
         assert memory["peak_gathered_params"] == n * 8 * shards
+
+
+def test_fsdp2_reduce_every_micro_batch_reduces_k_times_keeps_nothing_and_trains_the_same():
+    """reduce_every_micro_batch (torch's default; FSDP1 under Composer): with k = 3 micro-batches
+    each FSDP module is reduce-scattered 3 times a step, its rows added into the gradient shard,
+    so the weights are the one-process run's and no unsharded gradient waits between
+    micro-batches."""
+    n, k = 3, 3
+    case = Case(stage=3, steps=3, model="gpt", accumulation=k)
+    got = zs.LocalWorld(n).run(train_fsdp2, case, {"reduce_every_micro_batch": True})
+    once = zs.LocalWorld(n).run(train_fsdp2, case, {})[0]
+    want = reference(case, n)
+    units = len(unit_shapes(case))
+
+    def reduce_scatters(result):
+        return [op for op, *_ in result["steps"][0]].count("reduce_scatter")
+
+    for r in range(n):
+        assert max_rel_error(got[r]["params"], want) < 1e-12
+        assert reduce_scatters(got[r]) == k * units
+        assert got[r]["memory"]["peak_accumulated_grads"] == 0
+    assert reduce_scatters(once) == units and once["memory"]["peak_accumulated_grads"] > 0

@@ -327,3 +327,19 @@ def test_float16_overflow_becomes_inf_without_a_warning_for_the_loss_scaler():
         lin.backward(big)
     assert np.isinf(lin.weight.grad).all()
     assert lin.weight.grad.dtype == np.float16
+
+
+def test_erfc_is_one_kernel_where_a_dry_run_stands_for_a_gpu():
+    """CuPy's erfc is one element-wise kernel (read x, write the result); the host's path, and
+    a host's dry run, evaluate the Chebyshev series, many passes."""
+    from zerosim import meta
+    from zerosim.nn.functional import erfc
+
+    x = meta.NAMESPACE.zeros((8, 16), "float32")
+    for backend, calls in (("cupy", {"erfc": 1}), ("numpy", None)):
+        with meta.tracking(backend=backend) as t:
+            t.ops.clear()
+            erfc(x)
+        assert t.ops == calls if calls else t.ops.get("erfc") is None and sum(t.ops.values()) > 40
+        if calls:
+            assert t.op_bytes == 2 * 8 * 16 * 4

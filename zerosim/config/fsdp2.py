@@ -77,6 +77,13 @@ class Fsdp2Config(Section):
         "false: keep parameters gathered between accumulation micro-batches "
         "(torch: set_reshard_after_backward(False))",
     )
+    reduce_every_micro_batch: bool = knob(
+        False,
+        boolean(),
+        "true: reduce-scatter each FSDP module's gradients after every micro-batch's backward "
+        "(torch's default, and FSDP1's as Composer runs it); false: sum them unsharded and "
+        "reduce at the last micro-batch (set_requires_gradient_sync(False) before the others)",
+    )
     units: str = knob(
         "blocks",
         choice("blocks"),

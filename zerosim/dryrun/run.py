@@ -268,6 +268,14 @@ def _train_step(engine: Engine, x: Any, y: Any) -> None:
         engine.step()
 
 
+def compute_dtype(cfg: Any) -> str:
+    """The dtype the layers compute in: the model's, or under schedule fsdp2 its ``param_dtype``
+    (the shards stay float32 and are cast at the gather, so a bf16 policy multiplies in bf16)."""
+    if cfg.zerosim.schedule == "fsdp2" and cfg.zerosim.fsdp2.param_dtype is not None:
+        return cfg.zerosim.fsdp2.param_dtype
+    return cfg.model_dtype
+
+
 def engine_facts(engine: Engine) -> dict[str, Any]:
     """What the formulas need, read from an initialized engine (rank 0's)."""
     cfg, strategy, model = engine.config, engine.strategy, engine.module
@@ -283,7 +291,7 @@ def engine_facts(engine: Engine) -> dict[str, Any]:
         "largest_layer_params": largest,
         "stage": zero.stage,
         "schedule": cfg.zerosim.schedule,
-        "model_dtype": cfg.model_dtype,
+        "model_dtype": compute_dtype(cfg),
         "param_bytes": np.dtype(strategy.dtype).itemsize,
         "comm_bytes": (strategy.comm_dtype or np.dtype(strategy.dtype)).itemsize,
         "master_bytes": None if strategy.master_dtype is None else strategy.master_dtype.itemsize,

@@ -271,6 +271,7 @@ def fsdp2_options(strategy_cls: type, cfg: Config) -> dict[str, Any]:
         "param_dtype": f.param_dtype,
         "reduce_dtype": f.reduce_dtype,
         "reshard_after_backward": f.reshard_after_backward,
+        "reduce_every_micro_batch": f.reduce_every_micro_batch,
         "replicate": f.replicate,
     }
 

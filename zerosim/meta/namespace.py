@@ -322,6 +322,21 @@ class MetaNamespace:
         its bytes each array's once read and, but the gradient (the second), once written."""
         current().op("kernel", 2 * _nbytes(*arrays) - _nbytes(*arrays[1:2]))
 
+    def erfc(self, x: Any) -> MetaArray:
+        """CuPy's ``cupyx.scipy.special.erfc``: one element-wise kernel (read x, write the
+        result) where the run stands for a GPU (``nn.functional.erfc``)."""
+        result = MetaArray(shape_of(x), x.dtype)
+        current().op("erfc", _nbytes(x) + result.nbytes)
+        return result
+
+    def fused_matmul_kernel(self, flops: int, nbytes: int) -> None:
+        """One call of a fused GPU kernel whose matrix products and the work between them stay in
+        on-chip memory (FlashAttention, ``nn/flash.py``): ``flops`` counted as matrix products,
+        ``nbytes`` the device memory it reads and writes once (its roofline's bytes); it
+        allocates nothing (its caller allocates the outputs)."""
+        current().op("matmul")
+        current().matmul(flops, nbytes)
+
     def add_at(self, target: MetaArray, indices: Any, values: Any) -> None:
         """NumPy's ``np.add.at(target, indices, values)``: in place, nothing allocated."""
         rows = shape_of(indices)

@@ -9,6 +9,7 @@ from zerosim.nn.activation import GELU, Dropout, ReLU, Tanh
 from zerosim.nn.attention import CausalSelfAttention
 from zerosim.nn.containers import ModuleList, Sequential
 from zerosim.nn.description import ModelDescription
+from zerosim.nn.flash import FlashSelfAttention
 from zerosim.nn.gqa import GroupedQueryAttention
 from zerosim.nn.grad_mode import enable_grad, is_grad_enabled, no_grad
 from zerosim.nn.grad_ready import GradReadyTracker
@@ -31,6 +32,7 @@ __all__ = [
     "BatchNorm1d",
     "Block",
     "CausalSelfAttention",
+    "FlashSelfAttention",
     "Checkpoint",
     "DecoderBlock",
     "GroupedQueryAttention",

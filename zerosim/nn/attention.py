@@ -50,23 +50,23 @@ from zerosim.nn.positions import alibi_bias, alibi_slopes
 QUERY_BLOCK = 64  # positions per block; shorter blocks make batched matmuls too small
 
 
-def _causal_mask(xp: Any, t: int, dtype: Any) -> Any:
+def causal_mask(xp: Any, t: int, dtype: Any) -> Any:
     """(T, T) additive mask: 0 on and below the diagonal, −∞ above it."""
     return xp.triu(xp.full((t, t), -np.inf, dtype=dtype), k=1)
 
 
-def _blocks(t: int) -> Iterator[tuple[int, int]]:
+def query_blocks(t: int) -> Iterator[tuple[int, int]]:
     """[a, e) for consecutive blocks of ``QUERY_BLOCK`` positions covering range(t)."""
     for a in range(0, t, QUERY_BLOCK):
         yield a, min(a + QUERY_BLOCK, t)
 
 
-def _heads(qkv: Any) -> tuple[Any, Any, Any]:
+def split_heads(qkv: Any) -> tuple[Any, Any, Any]:
     """q, k, v as (B, h, T, d) views of a (B, T, 3, h, d) array (c_attn's output layout)."""
     return tuple(permute(qkv[:, :, i, ...], (0, 2, 1, 3)) for i in range(3))
 
 
-def _transposed(a: Any) -> Any:
+def transposed(a: Any) -> Any:
     """The last two axes swapped (a view)."""
     return a.mT
 
@@ -108,12 +108,12 @@ class CausalSelfAttention(Module):
         b, t, c = x.shape
         h, d = self.n_head, c // self.n_head
         qkv = reshape(upcast(self.c_attn(x)), (b, t, 3, h, d))
-        q, k, v = _heads(qkv)
-        mask = _causal_mask(xp, t, qkv.dtype)
+        q, k, v = split_heads(qkv)
+        mask = causal_mask(xp, t, qkv.dtype)
         probs = xp.empty((b, h, t, t), dtype=qkv.dtype)
-        for a, e in _blocks(t):  # rows a:e of P; columns e: stay 0
+        for a, e in query_blocks(t):  # rows a:e of P; columns e: stay 0
             s = probs[:, :, a:e, :e]
-            xp.matmul(q[:, :, a:e, ...], _transposed(k[:, :, :e, ...]), out=s)
+            xp.matmul(q[:, :, a:e, ...], transposed(k[:, :, :e, ...]), out=s)
             s *= 1.0 / math.sqrt(d)
             s += mask[a:e, :e]
             if self.alibi_slopes is not None:
@@ -123,7 +123,7 @@ class CausalSelfAttention(Module):
         dropped = self.attn_dropout(probs)
         y = xp.empty((b, t, h, d), dtype=qkv.dtype)  # heads side by side, as c_proj reads
         y_heads = permute(y, (0, 2, 1, 3))
-        for a, e in _blocks(t):
+        for a, e in query_blocks(t):
             xp.matmul(dropped[:, :, a:e, :e], v[:, :, :e, ...], out=y_heads[:, :, a:e, ...])
         self.save_for_backward(qkv, probs, dropped, x.dtype)
         return self.resid_dropout(self.c_proj(downcast(reshape(y, (b, t, c)), x.dtype)))
@@ -132,26 +132,26 @@ class CausalSelfAttention(Module):
         qkv, probs, dropped, dtype = self.pop_saved()
         xp = xp_of(qkv)
         b, t, _, h, d = qkv.shape
-        q, k, v = _heads(qkv)
+        q, k, v = split_heads(qkv)
         dy = upcast(self.c_proj.backward(self.resid_dropout.backward(grad)))
         dy = permute(reshape(dy, (b, t, h, d)), (0, 2, 1, 3))  # (B, h, T, d)
         dqkv = xp.empty(qkv.shape, dtype=qkv.dtype)  # laid out as c_attn's output
-        dq, dk, dv = _heads(dqkv)
+        dq, dk, dv = split_heads(dqkv)
         dscores = xp.empty_like(probs)
-        for a, e in _blocks(t):
+        for a, e in query_blocks(t):
             dp = dscores[:, :, a:e, :e]
-            xp.matmul(dy[:, :, a:e, ...], _transposed(v[:, :, :e, ...]), out=dp)
+            xp.matmul(dy[:, :, a:e, ...], transposed(v[:, :, :e, ...]), out=dp)
             dv_block = dv[:, :, a:e, ...]
-            xp.matmul(_transposed(dropped[:, :, a:, a:e]), dy[:, :, a:, ...], out=dv_block)
+            xp.matmul(transposed(dropped[:, :, a:, a:e]), dy[:, :, a:, ...], out=dv_block)
             dscores[:, :, a:e, e:] = 0
         del dropped
         dscores = self.attn_dropout.backward(dscores)  # dP
-        for a, e in _blocks(t):
+        for a, e in query_blocks(t):
             softmax_backward_(probs[:, :, a:e, :e], dscores[:, :, a:e, :e])  # dS
         del probs
-        for a, e in _blocks(t):
+        for a, e in query_blocks(t):
             xp.matmul(dscores[:, :, a:e, :e], k[:, :, :e, ...], out=dq[:, :, a:e, ...])
-            xp.matmul(_transposed(dscores[:, :, a:, a:e]), q[:, :, a:, ...], out=dk[:, :, a:e, ...])
+            xp.matmul(transposed(dscores[:, :, a:, a:e]), q[:, :, a:, ...], out=dk[:, :, a:e, ...])
         del dscores
         dqkv[:, :, :2, ...] *= 1.0 / math.sqrt(d)  # dq = dS k / √d,  dk = dSᵀ q / √d
         return self.c_attn.backward(downcast(reshape(dqkv, (b, t, 3 * h * d)), dtype))

@@ -5,7 +5,8 @@ A decoder-only transformer is fixed by a few numbers and a few choices:
     layers l, hidden h, heads n, key/value heads n_kv, vocabulary V, sequence s,
     MLP: GELU (h → F → h) or SwiGLU (three h·F matrices),   norm: LayerNorm or RMSNorm (ε),
     bias or not,  positions: learned table | rotary (base) | ALiBi,  tied output layer or not,
-    and BLOOM's LayerNorm right after the token embedding.
+    BLOOM's LayerNorm right after the token embedding, and how attention is computed: standard
+    (the s × s probabilities kept for backward) or flash (recomputed, ``zerosim.nn.flash``).
 
 ``zerosim.nn.Transformer`` builds the model a description states, and ``num_parameters`` counts
 it in closed form from the shapes alone (d = h/n, a = 1 with biases, else 0):
@@ -39,6 +40,7 @@ MLPS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary", "alibi")
 GELU_APPROXIMATIONS = ("none", "tanh")
+ATTENTIONS = ("standard", "flash")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class ModelDescription:
     rotary_base: float = 10000.0
     tied: bool = False
     embedding_norm: bool = False
+    attention: str = "standard"
     name: str = "custom"
     source: str = ""
 
@@ -85,6 +88,7 @@ class ModelDescription:
             ("norm", NORMS),
             ("positions", POSITIONS),
             ("gelu_approximate", GELU_APPROXIMATIONS),
+            ("attention", ATTENTIONS),
         ):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {allowed}; got {getattr(self, key)!r}")
@@ -97,6 +101,12 @@ class ModelDescription:
             raise ValueError(
                 f"positions='rotary' needs an even head size; got hidden/heads = "
                 f"{self.hidden}/{self.heads}"
+            )
+        if self.attention == "flash" and not self.packed_attention:
+            raise ValueError(
+                "attention='flash' is built for packed attention (every head its own keys and "
+                f"values, no rotary positions); got kv_heads={kv}, heads={self.heads}, "
+                f"positions={self.positions!r}"
             )
         for key in ("norm_eps", "rotary_base"):
             value = getattr(self, key)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from zerosim.backend import xp_of
 from zerosim.nn.activation import GELU, Dropout
 from zerosim.nn.attention import CausalSelfAttention
+from zerosim.nn.flash import FlashSelfAttention
 from zerosim.nn.functional import downcast, upcast
 from zerosim.nn.gqa import GroupedQueryAttention
 from zerosim.nn.init import RngLike, as_generator, check_positive_int
@@ -156,7 +157,8 @@ class DecoderBlock(Block):
     ``mlp`` as in ``Block`` (whose forward and backward it uses).
 
     ``attn`` is GPT-2's ``CausalSelfAttention`` (one packed ``c_attn``, ALiBi when the positions
-    are ALiBi) when every head has its own keys and values and no rotation enters attention;
+    are ALiBi; ``FlashSelfAttention`` when the description's attention is flash) when every head
+    has its own keys and values and no rotation enters attention;
     otherwise ``GroupedQueryAttention`` (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``). ``mlp``
     is ``FeedForward`` (GELU) or ``SwiGLU``. A GPT-2 description builds exactly ``Block``.
     """
@@ -170,9 +172,8 @@ class DecoderBlock(Block):
         self.ln_1 = make_norm(desc, dtype)
         if desc.packed_attention:
             alibi = desc.positions == "alibi"
-            self.attn = CausalSelfAttention(
-                c, desc.heads, dropout, desc.bias, alibi=alibi, rng=rng, dtype=dtype
-            )
+            packed = FlashSelfAttention if desc.attention == "flash" else CausalSelfAttention
+            self.attn = packed(c, desc.heads, dropout, desc.bias, alibi=alibi, rng=rng, dtype=dtype)
         else:
             attn_positions = {"rotary": "rotary", "alibi": "alibi"}.get(desc.positions, "none")
             self.attn = GroupedQueryAttention(

@@ -29,6 +29,9 @@ reduced, averaged as they land, HSDP's replicas). What changes:
   the last: no reduce-scatter, the unsharded gradients are kept, upcast to ``reduce_dtype``
   (``FSDPParam.to_accumulated_grad_if_needed``) and summed; the last micro-batch reduces the sum.
   With ``reshard_after_backward`` false the parameters also stay gathered between micro-batches.
+  With ``reduce_every_micro_batch`` (torch's default, FSDP1's under Composer) every micro-batch
+  reduce-scatters and its rows are added into the gradient shard: k times the reduce-scatter
+  bytes, and no unsharded gradient waits between micro-batches.
 
 HSDP (``replicate`` R > 1, torch's 2-D mesh [R, N / R]): the stage runs inside its row of N / R
 ranks (its shard group: the partition, the gathers, the reduce-scatters, the gradient norm), and
@@ -97,7 +100,7 @@ class ModuleReduceScatter(GradReducer):
             )
 
     def before_backward(self, boundary: bool) -> None:
-        self.boundary = boundary
+        self.boundary = boundary or self.strategy.reduce_every_micro_batch
 
     def post_backward(self, mod: FsdpModule) -> None:
         """The FSDP module's gradients are final: summed into the accumulated ones (reduce_dtype),
@@ -161,6 +164,7 @@ class Stage3FSDP2(Stage3):
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
         reshard_after_backward: bool = True,
+        reduce_every_micro_batch: bool = False,
         replicate: int = 1,
         blocks: list[Any] | None = None,
         **kwargs: Any,
@@ -188,6 +192,8 @@ class Stage3FSDP2(Stage3):
         # the blocks' (the root: never)
         self.reshard_after_forward: bool | int = reshard_after_forward
         self.reshard_after_backward: bool = reshard_after_backward  # between micro-batches
+        # reduce-scatter after every micro-batch (torch's default), not only the last
+        self.reduce_every_micro_batch: bool = reduce_every_micro_batch
         # the modules fully_shard was applied to before the root (None: each transformer block)
         self.blocks: list[Any] | None = blocks
         # HSDP: the stage runs in its shard group (row i of the mesh); rows are averaged across
