@@ -525,12 +525,14 @@ def test_fsdp2_hsdp_and_int_reshard_bytes_equal_zerosim_trains_rows_and_the_clos
     """N = 4, float64. HSDP 2 x 2: the gathers and reduce-scatters of a shard group of 2 and
     an all-reduce of each reduced row over R = 2 replicas (a ring of two sends half the row
     twice: S_u elements). reshard_after_forward = 2 (no HSDP): forward gathers over all 4,
-    backward over pairs, ceil(dim0 / 2) rows of each block parameter (the other test's forms)."""
+    backward over pairs, ceil(dim0 / 2) rows of each block parameter (the other test's forms).
+    HSDP reducing every micro-batch: k reduce-scatters and k all-reduces of each unit."""
     n, b = 4, 8
     case = Case(stage=3, steps=1, model="gpt", accumulation=accumulation, clip=0.5)
     k = accumulation
     *blocks, root = unit_shapes(case)
-    for fsdp2, m in (({"replicate": 2}, 2), ({"reshard_after_forward": 2}, 4)):
+    every = {"replicate": 2, "reduce_every_micro_batch": True}
+    for fsdp2, m in (({"replicate": 2}, 2), ({"reshard_after_forward": 2}, 4), (every, 2)):
         units = [shard_elements(s, m) for s in [*blocks, root]]
         s_blocks = sum(units[:-1])
         if "replicate" in fsdp2:
@@ -538,7 +540,8 @@ def test_fsdp2_hsdp_and_int_reshard_bytes_equal_zerosim_trains_rows_and_the_clos
         else:
             regather, replicas = k * sum(shard_elements(s, 2) for s in blocks), 0
         forward = k * (m - 1) * b * sum(units)
-        backward = b * (regather + (m - 1) * sum(units) + replicas)
+        reductions = k if fsdp2.get("reduce_every_micro_batch") else 1
+        backward = b * (regather + reductions * ((m - 1) * sum(units) + replicas))
         got = zs.LocalWorld(n).run(_step_rows, case, fsdp2)
         for r in range(n):
             assert got[r]["measured"][:3] == [forward, backward, 0], (fsdp2, r)

@@ -683,6 +683,7 @@ def fsdp2_step_bytes(
     group_shards: list[int] | None = None,
     replicate: int = 1,
     replica: int = 0,
+    reduce_every_micro_batch: bool = False,
 ) -> dict[str, int]:
     """{phase: bytes one rank sends} in one optimizer step of PyTorch FSDP2's schedule
     (``zero/stage3_fsdp2.py``). ``module_shards``: S_u, the elements of each unit's all-gather
@@ -692,7 +693,8 @@ def fsdp2_step_bytes(
 
         forward    (N−1)·b_p·Σ_u S_u · (k, or 1 when parameters stay gathered between them)
         backward   (N−1)·b_p·k·Σ_blocks S_u   (blocks resharded after forward; the root is not)
-                 + (N−1)·b_r·Σ_u S_u          (one reduce-scatter per unit, last micro-batch)
+                 + (N−1)·b_r·Σ_u S_u          (one reduce-scatter per unit, last micro-batch;
+                                                k of them with ``reduce_every_micro_batch``)
 
     An int ``reshard_after_forward`` g keeps ceil(dim0 / g) rows per rank after forward, so
     backward gathers inside groups of g ranks: (g−1)·b_p·k·Σ_blocks S_u(g), ``group_shards``
@@ -715,11 +717,13 @@ def fsdp2_step_bytes(
                 "each block's elements per rank in groups of that many ranks"
             )
         regathered = (reshard_after_forward - 1) * accumulation * sum(group_shards[:-1])
+    reductions = accumulation if reduce_every_micro_batch else 1
     replicas = sum(
         model_bytes("all_reduce", u, replicate, replica, reduce_bytes)[0] for u in module_shards
     )
     return {
         "forward": (n - 1) * param_bytes * total * forward_passes,
-        "backward": param_bytes * regathered + (n - 1) * reduce_bytes * total + replicas,
+        "backward": param_bytes * regathered
+        + reductions * ((n - 1) * reduce_bytes * total + replicas),
         "step": 0,
     }

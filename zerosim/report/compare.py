@@ -229,6 +229,7 @@ def fsdp2_formula(strategy: Any, accumulation: int, rank: int = 0) -> dict[str, 
         group_shards=group_shards or None,
         replicate=1 if replicas is None else replicas.size,
         replica=rank // n,
+        reduce_every_micro_batch=strategy.reduce_every_micro_batch,
     )
 
 
