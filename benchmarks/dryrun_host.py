@@ -239,31 +239,10 @@ def faults_check(tmp: Path) -> None:
 
 def counts_worker(model: str, cfg_path: str) -> None:
     """One real NumPy run of three steps; the last one's calls and minor faults, printed."""
-    import resource  # noqa: PLC0415
+    from zerosim.dryrun.host import real_step_counts  # noqa: PLC0415
 
-    import numpy as np  # noqa: PLC0415
-
-    from zerosim.comm import MPIComm  # noqa: PLC0415
-    from zerosim.dryrun import recipe  # noqa: PLC0415
-    from zerosim.dryrun.host import PythonCalls  # noqa: PLC0415
-    from zerosim.engine import initialize  # noqa: PLC0415
-    from zerosim.report import workloads  # noqa: PLC0415
-
-    net, _ = workloads.build(model)
-    cfg = json.loads(Path(cfg_path).read_text())
-    x = np.zeros((cfg["train_micro_batch_size_per_gpu"], recipe(model).gpt.seq), np.int64)
-    engine, *_ = initialize(net, cfg, comm=MPIComm())
-    counter = PythonCalls()
-    for step in range(3):
-        if step == 2:
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            counter.__enter__()
-        loss = engine(x, x)
-        engine.backward(loss)
-        engine.step()
-    counter.__exit__()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    print(f"COUNTS {counter.calls} {faults}", flush=True)
+    calls, faults = real_step_counts(model, json.loads(Path(cfg_path).read_text()))
+    print(f"COUNTS {calls} {faults}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,8 @@ zerosim model (same initial weights, loaded by name), ``fully_shard`` on each tr
 ``MixedPrecisionPolicy``, on a 1-D mesh or, with ``replicate`` > 1, HSDP's 2-D mesh
 ``(replicate, shard)``; the optimizer of the config over ``model.parameters()``; gradient
 accumulation with ``set_requires_gradient_sync(False)`` on all but the last micro-batch (and
-``set_reshard_after_backward(False)`` there when ``reshard_after_backward`` is false); clipping
+``set_reshard_after_backward(False)`` there when ``reshard_after_backward`` is false), or with
+neither under ``reduce_every_micro_batch`` (torch's default: every micro-batch reduces); clipping
 with ``clip_grad_norm_`` on the DTensor gradients.
 
 Every collective torch issues while training is recorded in order by ``Recorder``, which wraps
@@ -54,6 +55,7 @@ DEFAULTS = {
     "reduce_dtype": None,
     "replicate": 1,
     "reshard_after_backward": True,
+    "reduce_every_micro_batch": False,
     "units": "blocks",
 }
 # CommDebugMode's names of the ops the recorder sees
@@ -195,9 +197,10 @@ def optimizer_of(config: dict, params) -> torch.optim.Optimizer:
 
 def micro_step(twin, case, step: int, micro: int, settings: dict[str, Any]) -> float:
     """One micro-batch: forward, and backward of loss / gradient_accumulation_steps (as
-    DeepSpeed scales it), reducing gradients only on the last micro-batch."""
+    DeepSpeed scales it), reducing gradients only on the last micro-batch (on every one under
+    ``reduce_every_micro_batch``)."""
     last = micro == gas(case) - 1
-    if gas(case) > 1:
+    if gas(case) > 1 and not settings["reduce_every_micro_batch"]:
         twin.set_requires_gradient_sync(last)
         if not settings["reshard_after_backward"]:
             twin.set_reshard_after_backward(last)

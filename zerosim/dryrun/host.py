@@ -252,3 +252,31 @@ def numpy_hugepages() -> bool:
 
     core = getattr(np, "_core", None) or np.core
     return bool(core.multiarray._get_madvise_hugepage())
+
+
+def real_step_counts(model: str, config: dict[str, Any]) -> tuple[int, int]:
+    """(zerosim's own Python calls, minor page faults) of the third optimizer step of a real
+    NumPy run of ``model`` (a ``--model`` spec) under ``config`` on this process's MPI world:
+    the calls counted by ``PythonCalls``, the faults by the kernel (``ru_minflt``). What the
+    dry run's counts are held to."""
+    import resource  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    from zerosim.comm import MPIComm  # noqa: PLC0415
+    from zerosim.engine import initialize  # noqa: PLC0415
+    from zerosim.report import workloads  # noqa: PLC0415
+
+    net, _ = workloads.build(model)
+    seq = workloads.gpt_shape(model).seq  # a GPT preset or gpt:LAYERS,HIDDEN,VOCAB,SEQ[,HEADS]
+    x = np.zeros((config["train_micro_batch_size_per_gpu"], seq), np.int64)
+    engine, *_ = initialize(net, config, comm=MPIComm())
+    counter = PythonCalls()
+    for step in range(3):
+        if step == 2:
+            counter.__enter__()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        engine.backward(engine(x, x))
+        engine.step()
+    counter.__exit__()
+    return counter.calls, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
