@@ -51,7 +51,6 @@ from zerosim.nn.functional import (
     rowdot,
     upcast,
 )
-from zerosim.nn.init import RngLike
 from zerosim.nn.positions import alibi_bias
 
 FORWARD_PRODUCTS = 2  # S = q kᵀ, Y = P v
@@ -79,22 +78,15 @@ class FlashSelfAttention(CausalSelfAttention):
     output only; attention dropout is not supported (it must be 0.0 where it applies)."""
 
     def __init__(
-        self,
-        n_embd: int,
-        n_head: int,
-        dropout: float = 0.0,
-        bias: bool = True,
-        *,
-        alibi: bool = False,
-        rng: RngLike = None,
-        dtype: Any = "float32",
+        self, n_embd: int, n_head: int, dropout: float = 0.0, *args: Any, **kw: Any
     ) -> None:
+        """``CausalSelfAttention``'s arguments (``bias``, ``alibi``, ``rng``, ``dtype``)."""
         if dropout != 0.0:
             raise ValueError(
                 "attention='flash' keeps no probabilities to drop out: dropout must be 0.0 "
                 f"(MPT trains with attn_pdrop 0); got dropout={dropout!r}"
             )
-        super().__init__(n_embd, n_head, dropout, bias, alibi=alibi, rng=rng, dtype=dtype)
+        super().__init__(n_embd, n_head, dropout, *args, **kw)
 
     def _scores(self, q: Any, k: Any, a: int, e: int, mask: Any) -> Any:
         """S for queries a:e and keys :e, in fp32: q kᵀ / √d + causal mask (+ ALiBi)."""
