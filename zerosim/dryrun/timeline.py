@@ -100,10 +100,11 @@ def group_seconds(model: ClusterModel, op: str, size_bytes: float, members: tupl
     """Seconds for one collective of ``size_bytes`` (nccl-tests' S) on the ranks ``members``:
     c_α(p)·α + c_β(p)·S / (B · efficiency(S)), the ring's bus bandwidth B as the module
     docstring derives it and α the mean latency of a hop along the path (``hop_latency``);
-    an all-to-all over nodes by ``all_to_all_seconds``."""
+    an all-to-all over nodes by ``all_to_all_seconds``; on one rank, MPI's own copy
+    (``self_copy_seconds``: 0 on a cluster without a host's rates)."""
     p = len(members)
     if p <= 1:
-        return 0.0
+        return self_copy_seconds(model, op, size_bytes)
     c = model.cluster
     op = {"reduce": "broadcast", "barrier": "broadcast"}.get(op, op)
     size = 0.0 if op == "barrier" else size_bytes
@@ -270,10 +271,7 @@ def simulate(
             compute += dt
         elif kind == "issue":
             r = calls[value].record
-            members = calls[value].comm.members
-            dt = group_seconds(model, r.op, r.size_bytes, members)
-            if len(members) == 1:
-                dt = self_copy_seconds(model, r.op, r.size_bytes)
+            dt = group_seconds(model, r.op, r.size_bytes, calls[value].comm.members)
             label = f"{r.op} {r.phase} {r.group}"
             if spans and (not phases or phases[-1][1] != r.phase):
                 phases.append((now, r.phase))
