@@ -332,6 +332,13 @@ def is_host_array(x: Any) -> bool:
     return isinstance(x, np.ndarray) or getattr(x, "__zerosim_host__", False)
 
 
+def stands_for_gpu(x: Any) -> bool:
+    """True for the dry run's shape-only array when the run stands for a GPU (``Values.backend``
+    "cupy"): the branches that a GPU takes as one fused kernel count that kernel."""
+    shape_only = getattr(type(x), "__zerosim_namespace__", None) is not None
+    return shape_only and not is_host_array(x)
+
+
 def is_device_array(x: Any) -> bool:
     """True for an array whose memory NumPy cannot read: CuPy's, or another namespace's."""
     if isinstance(x, np.ndarray | np.generic):

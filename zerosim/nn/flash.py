@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from zerosim.backend import is_host_array, nbytes, xp_of
+from zerosim.backend import nbytes, stands_for_gpu, xp_of
 from zerosim.nn.attention import (
     CausalSelfAttention,
     causal_mask,
@@ -68,8 +68,7 @@ def gpu_kernel(x: Any) -> Callable[[int, int], None] | None:
     bytes)`` counts its products and the device memory it reads and writes, and nothing of the
     tiles, which live in on-chip memory. None elsewhere: the tiles are computed (NumPy, the
     dry run of a host, every other backend)."""
-    kernel = getattr(xp_of(x), "fused_matmul_kernel", None)
-    return None if kernel is None or is_host_array(x) else kernel
+    return xp_of(x).fused_matmul_kernel if stands_for_gpu(x) else None
 
 
 class FlashSelfAttention(CausalSelfAttention):

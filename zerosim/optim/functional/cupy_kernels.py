@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from zerosim.backend import is_cupy, is_host_array, xp_of
+from zerosim.backend import is_cupy, stands_for_gpu, xp_of
 from zerosim.optim.functional import fused
 
 _ADAM_IN = (
@@ -101,8 +101,7 @@ def applies(param: Any, grad: Any, *states: Any) -> bool:
 def _stands_for_cupy(x: Any) -> bool:
     """A CuPy array, or a dry run's shape-only array standing for one (``meta.Values.backend``
     "cupy")."""
-    shape_only = getattr(type(x), "__zerosim_namespace__", None) is not None
-    return is_cupy(x) or (shape_only and not is_host_array(x))
+    return is_cupy(x) or stands_for_gpu(x)
 
 
 def adam(param: Any, grad: Any, states: list[Any], c: Any, amsgrad: bool) -> None:
