@@ -11,6 +11,8 @@ from mpi_helpers import ROOT, run_mpi
 from zerosim import analysis
 from zerosim.cli import main
 from zerosim.comm import LocalWorld
+from zerosim.report.compare import format_report, stage_config
+from zerosim.report.tables import volume_data
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MLP_SIZES = (32 * 256, 256, 256 * 256, 256, 256 * 10, 10)  # zerosim train --model mlp
@@ -678,3 +680,93 @@ def test_memory_json_gives_fsdp2s_shards_and_gathered_peak(capsys):
     assert row["peak_gathered_params"] == n * 2 * (units[2] + 2 * units[0])
     argv = ["memory", "--model", "gpt:2,16,40,32", "--dp", str(n), "--stage", "1", "--json"]
     assert "fsdp2" not in run_json(capsys, *argv)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_volume_reduce_every_micro_batch_reduce_scatters_every_fsdp_module_k_times(k, capsys):
+    """torch's default with gradient sync left on: each of the k micro-batches reduce-scatters
+    every FSDP module's gradients, k·(N−1)·b·Σ_u S_u where the default sends it once; the
+    gathers are the same. The flag accepted and ignored would print the once-per-step bytes."""
+    n, b = 6, 2
+    units = _gpt_fsdp2_units(n)
+    argv = ["volume", "--model", "gpt:2,16,40,32", "--dp", str(n), "--dtype", "bfloat16"]
+    argv += ["--accumulation", str(k), "--reduce-every-micro-batch"]
+    row = run_json(capsys, *argv, "--json")["fsdp2"]
+    assert row["reduce_every_micro_batch"] is True
+    assert row["forward"] == k * (n - 1) * b * sum(units)
+    assert row["backward"] == (n - 1) * b * (k * sum(units[:2]) + k * sum(units))
+    assert row["total"] == row["forward"] + row["backward"] and row["step"] == 0
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "gradients reduce-scattered after every micro-batch):" in text
+    total = text.splitlines()[-1].split()[-1]
+    assert text.splitlines()[-1].split()[0] == "fsdp2" and total == f"{row['total']:,}"
+
+
+def test_volume_says_fsdp2_reduces_after_the_last_micro_batch_without_the_flag(capsys):
+    argv = ["volume", "--model", "gpt:2,16,40,32", "--dp", "6", "--accumulation", "2"]
+    assert run_json(capsys, *argv, "--json")["fsdp2"]["reduce_every_micro_batch"] is False
+    assert main(argv) == 0
+    assert "gradients reduce-scattered after the last micro-batch):" in capsys.readouterr().out
+
+
+def test_compare_fsdp2_reducing_every_micro_batch_sends_k_reduce_scatters(capsys):
+    """The MLP at N = 3 (S = 2,838 + 22,102 + 1,028 elements per rank, as above) with k = 2:
+    forward gathers every module k times, backward gathers it again k times and reduce-scatters
+    it k times, so backward is 2k·(N−1)·S·4 bytes where once-per-step reducing sends
+    (k + 1)·(N−1)·S·4; the engine's ledger and the formula both say so."""
+    n, k, shard = 3, 2, 2838 + 22102 + 1028
+    argv = ["compare", "-n", str(n), "--stage", "3", "--steps", "2", "--schedule", "fsdp2"]
+    data = run_json(capsys, *argv, "--accumulation", str(k), "--reduce-every-micro-batch", "--json")
+    (row,) = data["stages"]
+    once = (n - 1) * shard * 4
+    for rank, (measured, formula) in enumerate(
+        zip(row["bytes"]["measured"], row["bytes"]["formula"], strict=True)
+    ):
+        clip = analysis.clip_bytes(n, rank, 4, 6)
+        assert measured == formula == [k * once, 2 * k * once, 0, clip]
+    assert data["ok"] is True and row["fsdp2"] == {"reduce_every_micro_batch": True}
+    assert "stage 3, fsdp2's schedule reducing every micro-batch (" in format_report(data)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["volume", "--params", "1e6", "--dp", "4", "--accumulation", "2"],
+            "--reduce-every-micro-batch is FSDP2's knob: it needs --model (FSDP2's row is built "
+            "from its shapes), got --params",
+        ),
+        (
+            ["volume", "--model", "gpt:2,16,40,32", "--dp", "4"],
+            "--reduce-every-micro-batch needs --accumulation K >= 2, got 1 (with one micro-batch "
+            "FSDP2 reduce-scatters once per step either way)",
+        ),
+        (
+            ["compare", "-n", "2", "--accumulation", "2", "--schedule", "deepspeed", "paper"],
+            "--reduce-every-micro-batch is FSDP2's knob: it needs --schedule fsdp2, got "
+            "--schedule deepspeed paper",
+        ),
+        (
+            ["compare", "-n", "2", "--accumulation", "2", "--schedule", "fsdp2", "--optimizer",
+             "lamb"],
+            "--reduce-every-micro-batch is FSDP2's knob: it needs --optimizer adam (the others "
+            "run DeepSpeed's stages), got 'lamb'",
+        ),
+        (
+            ["compare", "-n", "2", "--schedule", "fsdp2"],
+            "--reduce-every-micro-batch needs --accumulation K >= 2, got 1 (with one micro-batch "
+            "FSDP2 reduce-scatters once per step either way)",
+        ),
+    ],
+)  # fmt: skip
+def test_reduce_every_micro_batch_is_refused_where_it_would_change_nothing(argv, message, capsys):
+    line = refusal(capsys, *argv, "--reduce-every-micro-batch")
+    assert line == f"zerosim {argv[0]}: {message}"
+
+
+def test_the_report_functions_refuse_fsdp2_knobs_without_fsdp2():
+    with pytest.raises(ValueError, match="reduce_every_micro_batch=True .* got shapes=None"):
+        volume_data(1000, 4, 2, reduce_every_micro_batch=True)
+    with pytest.raises(ValueError, match="needs schedule 'fsdp2', got 'paper'"):
+        stage_config("3", schedule="paper", fsdp2={"reduce_every_micro_batch": True})

@@ -58,7 +58,27 @@ def _dtype(args: argparse.Namespace) -> str:
 def _volume(args: argparse.Namespace) -> dict[str, Any]:
     knobs = (args.accumulation, args.dtype, args.persistent_numel, args.stage3_reuse)
     named = {"numels": getattr(args, "numels", None), "shapes": getattr(args, "shapes", None)}
-    return volume_data(args.params, args.dp, *knobs, **named)
+    every = getattr(args, "reduce_every_micro_batch", False)  # volume has it, plot volume not
+    return volume_data(args.params, args.dp, *knobs, **named, reduce_every_micro_batch=every)
+
+
+def _reduce_every_refusal(
+    args: argparse.Namespace, command: str, missing: str | None
+) -> int | None:
+    """``--reduce-every-micro-batch`` (``zerosim.fsdp2.reduce_every_micro_batch``) changes FSDP2's
+    gradient reduce-scatters only: refused (exit code 2) where no FSDP2 row is asked for
+    (``missing`` says what it needs) or with one micro-batch, where it changes nothing."""
+    if not args.reduce_every_micro_batch:
+        return None
+    if missing is not None:
+        return refuse(command, f"--reduce-every-micro-batch is FSDP2's knob: it {missing}")
+    if args.accumulation < 2:
+        return refuse(
+            command,
+            f"--reduce-every-micro-batch needs --accumulation K >= 2, got {args.accumulation} "
+            "(with one micro-batch FSDP2 reduce-scatters once per step either way)",
+        )
+    return None
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
@@ -125,6 +145,11 @@ def cmd_volume(args: argparse.Namespace) -> int:
 
     if (code := _model_params(args, "volume")) is not None:
         return code
+    no_model = "needs --model (FSDP2's row is built from its shapes), got --params"
+    if (
+        code := _reduce_every_refusal(args, "volume", None if args.model else no_model)
+    ) is not None:
+        return code
     try:
         data = _volume(args)
         if args.optimizer != "adam":  # what LAMB or Muon add (zerosim/report/whole_params.py)
@@ -170,10 +195,11 @@ def cmd_volume(args: argparse.Namespace) -> int:
         "reduce-scatters it, (N−1)/N·Ψ_pad; its norm all-reduce is one float32 (4 B)",
     ]
     if "fsdp2" in data:  # --model: PyTorch FSDP2's schedule, each parameter padded on dim 0
+        when = "every micro-batch" if args.reduce_every_micro_batch else "the last micro-batch"
         lines += [
             "",
             "PyTorch FSDP2's schedule (stage 3; param_dtype = reduce_dtype, blocks resharded "
-            "after forward):",
+            f"after forward, gradients reduce-scattered after {when}):",
             *_table(head, [cells("fsdp2", data["fsdp2"])], widths),
         ]
     if "whole_params" in data:
@@ -252,6 +278,15 @@ def _run_on_world(args: argparse.Namespace, fn: Any, *fn_args: Any) -> tuple[Any
 def cmd_compare(args: argparse.Namespace) -> int:
     from zerosim.report import compare, plots
 
+    missing = None
+    if args.optimizer != "adam":
+        missing = (
+            f"needs --optimizer adam (the others run DeepSpeed's stages), got {args.optimizer!r}"
+        )
+    elif "fsdp2" not in args.schedule:
+        missing = f"needs --schedule fsdp2, got --schedule {' '.join(args.schedule)}"
+    if (code := _reduce_every_refusal(args, "compare", missing)) is not None:
+        return code
     if args.optimizer != "adam":  # LAMB's or Muon's extra collectives, measured vs formulas
         from zerosim.report import whole_params
 
@@ -268,6 +303,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return refuse("compare", f"--precision {args.precision} needs --dtype float32")
     if "fsdp2" in args.schedule and args.precision != "fp32":
         return refuse("compare", f"--schedule fsdp2 needs --precision fp32, got {args.precision!r}")
+    fsdp2 = {"reduce_every_micro_batch": True} if args.reduce_every_micro_batch else None
     result, rank = _run_on_world(
         args,
         compare.compare,
@@ -278,6 +314,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.accumulation,
         args.precision,
         tuple(dict.fromkeys(args.schedule)),
+        fsdp2,
     )
     report = result[0] if isinstance(result, list) else result
     if rank == 0:
@@ -403,6 +440,12 @@ MODEL_HELP = (
 )
 
 
+REDUCE_EVERY_HELP = (
+    "FSDP2 reduce-scatters the gradients after each of the K micro-batches (torch's default "
+    "while gradient sync stays on; zerosim.fsdp2.reduce_every_micro_batch), not once at the last"
+)
+
+
 def _model_params(args: argparse.Namespace, command: str) -> int | None:
     """Set ``args.params`` (Ψ) and ``args.numels`` (every parameter's elements, None without a
     model) from ``--model`` when given; the exit code 2 of a refusal, else None."""
@@ -515,6 +558,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "Example: zerosim volume --params 1e6 --dp 8 --accumulation 4",
     )
     _volume_options(volume)
+    volume.add_argument(
+        "--reduce-every-micro-batch",
+        action="store_true",
+        help=REDUCE_EVERY_HELP + " in the FSDP2 row (needs --model and --accumulation K >= 2)",
+    )
     _common(volume)
     volume.set_defaults(func=cmd_volume)
 
@@ -587,6 +635,11 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         help="zerosim.schedule to run each stage under: DeepSpeed 0.19.8's collectives, the "
         "ZeRO paper's, or both side by side (default both); fsdp2 adds PyTorch FSDP2's for "
         "stage 3 (fp32 only)",
+    )
+    comp.add_argument(
+        "--reduce-every-micro-batch",
+        action="store_true",
+        help=REDUCE_EVERY_HELP + " (needs --schedule fsdp2 and --accumulation K >= 2)",
     )
     _common(comp)
     comp.set_defaults(func=cmd_compare)

@@ -71,12 +71,14 @@ def stage_config(
     precision: str = "fp32",
     zero: dict[str, Any] | None = None,
     schedule: str = "deepspeed",
+    fsdp2: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config ``compare`` trains stage ``name`` with (Adam, clipping on).
 
     ``precision`` fp16 or bf16 adds that section with ``enabled`` (fp16 starts its loss scale at
     2**8 so that no step of a short run is skipped); ``zero`` overrides ``zero_optimization`` keys;
-    ``schedule`` is ``zerosim.schedule``.
+    ``schedule`` is ``zerosim.schedule``; ``fsdp2``, with schedule "fsdp2" only, is the
+    ``zerosim.fsdp2`` section (such as ``{"reduce_every_micro_batch": True}``).
     """
     info = stage_info(name)
     if precision not in PRECISION_DTYPES:
@@ -92,6 +94,8 @@ def stage_config(
             f"schedule 'fsdp2' runs stage 3 with precision 'fp32' (FSDP2 has no fp16/bf16 "
             f"sections), got stage {name!r} and precision {precision!r}"
         )
+    if fsdp2 and schedule != "fsdp2":
+        raise ValueError(f"fsdp2 {fsdp2!r} needs schedule 'fsdp2', got {schedule!r}")
     section = {"stage": stage, "reduce_bucket_size": bucket, **(STAGE3_PLAIN if stage == 3 else {})}
     config = {
         "train_micro_batch_size_per_gpu": 4,
@@ -102,6 +106,8 @@ def stage_config(
         "zero_optimization": {**section, **(zero or {})},
         "zerosim": {"dtype": dtype, "layout": layout, "schedule": schedule},
     }
+    if fsdp2:
+        config["zerosim"]["fsdp2"] = fsdp2
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     elif precision == "bf16":
@@ -491,21 +497,21 @@ def run_stage(
     precision: str = "fp32",
     zero: dict[str, Any] | None = None,
     schedule: str = "deepspeed",
+    fsdp2: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train stage ``name`` for ``steps`` optimizer steps on ``comm``; measured vs predicted.
 
     Collective. The returned dict (the same on every rank) has ``bytes`` and ``memory`` with
-    ``measured`` (one row per rank), ``formula`` and ``equal``, and ``time`` (rank-maximum wall
-    times in seconds and the α-β prediction when ``fit`` has one). ``keep_records`` adds
-    ``records``: this rank's own ledger records of the last step, as dicts (they differ by rank),
-    and ``events``: its modules' forward/backward spans in that step (``start``, ``stop``).
-    ``bucket`` is ``reduce_bucket_size``; ``precision``, ``zero`` and ``schedule`` (whose
-    collectives: "deepspeed" or "paper") go to :func:`stage_config`.
+    ``measured`` (one row per rank), ``formula`` and ``equal``, ``time`` (rank-maximum wall times
+    in seconds and the α-β prediction when ``fit`` has one) and ``fsdp2``, the run's
+    ``zerosim.fsdp2`` section. ``keep_records`` adds ``records``: this rank's ledger records of
+    the last step, as dicts (they differ by rank), and ``events``: its modules' spans in it.
+    ``bucket`` is ``reduce_bucket_size``; the other knobs go to :func:`stage_config`.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     net, data = build_model(model)
-    config = stage_config(name, dtype, accumulation, bucket, precision, zero, schedule)
+    config = stage_config(name, dtype, accumulation, bucket, precision, zero, schedule, fsdp2)
     comm.ledger.reset()
     comm.ledger.step = 0
     order = gradient_order(net)
@@ -531,6 +537,7 @@ def run_stage(
         "num_states": want["num_states"],
         "skipped_steps": engine.skipped_steps,
         "loss_scale": engine.loss_scale,
+        "fsdp2": config["zerosim"].get("fsdp2", {}),
         **sections,
     }
     if keep_records:
@@ -548,10 +555,11 @@ def compare(
     accumulation: int = 1,
     precision: str = "fp32",
     schedules: tuple[str, ...] | None = None,
+    fsdp2: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fit α and B on ``comm``, then :func:`run_stage` every stage under every schedule (in that
-    order: all stages of the first schedule first; "fsdp2" runs stage 3 only); the report
-    (collective)."""
+    order: all stages of the first schedule first; "fsdp2" runs stage 3 only, with the
+    ``zerosim.fsdp2`` section ``fsdp2``); the report (collective)."""
     stages = list(STAGES) if stages is None else stages
     schedules = EVERY_STAGE_SCHEDULES if schedules is None else schedules
     for schedule in schedules:
@@ -562,10 +570,21 @@ def compare(
             f"precision must be 'fp32' with schedule 'fsdp2' (FSDP2 has no fp16/bf16 sections), "
             f"got {precision!r}"
         )
+    if fsdp2 and "fsdp2" not in schedules:
+        raise ValueError(f"fsdp2 {fsdp2!r} needs 'fsdp2' among the schedules, got {schedules!r}")
     fit = fit_world(comm)
     rows = [
         run_stage(
-            comm, s, model, steps, dtype, accumulation, fit, precision=precision, schedule=sched
+            comm,
+            s,
+            model,
+            steps,
+            dtype,
+            accumulation,
+            fit,
+            precision=precision,
+            schedule=sched,
+            fsdp2=fsdp2 if sched == "fsdp2" else None,
         )
         for sched in schedules
         for s in stages
@@ -593,8 +612,12 @@ def _format_stage(row: dict[str, Any], precision: str) -> list[str]:
     scale = "" if precision != "fp16" else f", loss scale {row['loss_scale']:g}"
     skipped = f", {row['skipped_steps']} steps skipped" if row["skipped_steps"] else ""
     schedule = row.get("schedule", "deepspeed")
+    if row.get("fsdp2", {}).get("reduce_every_micro_batch"):
+        schedule += "'s schedule reducing every micro-batch"
+    else:
+        schedule += "'s schedule"
     lines = [
-        f"stage {row['name']}, {schedule}'s schedule (Ψ = {row['numel']:,}, "
+        f"stage {row['name']}, {schedule} (Ψ = {row['numel']:,}, "
         f"Ψ_pad = {row['padded_numel']:,}, b = {row['itemsize']}, "
         f"K_s = {row['num_states']}{scale}{skipped})",
         f"  bytes sent in the last step {'':<6}" + "".join(f"{p:>12}" for p in b["phases"]),

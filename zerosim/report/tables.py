@@ -154,6 +154,7 @@ def volume_data(
     reuse: bool = False,
     numels: list[int] | None = None,
     shapes: list[tuple[str, tuple[int, ...]]] | None = None,
+    reduce_every_micro_batch: bool = False,
 ) -> dict[str, Any]:
     """Bytes one rank sends per optimizer step, by phase and stage (``zerosim volume --json``).
 
@@ -192,9 +193,8 @@ def volume_data(
     clip = {"end_ranks": analysis.clip_bytes(dp, 0)}
     clip["middle_ranks"] = analysis.clip_bytes(dp, 1) if dp > 2 else None
     deepspeed = _deepspeed_volume(int(params), dp, b, accumulation, stages, numels)
-    extra = {} if shapes is None else {"fsdp2": _fsdp2_volume(shapes, dp, b, accumulation)}
     return {
-        **extra,
+        **_fsdp2_volume(shapes, dp, b, accumulation, reduce_every_micro_batch),
         "num_params": params,
         "dp": dp,
         "itemsize": b,
@@ -208,15 +208,31 @@ def volume_data(
 
 
 def _fsdp2_volume(
-    shapes: list[tuple[str, tuple[int, ...]]], dp: int, b: int, accumulation: int
-) -> dict[str, int]:
-    """``volume_data``'s "fsdp2" row: PyTorch FSDP2's schedule (``analysis.fsdp2_step_bytes``,
-    param_dtype = reduce_dtype = the dtype of ``b`` bytes), each parameter padded along dim 0,
-    one all-gather per FSDP module (``fsdp2_units``) in forward and again in backward for the
-    blocks, one reduce-scatter per FSDP module."""
+    shapes: list[tuple[str, tuple[int, ...]]] | None,
+    dp: int,
+    b: int,
+    accumulation: int,
+    reduce_every_micro_batch: bool = False,
+) -> dict[str, dict[str, Any]]:
+    """``volume_data``'s "fsdp2" row, given the model's ``shapes`` (else nothing): PyTorch FSDP2's
+    schedule (``analysis.fsdp2_step_bytes``, param_dtype = reduce_dtype = the dtype of ``b``
+    bytes), each parameter padded along dim 0, one all-gather per FSDP module (``fsdp2_units``)
+    in forward and again in backward for the blocks, one reduce-scatter per FSDP module at the
+    last micro-batch or, with ``reduce_every_micro_batch`` (torch's default when gradient sync
+    stays on), at every one of the k."""
+    if shapes is None:
+        if reduce_every_micro_batch:
+            raise ValueError(
+                "reduce_every_micro_batch=True changes FSDP2's row only, which needs the "
+                "model's shapes; got shapes=None"
+            )
+        return {}
     units = fsdp2_units(shapes, dp)
-    phases = analysis.fsdp2_step_bytes(units, dp, b, b, accumulation)
-    return {"padded_numel": dp * sum(units), **phases, "total": sum(phases.values())}
+    phases = analysis.fsdp2_step_bytes(
+        units, dp, b, b, accumulation, reduce_every_micro_batch=reduce_every_micro_batch
+    )
+    row = {"padded_numel": dp * sum(units), **phases, "total": sum(phases.values())}
+    return {"fsdp2": {**row, "reduce_every_micro_batch": reduce_every_micro_batch}}
 
 
 def _deepspeed_volume(
