@@ -4,7 +4,8 @@
         [--shapes K] [--ranks 1 2] [--stages 0 3] [--schedules paper] [--dtypes fp32]
     python -m benchmarks.dryrun_host --faults     # the allocator model against ru_minflt
 
-First ``zerosim calibrate --ranks 2`` measures this host (microbenchmarks only); then for each row
+First ``zerosim calibrate --ranks N`` measures this host for each N (microbenchmarks only, run on
+N ranks at once, as a step of N ranks runs); then for each row
 of the grid (GPT from about 1M to about 50M parameters; stages 0-3; the paper's and DeepSpeed's
 schedules; fp32 and bf16; micro-batch 4; N = 1 and 2 judged, N = 4 reported, as it oversubscribes
 two cores) ``zerosim train --json`` runs under ``mpirun -n N`` and ``zerosim dryrun --cluster
@@ -203,10 +204,11 @@ def summary(rows: list[dict]) -> str:
     )
 
 
-def calibrate(host: Path) -> None:
+def calibrate(host: Path, ranks: int) -> None:
+    """``zerosim calibrate --ranks ranks``: the rates of ``ranks`` ranks running side by side."""
     start = time.perf_counter()
-    out = _run([sys.executable, "-m", "zerosim", "calibrate", "--out", str(host), "--ranks", "2"])
-    print(out.strip(), f"({time.perf_counter() - start:.0f} s)", flush=True)
+    cmd = [sys.executable, "-m", "zerosim", "calibrate", "--out", str(host), "--ranks", str(ranks)]
+    print(_run(cmd).strip(), f"({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 def faults_check(tmp: Path) -> None:
@@ -266,20 +268,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.faults:
         faults_check(tmp)
         return 0
-    host = Path(args.host) if args.host else tmp / "host.json"
-    if not args.host:
-        calibrate(host)
     print(HEADER)
     print("|" + "---|" * HEADER.count(" | ") + "---|")
-    rows = []
+    rows, hosts = [], {}
     only = {k: getattr(args, k) for k in ("ranks", "stages", "schedules", "dtypes")}
     for row in grid(args.quick, args.shapes, only):
-        rows.append(run_row(*row, args, tmp, host))
+        n = row[1]
+        if n not in hosts:  # each N its own calibration: its ranks measured side by side
+            hosts[n] = Path(args.host) if args.host else tmp / f"host-{n}.json"
+            if not args.host:
+                calibrate(hosts[n], n)
+        rows.append(run_row(*row, args, tmp, hosts[n]))
         print(row_line(rows[-1]), flush=True)
     print(f"\n{summary(rows)}")
-    if args.json:  # the rows, then the host's calibration as one row of its own
-        host_row = {"kind": "host", **json.loads(host.read_text())}
-        Path(args.json).write_text(json.dumps([*rows, host_row], indent=1))
+    if args.json:  # the rows, then each N's calibration as a row of its own
+        host_rows = [
+            {"kind": "host", "ranks": n, **json.loads(h.read_text())} for n, h in hosts.items()
+        ]
+        Path(args.json).write_text(json.dumps([*rows, *host_rows], indent=1))
     return 0
 
 

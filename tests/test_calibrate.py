@@ -103,3 +103,22 @@ def test_a_host_file_prices_elementwise_work_and_moves_collectives_when_waited(t
     gpu = ClusterModel(cluster)
     step = simulate(events, [Call(False)], gpu)
     assert step.step_s == pytest.approx(max(1e8 / 1e10, comm_s))  # overlapped, elementwise free
+
+
+def test_side_by_side_starts_every_benchmark_on_all_ranks_at_once():
+    """With ``--ranks N`` the compute benchmarks run on every rank together: each one starts
+    after a barrier of the ranks' communicator (one per measured size here), none outside."""
+    from zerosim.dryrun import calibrate
+
+    class Comm:
+        barriers = 0
+
+        def barrier(self) -> None:
+            Comm.barriers += 1
+
+    sizes = [2**4, 2**6, 2**8]
+    with calibrate.side_by_side(Comm()):
+        rows = calibrate.measure_elementwise(1e-4, sizes)
+    assert [n for n, _ in rows] == sizes and Comm.barriers == len(sizes)
+    calibrate.measure_elementwise(1e-4, sizes)  # outside: no barrier
+    assert Comm.barriers == len(sizes)

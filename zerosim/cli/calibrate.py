@@ -3,8 +3,9 @@
     zerosim calibrate --out host.json [--ranks N] [--quick] [--json]
 
 Microbenchmarks only (``zerosim/dryrun/calibrate.py``), never a training step: matrix products,
-element-wise bandwidth and a call's fixed cost in this process, then zerosim's collectives under
-``mpirun -n N`` (launched here). ``zerosim dryrun --cluster host.json`` reads the file.
+element-wise bandwidth, a call's fixed cost, then zerosim's collectives. With ``--ranks N`` every
+one runs under ``mpirun -n N`` (launched here), the compute benchmarks on all N ranks at once,
+as a step of N ranks runs them. ``zerosim dryrun --cluster host.json`` reads the file.
 """
 
 from __future__ import annotations
@@ -41,35 +42,37 @@ def add_subcommand(sub: Any) -> None:
         type=int_at_least(1),
         default=1,
         metavar="N",
-        help="ranks of the runs to predict: collectives measured under mpirun -n N (default 1)",
+        help="ranks of the runs to predict: every benchmark runs on N ranks at once under "
+        "mpirun -n N (default 1: in this process, no collectives)",
     )
     p.add_argument("--quick", action="store_true", help="small grids and budgets (seconds)")
     p.add_argument("--json", action="store_true", help="print the written file's contents")
-    p.add_argument("--collectives-worker", metavar="FILE", help=argparse.SUPPRESS)
+    p.add_argument("--ranks-worker", metavar="FILE", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_calibrate)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from zerosim.dryrun import calibrate
 
-    if args.collectives_worker:  # under mpirun, launched by the command below
-        return _collectives_worker(args)
+    if args.ranks_worker:  # under mpirun, launched by the command below
+        return _ranks_worker(args)
     if world_size_from_env() > 1:
         return refuse("calibrate", "run it without mpirun: --ranks N launches mpirun -n N itself")
-    budget = BUDGET_S[args.quick]
-    matmul = calibrate.measure_matmul(
-        budget, calibrate.GPT_SHAPES[:2] + [(256, 256, 256)] if args.quick else None
-    )
-    elementwise = calibrate.measure_elementwise(budget, [2**20, 2**22] if args.quick else None)
-    overhead = calibrate.measure_op_overhead(budget)
-    host = calibrate.measure_host(budget, args.quick)
-    collectives: list = []
-    if args.ranks > 1:
+    if args.ranks == 1:
+        rates, collectives = calibrate.measure_compute(BUDGET_S[args.quick], args.quick), []
+    else:
         try:
-            collectives, host["one_rank_collective_s"] = _launch_collectives(args.ranks, args.quick)
+            rates, collectives = _launch_ranks(args.ranks, args.quick)
         except (OSError, RuntimeError) as err:
             return refuse("calibrate", str(err))
-    spec = calibrate.cluster_file(args.ranks, matmul, elementwise, overhead, collectives, host)
+    spec = calibrate.cluster_file(
+        args.ranks,
+        rates["matmul"],
+        rates["elementwise"],
+        rates["op_overhead_s"],
+        collectives,
+        rates["host"],
+    )
     Path(args.out).write_text(json.dumps(spec, indent=1) + "\n")
     if args.json:
         print(json.dumps(spec))
@@ -94,34 +97,40 @@ def _mpirun() -> str:
     return found
 
 
-def _launch_collectives(ranks: int, quick: bool) -> tuple[list, float]:
-    """Run the collective benchmarks under ``mpirun -n ranks``: rank 0's rows, and the seconds
-    of one collective on a group of one rank."""
+def _launch_ranks(ranks: int, quick: bool) -> tuple[dict[str, Any], list]:
+    """Run every benchmark under ``mpirun -n ranks``: rank 0's rates (measured while every rank
+    runs the same benchmark, ``calibrate.side_by_side``) and its collectives' rows."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "collectives.json"
+        out = Path(tmp) / "ranks.json"
         cmd = [_mpirun(), "-n", str(ranks), sys.executable, "-m", "zerosim", "calibrate"]
-        cmd += ["--out", os.devnull, "--collectives-worker", str(out)]
+        cmd += ["--out", os.devnull, "--ranks-worker", str(out)]
         cmd += ["--quick"] if quick else []
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(
-                f"mpirun -n {ranks} for the collectives failed ({proc.returncode}): "
+                f"mpirun -n {ranks} for the benchmarks failed ({proc.returncode}): "
                 f"{proc.stderr.strip()[-500:]}"
             )
         found = json.loads(out.read_text())
-        return found["rows"], found["one_rank_collective_s"]
+        found["rates"]["host"]["one_rank_collective_s"] = found["one_rank_collective_s"]
+        return found["rates"], found["collectives"]
 
 
-def _collectives_worker(args: argparse.Namespace) -> int:
+def _ranks_worker(args: argparse.Namespace) -> int:
+    """One rank of ``_launch_ranks``: the compute benchmarks side by side with the other ranks,
+    then the collectives; rank 0 writes what it measured."""
     from zerosim.comm import MPIComm
     from zerosim.dryrun import calibrate
 
     comm = MPIComm()
+    budget = BUDGET_S[args.quick]
+    with calibrate.side_by_side(comm):
+        rates = calibrate.measure_compute(budget, args.quick)
     sizes = calibrate.COLLECTIVE_SIZES[::2] if args.quick else None
-    rows = calibrate.measure_collectives(comm, BUDGET_S[args.quick], sizes)
-    one_rank = calibrate.measure_one_rank_collective(comm, BUDGET_S[args.quick])
+    collectives = calibrate.measure_collectives(comm, budget, sizes)
+    one_rank = calibrate.measure_one_rank_collective(comm, budget)
     if comm.rank == 0:
-        found = {"rows": rows, "one_rank_collective_s": one_rank}
-        Path(args.collectives_worker).write_text(json.dumps(found))
+        found = {"rates": rates, "collectives": collectives, "one_rank_collective_s": one_rank}
+        Path(args.ranks_worker).write_text(json.dumps(found))
     return 0

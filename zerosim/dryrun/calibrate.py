@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -46,10 +47,28 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 COLLECTIVE_SIZES = [2**k for k in range(2, 25, 2)]  # bytes: 4 B to 16 MiB
 
 
+# called before each benchmark: a barrier while ``side_by_side`` runs them on every rank at once
+_start_together: list[Callable[[], Any]] = []
+
+
+@contextmanager
+def side_by_side(comm: Any) -> Iterator[None]:
+    """Within it, every benchmark starts on all of ``comm``'s ranks at once (a barrier before
+    each), so that each rank measures its rates while the others run theirs: as in a step of
+    N ranks, they share the memory bus and the last-level cache."""
+    _start_together.append(comm.barrier)
+    try:
+        yield
+    finally:
+        _start_together.pop()
+
+
 def seconds_per_call(fn: Callable[[], Any], budget_s: float, min_calls: int = 3) -> float:
     """The median CPU seconds of one ``fn()`` over repeats lasting about ``budget_s``: CPU time,
     not wall time, so that other processes holding a core of a shared machine do not count
     (run with one BLAS thread, ``OMP_NUM_THREADS=1``, as ``zerosim train``'s ranks are run)."""
+    for barrier in _start_together:
+        barrier()
     fn()  # first call: allocator and library warm-up
     times: list[float] = []
     spent = 0.0
@@ -333,6 +352,18 @@ def cluster_file(
 
 # the rates measure_host writes as they are
 HOST_RATES = ("call_overhead_s", "page_fault_s", "hugepage_fault_s", "one_rank_collective_s")
+
+
+def measure_compute(budget_s: float, quick: bool = False) -> dict[str, Any]:
+    """Every rate measured in a rank's own process: ``matmul``, ``elementwise``,
+    ``op_overhead_s`` and ``host`` (``measure_host``), the arguments ``cluster_file`` takes
+    besides the collectives; ``quick``: small grids."""
+    return {
+        "matmul": measure_matmul(budget_s, GPT_SHAPES[:2] + [(256, 256, 256)] if quick else None),
+        "elementwise": measure_elementwise(budget_s, [2**20, 2**22] if quick else None),
+        "op_overhead_s": measure_op_overhead(budget_s),
+        "host": measure_host(budget_s, quick),
+    }
 
 
 def measure_host(budget_s: float, quick: bool = False) -> dict[str, Any]:
