@@ -38,13 +38,14 @@ LINEARS = [(H, 3 * H), (H, H), (H, 4 * H), (4 * H, H)] * L + [(H, V)]
 FREE = 1e30  # a rate so high that its term vanishes next to the one under test
 
 
-def _config(stage: int, optimizer: str = "Adam") -> dict:
-    """fp32, the paper's schedule, every collective blocking (``overlap_comm`` off), one bucket
-    for the whole model, and at stage 3 no persistent parameters and no reuse of a gathered one:
-    each tensor is gathered before its module's forward and again before its backward."""
+def _config(stage: int, schedule: str = "paper", bf16: bool = False) -> dict:
+    """fp32 (or bf16), the paper's schedule (or DeepSpeed's), every collective blocking
+    (``overlap_comm`` off), one bucket for the whole model, and at stage 3 no persistent
+    parameters and no reuse of a gathered one: each tensor is gathered before its module's
+    forward and again before its backward."""
     return {
         "train_micro_batch_size_per_gpu": B,
-        "optimizer": {"type": optimizer, "params": {"lr": 1e-3}},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
         "zero_optimization": {
             "stage": stage,
             "overlap_comm": False,
@@ -53,7 +54,8 @@ def _config(stage: int, optimizer: str = "Adam") -> dict:
             "stage3_param_persistence_threshold": 0,
             "stage3_max_reuse_distance": 0,
         },
-        "zerosim": {"schedule": "paper"},
+        "zerosim": {"schedule": schedule},
+        "bf16": {"enabled": bf16},
     }
 
 
@@ -89,25 +91,29 @@ def _product_bytes() -> int:
     return linears + attention
 
 
-def test_a_compute_bound_step_is_the_models_matmul_flops_at_the_fp32_peak_by_hand(tmp_path):
+@pytest.mark.parametrize(("bf16", "peak"), [(False, 1e9), (True, 1e12)])
+def test_a_compute_bound_step_is_the_models_matmul_flops_at_the_dtypes_peak_by_hand(
+    tmp_path, bf16, peak
+):
     """Links, memory and kernel calls free: the step is the products' FLOPs (counted here from
-    the shapes) at the fp32 peak, 10⁹ FLOP/s, over a software factor of one half. The 16-bit
-    peak, a thousand times higher, is not the one an fp32 run uses."""
+    the shapes) at the peak of the run's dtype over a software factor of one half: fp32 at
+    ``device_flops_fp32`` (10⁹ FLOP/s), bf16 at ``device_flops`` (10¹² FLOP/s, tensor cores;
+    the same products, on upcast operands)."""
     cluster = _gpu(
         tmp_path / "flops.json", device_flops=1e12, device_flops_fp32=1e9, software_factor=0.5,
         kernel_launch_s=1e-30,
     )  # fmt: skip
-    report = dry_run(MODEL, 4, _config(stage=2), cluster=cluster)
+    report = dry_run(MODEL, 4, _config(stage=2, bf16=bf16), cluster=cluster)
     t = report["time"]
-    by_hand = _matmul_flops() / (1e9 * 0.5)  # 0.011010048 s
+    by_hand = _matmul_flops() / (peak * 0.5)  # fp32: 0.011010048 s
     assert _matmul_flops() == 5_505_024
     assert t["step_s"] == pytest.approx(by_hand, rel=1e-9)
     assert t["compute_s"] == pytest.approx(by_hand, rel=1e-9)
     assert t["comm_s"] < 1e-20 and t["exposed_comm_s"] < 1e-20
     # the model FLOPs (6·N_matmul + 12·l·h·s per token) equal these products with S ≤ 64, so
     # the model TFLOP/s per device is the peak times the factor
-    assert t["tflops_per_device"] == pytest.approx(1e9 * 0.5 / 1e12, rel=1e-9)
-    assert t["cluster"]["device_flops"] == 1e9
+    assert t["tflops_per_device"] == pytest.approx(peak * 0.5 / 1e12, rel=1e-9)
+    assert t["cluster"]["device_flops"] == peak
 
 
 def test_a_memory_bound_step_is_its_products_bytes_at_the_memory_bandwidth_by_hand(tmp_path):
@@ -161,30 +167,86 @@ def test_a_launch_bound_step_prices_every_counted_call_once(tmp_path):
     assert report["time"]["step_s"] == pytest.approx(calls * 1e-3, rel=1e-9)
 
 
-def _stage3_paper_collectives(p: int) -> tuple[int, float]:
-    """The paper's stage 3 on p ranks, fp32, as (ring passes, β bytes): each of the 29 tensors
-    gathered in forward and again in backward (Ψ·4 bytes per pass, S of nccl-tests being the
-    gathered tensor), one reduce-scatter of the gradients (Ψ·4 bytes, one bucket) and the
-    gradient norm's all-reduce of one float64 (8 bytes). A ring all-gather or reduce-scatter
-    takes p − 1 hops and moves (p − 1)/p·S; an all-reduce twice both. So the latency is paid
-    (2·29 + 1 + 2)·(p − 1) hops and the bandwidth term is (p − 1)/p·(3·Ψ·4 + 2·8) bytes."""
-    hops = (2 * TENSORS + 1 + 2) * (p - 1)
-    beta_bytes = (p - 1) / p * (3 * PSI * 4 + 2 * 8)
-    return hops, beta_bytes
+def _ring_seconds(op: str, size: float, bus: float, ring_pass: float, p: int = 4) -> float:
+    """A ring all-gather or reduce-scatter of S bytes on p ranks: one pass round the ring of
+    latency (its p − 1 hops, ``ring_pass`` seconds in all) and (p − 1)/p·S over the bus; an
+    all-reduce (a reduce-scatter, then an all-gather) twice both."""
+    passes = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}[op]
+    return passes * (ring_pass + (p - 1) / p * size / bus)
+
+
+# Two nodes of two ranks: NVLink 10⁹ B/s, 10 µs a hop; one NIC of 10⁸ B/s per node, 100 µs a
+# crossing. A ring through both nodes runs at its slowest hop, the node's NIC shared by its two
+# ranks: min(10⁹, 2 · 10⁸/2) = 10⁸ B/s. A pass round the ring is 3 hops, of which the one node
+# crossing pays 100 µs and the other two 10 µs (NCCL's tuning model sums them so).
+TWO_NODES = dict(
+    nodes=2, devices_per_node=2, intra_bandwidth=1e9, intra_latency=1e-5, inter_bandwidth=None,
+    nic_bandwidth=1e8, nics_per_node=1, inter_latency=1e-4,
+)  # fmt: skip
+TWO_NODES_BUS, TWO_NODES_PASS = 1e8, 2 * 1e-5 + 1e-4
+
+# Stage 2's collectives per step on 4 ranks, one bucket, Ψ_pad = Ψ (a multiple of 2N = 8):
+# the paper's: reduce-scatter of the gradients, the norm's float64, all-gather of the updated
+# parameters, both in the training dtype (4 or 2 bytes); DeepSpeed 0.19.8's (docs/formulas.md,
+# its default contiguous_gradients, reduce_scatter and multi-rank bucket all-reduce): one
+# all-reduce of the bucket, after which each rank keeps its slice, the norm's Σg² in float32,
+# and the same all-gather.
+STAGE2_COLLECTIVES = {
+    ("paper", False): [("reduce_scatter", PSI * 4), ("all_reduce", 8), ("all_gather", PSI * 4)],
+    ("paper", True): [("reduce_scatter", PSI * 2), ("all_reduce", 8), ("all_gather", PSI * 2)],
+    ("deepspeed", False): [("all_reduce", PSI * 4), ("all_reduce", 4), ("all_gather", PSI * 4)],
+}
+
+# The paper's stage 3, fp32: each of the 29 tensors gathered before its module's forward and
+# again before its backward (4·numel bytes each, Ψ·4 a pass), one reduce-scatter of the
+# gradients (Ψ·4 bytes, one bucket), the gradient norm's float64; no all-gather after the step.
+STAGE3_COLLECTIVES = [
+    *[("all_gather", 4 * numel) for numel in (V * H, S * H)],  # wte, wpe; the blocks below
+    *[
+        ("all_gather", 4 * numel)
+        for numel in [H, H, 3 * H * H, 3 * H, H * H, H, H, H, 4 * H * H, 4 * H, 4 * H * H, H] * L
+    ],
+    *[("all_gather", 4 * numel) for numel in (H, H, V * H)],  # ln_f, lm_head
+]
+STAGE3_COLLECTIVES = [
+    *STAGE3_COLLECTIVES,  # forward
+    *STAGE3_COLLECTIVES,  # backward
+    ("reduce_scatter", PSI * 4),
+    ("all_reduce", 8),
+]
+
+
+@pytest.mark.parametrize(("schedule", "bf16"), list(STAGE2_COLLECTIVES))
+def test_a_communication_bound_stage2_step_on_two_nodes_by_hand(tmp_path, schedule, bf16):
+    """Compute free, every collective blocking: the step is stage 2's three collectives end to
+    end, each priced by the ring formula on the two nodes above."""
+    cluster = _gpu(tmp_path / "nodes.json", **TWO_NODES)
+    report = dry_run(MODEL, 4, _config(stage=2, schedule=schedule, bf16=bf16), cluster=cluster)
+    by_hand = sum(
+        _ring_seconds(op, size, TWO_NODES_BUS, TWO_NODES_PASS)
+        for op, size in STAGE2_COLLECTIVES[schedule, bf16]
+    )
+    t = report["time"]
+    assert t["step_s"] == pytest.approx(by_hand, rel=1e-9)
+    assert t["comm_s"] == pytest.approx(by_hand, rel=1e-9)
+    assert t["exposed_comm_s"] == pytest.approx(by_hand, rel=1e-9)
+    assert t["cluster"]["nodes"] == 2
 
 
 def test_a_communication_bound_stage3_step_on_one_node_by_hand(tmp_path):
     """Four ranks on one node, compute free: NVLink 2·10⁹ B/s at an efficiency of one half
-    (10⁹ B/s), 10 µs a hop. Every collective blocks, so the step is the collectives end to end:
-    61·3 hops at 10 µs plus (3/4)·(3·120,320 + 16) B at 10⁹ B/s."""
+    (10⁹ B/s), 10 µs a hop, so 30 µs a pass round the ring; the network's latency, paid by no
+    hop here, is set high. Every collective blocks: the step is the 60 collectives end to end,
+    61 passes (the all-reduce makes two) and (3/4)·(3·120,320 + 2·8) bytes over the bus."""
     cluster = _gpu(
         tmp_path / "node.json", devices_per_node=4, intra_bandwidth=2e9, intra_efficiency=0.5,
         intra_latency=1e-5, inter_latency=1e-3,
     )  # fmt: skip
     report = dry_run(MODEL, 4, _config(stage=3), cluster=cluster)
-    hops, beta_bytes = _stage3_paper_collectives(4)
-    by_hand = hops * 1e-5 + beta_bytes / 1e9
-    assert hops == 183 and report["padded_params"] == PSI
+    by_hand = sum(_ring_seconds(op, size, 1e9, 3 * 1e-5) for op, size in STAGE3_COLLECTIVES)
+    assert len(STAGE3_COLLECTIVES) == 2 * TENSORS + 2 == 60
+    assert by_hand == pytest.approx(61 * 3e-5 + 3 / 4 * (3 * PSI * 4 + 2 * 8) / 1e9)
+    assert report["padded_params"] == PSI  # every tensor's numel is a multiple of 4
     t = report["time"]
     assert t["step_s"] == pytest.approx(by_hand, rel=1e-9)
     assert t["comm_s"] == pytest.approx(by_hand, rel=1e-9)
@@ -193,21 +255,14 @@ def test_a_communication_bound_stage3_step_on_one_node_by_hand(tmp_path):
 
 
 def test_a_communication_bound_stage3_step_on_two_nodes_adds_its_compute_by_hand(tmp_path):
-    """Four ranks, two on each of two nodes: NVLink 10⁹ B/s and 10 µs a hop; one NIC of 10⁸ B/s
-    per node, 100 µs a crossing. One ring through both nodes runs at its slowest hop: the two
-    ranks of a node share its NIC, min(10⁹, 2 · 10⁸/2) = 10⁸ B/s; of a ring pass's 3 hops, the
-    2 − 1 = 1 node crossing pays 100 µs and the other 2 pay 10 µs (NCCL's tuning model). The
-    products take their FLOPs at 10⁹ FLOP/s; no collective overlaps them (all block), so the
-    step is compute plus communication."""
-    cluster = _gpu(
-        tmp_path / "nodes.json", nodes=2, devices_per_node=2, intra_bandwidth=1e9,
-        intra_latency=1e-5, inter_bandwidth=None, nic_bandwidth=1e8, nics_per_node=1,
-        inter_latency=1e-4, device_flops=1e9,
-    )  # fmt: skip
+    """The two nodes above, with the products' FLOPs at 10⁹ FLOP/s: no collective overlaps
+    them (every one blocks), so the step is compute plus communication, and all the
+    communication is exposed."""
+    cluster = _gpu(tmp_path / "nodes.json", **TWO_NODES, device_flops=1e9)
     report = dry_run(MODEL, 4, _config(stage=3), cluster=cluster)
-    hops, beta_bytes = _stage3_paper_collectives(4)
-    passes = hops // 3  # ring passes of 3 hops: 2 at 10 µs and 1 at 100 µs each
-    comm = passes * (2 * 1e-5 + 1e-4) + beta_bytes / 1e8
+    comm = sum(
+        _ring_seconds(op, size, TWO_NODES_BUS, TWO_NODES_PASS) for op, size in STAGE3_COLLECTIVES
+    )
     compute = _matmul_flops() / 1e9
     t = report["time"]
     assert t["comm_s"] == pytest.approx(comm, rel=1e-9)
