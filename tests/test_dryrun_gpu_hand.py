@@ -164,7 +164,10 @@ def test_a_launch_bound_step_prices_every_counted_call_once(tmp_path):
     cluster = _gpu(tmp_path / "calls.json", kernel_launch_s=1e-3)
     report = dry_run(MODEL, 2, _config(stage=2), cluster=cluster)
     calls = sum(report["ranks"][0]["ops"].values())
-    assert report["time"]["step_s"] == pytest.approx(calls * 1e-3, rel=1e-9)
+    t = report["time"]
+    assert t["step_s"] == pytest.approx(calls * 1e-3, rel=1e-9)
+    assert t["host"]["elementwise_s"] == pytest.approx(calls * 1e-3, rel=1e-9)  # the kernels
+    assert t["host"]["products_s"] < 1e-20
 
 
 def _ring_seconds(op: str, size: float, bus: float, ring_pass: float, p: int = 4) -> float:
