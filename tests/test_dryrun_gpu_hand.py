@@ -273,3 +273,36 @@ def test_a_communication_bound_stage3_step_on_two_nodes_adds_its_compute_by_hand
     assert t["step_s"] == pytest.approx(compute + comm, rel=1e-9)
     assert t["exposed_comm_s"] == pytest.approx(comm, rel=1e-9)
     assert t["cluster"]["nodes"] == 2
+
+
+def test_an_overlapped_bucket_hides_behind_the_rest_of_backward_by_hand(tmp_path):
+    """Stage 2 (the paper's) with ``overlap_comm`` on 2 ranks of one node, buckets of at least
+    Ψ/2 = 15,040 elements cut at parameter starts, last parameters first: lm_head, ln_f and
+    block 1 hold 2,048 + 64 + 12,704 = 14,816, so the first bucket also takes block 0's MLP
+    c_proj (32 + 4,096): 18,944 elements; the second holds the other 11,136. The first is full
+    while block 0's c_fc, attention and c_attn are still to run backward (c_fc alone
+    4·T·H·4H = 524,288 FLOPs, 0.5 ms at 10⁹ FLOP/s), and its reduce-scatter, 10 µs + (1/2)·
+    75,776 B / 10⁹ B/s = 48 µs, runs under them. Exposed: the second bucket's reduce-scatter,
+    issued when backward ends, the norm's all-reduce and the all-gather of the parameters."""
+    cluster = _gpu(
+        tmp_path / "overlap.json", devices_per_node=2, intra_bandwidth=1e9, intra_latency=1e-5,
+        device_flops=1e9,
+    )  # fmt: skip
+    config = _config(stage=2)
+    config["zero_optimization"].update(overlap_comm=True, reduce_bucket_size=PSI // 2)
+    report = dry_run(MODEL, 2, config, cluster=cluster)
+
+    def ring(op, size):  # one node of 2: a pass round the ring is 1 hop of 10 µs
+        return _ring_seconds(op, size, 1e9, 1e-5, p=2)
+
+    first = V * H + 2 * H + (12 * H * H + 13 * H) + (H + 4 * H * H)
+    assert (first, PSI - first) == (18_944, 11_136)
+    hidden = ring("reduce_scatter", first * 4)
+    exposed = ring("reduce_scatter", (PSI - first) * 4) + ring("all_reduce", 8)
+    exposed += ring("all_gather", PSI * 4)
+    compute = _matmul_flops() / 1e9
+    t = report["time"]
+    assert t["compute_s"] == pytest.approx(compute, rel=1e-9)
+    assert t["comm_s"] == pytest.approx(hidden + exposed, rel=1e-9)
+    assert t["exposed_comm_s"] == pytest.approx(exposed, rel=1e-9)
+    assert t["step_s"] == pytest.approx(compute + exposed, rel=1e-9)
