@@ -4,7 +4,8 @@ Each test writes a cluster file with round, made-up rates chosen so that one ter
 model binds and the others vanish (rates of 10³⁰, latencies of 0), runs ``dry_run`` on a small
 GPT and holds the reported ``time`` to a count derived here from the model's shapes and the
 file's numbers alone: matrix-product FLOPs, the bytes each product reads and writes, the one
-fused optimizer kernel, and the paper's collectives priced by NCCL's ring formula.
+fused optimizer kernel, and stage 2's and 3's collectives (the paper's schedule and DeepSpeed's)
+priced by NCCL's ring formula, blocking or, with ``overlap_comm``, hidden under backward.
 
 The model, ``gpt:2,32,64,16,2``: L = 2 blocks of hidden size H = 32, vocabulary V = 64,
 sequence S = 16, 2 heads of d = 16, untied output layer; micro-batch B = 2, so T = B·S = 32
