@@ -22,6 +22,7 @@ pad nothing.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from cluster_files import write_cluster
@@ -307,3 +308,28 @@ def test_an_overlapped_bucket_hides_behind_the_rest_of_backward_by_hand(tmp_path
     assert t["comm_s"] == pytest.approx(hidden + exposed, rel=1e-9)
     assert t["exposed_comm_s"] == pytest.approx(exposed, rel=1e-9)
     assert t["step_s"] == pytest.approx(compute + exposed, rel=1e-9)
+
+
+def test_each_collective_reaches_the_bus_efficiency_of_its_own_size_by_hand(tmp_path):
+    """Stage 3 on one node of 4 ranks, NVLink 10⁹ B/s, no latency, with a bus efficiency of 1/4
+    up to 1 kB rising to 1 at 100 kB (linear in log size): each collective runs at the
+    efficiency of its nccl-tests size S, the whole gathered tensor (not the rank's chunk of it),
+    so LayerNorm's 128 B gathers at 1/4, a 16 kB weight's at 1/4 + (3/4)·log(16.384)/log(100),
+    the 120 kB reduce-scatter at 1."""
+    points = [[1e3, 0.25], [1e5, 1.0]]
+    cluster = _gpu(
+        tmp_path / "sizes.json", devices_per_node=4, intra_bandwidth=1e9,
+        bus_efficiency_by_size=points,
+    )  # fmt: skip
+    report = dry_run(MODEL, 4, _config(stage=3), cluster=cluster)
+
+    def efficiency(size: float) -> float:
+        if size <= 1e3:
+            return 0.25
+        return min(1.0, 0.25 + 0.75 * math.log(size / 1e3) / math.log(1e5 / 1e3))
+
+    by_hand = sum(
+        _ring_seconds(op, size, 1e9 * efficiency(size), 0.0) for op, size in STAGE3_COLLECTIVES
+    )
+    assert efficiency(16384) == pytest.approx(0.25 + 0.75 * math.log10(16.384) / 2)
+    assert report["time"]["step_s"] == pytest.approx(by_hand, rel=1e-9)
