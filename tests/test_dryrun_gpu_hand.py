@@ -27,6 +27,7 @@ import math
 import pytest
 from cluster_files import write_cluster
 
+from zerosim.cli import main
 from zerosim.dryrun import dry_run
 
 L, H, V, S, HEADS, B = 2, 32, 64, 16, 2, 2
@@ -333,3 +334,19 @@ def test_each_collective_reaches_the_bus_efficiency_of_its_own_size_by_hand(tmp_
     )
     assert efficiency(16384) == pytest.approx(0.25 + 0.75 * math.log10(16.384) / 2)
     assert report["time"]["step_s"] == pytest.approx(by_hand, rel=1e-9)
+
+
+def test_the_cli_prints_the_hand_counted_step_time_as_json(tmp_path, capsys):
+    """``zerosim dryrun --cluster … --json`` prints the same step as the Python API: here the two
+    nodes above with the products at 10⁹ FLOP/s, stage 3, compute plus communication."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(_config(stage=3)))
+    cluster = _gpu(tmp_path / "nodes.json", **TWO_NODES, device_flops=1e9)
+    args = ["dryrun", "--model", MODEL, "--ranks", "4", "--config", str(config)]
+    assert main([*args, "--cluster", str(cluster), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)["time"]
+    comm = sum(
+        _ring_seconds(op, size, TWO_NODES_BUS, TWO_NODES_PASS) for op, size in STAGE3_COLLECTIVES
+    )
+    assert printed["step_s"] == pytest.approx(_matmul_flops() / 1e9 + comm, rel=1e-9)
+    assert printed["exposed_comm_s"] == pytest.approx(comm, rel=1e-9)
