@@ -40,6 +40,11 @@ product takes max(FLOPs / peak of the run's dtype, bytes / device_memory_bandwid
 stretch that sum over ``software_factor``, the one number no datasheet gives (the fraction of
 the roofline one software stack reaches), fitted on one named published row.
 
+**A GPU's other work** (a file for CuPy's path with ``kernel_launch_s``): every other array
+operation between two collective events is a kernel, ("elementwise", (calls, bytes)) priced at
+``kernel_launch_s`` a call plus its bytes at ``device_memory_bandwidth`` (``kernel_seconds``).
+The calls include each matrix product's own launch (no bytes: those are the roofline's).
+
 **The step.** Two streams, as a GPU has: compute runs the trace's compute in order; every
 collective goes on one communication stream, in issue order, starting when it is issued and the
 stream is free. A blocking collective holds compute until it ends; a wait holds compute until
