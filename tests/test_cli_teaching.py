@@ -12,7 +12,7 @@ from zerosim import analysis
 from zerosim.cli import main
 from zerosim.comm import LocalWorld
 from zerosim.report.compare import format_report, stage_config
-from zerosim.report.tables import volume_data
+from zerosim.report.tables import memory_data, volume_data
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MLP_SIZES = (32 * 256, 256, 256 * 256, 256, 256 * 10, 10)  # zerosim train --model mlp
@@ -640,14 +640,23 @@ def test_compare_refuses_fsdp2_under_mixed_precision(capsys):
     assert line == "zerosim compare: --schedule fsdp2 needs --precision fp32, got 'bf16'"
 
 
-def _gpt_fsdp2_units(n: int) -> list[int]:
-    """S_u of gpt:2,16,40,32 (untied; torch's [out, in] weights) at N ranks: each block, then
-    the root (wte, wpe, ln_f, lm_head); ceil(dim0 / N) rows of every parameter."""
-    h, vocab, seq = 16, 40, 32
+def _gpt_shapes(h: int, vocab: int, seq: int) -> tuple[list[tuple[int, ...]], ...]:
+    """(one block's, the root's) parameter shapes of an untied GPT, torch's [out, in] weights:
+    ln_1, c_attn, attn's c_proj, ln_2, c_fc, mlp's c_proj; wte, wpe, ln_f, lm_head."""
     block = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,)]
     block += [(4 * h, h), (4 * h,), (h, 4 * h), (h,)]
-    root = [(vocab, h), (seq, h), (h,), (h,), (vocab, h)]
-    return [sum(-(-s[0] // n) * math.prod(s[1:]) for s in u) for u in (block, block, root)]
+    return block, [(vocab, h), (seq, h), (h,), (h,), (vocab, h)]
+
+
+def _shard(shapes: list[tuple[int, ...]], n: int) -> int:
+    """Elements of one rank's dim-0 shards: ceil(dim0 / N) rows of every parameter."""
+    return sum(-(-s[0] // n) * math.prod(s[1:]) for s in shapes)
+
+
+def _gpt_fsdp2_units(n: int) -> list[int]:
+    """S_u of gpt:2,16,40,32 at N ranks: each block, then the root (wte, wpe, ln_f, lm_head)."""
+    block, root = _gpt_shapes(16, 40, 32)
+    return [_shard(u, n) for u in (block, block, root)]
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -758,6 +767,22 @@ def test_compare_fsdp2_reducing_every_micro_batch_sends_k_reduce_scatters(capsys
             "--reduce-every-micro-batch needs --accumulation K >= 2, got 1 (with one micro-batch "
             "FSDP2 reduce-scatters once per step either way)",
         ),
+        (
+            ["memory", "--params", "1e6", "--dp", "4", "--accumulation", "2"],
+            "--reduce-every-micro-batch is FSDP2's knob: it needs --model (FSDP2's row is built "
+            "from its shapes), got --params",
+        ),
+        (
+            ["memory", "--model", "gpt:2,16,40,32", "--dp", "4", "--stage", "1", "2",
+             "--accumulation", "2"],
+            "--reduce-every-micro-batch is FSDP2's knob: it needs stage 3 (FSDP2's row is a "
+            "stage-3 row), got --stage 1 2",
+        ),
+        (
+            ["memory", "--model", "gpt:2,16,40,32", "--dp", "4"],
+            "--reduce-every-micro-batch needs --accumulation K >= 2, got 1 (with one micro-batch "
+            "FSDP2 reduce-scatters once per step either way)",
+        ),
     ],
 )  # fmt: skip
 def test_reduce_every_micro_batch_is_refused_where_it_would_change_nothing(argv, message, capsys):
@@ -765,8 +790,71 @@ def test_reduce_every_micro_batch_is_refused_where_it_would_change_nothing(argv,
     assert line == f"zerosim {argv[0]}: {message}"
 
 
+@pytest.mark.parametrize("every", [False, True])
+def test_memory_fsdp2_keeps_the_unsharded_gradients_between_micro_batches_unless_each_reduces(
+    every, capsys
+):
+    """gpt:2,16,40,32 in bf16 over k = 3 micro-batches: reduced only at the last, every unsharded
+    gradient waits in reduce_dtype = param_dtype, Ψ · 2 bytes, Ψ = 2·(12h² + 13h) + 2·vocab·h
+    + seq·h + 2h (a block: ln_1, ln_2, c_attn, c_proj, c_fc, c_proj; the root: wte, lm_head,
+    wpe, ln_f); reduced after every micro-batch, none waits. The fp32 gradient shard (4 · S) and
+    the other model states are the same either way."""
+    n, k, h, vocab, seq = 6, 3, 16, 40, 32
+    psi = 2 * (12 * h * h + 13 * h) + 2 * vocab * h + seq * h + 2 * h
+    s = sum(_gpt_fsdp2_units(n))
+    argv = ["memory", "--model", "gpt:2,16,40,32", "--dp", str(n), "--stage", "3"]
+    argv += ["--dtype", "bfloat16", "--accumulation", str(k)]
+    argv += ["--reduce-every-micro-batch"] if every else []
+    (row,) = run_json(capsys, *argv, "--json")["fsdp2"]
+    assert row["peak_accumulated_grads"] == (0 if every else 2 * psi)
+    assert (row["grads"], row["total"]) == (4 * s, 16 * s)
+    assert (row["accumulation"], row["reduce_every_micro_batch"]) == (k, every)
+    assert main(argv) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    if every:
+        assert last.endswith("; no unsharded gradient kept between the k = 3 micro-batches "
+                             "(reduce-scattered after every one)")  # fmt: skip
+    else:
+        assert last.endswith("between the k = 3 micro-batches (reduce-scattered at the last)")
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_memory_fsdp2_row_holds_what_an_engine_run_holds(every, capsys):
+    """zerosim compare's GPT (1 layer, h = 32, vocab 67, 16 positions) trained under FSDP2 at
+    N = 3 with k = 2 micro-batches, and zerosim memory's FSDP2 row for the same shapes: the
+    float32 gradient shard, 4 · Σ ceil(dim0 / 3) · rest, and the unsharded gradients kept
+    between micro-batches, Ψ · 4 bytes reduced at the last (Ψ = 12h² + 13h + 2·67·h + 16h + 2h),
+    none reduced after every one; the run measures each on every rank."""
+    n, k, h = 3, 2, 32
+    block, root = _gpt_shapes(h, 67, 16)
+    psi = 12 * h * h + 13 * h + 2 * 67 * h + 16 * h + 2 * h
+    flag = ["--reduce-every-micro-batch"] if every else []
+    argv = ["compare", "-n", str(n), "--stage", "3", "--schedule", "fsdp2", "--model", "gpt"]
+    run = run_json(capsys, *argv, "--steps", "1", "--accumulation", str(k), *flag, "--json")
+    (stage,) = run["stages"]
+    argv = ["memory", "--model", "gpt:1,32,67,16", "--dp", str(n), "--stage", "3"]
+    (row,) = run_json(capsys, *argv, "--dtype", "float32", "--accumulation", str(k), *flag,
+                      "--json")["fsdp2"]  # fmt: skip
+    want = 0 if every else 4 * psi
+    assert row["peak_accumulated_grads"] == want and stage["peak_accumulated_grads"] == [want] * n
+    grads = stage["memory"]["categories"].index("grads")
+    assert row["grads"] == 4 * _shard(block + root, n)
+    assert [measured[grads] for measured in stage["memory"]["measured"]] == [row["grads"]] * n
+
+
+def test_memory_refuses_accumulation_without_an_fsdp2_row(capsys):
+    """--accumulation changes FSDP2's row only: with --params it would change nothing."""
+    line = refusal(capsys, "memory", "--params", "1e6", "--dp", "4", "--accumulation", "2")
+    assert line == (
+        "zerosim memory: --accumulation changes FSDP2's row only (gradients kept between "
+        "micro-batches): it needs --model (FSDP2's row is built from its shapes), got --params"
+    )
+
+
 def test_the_report_functions_refuse_fsdp2_knobs_without_fsdp2():
     with pytest.raises(ValueError, match="reduce_every_micro_batch=True .* got shapes=None"):
         volume_data(1000, 4, 2, reduce_every_micro_batch=True)
+    with pytest.raises(ValueError, match="reduce_every_micro_batch=True .* got shapes=None"):
+        memory_data(1000, [4], ["3"], accumulation=2, reduce_every_micro_batch=True)
     with pytest.raises(ValueError, match="needs schedule 'fsdp2', got 'paper'"):
         stage_config("3", schedule="paper", fsdp2={"reduce_every_micro_batch": True})

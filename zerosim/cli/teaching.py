@@ -100,6 +100,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     dtype = _dtype(args)
     if (code := _model_params(args, "memory")) is not None:
         return code
+    if (code := _memory_fsdp2_refusal(args, stages)) is not None:
+        return code
     try:
         data = memory_data(
             args.params,
@@ -111,6 +113,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
             args.offload_param,
             numels=args.numels,
             shapes=args.shapes,
+            accumulation=args.accumulation,
+            reduce_every_micro_batch=args.reduce_every_micro_batch,
         )
     except ValueError as err:
         return refuse("memory", str(err))
@@ -126,18 +130,52 @@ def cmd_memory(args: argparse.Namespace) -> int:
         f"params {args.offload_param}",
         *_table(["N", *heads], rows, [6, 17, *[16] * (len(heads) - 1)]),
     ]
-    for row in data.get("fsdp2", []):  # --model and stage 3: FSDP2's dim-0 shards
-        gb = analysis.format_paper_gb(Fraction(row["total"]) / 10**9)
-        peak = analysis.format_paper_gb(Fraction(row["peak_gathered_params"]) / 10**9)
-        lines.append(
-            f"FSDP2 at N = {row['dp']}: {gb} GB (fp32 shards are the optimizer's weights), "
-            f"gathered peak {peak} GB (root + 2 blocks)"
-        )
+    lines += [_fsdp2_memory_line(row) for row in data.get("fsdp2", [])]
     _emit(args, data, "\n".join(lines))
     if args.plot:
         series = {heads[i]: [cell[n, s] for n in args.dp] for i, s in enumerate(stages)}
         plots.memory_vs_dp(args.dp, series, args.plot, f"Ψ = {args.params:.3g}, {dtype}")
     return 0
+
+
+def _memory_fsdp2_refusal(args: argparse.Namespace, stages: list[str]) -> int | None:
+    """``memory``'s ``--reduce-every-micro-batch`` and ``--accumulation`` change FSDP2's row only:
+    refused (exit code 2) where there is none (no ``--model``, or no stage 3)."""
+    missing = None
+    if not args.model:
+        missing = "needs --model (FSDP2's row is built from its shapes), got --params"
+    elif "3" not in stages:
+        missing = f"needs stage 3 (FSDP2's row is a stage-3 row), got --stage {' '.join(stages)}"
+    if (code := _reduce_every_refusal(args, "memory", missing)) is not None:
+        return code
+    if missing is not None and args.accumulation > 1:
+        return refuse(
+            "memory",
+            f"--accumulation changes FSDP2's row only (gradients kept between "
+            f"micro-batches): it {missing}",
+        )
+    return None
+
+
+def _fsdp2_memory_line(row: dict[str, Any]) -> str:
+    """``memory``'s FSDP2 line: its model states, gathered peak and, over k > 1 micro-batches,
+    the unsharded gradients kept between them (none when every micro-batch reduce-scatters)."""
+
+    def gb(key: str) -> str:
+        return analysis.format_paper_gb(Fraction(row[key]) / 10**9)
+
+    line = (
+        f"FSDP2 at N = {row['dp']}: {gb('total')} GB (fp32 shards are the optimizer's weights), "
+        f"gathered peak {gb('peak_gathered_params')} GB (root + 2 blocks)"
+    )
+    k = row["accumulation"]
+    if k == 1:
+        return line
+    if row["reduce_every_micro_batch"]:
+        kept, when = "no unsharded gradient kept", "after every one"
+    else:
+        kept, when = f"unsharded gradients kept {gb('peak_accumulated_grads')} GB", "at the last"
+    return f"{line}; {kept} between the k = {k} micro-batches (reduce-scattered {when})"
 
 
 def cmd_volume(args: argparse.Namespace) -> int:
@@ -544,6 +582,20 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     memory.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default="none")
     memory.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default="none")
+    memory.add_argument(
+        "--accumulation",
+        type=int_at_least(1),
+        default=1,
+        metavar="K",
+        help="micro-batches per optimizer step: the FSDP2 row's unsharded gradients kept "
+        "between them (needs --model and stage 3; default 1)",
+    )
+    memory.add_argument(
+        "--reduce-every-micro-batch",
+        action="store_true",
+        help=REDUCE_EVERY_HELP + ", so the FSDP2 row keeps no unsharded gradient between them "
+        "(needs --model, stage 3 and --accumulation K >= 2)",
+    )
     memory.add_argument(
         "--table1", action="store_true", help="print docs/table1.md (Table 1, Megatron's table)"
     )

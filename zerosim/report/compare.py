@@ -478,9 +478,9 @@ def _measured(
             "alpha_beta_s": _alpha_beta_time(last, fit),
         },
     }
-    if engine.strategy.stage == 3:
-        peak = [report["peak_gathered_params"]]
-        sections["peak_gathered_params"] = _gather(comm, peak, np.int64)[:, 0].tolist()
+    for key in ("peak_gathered_params", "peak_accumulated_grads"):  # stage 3; FSDP2's reducer
+        if key in report:
+            sections[key] = _gather(comm, [report[key]], np.int64)[:, 0].tolist()
     return sections
 
 
@@ -636,6 +636,9 @@ def _format_stage(row: dict[str, Any], precision: str) -> list[str]:
     if "peak_gathered_params" in row:
         peaks = ", ".join(f"{v:,}" for v in row["peak_gathered_params"])
         lines.append(f"  peak gathered parameters (bytes, per rank): {peaks}")
+    if "peak_accumulated_grads" in row:  # FSDP2: unsharded gradients kept between micro-batches
+        kept = ", ".join(f"{v:,}" for v in row["peak_accumulated_grads"])
+        lines.append(f"  unsharded gradients kept between micro-batches (bytes, per rank): {kept}")
     t = row["time"]
     predicted = "n/a" if t["alpha_beta_s"] is None else f"{t['alpha_beta_s'] * 1e3:.2f} ms"
     lines.append(

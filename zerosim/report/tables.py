@@ -81,13 +81,24 @@ def memory_data(
     offload_param: str = "none",
     numels: list[int] | None = None,
     shapes: list[tuple[str, tuple[int, ...]]] | None = None,
+    accumulation: int = 1,
+    reduce_every_micro_batch: bool = False,
 ) -> dict[str, Any]:
     """Bytes per rank by category for every (N, stage); what ``zerosim memory --json`` prints.
 
     With a model's parameter sizes (``numels``), stage 3 counts Ψ_pad as its partition pads
     it: every parameter cut into N chunks of ceil(numel/N) (``stage3_padded_numel``). With its
     named shapes too (``shapes``) and stage 3 asked for, ``fsdp2`` adds PyTorch FSDP2's rows
-    (``fsdp2_memory``)."""
+    (``fsdp2_memory``, for ``accumulation`` micro-batches, reduced after the last or after
+    every one); ``accumulation`` changes no other row."""
+    if accumulation < 1:
+        raise ValueError(f"accumulation must be >= 1 micro-batch, got {accumulation}")
+    if reduce_every_micro_batch and (shapes is None or "3" not in stages):
+        got = "shapes=None" if shapes is None else f"stages={stages!r}"
+        raise ValueError(
+            "reduce_every_micro_batch=True changes FSDP2's row only, which needs the model's "
+            f"shapes and stage 3, got {got}"
+        )
     offload = {"offload_optimizer": offload_optimizer, "offload_param": offload_param}
     rows = []
     for n in dp:
@@ -97,7 +108,8 @@ def memory_data(
             rows.append({"dp": n, "stage": s, **m.as_dict(), **m.split()})
     data = {"num_params": params, "dtype": dtype, "num_states": num_states, **offload}
     if shapes is not None and "3" in stages:
-        data["fsdp2"] = [fsdp2_memory(shapes, n, dtype, num_states) for n in dp]
+        every = {"accumulation": accumulation, "reduce_every_micro_batch": reduce_every_micro_batch}
+        data["fsdp2"] = [fsdp2_memory(shapes, n, dtype, num_states, **every) for n in dp]
     return {**data, "rows": rows}
 
 
@@ -117,17 +129,26 @@ def fsdp2_units(shapes: list[tuple[str, tuple[int, ...]]], world_size: int) -> l
 
 
 def fsdp2_memory(
-    shapes: list[tuple[str, tuple[int, ...]]], world_size: int, dtype: str, num_states: int
-) -> dict[str, int]:
+    shapes: list[tuple[str, tuple[int, ...]]],
+    world_size: int,
+    dtype: str,
+    num_states: int,
+    accumulation: int = 1,
+    reduce_every_micro_batch: bool = False,
+) -> dict[str, Any]:
     """FSDP2's bytes per rank: the sharded parameters, which are the optimizer's weights (fp32
     under a 16-bit ``dtype``, the param_dtype; else ``dtype``), their gradient shard and K_s
     states in the same dtype, S = Σ_u S_u elements of each; ``peak_gathered_params``: the root
     gathered for the whole pass plus the largest block and the one prefetched beside it, N · b
-    per element of param_dtype."""
+    per element of param_dtype; ``peak_accumulated_grads``: the unsharded gradients kept between
+    the k micro-batches when only the last reduce-scatters, Ψ · b in reduce_dtype (= param_dtype),
+    and none with one micro-batch or ``reduce_every_micro_batch``, where each micro-batch's rows
+    are added into the gradient shard."""
     b = resolve_dtype(dtype).itemsize
     shard_b = 4 if b == 2 else b
     units = fsdp2_units(shapes, world_size)
     s = sum(units)
+    kept = accumulation > 1 and not reduce_every_micro_batch
     return {
         "dp": world_size,
         "padded_numel": world_size * s,
@@ -136,6 +157,9 @@ def fsdp2_memory(
         "optimizer_states": num_states * shard_b * s,
         "total": (2 + num_states) * shard_b * s,
         "peak_gathered_params": world_size * b * (units[-1] + 2 * max(units[:-1], default=0)),
+        "accumulation": accumulation,
+        "reduce_every_micro_batch": reduce_every_micro_batch,
+        "peak_accumulated_grads": b * sum(math.prod(shape) for _, shape in shapes) if kept else 0,
     }
 
 
