@@ -4,8 +4,10 @@
         [--shapes K] [--ranks 1 2] [--stages 0 3] [--schedules paper] [--dtypes fp32]
     python -m benchmarks.dryrun_host --faults     # the allocator model against ru_minflt
 
-First ``zerosim calibrate --ranks N`` measures this host for each N (microbenchmarks only, run on
-N ranks at once, as a step of N ranks runs); then for each row
+``zerosim calibrate --ranks N`` measures this host (microbenchmarks only, run on N ranks at
+once, as a step of N ranks runs) right before each model's rows at each N, so that a machine
+whose speed drifts over the grid's minutes is measured close to the steps it predicts; then for
+each row
 of the grid (GPT from about 1M to about 50M parameters; stages 0-3; the paper's and DeepSpeed's
 schedules; fp32 and bf16; micro-batch 4; N = 1 and 2 judged, N = 4 reported, as it oversubscribes
 two cores) ``zerosim train --json`` runs under ``mpirun -n N`` and ``zerosim dryrun --cluster
@@ -273,17 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     rows, hosts = [], {}
     only = {k: getattr(args, k) for k in ("ranks", "stages", "schedules", "dtypes")}
     for row in grid(args.quick, args.shapes, only):
-        n = row[1]
-        if n not in hosts:  # each N its own calibration: its ranks measured side by side
-            hosts[n] = Path(args.host) if args.host else tmp / f"host-{n}.json"
+        model, n = row[:2]
+        if (model, n) not in hosts:  # calibrated right before each model's rows at each N
+            hosts[model, n] = Path(args.host) if args.host else tmp / f"host-{len(hosts)}.json"
             if not args.host:
-                calibrate(hosts[n], n)
-        rows.append(run_row(*row, args, tmp, hosts[n]))
+                calibrate(hosts[model, n], n)
+        rows.append(run_row(*row, args, tmp, hosts[model, n]))
         print(row_line(rows[-1]), flush=True)
     print(f"\n{summary(rows)}")
-    if args.json:  # the rows, then each N's calibration as a row of its own
+    if args.json:  # the rows, then each calibration as a row of its own
         host_rows = [
-            {"kind": "host", "ranks": n, **json.loads(h.read_text())} for n, h in hosts.items()
+            {"kind": "host", "model": model, "ranks": n, **json.loads(h.read_text())}
+            for (model, n), h in hosts.items()
         ]
         Path(args.json).write_text(json.dumps([*rows, *host_rows], indent=1))
     return 0

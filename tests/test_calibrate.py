@@ -14,6 +14,7 @@ from zerosim.dryrun import dry_run, load_cluster_model
 from zerosim.dryrun.calibrate import fit_alpha_bandwidth
 from zerosim.dryrun.host import numpy_hugepages
 from zerosim.dryrun.timeline import CLUSTER_KEYS, HOST_KEYS
+from zerosim.meta.tracker import RATE_CLASSES
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,14 @@ def test_quick_calibration_writes_a_cluster_file_the_dry_run_loads(host):
         assert spec[key] > 0, key
     for key in seconds:  # a call and a fresh page: microseconds, not milliseconds
         assert 0 < spec[key] < 1e-2, key
+    # a call's time by its size for every rate class: 1 element is its fixed cost, 1 Mi
+    # elements (4 MiB and more of cold operands) take far longer
+    table = spec["elementwise_by_size"]
+    assert sorted(table) == sorted(RATE_CLASSES)
+    for rate, points in table.items():
+        sizes = [b for b, _ in points]
+        assert sizes == sorted(sizes) and len(sizes) == 4, rate
+        assert points[-1][1] > 10 * points[0][1], rate
     intensities = [x for x, _ in spec["matmul_by_intensity"]]
     assert intensities == sorted(intensities) and len(intensities) >= 4
     assert spec["measurements"]["faults"]["pages"] >= 16_384  # 64 MiB of 4 KiB pages

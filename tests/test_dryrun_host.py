@@ -228,3 +228,112 @@ def test_copies_are_counted_as_operations_with_the_bytes_they_read_and_write():
         x[xp.zeros((3,), np.int64)]  # a fancy index: 3 rows of 16 bytes, read and written
     assert tracker.ops == {"astype": 1, "copy": 1, "setitem": 1, "concatenate": 1, "getitem": 1}
     assert tracker.op_bytes == (128 + 256) + 256 + 32 + 512 + 96
+
+
+def test_each_operation_has_the_rate_class_of_the_dtypes_it_reads_and_writes():
+    """NumPy's own dtypes run its loops ("native"); bfloat16 arithmetic runs ml_dtypes' loops
+    ("bf16"), a cast into bfloat16 "to_bf16", reading bfloat16 into a NumPy dtype (a cast up,
+    or an operand NumPy casts before its own loop) "from_bf16"; a copy within bfloat16 is
+    NumPy's copy."""
+    import numpy as np
+    from ml_dtypes import bfloat16
+
+    from zerosim import meta
+
+    xp = meta.NAMESPACE
+    seen = []
+    with meta.tracking(backend="numpy") as tracker:
+        tracker.listeners.append(lambda kind, _, __: kind == "op" and seen.append(tracker.op_class))
+        a, b = xp.zeros((4,), np.float32), xp.zeros((4,), np.float32).astype(bfloat16)
+        seen.clear()
+        _ = a + a, b + b, a.astype(bfloat16), b.astype(np.float32), b * a, b.copy()
+        _ = xp.sum(b), xp.sum(b, dtype=np.float32), xp.sqrt(b)
+        a[:2] = b[:2]  # bfloat16 read into float32
+        b[:2] = a[:2]  # float32 written into bfloat16
+    assert seen == [
+        *("native", "bf16", "to_bf16", "from_bf16", "from_bf16", "native"),
+        *("bf16", "from_bf16", "bf16"),
+        *("from_bf16", "to_bf16"),
+    ]
+    # NumPy's own result dtypes, which the classes follow
+    x, y = np.zeros(4, np.float32), np.zeros(4, bfloat16)
+    assert ((x * y).dtype, (y + y).dtype, y.sum().dtype) == (np.float32, bfloat16, bfloat16)
+
+
+def test_element_wise_calls_priced_by_their_size_and_rate_class_by_hand():
+    """A host that measured calls by size: a call between two measured sizes is the line
+    between them, below the smallest the smallest's time, beyond the largest its bytes at
+    the largest's rate; a class the file lacks is priced as native; a stretch's calls each at
+    their bin's mean size."""
+    host = ClusterModel(
+        Cluster(1, 1, 1e9, 1e9, 1e-5, 1e-5, 1e11),
+        backend="numpy",
+        memory_bandwidth=1e9,
+        op_overhead_s=1e-6,
+        elementwise_by_size=(
+            ("native", ((100, 2e-6), (1100, 4e-6), (10_100, 1e-5))),
+            ("bf16", ((100, 5e-6), (10_100, 1e-4))),
+        ),
+    )
+    assert host.elementwise_call_seconds("native", 50) == 2e-6
+    assert host.elementwise_call_seconds("native", 600) == pytest.approx(3e-6)
+    assert host.elementwise_call_seconds("native", 20_200) == pytest.approx(2e-5)
+    assert host.elementwise_call_seconds("bf16", 5_100) == pytest.approx(5e-6 + 0.5 * 95e-6)
+    assert host.elementwise_call_seconds("to_bf16", 600) == pytest.approx(3e-6)
+    sizes = {("native", 10): [2, 1200], ("bf16", 13): [1, 5_100], ("to_bf16", 7): [4, 400]}
+    by_hand = 2 * 3e-6 + (5e-6 + 0.5 * 95e-6) + 4 * 2e-6
+    step = simulate([("elementwise", (7, 6_700, sizes))], [], host)
+    assert step.step_s == pytest.approx(by_hand)
+    # without the sizes (an older trace) or the table: a call's fixed cost, bytes at bandwidth
+    assert simulate([("elementwise", (7, 6_700))], [], host).step_s == pytest.approx(
+        7 * 1e-6 + 6_700 / 1e9
+    )
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"bf16": [[1, 1e-6]]}, "must give 'native'"),
+        ({"native": [[1, 1e-6]], "fp8": [[1, 1e-6]]}, "got \\['native', 'fp8'\\]"),
+        ({"native": [[10, 1e-6], [5, 2e-6]]}, "elementwise_by_size\\['native'\\] must be"),
+        ({"native": [[10, 0]]}, "positive seconds, got \\(\\(10, 0\\),\\)"),
+    ],
+)
+def test_a_malformed_elementwise_table_is_refused_naming_the_class(tmp_path, table, message):
+    spec = {
+        "nodes": 1, "devices_per_node": 1, "intra_bandwidth": 1e10, "inter_bandwidth": 1e10,
+        "intra_latency": 1e-5, "inter_latency": 1e-5, "device_flops": 1e11, "backend": "numpy",
+        "elementwise_by_size": table, "measurements": {},
+    }  # fmt: skip
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=message):
+        load_cluster_model(path)
+
+
+def test_a_dry_runs_stretches_count_each_call_by_rate_class_and_size():
+    """The trace's element-wise events bin every call by (rate class, bytes' bit length); the
+    bins add up to the event's calls and bytes, and a bf16 run has bf16 classes where the fp32
+    run of the same model has only native calls."""
+    classes = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2},
+        }
+        if dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        runs, _ = run_world(
+            recipe("gpt:1,32,80,16,2"), 1, cfg, steps=2, backend="numpy", op_events=True
+        )
+        stretches = [v for k, v in runs[0][1].events if k == "elementwise"]
+        assert stretches
+        for calls, nbytes, sizes in stretches:
+            assert sum(c for c, _ in sizes.values()) == calls
+            assert sum(b for _, b in sizes.values()) == nbytes
+            for (_, bits), (c, b) in sizes.items():  # a bin's mean size is in its range
+                assert 2 ** (bits - 1) <= b / c < 2**bits or b == 0
+        classes[dtype] = {rate for v in stretches for rate, _ in v[2]}
+    assert classes["fp32"] == {"native"}
+    assert {"bf16", "to_bf16", "from_bf16"} <= classes["bf16"]

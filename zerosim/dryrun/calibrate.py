@@ -24,10 +24,13 @@ step: operands too large for the cache where they would be, a fresh output for e
 
 from __future__ import annotations
 
+import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -204,6 +207,57 @@ def measure_elementwise(budget_s: float, sizes: list[int] | None = None) -> list
     return rows
 
 
+# elements of the calls ``measure_elementwise_by_size`` times: one element to 16 MiB of float32
+# (a larger output is above glibc's 32 MiB mmap ceiling: a fresh mapping, its pages first
+# touched by every call, which the dry run prices apart as fresh pages)
+CALL_SIZES = [1, 2**4, 2**8, 2**10, 2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
+QUICK_CALL_SIZES = [1, 2**10, 2**16, 2**20]
+
+
+def measure_elementwise_by_size(budget_s: float, sizes: list[int] | None = None) -> dict:
+    """{rate class: [[bytes, seconds], …]}: one call's CPU seconds at each size, for each rate
+    class the dry run's tracker tells apart (``meta.rate_class``): "native" float32 ``a + b``
+    (3·4·n bytes), "bf16" ``x + x`` in bfloat16 (3·2·n), "to_bf16" ``a.astype(bfloat16)`` and
+    "from_bf16" ``x.astype(float32)`` (4·n + 2·n each). In a step's conditions: a fresh output
+    each call (NumPy's allocation with it) and cold operands, each call taking the next of
+    enough copies to overflow the last-level cache (``cold_copies``), as a step reads what it
+    wrote long before. From one element, where a call is its fixed cost, to 16 MiB, where it is
+    the memory's bandwidth. With ``side_by_side`` each rank measures while the others run the
+    same call."""
+    table: dict[str, list] = {"native": [], "bf16": [], "to_bf16": [], "from_bf16": []}
+    for n in sizes or CALL_SIZES:
+        for rate, (call, nbytes) in _cold_calls(n).items():
+            table[rate].append([nbytes, seconds_per_call(call, budget_s)])
+    return table
+
+
+def _cold_calls(n: int) -> dict[str, tuple[Callable[[], Any], int]]:
+    """{rate class: (a call on n elements, the bytes it reads and writes)}, each call on the
+    next of ``cold_copies`` operands."""
+    from ml_dtypes import bfloat16  # noqa: PLC0415
+
+    a = [np.ones(n, np.float32) for _ in range(cold_copies(8 * n))]
+    cold_a, cold_x = itertools.cycle(a), itertools.cycle([v.astype(bfloat16) for v in a])
+    return {
+        "native": (lambda: np.add(next(cold_a), next(cold_a)), 12 * n),
+        "bf16": (lambda: np.add(next(cold_x), next(cold_x)), 6 * n),
+        "to_bf16": (lambda: next(cold_a).astype(bfloat16), 6 * n),
+        "from_bf16": (lambda: next(cold_x).astype(np.float32), 6 * n),
+    }
+
+
+def cold_copies(nbytes: int) -> int:
+    """How many copies of operands of ``nbytes`` a benchmark cycles through so that each call
+    finds its operands out of the cache: twice the last-level cache's bytes (Linux's
+    ``cache/index3/size``; 64 MiB where the system does not say), at least 2, at most 4,096."""
+    try:
+        size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        cache = int(size.rstrip("K")) << 10 if size.endswith("K") else int(size)
+    except (OSError, ValueError):
+        cache = 32 << 20
+    return max(2, min(4096, -(-2 * cache // max(nbytes, 1))))
+
+
 def measure_op_overhead(budget_s: float) -> float:
     """Seconds of one ufunc call on one-element arrays (``out=`` given): a call's fixed cost."""
     a, out = np.ones(1, np.float32), np.empty(1, np.float32)
@@ -311,7 +365,6 @@ def cluster_file(
     extra = {key: host[key] for key in HOST_RATES if host.get(key) is not None}
     if "batched" in host:
         extra["matmul_by_intensity"] = matmul_by_intensity(matmul, host["batched"])
-    import os  # noqa: PLC0415
     import platform  # noqa: PLC0415
 
     alpha, bandwidth = fit_alpha_bandwidth(collectives, ranks) if ranks > 1 else (1e-6, 1e10)
@@ -327,7 +380,8 @@ def cluster_file(
         "MPIComm collectives; device_memory_bytes the RAM shared by the ranks; "
         "call_overhead_s one of zerosim's own Python calls, page_fault_s and hugepage_fault_s "
         "the first touch of a fresh 4 KiB / 2 MiB page, matmul_by_intensity the products' rate "
-        "by FLOP per byte",
+        "by FLOP per byte, elementwise_by_size one element-wise call's seconds by its bytes for "
+        "each rate class (NumPy's float32 loops, bfloat16's, the casts into and out of it)",
         "backend": "numpy",
         "nodes": 1,
         "devices_per_node": ranks,
@@ -351,7 +405,13 @@ def cluster_file(
 
 
 # the rates measure_host writes as they are
-HOST_RATES = ("call_overhead_s", "page_fault_s", "hugepage_fault_s", "one_rank_collective_s")
+HOST_RATES = (
+    "call_overhead_s",
+    "page_fault_s",
+    "hugepage_fault_s",
+    "one_rank_collective_s",
+    "elementwise_by_size",
+)
 
 
 def measure_compute(budget_s: float, quick: bool = False) -> dict[str, Any]:
@@ -362,7 +422,12 @@ def measure_compute(budget_s: float, quick: bool = False) -> dict[str, Any]:
         "matmul": measure_matmul(budget_s, GPT_SHAPES[:2] + [(256, 256, 256)] if quick else None),
         "elementwise": measure_elementwise(budget_s, [2**20, 2**22] if quick else None),
         "op_overhead_s": measure_op_overhead(budget_s),
-        "host": measure_host(budget_s, quick),
+        "host": {
+            **measure_host(budget_s, quick),
+            "elementwise_by_size": measure_elementwise_by_size(
+                budget_s, QUICK_CALL_SIZES if quick else None
+            ),
+        },
     }
 
 

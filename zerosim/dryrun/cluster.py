@@ -52,7 +52,9 @@ HOST_KEYS = (
     "hugepage_fault_s",  # the first touch of a fresh 2 MiB huge page
     "matmul_by_intensity",  # [[FLOP per byte, FLOP/s], …]: a product's rate by its intensity
     "one_rank_collective_s",  # a collective on a group of one rank: its fixed cost
+    "elementwise_by_size",  # {rate class: [[bytes, seconds], …]}: one call's time by its size
 )
+DICT_KEYS = ("elementwise_by_size",)  # a rate whose value is itself a dict
 HOST_SECONDS = (
     "op_overhead_s",
     "call_overhead_s",
@@ -99,6 +101,8 @@ class ClusterModel:
     hugepage_fault_s: float | None = None
     one_rank_collective_s: float | None = None  # None: a one-rank collective costs its copy
     matmul_by_intensity: tuple[tuple[float, float], ...] = ()  # (): every product at the peak
+    # ((rate class, ((bytes, seconds), …)), …): a call's measured time by its bytes
+    elementwise_by_size: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
 
     @property
     def prices_elementwise(self) -> bool:
@@ -143,6 +147,7 @@ class ClusterModel:
                 "matmul_by_intensity must be [[FLOP per byte, FLOP/s], …] with increasing "
                 f"positive intensities and positive rates, got {points!r}"
             )
+        _check_elementwise_by_size(self.elementwise_by_size)
         sizes = [s for s, _ in self.bus_efficiency_by_size]
         if sizes != sorted(set(sizes)) or not all(
             _positive(s) and _positive(f) and f <= 1 for s, f in self.bus_efficiency_by_size
@@ -181,6 +186,22 @@ class ClusterModel:
                 return r0 + math.log(x / x0) / math.log(x1 / x0) * (r1 - r0)
         return points[-1][1]
 
+    def elementwise_call_seconds(self, rate: str, nbytes: float) -> float:
+        """A host's seconds of one element-wise call of rate class ``rate`` (``meta.rate_class``)
+        moving ``nbytes``, from ``elementwise_by_size``: linear in bytes between the two
+        measured sizes around it (a fixed cost plus bytes at that range's rate), the smallest
+        call's time below them, the largest one's rate beyond; a class not measured is priced
+        as "native"."""
+        table = dict(self.elementwise_by_size)
+        points = table.get(rate) or table["native"]
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (b0, t0), (b1, t1) in zip(points, points[1:], strict=False):
+            if nbytes <= b1:
+                return t0 + (nbytes - b0) / (b1 - b0) * (t1 - t0)
+        last_bytes, last_seconds = points[-1]
+        return nbytes * last_seconds / last_bytes
+
     def for_dtype(self, model_dtype: str) -> ClusterModel:
         """The cluster as a run in ``model_dtype`` sees it: a float32 run's matrix products at the
         fp32 peak (``device_flops_fp32``, where the file gives it); 16-bit runs, whose products
@@ -197,6 +218,29 @@ class ClusterModel:
         """The same nodes, as many as ``world_size`` ranks need."""
         nodes = -(-world_size // self.cluster.devices_per_node)
         return replace(self, cluster=replace(self.cluster, nodes=nodes))
+
+
+def _check_elementwise_by_size(table: tuple) -> None:
+    """``elementwise_by_size``: a "native" class, each class's sizes increasing and positive,
+    its seconds positive."""
+    from zerosim.meta.tracker import RATE_CLASSES  # noqa: PLC0415
+
+    classes = [c for c, _ in table]
+    if table and ("native" not in classes or not set(classes) <= set(RATE_CLASSES)):
+        raise ValueError(
+            f"elementwise_by_size must give 'native' and only {list(RATE_CLASSES)}, got {classes}"
+        )
+    for rate, points in table:
+        sizes = [b for b, _ in points]
+        if (
+            not points
+            or sizes != sorted(set(sizes))
+            or not all(_positive(b) and _positive(t) for b, t in points)
+        ):
+            raise ValueError(
+                f"elementwise_by_size[{rate!r}] must be [[bytes, seconds], …] with increasing "
+                f"positive sizes and positive seconds, got {points!r}"
+            )
 
 
 def _positive(value: Any) -> bool:
@@ -254,7 +298,7 @@ def _values(spec: dict[str, Any]) -> dict[str, Any]:
     values = {}
     for key in (k for k in rates if k in spec):
         entry = spec[key]
-        if isinstance(entry, dict):
+        if isinstance(entry, dict) and (key not in DICT_KEYS or "source" in entry):
             if not isinstance(entry.get("source"), str) or not entry["source"].strip():
                 raise ValueError(f"{key!r} has no 'source' (where it was read, quoted)")
             if "value" not in entry:
@@ -303,4 +347,8 @@ def _model(values: dict[str, Any], name: str) -> ClusterModel:
         kernel_launch_s=values.get(KERNEL_KEY),
         **{key: values.get(key) for key in HOST_SECONDS},
         matmul_by_intensity=tuple(tuple(p) for p in values.get("matmul_by_intensity", ())),
+        elementwise_by_size=tuple(
+            (rate, tuple(tuple(p) for p in points))
+            for rate, points in values.get("elementwise_by_size", {}).items()
+        ),
     )

@@ -319,24 +319,37 @@ def _event_writer(events: list, tracker: meta.Tracker, memory: bool, ops: bool) 
             products[key] = products.get(key, 0) + 1
         elif kind == "op":
             if ops:
-                _add_elementwise(events, amount)
+                _add_elementwise(events, amount, tracker.op_class)
         elif memory:
             events.append(("memory", tracker.live_total))
 
     return write
 
 
-def _add_elementwise(events: list, nbytes: int) -> None:
-    """One operation of ``nbytes`` into the elementwise event of the stretch since the last
-    collective event (the one before a compute event, or a new one)."""
+def _add_elementwise(events: list, nbytes: int, rate: str) -> None:
+    """One operation of ``nbytes`` and rate class ``rate`` into this stretch's elementwise
+    event: ("elementwise", (operations, bytes, sizes)), ``sizes`` the same counts by rate class
+    and size, {(rate class, bytes' bit length): [operations, bytes]}, what a host prices."""
+    i = _stretch_elementwise(events)
+    if i is None:
+        events.append(("elementwise", (0, 0, {})))
+        i = -1
+    count, total, sizes = events[i][1]
+    events[i] = ("elementwise", (count + 1, total + nbytes, sizes))
+    tally = sizes.setdefault((rate, nbytes.bit_length()), [0, 0])
+    tally[0] += 1
+    tally[1] += nbytes
+
+
+def _stretch_elementwise(events: list) -> int | None:
+    """The index of the elementwise event of the stretch since the last collective event (the
+    last event, or the one before a compute event), or None."""
     for i in (-1, -2):
         if len(events) < -i or events[i][0] not in ("compute", "elementwise"):
-            break
+            return None
         if events[i][0] == "elementwise":
-            count, total = events[i][1]
-            events[i] = ("elementwise", (count + 1, total + nbytes))
-            return
-    events.append(("elementwise", (1, nbytes)))
+            return i
+    return None
 
 
 def classes_of(keys: list[tuple]) -> list[list[int]]:

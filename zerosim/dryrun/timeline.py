@@ -173,12 +173,21 @@ def compute_seconds(model: ClusterModel, products: Any) -> float:
     return seconds / model.software_factor
 
 
-def elementwise_seconds(model: ClusterModel, operations: int, nbytes: int) -> float:
-    """Seconds of ``operations`` array calls moving ``nbytes``: each call's fixed cost plus the
-    bytes at the memory bandwidth, where the cluster file gives them (``HOST_KEYS``), or on a
-    GPU as kernels (``kernel_seconds``)."""
+def elementwise_seconds(
+    model: ClusterModel, operations: int, nbytes: int, sizes: dict | None = None
+) -> float:
+    """Seconds of ``operations`` array calls moving ``nbytes``: on a GPU as kernels
+    (``kernel_seconds``); on a host that measured calls by size (``elementwise_by_size``) each
+    call at its own size and rate class (``sizes``: {(rate class, bytes' bit length):
+    [calls, bytes]}, a bin's calls at their mean size); else each call's fixed cost plus the
+    bytes at the memory bandwidth, where the cluster file gives them (``HOST_KEYS``)."""
     if model.prices_kernels:
         return kernel_seconds(model, operations, nbytes)
+    if model.elementwise_by_size and sizes:
+        return sum(
+            calls * model.elementwise_call_seconds(rate, total / calls)
+            for (rate, _), (calls, total) in sizes.items()
+        )
     fixed = operations * (model.op_overhead_s or 0.0)
     return fixed + (nbytes / model.memory_bandwidth if model.memory_bandwidth else 0.0)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.meta.tracker import Storage, current, values
+from zerosim.meta.tracker import Storage, current, rate_class, values
 
 DEVICE = "meta"
 
@@ -156,7 +156,8 @@ def _is_mask(k: Any) -> bool:
 def _copied(kind: str, source: Any, result: Any) -> Any:
     """``result``, a copy of ``source``'s elements, counted as one operation of ``kind`` that
     reads ``source`` and writes ``result`` (what a host's time model prices)."""
-    current().op(kind, source.nbytes + result.nbytes)
+    rate = rate_class([source.dtype], result.dtype, copy=True)
+    current().op(kind, source.nbytes + result.nbytes, rate)
     return result
 
 
@@ -401,8 +402,10 @@ class MetaArray:
         key = self._key(key)
         target = self._advanced_shape(key) if self._is_advanced(key) else self._basic(key).shape
         np.broadcast_shapes(shape_of(value), target)  # NumPy's error when they do not fit
-        read = value.nbytes if isinstance(value, MetaArray | np.ndarray) else 0
-        current().op("setitem", math.prod(target) * self.itemsize + read)  # a copy into self
+        arrays = [value.dtype] if isinstance(value, MetaArray | np.ndarray) else []
+        read = value.nbytes if arrays else 0
+        rate = rate_class(arrays, self.dtype, copy=True)
+        current().op("setitem", math.prod(target) * self.itemsize + read, rate)  # a copy in
         self.value = None
 
     # -- values ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.meta.array import MetaArray, broadcast_shapes, probe, result_dtype, shape_of
-from zerosim.meta.tracker import current, values
+from zerosim.meta.tracker import current, rate_class, values
 
 _TESTS = {np.isfinite: False, np.isnan: True, np.isinf: True}  # the answer when overflow is True
 _LOGICAL = {np.logical_and: all, np.logical_or: any}
@@ -56,11 +56,17 @@ def _nbytes(*operands: Any) -> int:
     return sum(x.nbytes for x in operands if isinstance(x, MetaArray | np.ndarray))
 
 
+def _dtypes(*operands: Any) -> list[np.dtype]:
+    """The dtypes of the array operands (scalars: none)."""
+    return [x.dtype for x in operands if isinstance(x, MetaArray | np.ndarray)]
+
+
 def _joined(kind: str, sources: list, result: Any) -> Any:
     """``result``, made by copying elements (``sources`` read, or as many as it holds when
     none are given), counted as one operation of ``kind`` (what a host's time model prices)."""
     read = _nbytes(*sources) if sources else result.nbytes
-    current().op(kind, read + result.nbytes)
+    rate = rate_class(_dtypes(*sources), result.dtype, copy=True)
+    current().op(kind, read + result.nbytes, rate)
     return result
 
 
@@ -159,7 +165,8 @@ class MetaNamespace:
                 kinds = tuple(probe(x) for x in operands)
                 dtype = result_dtype(fn, kinds, tuple(sorted(kw.items())))
             result = MetaArray(shape, dtype, value=self._known(fn, operands))
-        current().op(fn.__name__, _nbytes(*operands) + result.nbytes)  # read and written
+        rate = rate_class(_dtypes(*operands), result.dtype)
+        current().op(fn.__name__, _nbytes(*operands) + result.nbytes, rate)  # read and written
         return result
 
     @staticmethod
@@ -187,10 +194,10 @@ class MetaNamespace:
 
     # -- reductions --------------------------------------------------------------------------
     def _reduce(self, fn: Any, x: Any, axis: Any, keepdims: bool, dtype: Any = None) -> MetaArray:
-        current().op(fn.__name__, _nbytes(x))
         shape = _reduced(shape_of(x), axis, keepdims)
         kw = () if dtype is None else (("dtype", np.dtype(dtype)),)
         rdtype = result_dtype(fn, (probe(x),), kw)
+        current().op(fn.__name__, _nbytes(x), rate_class(_dtypes(x), rdtype))
         value = None
         known = getattr(x, "value", None)
         if fn in (np.all, np.any) and known is not None:
@@ -222,11 +229,10 @@ class MetaNamespace:
         return MetaArray(_reduced(shape, axis, keepdims), np.int64, value=counted)
 
     def vecdot(self, a: Any, b: Any, axis: int = -1) -> MetaArray:
-        current().op("vecdot", _nbytes(a, b))
         shape = broadcast_shapes(shape_of(a), shape_of(b))
-        return MetaArray(
-            _reduced(shape, axis, False), result_dtype(np.vecdot, (probe(a), probe(b)))
-        )
+        dtype = result_dtype(np.vecdot, (probe(a), probe(b)))
+        current().op("vecdot", _nbytes(a, b), rate_class(_dtypes(a, b), dtype))
+        return MetaArray(_reduced(shape, axis, False), dtype)
 
     # -- matrix products ---------------------------------------------------------------------
     def matmul(self, a: Any, b: Any, out: Any = None, **_: Any) -> MetaArray:
@@ -313,7 +319,7 @@ class MetaNamespace:
 
     # -- writes ------------------------------------------------------------------------------
     def copyto(self, dst: MetaArray, src: Any, **_: Any) -> None:
-        current().op("copyto", 2 * _nbytes(dst))
+        current().op("copyto", 2 * _nbytes(dst), rate_class(_dtypes(src), dst.dtype, copy=True))
         _write(dst, shape_of(src))
 
     def kernel(self, *arrays: Any) -> None:
@@ -326,7 +332,7 @@ class MetaNamespace:
         """CuPy's ``cupyx.scipy.special.erfc``: one element-wise kernel (read x, write the
         result) where the run stands for a GPU (``nn.functional.erfc``)."""
         result = MetaArray(shape_of(x), x.dtype)
-        current().op("erfc", _nbytes(x) + result.nbytes)
+        current().op("erfc", _nbytes(x) + result.nbytes, rate_class(_dtypes(x), x.dtype))
         return result
 
     def fused_matmul_kernel(self, flops: int, nbytes: int) -> None:
@@ -341,7 +347,8 @@ class MetaNamespace:
         """NumPy's ``np.add.at(target, indices, values)``: in place, nothing allocated."""
         rows = shape_of(indices)
         broadcast_shapes(shape_of(values), (*rows, *target.shape[1:]))
-        current().op("add_at", 3 * _nbytes(values))  # values read, their rows read and written
+        rate = rate_class(_dtypes(values), target.dtype)
+        current().op("add_at", 3 * _nbytes(values), rate)  # values read, rows read and written
         target.value = None
 
     # -- dtypes ------------------------------------------------------------------------------

@@ -48,9 +48,10 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 CATEGORIES = (
     "parameters",
@@ -130,6 +131,7 @@ class Tracker:
         self.storage = 0  # id() of the storage being allocated or freed, while notified
         self.ops: dict[str, int] = {}  # array operations by kind (module docstring)
         self.op_bytes = 0  # the bytes they read and wrote
+        self.op_class = "native"  # the rate class of the operation being notified
         # called as listener(kind, amount, category) for "alloc", "free" and "matmul" events,
         # and listener("op", bytes, operation kind) for each array operation
         self.listeners: list[Callable[[str, int, str], None]] = []
@@ -162,10 +164,12 @@ class Tracker:
         for listener in self.listeners:
             listener("matmul", flops, "")
 
-    def op(self, kind: str, nbytes: int = 0) -> None:
-        """Count one array operation of ``kind`` that reads and writes ``nbytes``."""
+    def op(self, kind: str, nbytes: int = 0, rate: str = "native") -> None:
+        """Count one array operation of ``kind`` that reads and writes ``nbytes``, of the rate
+        class ``rate`` (``rate_class``)."""
         self.ops[kind] = self.ops.get(kind, 0) + 1
         self.op_bytes += nbytes
+        self.op_class = rate
         for listener in self.listeners:
             listener("op", nbytes, kind)
 
@@ -185,6 +189,30 @@ class Tracker:
             "ops": dict(self.ops),
             "op_bytes": self.op_bytes,
         }
+
+
+# How fast a host runs an element-wise call depends on the dtypes it touches. NumPy's own
+# dtypes run NumPy's loops ("native"); ml_dtypes' types (bfloat16, float8) are user-defined
+# dtypes that NumPy runs element by element through ml_dtypes' functions: arithmetic in one
+# ("bf16", about 10× slower a byte than float32's), a cast into one from a NumPy dtype
+# ("to_bf16") and reading one into a NumPy dtype, a cast up or an operand cast first
+# ("from_bf16"). A copy within one dtype is NumPy's copy ("native").
+RATE_CLASSES = ("native", "bf16", "to_bf16", "from_bf16")
+
+
+def rate_class(sources: Iterable[Any], result: Any, copy: bool = False) -> str:
+    """The rate class (``RATE_CLASSES``) of an operation reading the dtypes ``sources`` and
+    writing ``result``'s dtype; ``copy``: it moves elements without arithmetic (a cast, a
+    copy, a write through an index)."""
+    emulated_in = any(_emulated(d) for d in sources)
+    if _emulated(result):
+        return "native" if copy and emulated_in else "to_bf16" if copy else "bf16"
+    return "from_bf16" if emulated_in else "native"
+
+
+def _emulated(dtype: Any) -> bool:
+    """Whether ``dtype`` is a user-defined NumPy dtype (ml_dtypes' bfloat16 and float8)."""
+    return getattr(dtype, "isbuiltin", 1) == 2
 
 
 class Storage:
