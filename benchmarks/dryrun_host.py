@@ -62,6 +62,7 @@ REPORTED_RANKS = (4,)
 CPU_SHARE = 0.9  # a step is kept when every rank got this share of its wall time as CPU time
 WARMUP_STEPS = 2  # zerosim train's: the first two steps are left out
 SLOW_STEP_S = 0.1
+SETTLED = 0.10  # a row is judged when calibrations before and after its group agree this well
 TARGETS = {True: 0.15, False: 0.25}  # step ≥ SLOW_STEP_S: ±15%, faster: ±25%
 
 
@@ -193,14 +194,44 @@ def run_row(model: str, n: int, stage: int, schedule: str, dtype: str, args, tmp
     }  # fmt: skip
 
 
+def settle(rows: list[dict], before: Path, tmp: Path) -> None:
+    """Calibrate again after a group of rows (one model at one N) and predict each of its rows
+    from that calibration too: this machine's speed drifts over minutes (the same
+    microbenchmarks have moved by half in half an hour), so a row whose two predictions differ
+    by more than ``SETTLED`` ran while the machine changed under it. It is reported with its
+    drift, not judged, as a row whose steps were all dropped."""
+    last = rows[-1]
+    group = [r for r in rows if (r["model"], r["ranks"]) == (last["model"], last["ranks"])]
+    after = before.with_name(before.stem + "-after.json")
+    calibrate(after, last["ranks"])
+    for r in group:
+        cfg = tmp / f"stage{r['stage']}_{r['schedule']}_{r['dtype']}.json"
+        r["predicted_after_s"] = predict(r["model"], r["ranks"], cfg, after)["step_s"]
+        r["drift"] = r["predicted_after_s"] / r["predicted_s"] - 1
+        if r["within"] is not None and abs(r["drift"]) > SETTLED:
+            r["within"], r["unsettled"] = None, True
+    drifts = [r["drift"] for r in group]
+    unsettled = [
+        f"stage {r['stage']} {r['schedule']} {r['dtype']}" for r in group if r.get("unsettled")
+    ]
+    print(
+        f"calibrated again after {last['model']} at N = {last['ranks']}: its predictions moved by "
+        f"{min(drifts):+.0%} to {max(drifts):+.0%}; not judged (drift over ±{SETTLED:.0%}): "
+        f"{', '.join(unsettled) or 'none'}",
+        flush=True,
+    )
+
+
 def summary(rows: list[dict]) -> str:
     judged = [r for r in rows if r["within"] is not None]
     inside = sum(r["within"] for r in judged)
+    unsettled = sum(bool(r.get("unsettled")) for r in rows)
     dropped = sum(r["dropped"] for r in rows)
     steps = dropped + sum(r["kept"] for r in rows)
     loads = [r["load"] for r in rows]
     return (
-        f"{inside} of {len(judged)} judged rows within target; {dropped} of {steps} timed "
+        f"{inside} of {len(judged)} judged rows within target; {unsettled} rows not judged "
+        f"(the machine drifted, ``settle``); {dropped} of {steps} timed "
         f"steps dropped (a rank below {CPU_SHARE:.0%} CPU); load {min(loads):.1f}-"
         f"{max(loads):.1f}"
     )
@@ -277,11 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     for row in grid(args.quick, args.shapes, only):
         model, n = row[:2]
         if (model, n) not in hosts:  # calibrated right before each model's rows at each N
+            if rows and not args.host:
+                settle(rows, hosts[rows[-1]["model"], rows[-1]["ranks"]], tmp)
             hosts[model, n] = Path(args.host) if args.host else tmp / f"host-{len(hosts)}.json"
             if not args.host:
                 calibrate(hosts[model, n], n)
         rows.append(run_row(*row, args, tmp, hosts[model, n]))
         print(row_line(rows[-1]), flush=True)
+    if rows and not args.host:
+        settle(rows, hosts[rows[-1]["model"], rows[-1]["ranks"]], tmp)
     print(f"\n{summary(rows)}")
     if args.json:  # the rows, then each calibration as a row of its own
         host_rows = [

@@ -254,10 +254,13 @@ def dryrun_host(rows: Rows) -> tuple[str, bool]:
     against ``zerosim train``'s under mpirun: every judged row (N = 1 and 2, some step kept)
     within ±15% where the step takes 100 ms or more, ±25% where it is faster. N = 4 is reported,
     not judged (it oversubscribes two cores); a row whose steps were all dropped (a rank under
-    0.9 of the wall time on the CPU) cannot be judged, and the target is then not met."""
+    0.9 of the wall time on the CPU) or that ran while the machine's speed drifted (its
+    predictions from calibrations before and after its group differ by more than 10%:
+    ``dryrun_host.settle``) cannot be judged, and the target is then not met."""
     grid = [r for r in rows if r.get("kind") == "row"]
     judged = [r for r in grid if r["within"] is not None]
     unjudged = [r for r in grid if r["ranks"] in (1, 2) and r["within"] is None]
+    unsettled = sum(bool(r.get("unsettled")) for r in unjudged)
     inside = [r for r in judged if r["within"]]
     ratios = [r["ratio"] for r in judged]
     dropped = sum(r["dropped"] for r in grid)
@@ -265,7 +268,8 @@ def dryrun_host(rows: Rows) -> tuple[str, bool]:
     text = (
         f"{len(inside)} of {len(judged)} judged rows within target"
         + (f" (pred/meas {min(ratios):.2f}-{max(ratios):.2f})" if ratios else "")
-        + f"; {len(unjudged)} N ≤ 2 rows with every step dropped; {dropped} of {steps} timed "
+        + f"; {len(unjudged) - unsettled} N ≤ 2 rows with every step dropped, {unsettled} "
+        f"measured while the machine drifted; {dropped} of {steps} timed "
         f"steps dropped (a rank under 0.9 CPU)"
     )
     reported = [r["ratio"] for r in grid if r["ranks"] == 4 and r["ratio"] is not None]

@@ -417,13 +417,39 @@ def test_the_host_target_needs_every_judged_row_within_and_none_left_unjudged():
     outside = _host_row(2, 0.30, 0.20, False)
     assert targets.dryrun_host([*inside, outside]) == (
         "2 of 3 judged rows within target"
-        + " (pred/meas 0.67-1.20); 0 N ≤ 2 rows with every step dropped; 0 of 24 timed steps "
-        "dropped (a rank under 0.9 CPU)",
+        + " (pred/meas 0.67-1.20); 0 N ≤ 2 rows with every step dropped, 0 measured while the "
+        "machine drifted; 0 of 24 timed steps dropped (a rank under 0.9 CPU)",
         False,
     )
     dropped = {**_host_row(1, None, 0.2, None, kept=0, dropped=8)}
     text, met = targets.dryrun_host([*inside, dropped])
-    assert not met and "1 N ≤ 2 rows with every step dropped; 8 of 24" in text
+    assert not met and "1 N ≤ 2 rows with every step dropped, 0 measured" in text
+    assert "8 of 24" in text
+    drifted = {**_host_row(1, 0.30, 0.29, None), "unsettled": True, "drift": 0.2}
+    text, met = targets.dryrun_host([*inside, drifted])
+    assert not met and "0 N ≤ 2 rows with every step dropped, 1 measured while" in text
+
+
+def test_a_group_whose_machine_drifted_leaves_its_rows_unjudged(tmp_path, monkeypatch, capsys):
+    """``settle``: each row predicted again from a calibration after its group; a row whose two
+    predictions differ by more than 10% is not judged, one within 10% keeps its verdict."""
+    from benchmarks import dryrun_host
+
+    before = tmp_path / "host-0.json"
+    rows = [
+        {**_host_row(1, 0.30, 0.29, True), "stage": 0},
+        {**_host_row(1, 0.30, 0.29, True), "stage": 1},
+    ]
+    again = iter([0.29 * 1.05, 0.29 * 1.25])  # the second row's prediction moves by 25%
+    monkeypatch.setattr(dryrun_host, "calibrate", lambda path, ranks: None)
+    monkeypatch.setattr(dryrun_host, "predict", lambda *a: {"step_s": next(again)})
+    dryrun_host.settle(rows, before, tmp_path)
+    assert [r["within"] for r in rows] == [True, None]
+    assert [round(r["drift"], 6) for r in rows] == [0.05, 0.25]
+    assert not rows[0].get("unsettled") and rows[1]["unsettled"]
+    assert (
+        "+5% to +25%; not judged (drift over ±10%): stage 1 paper fp32" in capsys.readouterr().out
+    )
 
 
 @pytest.mark.slow

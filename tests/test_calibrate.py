@@ -131,3 +131,16 @@ def test_side_by_side_starts_every_benchmark_on_all_ranks_at_once():
     assert [n for n, _ in rows] == sizes and Comm.barriers == len(sizes)
     calibrate.measure_elementwise(1e-4, sizes)  # outside: no barrier
     assert Comm.barriers == len(sizes)
+
+
+@pytest.mark.mpi
+def test_one_rank_is_calibrated_under_mpirun_with_its_one_rank_collective(tmp_path):
+    """``--ranks 1`` (the default) runs its benchmarks under ``mpirun -n 1`` too: the file has
+    the fixed cost of a collective on a group of one rank, which a step at N = 1 issues (stage
+    3 on the paper's schedule issues one a parameter), and no collective between ranks."""
+    out = tmp_path / "host1.json"
+    assert main(["calibrate", "--out", str(out), "--quick"]) == 0
+    spec = json.loads(out.read_text())
+    assert spec["devices_per_node"] == 1 and spec["measurements"]["collectives"] == []
+    assert 0 < spec["one_rank_collective_s"] < 1e-2
+    assert load_cluster_model(out).one_rank_collective_s == spec["one_rank_collective_s"]

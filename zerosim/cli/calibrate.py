@@ -3,8 +3,8 @@
     zerosim calibrate --out host.json [--ranks N] [--quick] [--json]
 
 Microbenchmarks only (``zerosim/dryrun/calibrate.py``), never a training step: matrix products,
-element-wise bandwidth, a call's fixed cost, then zerosim's collectives. With ``--ranks N`` every
-one runs under ``mpirun -n N`` (launched here), the compute benchmarks on all N ranks at once,
+element-wise calls, a call's fixed cost, then zerosim's collectives. Every one runs under
+``mpirun -n N`` (launched here, N = 1 by default), the compute benchmarks on all N ranks at once,
 as a step of N ranks runs them. ``zerosim dryrun --cluster host.json`` reads the file.
 """
 
@@ -34,7 +34,7 @@ def add_subcommand(sub: Any) -> None:
         description="Matrix products, element-wise bandwidth, a call's fixed cost, zerosim's "
         "own Python calls, a fresh page's first touch and zerosim's collectives on N ranks, "
         "written as a cluster file (docs/dryrun.md) that zerosim dryrun "
-        "--cluster reads. Run it without mpirun: it launches mpirun -n N for the collectives.",
+        "--cluster reads. Run it without mpirun: it launches mpirun -n N itself.",
     )
     p.add_argument("--out", required=True, metavar="HOST.json", help="the cluster file to write")
     p.add_argument(
@@ -43,7 +43,7 @@ def add_subcommand(sub: Any) -> None:
         default=1,
         metavar="N",
         help="ranks of the runs to predict: every benchmark runs on N ranks at once under "
-        "mpirun -n N (default 1: in this process, no collectives)",
+        "mpirun -n N (default 1: a collective on one rank, no others)",
     )
     p.add_argument("--quick", action="store_true", help="small grids and budgets (seconds)")
     p.add_argument("--json", action="store_true", help="print the written file's contents")
@@ -58,13 +58,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return _ranks_worker(args)
     if world_size_from_env() > 1:
         return refuse("calibrate", "run it without mpirun: --ranks N launches mpirun -n N itself")
-    if args.ranks == 1:
-        rates, collectives = calibrate.measure_compute(BUDGET_S[args.quick], args.quick), []
-    else:
-        try:
-            rates, collectives = _launch_ranks(args.ranks, args.quick)
-        except (OSError, RuntimeError) as err:
-            return refuse("calibrate", str(err))
+    try:
+        rates, collectives = _launch_ranks(args.ranks, args.quick)
+    except (OSError, RuntimeError) as err:
+        return refuse("calibrate", str(err))
     spec = calibrate.cluster_file(
         args.ranks,
         rates["matmul"],
@@ -128,7 +125,7 @@ def _ranks_worker(args: argparse.Namespace) -> int:
     with calibrate.side_by_side(comm):
         rates = calibrate.measure_compute(budget, args.quick)
     sizes = calibrate.COLLECTIVE_SIZES[::2] if args.quick else None
-    collectives = calibrate.measure_collectives(comm, budget, sizes)
+    collectives = calibrate.measure_collectives(comm, budget, sizes) if comm.size > 1 else []
     one_rank = calibrate.measure_one_rank_collective(comm, budget)
     if comm.rank == 0:
         found = {"rates": rates, "collectives": collectives, "one_rank_collective_s": one_rank}
