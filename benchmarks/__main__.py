@@ -140,15 +140,18 @@ SUITE = [
         "dryrun_host",
         ["--ranks", "1", "2", "--dtypes", "fp32"],
         ["--quick"],
-        "zerosim calibrate measures this machine with microbenchmarks only (matrix products by "
-        "arithmetic intensity, element-wise bandwidth and a call's fixed cost, zerosim's own "
-        "Python calls, fresh pages, its collectives under mpirun); zerosim dryrun --cluster "
-        "host.json then predicts the step that zerosim train measures under mpirun -n N, for "
-        "GPTs of 1M-51M parameters, stages 0-3, both schedules, fp32, N = 1 and 2 (the whole "
-        "grid, bf16 and N = 4 too, is `python benchmarks/dryrun_host.py`, about an hour). "
-        "Nothing is fitted on a step time. A step in which some rank got less than 0.9 of the "
-        "wall time as CPU time is dropped and counted. Target: predicted / measured within "
-        "±15% where a step takes 100 ms or more, ±25% where it is faster, on every row.",
+        "zerosim calibrate measures this machine with microbenchmarks only, on N ranks at once "
+        "under mpirun -n N (matrix products by arithmetic intensity, element-wise calls by size "
+        "and dtype on cold operands, zerosim's own Python calls, fresh pages, its collectives), "
+        "right before each model's rows at each N; zerosim dryrun --cluster host.json then "
+        "predicts the step that zerosim train measures under mpirun -n N, for GPTs of 1M-51M "
+        "parameters, stages 0-3, both schedules, fp32, N = 1 and 2 (the whole grid, bf16 and "
+        "N = 4 too, is `python benchmarks/dryrun_host.py`). Nothing is fitted on a step time. "
+        "A step in which some rank got less than 0.9 of the wall time as CPU time is dropped "
+        "and counted; a row whose prediction from a second calibration, taken after its "
+        "model's rows, differs by more than 10% ran while the machine's speed drifted and is "
+        "reported, not judged. Target: predicted / measured within ±15% where a step takes "
+        "100 ms or more, ±25% where it is faster, on every row.",
     ),
     (
         "A long run: a step's cost from the first step to the 1,400th",

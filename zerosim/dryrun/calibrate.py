@@ -25,6 +25,7 @@ step: operands too large for the cache where they would be, a fresh output for e
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import statistics
 import time
@@ -85,28 +86,42 @@ def seconds_per_call(fn: Callable[[], Any], budget_s: float, min_calls: int = 3)
 
 
 def measure_matmul(budget_s: float, shapes: list[tuple[int, int, int]] | None = None) -> list:
-    """[[m, k, n, FLOP/s], …] of float32 products with a fresh output each."""
-    rng = np.random.default_rng(0)
+    """[[m, k, n, FLOP/s], …] of float32 products with a fresh output each and cold operands
+    (``cold_pairs``)."""
     rows = []
     every = [*GPT_SHAPES, *SMALL_SHAPES, *((s, s, s) for s in SQUARE_SIZES)]
     for m, k, n in shapes or every:
-        a = rng.standard_normal((m, k), dtype=np.float32)
-        b = rng.standard_normal((k, n), dtype=np.float32)
-        dt = seconds_per_call(lambda a=a, b=b: a @ b, budget_s)
+        pairs = cold_pairs((m, k), (k, n))
+        dt = seconds_per_call(lambda pairs=pairs: np.matmul(*next(pairs)), budget_s)
         rows.append([m, k, n, 2 * m * k * n / dt])
     return rows
+
+
+def cold_pairs(first: tuple[int, ...], second: tuple[int, ...]) -> Iterator[tuple]:
+    """Pairs of float32 operands of these shapes, cycled through ``cold_copies`` of them, so
+    that each product finds its operands out of the cache, as a step's products do (a layer's
+    weights and activations were last touched a layer or a pass before): small products run
+    up to a third slower cold than on operands left in the cache by the previous call."""
+    rng = np.random.default_rng(0)
+    copies = cold_copies(4 * (math.prod(first) + math.prod(second)))
+    pairs = [
+        (
+            rng.standard_normal(first, dtype=np.float32),
+            rng.standard_normal(second, dtype=np.float32),
+        )
+        for _ in range(copies)
+    ]
+    return itertools.cycle(pairs)
 
 
 def measure_batched_matmul(budget_s: float, shapes: list[tuple[int, ...]] | None = None) -> list:
     """[[batch, m, k, n, FLOP/s], …] of float32 batched products (attention's scores and
     context: (B·heads, T, d)·(B·heads, d, T) and back), where NumPy runs one small product per
-    matrix of the batch."""
-    rng = np.random.default_rng(0)
+    matrix of the batch; cold operands (``cold_pairs``)."""
     rows = []
     for b, m, k, n in shapes or ATTENTION_SHAPES:
-        x = rng.standard_normal((b, m, k), dtype=np.float32)
-        y = rng.standard_normal((b, k, n), dtype=np.float32)
-        dt = seconds_per_call(lambda x=x, y=y: x @ y, budget_s)
+        pairs = cold_pairs((b, m, k), (b, k, n))
+        dt = seconds_per_call(lambda pairs=pairs: np.matmul(*next(pairs)), budget_s)
         rows.append([b, m, k, n, 2 * b * m * k * n / dt])
     return rows
 
