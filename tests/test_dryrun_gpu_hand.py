@@ -222,6 +222,15 @@ STAGE3_COLLECTIVES = [
 ]
 
 
+def _all_communication(t: dict, by_hand: float, nodes: int) -> None:
+    """A step whose compute is free and whose every collective blocks: step, communication and
+    exposed communication all equal the hand count, on the cluster's nodes."""
+    assert t["step_s"] == pytest.approx(by_hand, rel=1e-9)
+    assert t["comm_s"] == pytest.approx(by_hand, rel=1e-9)
+    assert t["exposed_comm_s"] == pytest.approx(by_hand, rel=1e-9)
+    assert t["cluster"]["nodes"] == nodes
+
+
 @pytest.mark.parametrize(("schedule", "bf16"), list(STAGE2_COLLECTIVES))
 def test_a_communication_bound_stage2_step_on_two_nodes_by_hand(tmp_path, schedule, bf16):
     """Compute free, every collective blocking: the step is stage 2's three collectives end to
@@ -232,11 +241,7 @@ def test_a_communication_bound_stage2_step_on_two_nodes_by_hand(tmp_path, schedu
         _ring_seconds(op, size, TWO_NODES_BUS, TWO_NODES_PASS)
         for op, size in STAGE2_COLLECTIVES[schedule, bf16]
     )
-    t = report["time"]
-    assert t["step_s"] == pytest.approx(by_hand, rel=1e-9)
-    assert t["comm_s"] == pytest.approx(by_hand, rel=1e-9)
-    assert t["exposed_comm_s"] == pytest.approx(by_hand, rel=1e-9)
-    assert t["cluster"]["nodes"] == 2
+    _all_communication(report["time"], by_hand, nodes=2)
 
 
 def test_a_communication_bound_stage3_step_on_one_node_by_hand(tmp_path):
@@ -253,11 +258,7 @@ def test_a_communication_bound_stage3_step_on_one_node_by_hand(tmp_path):
     assert len(STAGE3_COLLECTIVES) == 2 * TENSORS + 2 == 60
     assert by_hand == pytest.approx(61 * 3e-5 + 3 / 4 * (3 * PSI * 4 + 2 * 8) / 1e9)
     assert report["padded_params"] == PSI  # every tensor's numel is a multiple of 4
-    t = report["time"]
-    assert t["step_s"] == pytest.approx(by_hand, rel=1e-9)
-    assert t["comm_s"] == pytest.approx(by_hand, rel=1e-9)
-    assert t["exposed_comm_s"] == pytest.approx(by_hand, rel=1e-9)
-    assert t["cluster"]["nodes"] == 1
+    _all_communication(report["time"], by_hand, nodes=1)
 
 
 def test_a_communication_bound_stage3_step_on_two_nodes_adds_its_compute_by_hand(tmp_path):
