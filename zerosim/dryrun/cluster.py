@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from zerosim.analysis.timing import CLUSTER_KEYS, Cluster
+from zerosim.meta.tracker import RATE_CLASSES
 
 # analysis.Cluster's keys as a file gives them: inter_bandwidth from the NICs or (a host) itself
 NIC_KEYS = ("nic_bandwidth", "nics_per_node")  # inter_bandwidth = nics · nic_bandwidth / devices
@@ -223,8 +224,6 @@ class ClusterModel:
 def _check_elementwise_by_size(table: tuple) -> None:
     """``elementwise_by_size``: a "native" class, each class's sizes increasing and positive,
     its seconds positive."""
-    from zerosim.meta.tracker import RATE_CLASSES  # noqa: PLC0415
-
     classes = [c for c, _ in table]
     if table and ("native" not in classes or not set(classes) <= set(RATE_CLASSES)):
         raise ValueError(

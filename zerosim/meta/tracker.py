@@ -194,7 +194,7 @@ class Tracker:
 # How fast a host runs an element-wise call depends on the dtypes it touches. NumPy's own
 # dtypes run NumPy's loops ("native"); ml_dtypes' types (bfloat16, float8) are user-defined
 # dtypes that NumPy runs element by element through ml_dtypes' functions: arithmetic in one
-# ("bf16", about 10× slower a byte than float32's), a cast into one from a NumPy dtype
+# ("bf16", six to ten times slower a byte than float32's), a cast into one from a NumPy dtype
 # ("to_bf16") and reading one into a NumPy dtype, a cast up or an operand cast first
 # ("from_bf16"). A copy within one dtype is NumPy's copy ("native").
 RATE_CLASSES = ("native", "bf16", "to_bf16", "from_bf16")
