@@ -90,7 +90,10 @@ def _mpirun() -> str:
     here = Path(sys.executable).parent
     found = shutil.which("mpirun", path=str(here)) or shutil.which("mpirun")
     if found is None:
-        raise RuntimeError("--ranks N needs mpirun: none next to this Python or on PATH")
+        raise RuntimeError(
+            "calibrate runs its benchmarks under mpirun -n N (N = 1 too): no mpirun next to "
+            "this Python or on PATH"
+        )
     return found
 
 
