@@ -144,3 +144,16 @@ def test_one_rank_is_calibrated_under_mpirun_with_its_one_rank_collective(tmp_pa
     assert spec["devices_per_node"] == 1 and spec["measurements"]["collectives"] == []
     assert 0 < spec["one_rank_collective_s"] < 1e-2
     assert load_cluster_model(out).one_rank_collective_s == spec["one_rank_collective_s"]
+
+
+def test_a_missing_mpirun_is_refused_naming_what_was_looked_for(monkeypatch, capsys, tmp_path):
+    """Every calibration runs under mpirun, N = 1 too: with none next to Python or on PATH the
+    command fails at once with an error that says so, and writes nothing."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda *args, **kwargs: None)
+    out = tmp_path / "never.json"
+    assert main(["calibrate", "--out", str(out), "--quick"]) != 0
+    err = capsys.readouterr().err
+    assert "mpirun -n N (N = 1 too)" in err and "no mpirun next to this Python or on PATH" in err
+    assert not out.exists()

@@ -130,6 +130,35 @@ def test_nonblocking_contributions_are_taken_at_the_call():
     assert zs.LocalWorld(3).run(fn) == [([6.0] * 3, [3.0] * 2, True)] * 3
 
 
+def test_one_rank_group_runs_collectives_as_mpi_on_one_rank_without_a_snapshot():
+    """A group of one copies a gather's or a reduce-scatter's input into its output and leaves
+    an all-reduce's, a reduce's and a broadcast's buffer as it is, allocating nothing more than
+    a few bytes: no posted copy for other ranks (the rendezvous copied 2 MB and concatenated
+    it into 2 MB more here)."""
+    import tracemalloc
+
+    def fn(comm):
+        x = np.arange(1 << 18, dtype=np.float64)  # 2 MiB
+        gathered, scattered, summed = np.empty_like(x), np.empty_like(x), x.copy()
+        tracemalloc.start()
+        comm.all_gather(gathered, x)
+        comm.reduce_scatter(scattered, x, op="max")
+        comm.all_reduce(summed)
+        comm.iall_gather(gathered, x).wait()
+        comm.reduce(summed, root=0)
+        comm.broadcast(summed, root=0)
+        comm.barrier()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        own = x.copy()
+        comm.all_gather(own, own)  # in place: its own chunk is the whole buffer
+        return peak, [np.array_equal(v, x) for v in (gathered, scattered, summed, own)]
+
+    ((peak, equal),) = zs.LocalWorld(1).run(fn)
+    assert equal == [True] * 4
+    assert peak < 64 << 10, peak
+
+
 def test_phase_labels_and_ledger_queries():
     def fn(comm):
         with comm.phase("forward"):

@@ -304,9 +304,9 @@ def test_the_stack_recorder_counts_the_frames_between(monkeypatch):
     def run(comm):
         return _recorded(comm, _local_exchanges()).deepest
 
-    before = LocalWorld(1).run(run)[0]
+    before = LocalWorld(2).run(run)[0]  # a group of one posts nothing (LocalComm's docstring)
     monkeypatch.setattr(LocalComm, "_post", lambda self, op, payload: deeper(self, op, payload))
-    after = LocalWorld(1).run(lambda comm: _recorded(comm, {post.__code__}).deepest)[0]
+    after = LocalWorld(2).run(lambda comm: _recorded(comm, {post.__code__}).deepest)[0]
     assert before["all_gather"] == 2  # all_gather → _native_all_gather → _native_iall_gather
     assert after["all_gather"] == 4  # … → the lambda → deeper → _post
 
@@ -331,7 +331,7 @@ def test_with_several_ranks_the_mpi_call_is_at_most_two_frames_below(collectives
     assert {m: d for m, d in deepest.items() if d > 2} == {}
 
 
-@pytest.mark.parametrize("size, collectives", [(1, "native"), (3, "native"), (3, "ring")])
+@pytest.mark.parametrize("size, collectives", [(2, "native"), (3, "native"), (3, "ring")])
 def test_a_local_world_exchanges_at_most_two_frames_below_the_public_collective(size, collectives):
     from zerosim.comm import LocalWorld
 

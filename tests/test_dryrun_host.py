@@ -130,6 +130,23 @@ def test_one_rank_gathers_and_reduce_scatters_are_copies_of_the_closed_form_byte
     assert self_copy_seconds(host, "all_reduce", 1e6) == 0.0  # in place: nothing moves
 
 
+def test_one_rank_copy_is_priced_as_one_call_of_its_bytes_from_the_size_table():
+    """With ``elementwise_by_size``, a one-rank gather of S bytes is one native call moving 2·S
+    bytes, read off the table between its two measured sizes; an all-reduce is the fixed cost."""
+    host = ClusterModel(
+        Cluster(1, 1, 1e9, 1e9, 1e-5, 1e-5, 1e11),
+        backend="numpy",
+        memory_bandwidth=1e9,  # not used where the table is
+        one_rank_collective_s=2e-6,
+        elementwise_by_size=(("native", ((1_000, 1e-6), (1_000_000, 1e-4))),),
+    )
+    # 2·S = 500,000 bytes: (500,000 − 1,000) / 999,000 of the way from 1 µs to 100 µs
+    by_hand = 2e-6 + 1e-6 + (500_000 - 1_000) / 999_000 * (1e-4 - 1e-6)
+    assert self_copy_seconds(host, "all_gather", 250_000) == pytest.approx(by_hand)
+    assert self_copy_seconds(host, "reduce_scatter", 250_000) == pytest.approx(by_hand)
+    assert self_copy_seconds(host, "all_reduce", 250_000) == 2e-6
+
+
 class Call:  # a stand-in of VirtualComm.calls' entries: a record and its group
     def __init__(self, op, size, members):
         self.record = type(

@@ -120,7 +120,7 @@ def _launch_ranks(ranks: int, quick: bool) -> tuple[dict[str, Any], list]:
 def _ranks_worker(args: argparse.Namespace) -> int:
     """One rank of ``_launch_ranks``: the compute benchmarks side by side with the other ranks,
     then the collectives; rank 0 writes what it measured."""
-    from zerosim.comm import MPIComm
+    from zerosim.comm import MPIComm, default_comm
     from zerosim.dryrun import calibrate
 
     comm = MPIComm()
@@ -129,7 +129,10 @@ def _ranks_worker(args: argparse.Namespace) -> int:
         rates = calibrate.measure_compute(budget, args.quick)
     sizes = calibrate.COLLECTIVE_SIZES[::2] if args.quick else None
     collectives = calibrate.measure_collectives(comm, budget, sizes) if comm.size > 1 else []
-    one_rank = calibrate.measure_one_rank_collective(comm, budget)
+    # a step's one-rank groups: split from the MPI world at N > 1; at N = 1 zerosim train runs
+    # on a one-rank LocalComm (``default_comm``), whose collectives skip MPI
+    solo = comm if comm.size > 1 else default_comm()
+    one_rank = calibrate.measure_one_rank_collective(solo, budget)
     if comm.rank == 0:
         found = {"rates": rates, "collectives": collectives, "one_rank_collective_s": one_rank}
         Path(args.ranks_worker).write_text(json.dumps(found))

@@ -28,7 +28,7 @@ from zerosim.comm import agreement, ring
 from zerosim.comm.record import Record
 
 
-def _nothing() -> None:
+def complete() -> None:
     """What completes a call that is already complete."""
 
 
@@ -105,7 +105,7 @@ class Bookkeeping:
         self.root = root
         self.counts = counts
         self.ring = has_ring and comm.collectives == "ring" and comm.size > 1
-        self.finish: Callable[[], None] | None = None if blocking else _nothing
+        self.finish: Callable[[], None] | None = None if blocking else complete
         self.record: Record | None = None
         self.seq = 0
 

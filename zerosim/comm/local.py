@@ -9,6 +9,12 @@ by (group, call number) and, once all ranks of the group have posted, *collects*
 ``wait()``, so it has MPI's semantics: contributions are taken at the call, results appear at the
 wait. Point-to-point messages (used by the ring algorithms) go through per-pair FIFO mailboxes.
 
+A group of one rank (a one-rank world, as ``zerosim train`` runs at N = 1, or a sub-group of one)
+runs its collectives as MPI runs them on a communicator of one: a gather or a reduce-scatter
+copies its input into its output, an all-reduce, a reduce or a broadcast leaves its buffer as it
+is (the reduction of one contribution is that contribution), and nothing is posted, since no
+other rank reads it.
+
 Nothing waits forever. An exception on one rank wakes every other rank, which raises
 ``WorldAborted`` (naming the rank and its error); ``run`` then re-raises the first rank's own
 exception with a note naming the rank. A rank that returns from ``fn`` while others wait in a
@@ -31,6 +37,7 @@ import numpy as np
 from zerosim.backend import array_module, flat
 from zerosim.comm import checks
 from zerosim.comm.base import Communicator
+from zerosim.comm.call import complete
 from zerosim.comm.flight import check_timeout, default_timeout
 from zerosim.comm.ledger import Ledger
 from zerosim.faults.diagnosis import describe
@@ -132,6 +139,7 @@ class LocalComm(Communicator):
         self._members = members  # world rank of each group rank
         self._ctx = ctx
         self._calls = 0
+        self._alone = len(members) == 1  # a group of one rank: no rendezvous (module docstring)
 
     @property
     def world_rank(self) -> int:
@@ -189,7 +197,17 @@ class LocalComm(Communicator):
         return self._collect(self._post(op, payload))
 
     # -- native collectives ----------------------------------------------------------------------
+    def _copy_alone(self, out: Any, inp: Any, in_place: bool) -> Callable[[], None]:
+        """A gather or a reduce-scatter on a group of one rank: ``inp`` copied into ``out`` at the
+        call (nothing in place), complete at once. The dry run prices each collective of a
+        one-rank group as this copy (``dryrun.timeline.self_copy_seconds``)."""
+        if not in_place:
+            flat(out)[...] = flat(inp)
+        return complete
+
     def _native_iall_gather(self, out: Any, inp: Any, in_place: bool) -> Callable[[], None]:
+        if self._alone:
+            return self._copy_alone(out, inp, in_place)
         key = self._post("all_gather", _snapshot(inp))
         xp = array_module(out)
 
@@ -206,6 +224,8 @@ class LocalComm(Communicator):
     def _native_ireduce_scatter_v(
         self, out: Any, inp: Any, counts: tuple[int, ...], op: str
     ) -> Callable[[], None]:
+        if self._alone:
+            return self._copy_alone(out, inp, checks.is_own_slice(inp, out, 0))
         key = self._post("reduce_scatter", _snapshot(inp))
         start = sum(counts[: self.rank])
         stop = start + counts[self.rank]
@@ -217,6 +237,8 @@ class LocalComm(Communicator):
         return finish
 
     def _native_iall_reduce(self, buf: Any, op: str) -> Callable[[], None]:
+        if self._alone:
+            return complete
         key = self._post("all_reduce", _snapshot(buf))
 
         def finish() -> None:
@@ -225,6 +247,8 @@ class LocalComm(Communicator):
         return finish
 
     def _native_ireduce(self, buf: Any, root: int, op: str) -> Callable[[], None]:
+        if self._alone:
+            return complete
         key = self._post("reduce", _snapshot(buf))
 
         def finish() -> None:
@@ -247,10 +271,15 @@ class LocalComm(Communicator):
         self._native_ireduce(buf, root, op)()
 
     def _native_broadcast(self, buf: Any, root: int) -> None:
+        if self._alone:
+            return
         parts = self._exchange("broadcast", _snapshot(buf) if self.rank == root else None)
         flat(buf)[...] = parts[root]
 
     def _native_all_to_all(self, out: Any, inp: Any) -> None:
+        if self._alone:
+            self._copy_alone(out, inp, in_place=False)
+            return
         block = inp.size // self.size
         parts = self._exchange("all_to_all", _snapshot(inp))
         whole = flat(out)
@@ -260,7 +289,8 @@ class LocalComm(Communicator):
             ]
 
     def _native_barrier(self) -> None:
-        self._exchange("barrier", None)
+        if not self._alone:
+            self._exchange("barrier", None)
 
     def gather_ints(self, values: tuple[int, ...]) -> list[tuple[int, ...]]:
         return self._exchange("argument check", values)

@@ -34,6 +34,7 @@ import numpy as np
 
 from zerosim.comm import ring
 from zerosim.comm.base import Communicator
+from zerosim.comm.call import complete
 from zerosim.comm.ledger import Ledger
 from zerosim.comm.record import Record
 
@@ -152,7 +153,7 @@ class VirtualComm(Communicator):
         the call, before its record: that is no wait, as a real rank's ledger has none."""
         events = self.root._events
         if events is None:
-            return _nothing
+            return complete
         index = len(self.calls)
 
         def note_wait() -> None:
@@ -336,7 +337,3 @@ def _members_of(
         }
     chosen = groups[int(rule(rank)[0])]
     return chosen, chosen.index(rank)
-
-
-def _nothing() -> None:
-    """What completes a call that is already complete."""

@@ -7,8 +7,9 @@ step: operands too large for the cache where they would be, a fresh output for e
 
 - **matrix products** (``matmul``): float32 products at GPT-like shapes, (T, h) · (h, c·h), and
   square ones; FLOP/s = 2·m·k·n / seconds. ``device_flops`` is their median.
-- **element-wise work** (``elementwise``): ``np.add`` of two arrays beyond the cache into a new
-  one; bytes/s = 3·n·4 / seconds. ``memory_bandwidth`` is the median over the large sizes.
+- **element-wise work** (``elementwise``): ``np.add`` of two arrays beyond the cache into a third
+  written before (its pages' first touch is ``page_fault_s``'s, priced apart); bytes/s =
+  3·n·4 / seconds. ``memory_bandwidth`` is the median over the large sizes.
 - **a call's fixed cost** (``op_overhead_s``): ``np.add`` on one-element arrays with ``out=``,
   the part of every array operation that does not grow with its size.
 - **matrix products by intensity** (``matmul_by_intensity``): every product measured, small
@@ -213,11 +214,14 @@ def measure_page_faults(budget_s: float, nbytes: int = 64 << 20) -> dict[str, fl
 
 
 def measure_elementwise(budget_s: float, sizes: list[int] | None = None) -> list:
-    """[[elements, bytes/s], …] of float32 ``a + b`` into a new array (3 arrays' bytes moved)."""
+    """[[elements, bytes/s], …] of float32 ``a + b`` (3 arrays' bytes moved) into an output
+    whose pages were touched before: the memory's bandwidth alone. A fresh output of 64 MiB is
+    a fresh mapping at every call (beyond glibc's 32 MiB mmap ceiling), and its first touch
+    would be counted twice: here and in the fresh pages the dry run prices apart."""
     rows = []
     for n in sizes or ELEMENTWISE_SIZES:
-        a, b = np.ones(n, np.float32), np.ones(n, np.float32)
-        dt = seconds_per_call(lambda a=a, b=b: np.add(a, b), budget_s)
+        a, b, out = np.ones(n, np.float32), np.ones(n, np.float32), np.ones(n, np.float32)
+        dt = seconds_per_call(lambda a=a, b=b, out=out: np.add(a, b, out=out), budget_s)
         rows.append([n, 3 * 4 * n / dt])
     return rows
 
@@ -310,8 +314,8 @@ def measure_collectives(comm: Any, budget_s: float, sizes: list[int] | None = No
 def measure_one_rank_collective(comm: Any, budget_s: float) -> float:
     """CPU seconds of one of zerosim's collectives on a group of one rank (``comm`` split by
     rank): an all-gather of one float32, so that its copy is nothing and what is left is the
-    call's fixed cost (zerosim's checks, ledger and MPI's call). A step at N = 1 issues its
-    collectives on such groups."""
+    call's fixed cost (zerosim's checks and ledger, and MPI's call on an ``MPIComm``; a one-rank
+    ``LocalComm`` makes none). A step at N = 1 issues its collectives on such groups."""
     solo = comm.split(comm.rank, name="calibrate_one_rank")
     full, part = np.ones(1, np.float32), np.ones(1, np.float32)
 

@@ -60,9 +60,12 @@ calls, at ``call_overhead_s`` each, and ("faults", (pages, huge pages)), the fir
 buffers, at ``page_fault_s`` per 4 KiB page and ``hugepage_fault_s`` per 2 MiB one. With
 ``matmul_by_intensity`` each product runs at the rate measured for its FLOP per byte (small
 products far below large ones) instead of the roofline. A gather or
-reduce-scatter on a group of one rank is MPI's copy of its S bytes into the output: read and
-written once each, 2·S at ``memory_bandwidth``; every collective on one rank also costs
-``one_rank_collective_s``, the fixed cost of such a call.
+reduce-scatter on a group of one rank is the copy of its S bytes into the output that MPI (and
+a one-rank ``LocalComm``, as ``zerosim train`` runs at N = 1) makes: read and written once
+each, one element-wise call of 2·S bytes priced by ``elementwise_by_size`` (2·S at
+``memory_bandwidth`` in a file without it); an all-reduce, a reduce or a broadcast on one rank
+moves nothing. Every collective on one rank also costs ``one_rank_collective_s``, the fixed
+cost of such a call.
 """
 
 from __future__ import annotations
@@ -218,13 +221,18 @@ SELF_COPIES = ("all_gather", "reduce_scatter")
 
 def self_copy_seconds(model: ClusterModel, op: str, size_bytes: float) -> float:
     """A collective on one rank, on a host: its fixed cost (``one_rank_collective_s``, where
-    measured), and MPI's copy of the S bytes of a gather or a reduce-scatter from input to
-    output, reading and writing each, 2·S at the memory bandwidth (an in-place all-reduce or
-    broadcast moves nothing)."""
+    measured), and the copy of the S bytes of a gather or a reduce-scatter from input to
+    output, reading and writing each: one native element-wise call of 2·S bytes at its size
+    (``elementwise_by_size``), else 2·S at the memory bandwidth. An in-place all-reduce,
+    reduce or broadcast moves nothing."""
     fixed = model.one_rank_collective_s or 0.0
-    if op not in SELF_COPIES or not model.memory_bandwidth:
+    if op not in SELF_COPIES:
         return fixed
-    return fixed + 2 * size_bytes / model.memory_bandwidth
+    if model.elementwise_by_size:
+        return fixed + model.elementwise_call_seconds("native", 2 * size_bytes)
+    if model.memory_bandwidth:
+        return fixed + 2 * size_bytes / model.memory_bandwidth
+    return fixed
 
 
 @lru_cache(maxsize=4096)

@@ -285,10 +285,10 @@ class BucketPlan:
 
 
 class BucketReduceScatter(GradReducer):
-    """The paper's stage 2: fixed buckets (``reduce_bucket_size`` elements, cut at parameter
-    starts), each filled as backward finishes its parameters (whose module gradients are then
-    dropped) and reduce-scattered in bucket order, in uneven pieces: this rank's piece lands
-    through ``strategy.land``."""
+    """The paper's stage 2: fixed buckets (cut at the first parameter start that gives a bucket
+    ``reduce_bucket_size`` elements or more), each filled as backward finishes its parameters
+    (whose module gradients are then dropped) and reduce-scattered in bucket order, in uneven
+    pieces: this rank's piece lands through ``strategy.land``."""
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)

@@ -2,7 +2,8 @@
 
 Each rank keeps only the gradient of its owned shard (``grad_shard``, P = Ψ_pad / N elements,
 accumulated across micro-steps). During every backward, as soon as all parameters of a bucket
-(``reduce_bucket_size`` elements, last parameters first) have their final gradients, they are
+(last parameters first, cut at a parameter's start once a bucket holds ``reduce_bucket_size``
+elements or more: ``partition.reduction_buckets``) have their final gradients, they are
 copied into a bucket buffer, the module gradients are dropped, and the bucket is reduce-scattered
 in bucket order: each rank receives the sum over ranks of the part of the bucket it owns.
 Ownership is DeepSpeed's contiguous [r·P, (r+1)·P), so a bucket's parts are uneven; this is a
