@@ -10,7 +10,7 @@ import pytest
 
 from zerosim.analysis.timing import collective_time
 from zerosim.cli.main import main
-from zerosim.dryrun import dry_run, load_cluster_model
+from zerosim.dryrun import calibrate, dry_run, load_cluster_model
 from zerosim.dryrun.calibrate import fit_alpha_bandwidth
 from zerosim.dryrun.host import numpy_hugepages
 from zerosim.dryrun.timeline import CLUSTER_KEYS, HOST_KEYS
@@ -49,6 +49,18 @@ def test_quick_calibration_writes_a_cluster_file_the_dry_run_loads(host):
         sizes = [b for b, _ in points]
         assert sizes == sorted(sizes) and len(sizes) == 4, rate
         assert points[-1][1] > 10 * points[0][1], rate
+    # each collective's time on both ranks by S, as measured (--quick: to 4 MiB), the largest
+    # far slower than 8 bytes
+    collectives = spec["collectives_by_size"]
+    assert sorted(collectives) == sorted(calibrate.COLLECTIVES)
+    for op, points in collectives.items():
+        sizes = [b for b, _ in points]
+        assert sizes == sorted(set(sizes)) and sizes[-1] == 4 << 20, op
+        assert points[-1][1] > 5 * points[0][1], op
+    assert (
+        load_cluster_model(path).collective_call_seconds("all_gather", 4 << 20)
+        == (collectives["all_gather"][-1][1])
+    )
     intensities = [x for x, _ in spec["matmul_by_intensity"]]
     assert intensities == sorted(intensities) and len(intensities) >= 4
     assert spec["measurements"]["faults"]["pages"] >= 16_384  # 64 MiB of 4 KiB pages
@@ -117,8 +129,6 @@ def test_a_host_file_prices_elementwise_work_and_moves_collectives_when_waited(t
 def test_side_by_side_starts_every_benchmark_on_all_ranks_at_once():
     """With ``--ranks N`` the compute benchmarks run on every rank together: each one starts
     after a barrier of the ranks' communicator (one per measured size here), none outside."""
-    from zerosim.dryrun import calibrate
-
     class Comm:
         barriers = 0
 
@@ -157,3 +167,16 @@ def test_a_missing_mpirun_is_refused_naming_what_was_looked_for(monkeypatch, cap
     err = capsys.readouterr().err
     assert "mpirun -n N (N = 1 too)" in err and "no mpirun next to this Python or on PATH" in err
     assert not out.exists()
+
+
+def test_the_collectives_table_keeps_each_measured_size_once_in_order():
+    """On 4 ranks a 4-byte and a 16-byte request both round to 4 float32 elements: the table
+    keeps that size once, with its first time."""
+    rows = [
+        ["all_gather", 16, 3e-5], ["all_gather", 16, 9e-5], ["all_gather", 64, 4e-5],
+        ["broadcast", 64, 2e-5], ["broadcast", 16, 1e-5],
+    ]  # fmt: skip
+    assert calibrate.collectives_by_size(rows) == {
+        "all_gather": [[16, 3e-5], [64, 4e-5]],
+        "broadcast": [[16, 1e-5], [64, 2e-5]],
+    }

@@ -23,7 +23,13 @@ from zerosim.dryrun.host import (
     mapped_pages,
 )
 from zerosim.dryrun.run import recipe, run_world
-from zerosim.dryrun.timeline import ClusterModel, host_breakdown, self_copy_seconds, simulate
+from zerosim.dryrun.timeline import (
+    ClusterModel,
+    group_seconds,
+    host_breakdown,
+    self_copy_seconds,
+    simulate,
+)
 
 MODEL = "gpt:2,128,128,64,4"  # Ψ = 0.5M
 
@@ -305,6 +311,51 @@ def test_element_wise_calls_priced_by_their_size_and_rate_class_by_hand():
     assert simulate([("elementwise", (7, 6_700))], [], host).step_s == pytest.approx(
         7 * 1e-6 + 6_700 / 1e9
     )
+
+
+def test_collectives_on_the_calibrated_ranks_are_priced_from_the_measured_table_by_hand():
+    """A 2-rank host file with ``collectives_by_size``: a collective on both ranks is the line
+    between the two measured sizes around its S (a reduce priced as the broadcast it moves
+    like, below the smallest size the smallest's time); one on a group of another size, or an
+    op the table lacks, falls back to the ring formula c_α·α + c_β·S/B."""
+    from zerosim.analysis.timing import collective_time
+
+    host = ClusterModel(
+        Cluster(1, 2, 1e9, 1e9, 1e-5, 1e-5, 1e11),
+        backend="numpy",
+        collectives_by_size=(
+            ("all_gather", ((1_000, 4e-5), (1_001_000, 1e-3))),
+            ("broadcast", ((8, 3e-5), (8_000, 5e-5))),
+        ),
+    )
+    both = (0, 1)
+    assert group_seconds(host, "all_gather", 501_000, both) == pytest.approx(4e-5 + 0.5 * 96e-5)
+    assert group_seconds(host, "all_gather", 2_002_000, both) == pytest.approx(2e-3)
+    assert group_seconds(host, "reduce", 4_004, both) == pytest.approx(3e-5 + 0.5 * 2e-5)
+    assert group_seconds(host, "barrier", 0, both) == 3e-5
+    four = host.resized(4)  # two nodes of two: a group the table was not measured on
+    assert group_seconds(four, "all_gather", 501_000, (0, 1, 2, 3)) == pytest.approx(
+        collective_time("all_gather", 501_000, 4, 1e-5, 1e9)
+    )
+    assert group_seconds(host, "all_reduce", 501_000, both) == pytest.approx(
+        collective_time("all_reduce", 501_000, 2, 1e-5, 1e9)
+    )
+
+
+def test_a_malformed_collectives_table_is_refused_naming_the_op(tmp_path):
+    spec = {
+        "nodes": 1, "devices_per_node": 2, "intra_bandwidth": 1e10, "inter_bandwidth": 1e10,
+        "intra_latency": 1e-5, "inter_latency": 1e-5, "device_flops": 1e11, "backend": "numpy",
+        "collectives_by_size": {"all_to_all": [[8, 1e-5]]}, "measurements": {},
+    }  # fmt: skip
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"collectives_by_size must give only \['all_reduce'"):
+        load_cluster_model(path)
+    spec["collectives_by_size"] = {"all_gather": [[64, 1e-5], [8, 2e-5]]}
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"collectives_by_size\['all_gather'\] must be"):
+        load_cluster_model(path)
 
 
 @pytest.mark.parametrize(

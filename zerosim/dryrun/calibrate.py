@@ -18,9 +18,11 @@ step: operands too large for the cache where they would be, a fresh output for e
   (``page_fault_s``, ``hugepage_fault_s``): what a NumPy step spends besides its array calls
   (``dryrun/host.py`` counts both in the dry run).
 - **collectives** (``collectives``, measured by ``measure_collectives`` on N ranks): zerosim's own
-  ``MPIComm`` calls (argument checks, cross-rank check, ledger) over a grid of sizes; the α and
-  bandwidth of the time model's ring formula c_α·α + c_β·S/B (``analysis.timing``) fitted to them
-  by least squares, as ``intra_latency`` and ``intra_bandwidth``.
+  ``MPIComm`` calls (argument checks, cross-rank check, ledger) over a grid of sizes, written as
+  ``collectives_by_size``, from which the dry run prices a collective on the N ranks at its S;
+  the α and bandwidth of the time model's ring formula c_α·α + c_β·S/B (``analysis.timing``)
+  fitted to them by least squares, as ``intra_latency`` and ``intra_bandwidth``, for groups of
+  another size.
 """
 
 from __future__ import annotations
@@ -311,6 +313,16 @@ def measure_collectives(comm: Any, budget_s: float, sizes: list[int] | None = No
     return rows
 
 
+def collectives_by_size(rows: list) -> dict[str, list[list[float]]]:
+    """{op: [[S bytes, seconds], …]} of ``measure_collectives``' rows, by increasing S: the
+    table the dry run prices a collective on the calibrated ranks from (a size measured twice,
+    where rounding to a multiple of the ranks made two sizes one, keeps its first time)."""
+    table: dict[str, dict[int, float]] = {}
+    for op, size, seconds in rows:
+        table.setdefault(op, {}).setdefault(size, seconds)
+    return {op: [[size, t] for size, t in sorted(times.items())] for op, times in table.items()}
+
+
 def measure_one_rank_collective(comm: Any, budget_s: float) -> float:
     """CPU seconds of one of zerosim's collectives on a group of one rank (``comm`` split by
     rank): an all-gather of one float32, so that its copy is nothing and what is left is the
@@ -382,6 +394,8 @@ def cluster_file(
     ``measure_host`` measured besides (Python calls, page faults, batched products)."""
     host = host or {}
     extra = {key: host[key] for key in HOST_RATES if host.get(key) is not None}
+    if collectives:
+        extra["collectives_by_size"] = collectives_by_size(collectives)
     if "batched" in host:
         extra["matmul_by_intensity"] = matmul_by_intensity(matmul, host["batched"])
     import platform  # noqa: PLC0415
@@ -400,7 +414,8 @@ def cluster_file(
         "call_overhead_s one of zerosim's own Python calls, page_fault_s and hugepage_fault_s "
         "the first touch of a fresh 4 KiB / 2 MiB page, matmul_by_intensity the products' rate "
         "by FLOP per byte, elementwise_by_size one element-wise call's seconds by its bytes for "
-        "each rate class (NumPy's float32 loops, bfloat16's, the casts into and out of it)",
+        "each rate class (NumPy's float32 loops, bfloat16's, the casts into and out of it), "
+        "collectives_by_size each of zerosim's collectives' seconds on all the ranks by S",
         "backend": "numpy",
         "nodes": 1,
         "devices_per_node": ranks,

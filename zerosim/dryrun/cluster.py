@@ -54,8 +54,10 @@ HOST_KEYS = (
     "matmul_by_intensity",  # [[FLOP per byte, FLOP/s], …]: a product's rate by its intensity
     "one_rank_collective_s",  # a collective on a group of one rank: its fixed cost
     "elementwise_by_size",  # {rate class: [[bytes, seconds], …]}: one call's time by its size
+    "collectives_by_size",  # {op: [[S bytes, seconds], …]}: one collective on every rank
 )
-DICT_KEYS = ("elementwise_by_size",)  # a rate whose value is itself a dict
+DICT_KEYS = ("elementwise_by_size", "collectives_by_size")  # rates whose value is a dict
+MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 HOST_SECONDS = (
     "op_overhead_s",
     "call_overhead_s",
@@ -104,6 +106,8 @@ class ClusterModel:
     matmul_by_intensity: tuple[tuple[float, float], ...] = ()  # (): every product at the peak
     # ((rate class, ((bytes, seconds), …)), …): a call's measured time by its bytes
     elementwise_by_size: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    # ((op, ((S bytes, seconds), …)), …): a collective's measured time on the file's ranks
+    collectives_by_size: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
 
     @property
     def prices_elementwise(self) -> bool:
@@ -148,7 +152,8 @@ class ClusterModel:
                 "matmul_by_intensity must be [[FLOP per byte, FLOP/s], …] with increasing "
                 f"positive intensities and positive rates, got {points!r}"
             )
-        _check_elementwise_by_size(self.elementwise_by_size)
+        _check_by_size("elementwise_by_size", self.elementwise_by_size, RATE_CLASSES, "native")
+        _check_by_size("collectives_by_size", self.collectives_by_size, MEASURED_COLLECTIVES)
         sizes = [s for s, _ in self.bus_efficiency_by_size]
         if sizes != sorted(set(sizes)) or not all(
             _positive(s) and _positive(f) and f <= 1 for s, f in self.bus_efficiency_by_size
@@ -189,19 +194,16 @@ class ClusterModel:
 
     def elementwise_call_seconds(self, rate: str, nbytes: float) -> float:
         """A host's seconds of one element-wise call of rate class ``rate`` (``meta.rate_class``)
-        moving ``nbytes``, from ``elementwise_by_size``: linear in bytes between the two
-        measured sizes around it (a fixed cost plus bytes at that range's rate), the smallest
-        call's time below them, the largest one's rate beyond; a class not measured is priced
-        as "native"."""
+        moving ``nbytes``, from ``elementwise_by_size`` (``by_size``); a class not measured is
+        priced as "native"."""
         table = dict(self.elementwise_by_size)
-        points = table.get(rate) or table["native"]
-        if nbytes <= points[0][0]:
-            return points[0][1]
-        for (b0, t0), (b1, t1) in zip(points, points[1:], strict=False):
-            if nbytes <= b1:
-                return t0 + (nbytes - b0) / (b1 - b0) * (t1 - t0)
-        last_bytes, last_seconds = points[-1]
-        return nbytes * last_seconds / last_bytes
+        return by_size(table.get(rate) or table["native"], nbytes)
+
+    def collective_call_seconds(self, op: str, size_bytes: float) -> float | None:
+        """A host's seconds of one collective ``op`` of S = ``size_bytes`` on all the ranks the
+        file was measured on (``collectives_by_size``, by ``by_size``); None where not measured."""
+        points = dict(self.collectives_by_size).get(op)
+        return None if points is None else by_size(points, size_bytes)
 
     def for_dtype(self, model_dtype: str) -> ClusterModel:
         """The cluster as a run in ``model_dtype`` sees it: a float32 run's matrix products at the
@@ -221,15 +223,27 @@ class ClusterModel:
         return replace(self, cluster=replace(self.cluster, nodes=nodes))
 
 
-def _check_elementwise_by_size(table: tuple) -> None:
-    """``elementwise_by_size``: a "native" class, each class's sizes increasing and positive,
-    its seconds positive."""
-    classes = [c for c, _ in table]
-    if table and ("native" not in classes or not set(classes) <= set(RATE_CLASSES)):
-        raise ValueError(
-            f"elementwise_by_size must give 'native' and only {list(RATE_CLASSES)}, got {classes}"
-        )
-    for rate, points in table:
+def by_size(points: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    """The seconds of one call of ``nbytes`` from measured [[bytes, seconds], …]: linear in bytes
+    between the two measured sizes around it (a fixed cost plus bytes at that range's rate), the
+    smallest call's time below them, the largest one's rate beyond."""
+    if nbytes <= points[0][0]:
+        return points[0][1]
+    for (b0, t0), (b1, t1) in zip(points, points[1:], strict=False):
+        if nbytes <= b1:
+            return t0 + (nbytes - b0) / (b1 - b0) * (t1 - t0)
+    last_bytes, last_seconds = points[-1]
+    return nbytes * last_seconds / last_bytes
+
+
+def _check_by_size(key: str, table: tuple, names: tuple[str, ...], needed: str = "") -> None:
+    """A ``*_by_size`` table: only ``names`` (``needed`` among them), each entry's sizes
+    increasing and positive, its seconds positive."""
+    found = [name for name, _ in table]
+    if table and (not set(found) <= set(names) or (needed and needed not in found)):
+        must = f"give {needed!r} and only" if needed else "give only"
+        raise ValueError(f"{key} must {must} {list(names)}, got {found}")
+    for name, points in table:
         sizes = [b for b, _ in points]
         if (
             not points
@@ -237,7 +251,7 @@ def _check_elementwise_by_size(table: tuple) -> None:
             or not all(_positive(b) and _positive(t) for b, t in points)
         ):
             raise ValueError(
-                f"elementwise_by_size[{rate!r}] must be [[bytes, seconds], …] with increasing "
+                f"{key}[{name!r}] must be [[bytes, seconds], …] with increasing "
                 f"positive sizes and positive seconds, got {points!r}"
             )
 
@@ -346,8 +360,11 @@ def _model(values: dict[str, Any], name: str) -> ClusterModel:
         kernel_launch_s=values.get(KERNEL_KEY),
         **{key: values.get(key) for key in HOST_SECONDS},
         matmul_by_intensity=tuple(tuple(p) for p in values.get("matmul_by_intensity", ())),
-        elementwise_by_size=tuple(
-            (rate, tuple(tuple(p) for p in points))
-            for rate, points in values.get("elementwise_by_size", {}).items()
-        ),
+        **{
+            key: tuple(
+                (name, tuple(tuple(p) for p in points))
+                for name, points in values.get(key, {}).items()
+            )
+            for key in DICT_KEYS
+        },
     )

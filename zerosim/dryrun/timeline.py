@@ -109,14 +109,20 @@ def group_seconds(model: ClusterModel, op: str, size_bytes: float, members: tupl
     c_α(p)·α + c_β(p)·S / (B · efficiency(S)), the ring's bus bandwidth B as the module
     docstring derives it and α the mean latency of a hop along the path (``hop_latency``);
     an all-to-all over nodes by ``all_to_all_seconds``; on one rank, MPI's own copy
-    (``self_copy_seconds``: 0 on a cluster without a host's rates)."""
+    (``self_copy_seconds``: 0 on a cluster without a host's rates); on a host whose file
+    measured this collective on as many ranks as the group has (``collectives_by_size``), the
+    measured time at S."""
     p = len(members)
     if p <= 1:
         return self_copy_seconds(model, op, size_bytes)
     c = model.cluster
-    op = {"reduce": "broadcast", "barrier": "broadcast"}.get(op, op)
     size = 0.0 if op == "barrier" else size_bytes
+    op = {"reduce": "broadcast", "barrier": "broadcast"}.get(op, op)
     nodes, k = placement(members, c.devices_per_node)
+    if model.collectives_by_size and nodes == 1 and p == c.devices_per_node:
+        measured = model.collective_call_seconds(op, size)
+        if measured is not None:
+            return measured
     intra = c.intra_bandwidth * model.intra_efficiency
     nic = c.inter_bandwidth * model.inter_efficiency  # one device's share of its node's NICs
     if nodes > 1 and k > 1 and op == "all_to_all":
