@@ -148,9 +148,11 @@ SUITE = [
         "parameters, stages 0-3, both schedules, fp32, N = 1 and 2 (the whole grid, bf16 and "
         "N = 4 too, is `python benchmarks/dryrun_host.py`). Nothing is fitted on a step time. "
         "A step in which some rank got less than 0.9 of the wall time as CPU time is dropped "
-        "and counted; a row whose prediction from a second calibration, taken after its "
-        "model's rows, differs by more than 10% ran while the machine's speed drifted and is "
-        "reported, not judged. Target: predicted / measured within ±15% where a step takes "
+        "and counted, and so is one beside which a fixed sample of a step's work (zerosim "
+        "train --probe) ran more than 10% off its calibrated time; a row whose prediction "
+        "from a second calibration, taken after its model's rows, differs by more than 10% "
+        "ran while the machine's speed drifted and is reported, not judged. Target: "
+        "predicted / measured within ±15% where a step takes "
         "100 ms or more, ±25% where it is faster, on every row.",
     ),
     (

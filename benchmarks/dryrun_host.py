@@ -60,6 +60,7 @@ DTYPES = ("fp32", "bf16")
 JUDGED_RANKS = (1, 2)
 REPORTED_RANKS = (4,)
 CPU_SHARE = 0.9  # a step is kept when every rank got this share of its wall time as CPU time
+ON_SPEED = 0.10  # … and the probes around it ran within this of the calibration's probe
 WARMUP_STEPS = 2  # zerosim train's: the first two steps are left out
 SLOW_STEP_S = 0.1
 SETTLED = 0.10  # a row is judged when calibrations before and after its group agree this well
@@ -87,24 +88,39 @@ def _run(cmd: list[str], timeout: float = 1800) -> str:
     return proc.stdout
 
 
-def kept_steps(report: dict) -> tuple[list[float], int]:
-    """(wall seconds of the steps kept, steps dropped): after the warm-up, the steps in which
-    every rank got at least ``CPU_SHARE`` of the wall time as CPU time."""
-    walls = report["step_wall_s"][WARMUP_STEPS:]
-    shares = report["step_cpu_share"][WARMUP_STEPS:]
-    kept = [w for w, s in zip(walls, shares, strict=True) if s is None or s >= CPU_SHARE]
-    return kept, len(walls) - len(kept)
+def kept_steps(report: dict, probe_s: float | None = None) -> tuple[list[float], int, int]:
+    """(wall seconds of the steps kept, steps dropped for a rank off the CPU, steps dropped off
+    speed): after the warm-up, the steps in which every rank got at least ``CPU_SHARE`` of the
+    wall time as CPU time and, given the calibration's ``probe_s``, whose probes right before
+    and after (``zerosim train --probe``: the slowest rank's) are within ``ON_SPEED`` of it: the
+    machine ran at the speed it was calibrated at."""
+    walls = report["step_wall_s"]
+    shares = report["step_cpu_share"]
+    probes = report.get("step_probe_s") or [None] * len(walls)
+    kept, off_cpu, off_speed = [], 0, 0
+    for i in range(WARMUP_STEPS, len(walls)):
+        if shares[i] is not None and shares[i] < CPU_SHARE:
+            off_cpu += 1
+        elif probe_s and not all(
+            p is not None and abs(p / probe_s - 1) <= ON_SPEED for p in probes[i - 1 : i + 1]
+        ):
+            off_speed += 1
+        else:
+            kept.append(walls[i])
+    return kept, off_cpu, off_speed
 
 
-def measure(model: str, ranks: int, cfg: Path, steps: int) -> dict:
+def measure(model: str, ranks: int, cfg: Path, steps: int, probe_s: float | None) -> dict:
     launch = [str(MPIRUN), "-n", str(ranks), sys.executable, "-m", "zerosim", "train"]
-    out = _run([*launch, "--model", model, "--config", str(cfg), "--steps", str(steps), "--json"])
+    out = _run([*launch, "--model", model, "--config", str(cfg), "--steps", str(steps), "--json",
+                "--probe"])  # fmt: skip
     report = json.loads(out.strip().splitlines()[-1])
-    kept, dropped = kept_steps(report)
+    kept, dropped, off_speed = kept_steps(report, probe_s)
     return {
         "measured_s": statistics.median(kept) if kept else None,
         "kept": len(kept),
         "dropped": dropped,
+        "off_speed": off_speed,
         "median_all_s": report["step_s"],
         "cpu_s": report.get("step_cpu_s"),
     }
@@ -160,7 +176,7 @@ def _rows(quick: bool, shapes: int) -> list[tuple[str, int, int, str, str]]:
 
 HEADER = (
     "| model | N | stage | schedule | dtype | measured s | predicted s | pred/meas | target "
-    "| within | steps kept | dropped | all steps s | rank 0 CPU s | load |"
+    "| within | steps kept | dropped | off speed | all steps s | rank 0 CPU s | load |"
 )
 
 
@@ -171,7 +187,8 @@ def row_line(r: dict) -> str:
     return (
         f"| {r['model']} | {r['ranks']} | {r['stage']} | {r['schedule']} | {r['dtype']} | "
         f"{measured} | {r['predicted_s']:.4f} | {ratio} | ±{r['target']:.0%} | {verdict} | "
-        f"{r['kept']} | {r['dropped']} | {r['median_all_s']:.4f} | {r['cpu_s'] or 0:.4f} | "
+        f"{r['kept']} | {r['dropped']} | {r.get('off_speed', 0)} | {r['median_all_s']:.4f} | "
+        f"{r['cpu_s'] or 0:.4f} | "
         f"{r['load']:.1f} |"
     )
 
@@ -180,7 +197,7 @@ def run_row(model: str, n: int, stage: int, schedule: str, dtype: str, args, tmp
     cfg = tmp / f"stage{stage}_{schedule}_{dtype}.json"
     cfg.write_text(json.dumps(config(stage, schedule, dtype)))
     load = os.getloadavg()[0]
-    real = measure(model, n, cfg, args.steps)
+    real = measure(model, n, cfg, args.steps, probe(host))
     dry = predict(model, n, cfg, host)
     measured = real["measured_s"]
     ratio = None if measured is None else dry["step_s"] / measured
@@ -192,6 +209,11 @@ def run_row(model: str, n: int, stage: int, schedule: str, dtype: str, args, tmp
         "target": TARGETS[(measured or dry["step_s"]) >= SLOW_STEP_S],
         "within": within(ratio, measured) if judged else None,
     }  # fmt: skip
+
+
+def probe(host: Path) -> float | None:
+    """The calibration's ``speed_probe`` (``measurements.probe_s``; None in an older file)."""
+    return json.loads(host.read_text()).get("measurements", {}).get("probe_s")
 
 
 def settle(rows: list[dict], before: Path, tmp: Path) -> None:
@@ -227,13 +249,14 @@ def summary(rows: list[dict]) -> str:
     inside = sum(r["within"] for r in judged)
     unsettled = sum(bool(r.get("unsettled")) for r in rows)
     dropped = sum(r["dropped"] for r in rows)
-    steps = dropped + sum(r["kept"] for r in rows)
+    off_speed = sum(r.get("off_speed", 0) for r in rows)
+    steps = dropped + off_speed + sum(r["kept"] for r in rows)
     loads = [r["load"] for r in rows]
     return (
         f"{inside} of {len(judged)} judged rows within target; {unsettled} rows not judged "
-        f"(the machine drifted, ``settle``); {dropped} of {steps} timed "
-        f"steps dropped (a rank below {CPU_SHARE:.0%} CPU); load {min(loads):.1f}-"
-        f"{max(loads):.1f}"
+        f"(the machine drifted, ``settle``); of {steps} timed steps {dropped} dropped (a rank "
+        f"below {CPU_SHARE:.0%} CPU) and {off_speed} off speed (a probe beside them off the "
+        f"calibration's by more than {ON_SPEED:.0%}); load {min(loads):.1f}-{max(loads):.1f}"
     )
 
 

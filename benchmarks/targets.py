@@ -254,7 +254,8 @@ def dryrun_host(rows: Rows) -> tuple[str, bool]:
     against ``zerosim train``'s under mpirun: every judged row (N = 1 and 2, some step kept)
     within ±15% where the step takes 100 ms or more, ±25% where it is faster. N = 4 is reported,
     not judged (it oversubscribes two cores); a row whose steps were all dropped (a rank under
-    0.9 of the wall time on the CPU) or that ran while the machine's speed drifted (its
+    0.9 of the wall time on the CPU, or a speed probe beside the step off the calibration's by
+    more than 10%: ``dryrun_host.kept_steps``) or that ran while the machine's speed drifted (its
     predictions from calibrations before and after its group differ by more than 10%:
     ``dryrun_host.settle``) cannot be judged, and the target is then not met."""
     grid = [r for r in rows if r.get("kind") == "row"]
@@ -264,13 +265,14 @@ def dryrun_host(rows: Rows) -> tuple[str, bool]:
     inside = [r for r in judged if r["within"]]
     ratios = [r["ratio"] for r in judged]
     dropped = sum(r["dropped"] for r in grid)
-    steps = dropped + sum(r["kept"] for r in grid)
+    off_speed = sum(r.get("off_speed", 0) for r in grid)
+    steps = dropped + off_speed + sum(r["kept"] for r in grid)
     text = (
         f"{len(inside)} of {len(judged)} judged rows within target"
         + (f" (pred/meas {min(ratios):.2f}-{max(ratios):.2f})" if ratios else "")
         + f"; {len(unjudged) - unsettled} N ≤ 2 rows with every step dropped, {unsettled} "
-        f"measured while the machine drifted; {dropped} of {steps} timed "
-        f"steps dropped (a rank under 0.9 CPU)"
+        f"measured while the machine drifted; of {steps} timed steps {dropped} dropped (a rank "
+        f"under 0.9 CPU) and {off_speed} off the calibrated speed"
     )
     reported = [r["ratio"] for r in grid if r["ranks"] == 4 and r["ratio"] is not None]
     if reported:

@@ -394,12 +394,12 @@ def sample_rows() -> dict[str, list[dict]]:
     }
 
 
-def _host_row(n, measured, predicted, within, kept=8, dropped=0):
+def _host_row(n, measured, predicted, within, kept=8, dropped=0, off_speed=0):
     """One row of ``benchmarks/dryrun_host.py``'s JSON."""
     return {
         "kind": "row", "model": "gpt:2,192,256,64,4", "ranks": n, "stage": 2,
         "schedule": "paper", "dtype": "fp32", "measured_s": measured, "kept": kept,
-        "dropped": dropped, "median_all_s": measured, "cpu_s": measured,
+        "dropped": dropped, "off_speed": off_speed, "median_all_s": measured, "cpu_s": measured,
         "predicted_s": predicted, "compute_s": predicted, "comm_s": 0.0,
         "ratio": None if measured is None else predicted / measured, "load": 1.0,
         "target": 0.15, "within": within,
@@ -418,13 +418,14 @@ def test_the_host_target_needs_every_judged_row_within_and_none_left_unjudged():
     assert targets.dryrun_host([*inside, outside]) == (
         "2 of 3 judged rows within target"
         + " (pred/meas 0.67-1.20); 0 N ≤ 2 rows with every step dropped, 0 measured while the "
-        "machine drifted; 0 of 24 timed steps dropped (a rank under 0.9 CPU)",
+        "machine drifted; of 24 timed steps 0 dropped (a rank under 0.9 CPU) and 0 off the "
+        "calibrated speed",
         False,
     )
-    dropped = {**_host_row(1, None, 0.2, None, kept=0, dropped=8)}
+    dropped = {**_host_row(1, None, 0.2, None, kept=0, dropped=5, off_speed=3)}
     text, met = targets.dryrun_host([*inside, dropped])
     assert not met and "1 N ≤ 2 rows with every step dropped, 0 measured" in text
-    assert "8 of 24" in text
+    assert "of 24 timed steps 5 dropped (a rank under 0.9 CPU) and 3 off the" in text
     drifted = {**_host_row(1, 0.30, 0.29, None), "unsettled": True, "drift": 0.2}
     text, met = targets.dryrun_host([*inside, drifted])
     assert not met and "0 N ≤ 2 rows with every step dropped, 1 measured while" in text

@@ -64,6 +64,8 @@ def test_quick_calibration_writes_a_cluster_file_the_dry_run_loads(host):
     intensities = [x for x, _ in spec["matmul_by_intensity"]]
     assert intensities == sorted(intensities) and len(intensities) >= 4
     assert spec["measurements"]["faults"]["pages"] >= 16_384  # 64 MiB of 4 KiB pages
+    # the speed probe train --probe runs after each step: milliseconds of a fixed sample
+    assert 1e-4 < spec["measurements"]["probe_s"] < 0.1
     model = load_cluster_model(path)
     assert model.backend == "numpy" and model.prices_elementwise and not model.overlap
     cfg = {
@@ -129,6 +131,7 @@ def test_a_host_file_prices_elementwise_work_and_moves_collectives_when_waited(t
 def test_side_by_side_starts_every_benchmark_on_all_ranks_at_once():
     """With ``--ranks N`` the compute benchmarks run on every rank together: each one starts
     after a barrier of the ranks' communicator (one per measured size here), none outside."""
+
     class Comm:
         barriers = 0
 

@@ -18,9 +18,9 @@ from zerosim.meta import tracking
 TINY = "gpt:1,32,80,16,2"  # 1 layer, hidden 32, vocabulary 80, sequence 16, 2 heads
 
 
-def _train_json(steps: int) -> dict:
+def _train_json(steps: int, *extra: str) -> dict:
     proc = run_mpi(
-        2, ["-m", "zerosim", "train", "--model", TINY, "--steps", str(steps), "--json"], 240
+        2, ["-m", "zerosim", "train", "--model", TINY, "--steps", str(steps), "--json", *extra], 240
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
@@ -30,7 +30,7 @@ def _train_json(steps: int) -> dict:
 
 @pytest.mark.mpi
 def test_train_json_under_mpirun_prints_the_median_step_time_after_two_warmup_steps():
-    data = _train_json(5)
+    data = _train_json(5, "--probe")
     assert data["steps"] == 5 and data["ranks"] == 2 and data["stage"] == 3
     assert data["model"] == TINY
     # 1 layer of 12h² + 13h, embeddings V·h + s·h, final norm 2h, untied head V·h
@@ -43,6 +43,8 @@ def test_train_json_under_mpirun_prints_the_median_step_time_after_two_warmup_st
     assert len(data["step_cpu_share"]) == 5
     assert all(0 < c <= 1.5 for c in data["step_cpu_share"])
     assert 0 < data["step_cpu_s"] <= max(walls[2:]) * 1.5
+    # --probe: after every step the slowest rank's probe, milliseconds of a fixed sample
+    assert len(data["step_probe_s"]) == 5 and all(0 < p < 0.5 for p in data["step_probe_s"])
 
 
 @pytest.mark.mpi
@@ -50,6 +52,7 @@ def test_train_json_with_two_steps_or_fewer_has_no_step_time():
     data = _train_json(2)
     assert data["step_s"] is None and data["steps_timed"] == 0 and data["steps"] == 2
     assert data["step_cpu_s"] is None
+    assert data["step_probe_s"] == [None, None]  # not asked for: no probe run
 
 
 def _params(model) -> int:

@@ -12,11 +12,25 @@ def test_warm_up_steps_and_steps_with_a_rank_off_the_cpu_are_dropped_and_counted
         "step_wall_s": [9.0, 8.0, 0.20, 0.50, 0.21, 0.22, 0.90],
         "step_cpu_share": [0.2, 0.3, 0.95, 0.40, 0.90, 0.99, 0.89],
     }
-    kept, dropped = bench.kept_steps(report)
+    kept, dropped, off_speed = bench.kept_steps(report)
     assert kept == [0.20, 0.21, 0.22]  # 0.90 exactly is kept, 0.89 is not
-    assert dropped == 2
+    assert (dropped, off_speed) == (2, 0)
     threads = {"step_wall_s": [1.0, 1.0, 0.3, 0.4], "step_cpu_share": [None] * 4}
-    assert bench.kept_steps(threads) == ([0.3, 0.4], 0)  # one process's threads: no share
+    assert bench.kept_steps(threads) == ([0.3, 0.4], 0, 0)  # one process's threads: no share
+
+
+def test_a_step_beside_a_probe_off_the_calibrated_speed_is_dropped_and_counted():
+    """Calibrated at a 2.0 ms probe: a step is kept when the probes right before and after it
+    are within 10% (1.8-2.2 ms); a step off the CPU is counted as that, whatever its probes."""
+    report = {
+        "step_wall_s": [9.0, 8.0, 0.20, 0.21, 0.30, 0.31, 0.22, 0.50],
+        "step_cpu_share": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.5],
+        "step_probe_s": [2e-3, 2.1e-3, 1.9e-3, 2.18e-3, 2.6e-3, 2.0e-3, 2.0e-3, 2.0e-3],
+    }
+    kept, dropped, off_speed = bench.kept_steps(report, probe_s=2e-3)
+    # step 4's own probe is slow, step 5's is fine but the probe before it (step 4's) is not
+    assert kept == [0.20, 0.21, 0.22] and (dropped, off_speed) == (1, 2)
+    assert bench.kept_steps(report)[0] == [0.20, 0.21, 0.30, 0.31, 0.22]  # no probe_s: none
 
 
 def test_a_step_of_100_ms_or_more_is_held_to_15_percent_a_faster_one_to_25():

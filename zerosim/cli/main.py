@@ -215,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--json", action="store_true", help="print the report as JSON")
     train.add_argument(
+        "--probe",
+        action="store_true",
+        help="after each optimizer step (outside its clock) time a fixed sample of a step's "
+        "work on every rank: --json's step_probe_s, how fast the machine ran then",
+    )
+    train.add_argument(
         "--ds-summary",
         action="store_true",
         help="also print rank 0's collectives as DeepSpeed's comms logger log_summary() does",

@@ -123,7 +123,8 @@ def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
             initial=engine.global_steps,
             desc=f"stage {engine.strategy.stage}, {comm.size} ranks",
         )
-    losses, last_step, clocks = _train_steps(comm, engine, loader, args.steps, bar)
+    probe = getattr(args, "probe", False)
+    losses, last_step, clocks = _train_steps(comm, engine, loader, args.steps, bar, probe)
     if bar is not None:
         bar.close()
     if getattr(args, "save", None):
@@ -140,11 +141,15 @@ def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _train_steps(
-    comm: Communicator, engine: Any, loader: Any, steps: int, bar: Any
+    comm: Communicator, engine: Any, loader: Any, steps: int, bar: Any, probe: bool = False
 ) -> tuple[list[float], dict[str, int], np.ndarray]:
     """Train until optimizer step ``steps``: the losses, the bytes of the last step by phase, and
-    each optimizer step's (wall, CPU) seconds on this rank, from its first forward to the end of
-    its ``engine.step()`` (the loader's batches and this loop's bookkeeping left out)."""
+    each optimizer step's (wall, CPU, probe) seconds on this rank, from its first forward to the
+    end of its ``engine.step()`` (the loader's batches and this loop's bookkeeping left out);
+    with ``probe``, ``calibrate.speed_probe()`` run right after the step's clock stops (else
+    NaN): how fast this machine ran then."""
+    from zerosim.dryrun.calibrate import speed_probe
+
     losses, last_step, clocks = [], {}, []
     t0 = time.perf_counter()
     batches = iter(loader)
@@ -162,7 +167,8 @@ def _train_steps(
         engine.backward(loss)
         engine.step()
         if engine.micro_steps % engine.gradient_accumulation_steps == 0:
-            clocks.append((time.perf_counter() - start[0], time.process_time() - start[1]))
+            wall, cpu = time.perf_counter() - start[0], time.process_time() - start[1]
+            clocks.append((wall, cpu, speed_probe() if probe else np.nan))
             start = None
             losses.append(float(loss))
             last_step = {
@@ -174,7 +180,7 @@ def _train_steps(
                     step_ms=f"{(time.perf_counter() - t0) * 1e3 / len(losses):.0f}",
                 )
                 bar.update(1)
-    return losses, last_step, np.array(clocks, dtype=np.float64).reshape(-1, 2)
+    return losses, last_step, np.array(clocks, dtype=np.float64).reshape(-1, 3)
 
 
 # The steps left out of ``step_s``: the first builds the optimizer state and the buckets, the
@@ -189,14 +195,15 @@ def step_timing(comm: Communicator, clocks: np.ndarray) -> dict[str, Any]:
     ``step_cpu_share``: per step, the smallest share of its wall time any rank spent on the CPU
     (MPICH sleeps while it waits, so a waiting rank shows a share below 1 too); ``step_cpu_s``:
     the median CPU seconds of rank 0's timed steps (on a machine whose cores other processes
-    hold, the step a single process would take alone; it leaves out the waits on other ranks).
+    hold, the step a single process would take alone; it leaves out the waits on other ranks);
+    ``step_probe_s`` (``--probe``): per step, the slowest rank's ``speed_probe`` right after it.
     A collective: every rank calls it with as many steps."""
     mine = np.ascontiguousarray(clocks, dtype=np.float64).reshape(-1)
     every = np.empty(comm.size * mine.size, dtype=np.float64)
     with comm.phase("report"):
         comm.all_gather(every, mine)
-    every = every.reshape(comm.size, -1, 2)
-    wall, cpu = every[..., 0], every[..., 1]
+    every = every.reshape(comm.size, -1, 3)
+    wall, cpu, probe = every[..., 0], every[..., 1], np.max(every[..., 2], axis=0)
     timed = wall[0, WARMUP_STEPS:]
     share = np.min(cpu / np.maximum(wall, 1e-12), axis=0)
     if isinstance(comm, LocalComm):  # threads of one process share one CPU clock
@@ -207,6 +214,7 @@ def step_timing(comm: Communicator, clocks: np.ndarray) -> dict[str, Any]:
         "steps_timed": int(timed.size),
         "step_wall_s": [float(t) for t in wall[0]],
         "step_cpu_share": [None if np.isnan(v) else float(v) for v in share],
+        "step_probe_s": [None if np.isnan(v) else float(v) for v in probe],
     }
 
 

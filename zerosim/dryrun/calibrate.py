@@ -34,6 +34,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -433,7 +434,7 @@ def cluster_file(
             "matmul": matmul,
             "elementwise": elementwise,
             "collectives": collectives,
-            **{key: host[key] for key in ("batched", "calls", "faults") if key in host},
+            **{key: host[key] for key in ("batched", "calls", "faults", "probe_s") if key in host},
         },
     }
 
@@ -465,6 +466,53 @@ def measure_compute(budget_s: float, quick: bool = False) -> dict[str, Any]:
     }
 
 
+@cache
+def _probe_operands() -> tuple[Any, Any, Any]:
+    """A product's operands (a 64-token stretch of a hidden size 192 GPT's MLP) and a vector."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((64, 192), dtype=np.float32)
+    b = rng.standard_normal((192, 768), dtype=np.float32)
+    return a, b, np.ones(4096, np.float32)
+
+
+def _probe_call(x: Any) -> Any:
+    """One Python call of the probe's sample, as a step's Python makes thousands."""
+    return x
+
+
+def speed_probe() -> float:
+    """CPU seconds of a fixed sample of a step's work, the fastest of three runs: a few small
+    products, a hundred element-wise calls and a thousand Python calls (about 2 ms here). It
+    says how fast this machine runs now: on a virtual machine a like sample has moved by a third
+    and more within seconds, with nothing else running and no CPU time taken from the process.
+    ``zerosim calibrate`` writes its median as ``measurements.probe_s``; ``zerosim train
+    --probe`` runs it after every optimizer step, so that a step measured while the machine ran
+    at another speed than it was calibrated at can be told apart (benchmarks/dryrun_host.py)."""
+    a, b, x = _probe_operands()
+    best = math.inf
+    for _ in range(3):
+        start = time.process_time()
+        for _ in range(4):
+            a @ b
+        for _ in range(100):
+            np.add(x, x)
+        for _ in range(1000):
+            _probe_call(x)
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def measure_probe(budget_s: float) -> float:
+    """The median ``speed_probe`` over repeats lasting about ``budget_s`` (after a barrier of
+    the ranks, with ``side_by_side``: a step's ranks probe side by side too)."""
+    for barrier in _start_together:
+        barrier()
+    probes = [speed_probe()]
+    while sum(probes) < budget_s or len(probes) < 5:
+        probes.append(speed_probe())
+    return statistics.median(probes)
+
+
 def measure_host(budget_s: float, quick: bool = False) -> dict[str, Any]:
     """What a NumPy step spends besides its array calls and products, and the batched
     products: the keys ``cluster_file`` takes as ``host``."""
@@ -478,4 +526,5 @@ def measure_host(budget_s: float, quick: bool = False) -> dict[str, Any]:
         "batched": batched,
         "calls": {"calls_timed": calls, "seconds_a_call": call_s},
         "faults": faults,
+        "probe_s": measure_probe(budget_s),
     }
