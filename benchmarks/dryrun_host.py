@@ -92,8 +92,8 @@ def kept_steps(report: dict, probe_s: float | None = None) -> tuple[list[float],
     """(wall seconds of the steps kept, steps dropped for a rank off the CPU, steps dropped off
     speed): after the warm-up, the steps in which every rank got at least ``CPU_SHARE`` of the
     wall time as CPU time and, given the calibration's ``probe_s``, whose probes right before
-    and after (``zerosim train --probe``: the slowest rank's) are within ``ON_SPEED`` of it: the
-    machine ran at the speed it was calibrated at."""
+    and after (``zerosim train --probe``: rank 0's, as calibrate's) are within ``ON_SPEED`` of
+    it: the machine ran at the speed it was calibrated at."""
     walls = report["step_wall_s"]
     shares = report["step_cpu_share"]
     probes = report.get("step_probe_s") or [None] * len(walls)

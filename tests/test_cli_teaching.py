@@ -842,6 +842,34 @@ def test_memory_fsdp2_row_holds_what_an_engine_run_holds(every, capsys):
     assert [measured[grads] for measured in stage["memory"]["measured"]] == [row["grads"]] * n
 
 
+@pytest.mark.parametrize("every", [False, True])
+def test_plot_memory_draws_fsdp2_with_the_gradients_it_keeps(every, tmp_path, capsys, monkeypatch):
+    """``plot memory --model`` draws FSDP2 beside the stages: its model states, 16 · S bytes in
+    bf16 (fp32 shards), plus Ψ · 2 bytes of unsharded gradients kept over k = 3 micro-batches
+    when only the last reduce-scatters (gpt:2,16,40,32 at N = 6, as the memory test above)."""
+    from zerosim.report import plots
+
+    drawn = {}
+    monkeypatch.setattr(plots, "memory_vs_dp", lambda dp, series, *a, **k: drawn.update(series))
+    n, h, vocab, seq = 6, 16, 40, 32
+    psi = 2 * (12 * h * h + 13 * h) + 2 * vocab * h + seq * h + 2 * h
+    s = sum(_gpt_fsdp2_units(n))
+    argv = ["plot", "memory", "--model", "gpt:2,16,40,32", "--dp", str(n), "--dtype", "bfloat16"]
+    argv += ["--accumulation", "3", "--out", str(tmp_path / "m.png")]
+    argv += ["--reduce-every-micro-batch"] if every else []
+    assert main(argv) == 0
+    capsys.readouterr()
+    if every:
+        assert drawn["FSDP2"] == [16 * s]
+    else:
+        assert drawn["FSDP2 (+ unsharded gradients kept over k = 3)"] == [16 * s + 2 * psi]
+    stages = ("0", "1", "2", "3", "megatron")
+    assert [k for k in drawn if k.startswith("stage")] == [f"stage {st}" for st in stages]
+    line = refusal(capsys, "plot", "memory", "--params", "1e6", "--accumulation", "2", "--out",
+                   str(tmp_path / "x.png"))  # fmt: skip
+    assert line.startswith("zerosim plot: --accumulation changes FSDP2's row only")
+
+
 def test_memory_refuses_accumulation_without_an_fsdp2_row(capsys):
     """--accumulation changes FSDP2's row only: with --params it would change nothing."""
     line = refusal(capsys, "memory", "--params", "1e6", "--dp", "4", "--accumulation", "2")

@@ -43,7 +43,7 @@ def test_train_json_under_mpirun_prints_the_median_step_time_after_two_warmup_st
     assert len(data["step_cpu_share"]) == 5
     assert all(0 < c <= 1.5 for c in data["step_cpu_share"])
     assert 0 < data["step_cpu_s"] <= max(walls[2:]) * 1.5
-    # --probe: after every step the slowest rank's probe, milliseconds of a fixed sample
+    # --probe: after every step rank 0's probe, milliseconds of a fixed sample
     assert len(data["step_probe_s"]) == 5 and all(0 < p < 0.5 for p in data["step_probe_s"])
 
 

@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--probe",
         action="store_true",
         help="after each optimizer step (outside its clock) time a fixed sample of a step's "
-        "work on every rank: --json's step_probe_s, how fast the machine ran then",
+        "work on every rank: --json's step_probe_s (rank 0's), how fast the machine ran then",
     )
     train.add_argument(
         "--ds-summary",

@@ -138,19 +138,22 @@ def cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
-def _memory_fsdp2_refusal(args: argparse.Namespace, stages: list[str]) -> int | None:
-    """``memory``'s ``--reduce-every-micro-batch`` and ``--accumulation`` change FSDP2's row only:
-    refused (exit code 2) where there is none (no ``--model``, or no stage 3)."""
+def _memory_fsdp2_refusal(
+    args: argparse.Namespace, stages: list[str], command: str = "memory"
+) -> int | None:
+    """``memory``'s (and ``plot memory``'s) ``--reduce-every-micro-batch`` and
+    ``--accumulation`` change FSDP2's row only: refused (exit code 2) where there is none (no
+    ``--model``, or no stage 3)."""
     missing = None
     if not args.model:
         missing = "needs --model (FSDP2's row is built from its shapes), got --params"
     elif "3" not in stages:
         missing = f"needs stage 3 (FSDP2's row is a stage-3 row), got --stage {' '.join(stages)}"
-    if (code := _reduce_every_refusal(args, "memory", missing)) is not None:
+    if (code := _reduce_every_refusal(args, command, missing)) is not None:
         return code
     if missing is not None and args.accumulation > 1:
         return refuse(
-            "memory",
+            command,
             f"--accumulation changes FSDP2's row only (gradients kept between "
             f"micro-batches): it {missing}",
         )
@@ -176,6 +179,14 @@ def _fsdp2_memory_line(row: dict[str, Any]) -> str:
     else:
         kept, when = f"unsharded gradients kept {gb('peak_accumulated_grads')} GB", "at the last"
     return f"{line}; {kept} between the k = {k} micro-batches (reduce-scattered {when})"
+
+
+def _fsdp2_series_name(row: dict[str, Any]) -> str:
+    """``plot memory``'s label of FSDP2's series: its model states, and the unsharded gradients
+    kept between micro-batches where there are some."""
+    if row["peak_accumulated_grads"]:
+        return f"FSDP2 (+ unsharded gradients kept over k = {row['accumulation']})"
+    return "FSDP2"
 
 
 def cmd_volume(args: argparse.Namespace) -> int:
@@ -384,13 +395,27 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if args.what in ("memory", "volume") and (code := _model_params(args, "plot")) is not None:
         return code
     if args.what == "memory":
+        if (code := _memory_fsdp2_refusal(args, list(STAGES), "plot")) is not None:
+            return code
         dtype = _dtype(args)
         data = memory_data(
-            args.params, args.dp, list(STAGES), dtype, args.num_states, numels=args.numels
+            args.params,
+            args.dp,
+            list(STAGES),
+            dtype,
+            args.num_states,
+            numels=args.numels,
+            shapes=args.shapes,
+            accumulation=args.accumulation,
+            reduce_every_micro_batch=args.reduce_every_micro_batch,
         )
         series = {
             f"stage {s}": [r["device"] for r in data["rows"] if r["stage"] == s] for s in STAGES
         }
+        if "fsdp2" in data:  # with a model: FSDP2's model states and the gradients it keeps
+            series[_fsdp2_series_name(data["fsdp2"][0])] = [
+                r["total"] + r["peak_accumulated_grads"] for r in data["fsdp2"]
+            ]
         plots.memory_vs_dp(args.dp, series, args.out, f"Ψ = {args.params:.3g}, {dtype}")
     elif args.what == "volume":
         try:
@@ -468,6 +493,20 @@ def _memory_options(p: argparse.ArgumentParser) -> None:
         type=int_at_least(0),
         default=2,
         help="K_s, state arrays per parameter: Adam 2, SGD 1",
+    )
+    p.add_argument(
+        "--accumulation",
+        type=int_at_least(1),
+        default=1,
+        metavar="K",
+        help="micro-batches per optimizer step: the FSDP2 row's unsharded gradients kept "
+        "between them (needs --model and stage 3; default 1)",
+    )
+    p.add_argument(
+        "--reduce-every-micro-batch",
+        action="store_true",
+        help=REDUCE_EVERY_HELP + ", so the FSDP2 row keeps no unsharded gradient between them "
+        "(needs --model, stage 3 and --accumulation K >= 2)",
     )
 
 
@@ -582,20 +621,6 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     )
     memory.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default="none")
     memory.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default="none")
-    memory.add_argument(
-        "--accumulation",
-        type=int_at_least(1),
-        default=1,
-        metavar="K",
-        help="micro-batches per optimizer step: the FSDP2 row's unsharded gradients kept "
-        "between them (needs --model and stage 3; default 1)",
-    )
-    memory.add_argument(
-        "--reduce-every-micro-batch",
-        action="store_true",
-        help=REDUCE_EVERY_HELP + ", so the FSDP2 row keeps no unsharded gradient between them "
-        "(needs --model, stage 3 and --accumulation K >= 2)",
-    )
     memory.add_argument(
         "--table1", action="store_true", help="print docs/table1.md (Table 1, Megatron's table)"
     )

@@ -196,14 +196,15 @@ def step_timing(comm: Communicator, clocks: np.ndarray) -> dict[str, Any]:
     (MPICH sleeps while it waits, so a waiting rank shows a share below 1 too); ``step_cpu_s``:
     the median CPU seconds of rank 0's timed steps (on a machine whose cores other processes
     hold, the step a single process would take alone; it leaves out the waits on other ranks);
-    ``step_probe_s`` (``--probe``): per step, the slowest rank's ``speed_probe`` right after it.
+    ``step_probe_s`` (``--probe``): per step, rank 0's ``speed_probe`` right after it, as
+    ``zerosim calibrate`` writes rank 0's (the slowest rank's sat 10% above it at N = 2 here).
     A collective: every rank calls it with as many steps."""
     mine = np.ascontiguousarray(clocks, dtype=np.float64).reshape(-1)
     every = np.empty(comm.size * mine.size, dtype=np.float64)
     with comm.phase("report"):
         comm.all_gather(every, mine)
     every = every.reshape(comm.size, -1, 3)
-    wall, cpu, probe = every[..., 0], every[..., 1], np.max(every[..., 2], axis=0)
+    wall, cpu, probe = every[..., 0], every[..., 1], every[0, :, 2]
     timed = wall[0, WARMUP_STEPS:]
     share = np.min(cpu / np.maximum(wall, 1e-12), axis=0)
     if isinstance(comm, LocalComm):  # threads of one process share one CPU clock
