@@ -377,8 +377,8 @@ def long_run(rows: Rows, path: str | Path) -> Path:
 
 def dryrun_host(rows: Rows, path: str | Path) -> Path:
     """Predicted against measured step seconds on this machine, every row of the grid (log
-    axes) on the y = x line with ±15%: judged rows filled, in target or not by colour; N = 4
-    (reported, not judged) hollow."""
+    axes) on the y = x line with ±15%: judged rows filled, in target or not by colour; rows not
+    judged (N = 4, a group whose machine drifted) hollow."""
     grid = [r for r in rows if r.get("kind") == "row" and r["measured_s"] is not None]
     fig, (ax,) = _figure(6, 5, 1)
     ok, miss = _colors(2)
@@ -399,7 +399,11 @@ def dryrun_host(rows: Rows, path: str | Path) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("measured step s (zerosim train under mpirun)")
     ax.set_ylabel("predicted step s (zerosim dryrun --cluster host.json)")
-    ax.set_title("this machine: filled judged (N = 1, 2), hollow N = 4; red: outside target")
+    ax.set_title(
+        "this machine: filled judged (N = 1, 2), hollow not judged\n(N = 4, or the machine "
+        "drifted); the second colour: outside target",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     return _save(fig, path)
 
