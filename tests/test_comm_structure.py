@@ -341,6 +341,18 @@ def test_a_local_world_exchanges_at_most_two_frames_below_the_public_collective(
         _assert_thin(recorder, expected)
 
 
+def test_a_one_rank_local_world_copies_at_most_two_frames_below_and_exchanges_nothing():
+    """A group of one rank posts nothing: the collectives that move data (gathers, reduce-
+    scatters, all-to-all) reach its one copy (``_copy_alone``) at most two frames below the
+    public method, and the others (all-reduce, reduce, broadcast, barrier, wait) reach nothing."""
+    from zerosim.comm import LocalComm, LocalWorld
+
+    exchanges = _local_exchanges() | {LocalComm._copy_alone.__code__}
+    (recorder,) = LocalWorld(1).run(_recorded, exchanges)
+    copies = {m for m in COLLECTIVES if "gather" in m or "scatter" in m} | {"all_to_all"}
+    _assert_thin(recorder, copies)
+
+
 def test_the_virtual_world_completes_at_most_two_frames_below_the_public_collective():
     from zerosim.comm import virtual
 
