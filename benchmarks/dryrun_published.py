@@ -119,12 +119,15 @@ def config(row: SweepRow) -> dict:
     }
 
 
-def row_runs(row: SweepRow, elementwise: bool = True) -> list:
-    """The dry run of one row: its class representatives' runs (the time on stderr), with the
-    element-wise operations recorded for the cluster to price unless ``elementwise`` is false."""
+def row_runs(row: SweepRow, elementwise: bool = True, backend: str = "torch") -> list:
+    """The dry run of one row on ``backend``'s code path (the cluster's: PyTorch's kernels):
+    its class representatives' runs (the time on stderr), with the element-wise operations
+    recorded for the cluster to price unless ``elementwise`` is false."""
     start = time.perf_counter()
     recipe, cfg = model_recipe(row), config(row)
-    runs, _ = run_world(recipe, row.gpus, cfg, recompute=row.recompute, op_events=elementwise)
+    runs, _ = run_world(
+        recipe, row.gpus, cfg, recompute=row.recompute, op_events=elementwise, backend=backend
+    )
     print(f"  line {row.line}: {row.model} seq {row.seq} on {row.gpus}, "
           f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
     return runs
@@ -166,13 +169,13 @@ def predict_table(gpu: str, rows: list[SweepRow], args: argparse.Namespace, tabl
     chosen = [r for r in mine if r is not fitted and r.gpus <= (args.max_gpus or r.gpus)]
     if args.order == "cost":
         chosen.sort(key=row_cost)
-    runs = row_runs(fitted, args.elementwise)
+    runs = row_runs(fitted, args.elementwise, base.backend)
     factor = fit_software(fitted, runs, base)
     cluster = base.with_software_factor(factor)
     print(f"{gpu}: software_factor {factor:.4f} fitted on line {fitted.line} "
           f"({fitted.model}, seq {fitted.seq}, {fitted.gpus} GPUs)", flush=True)  # fmt: skip
     for r in [fitted, *chosen[: args.limit]]:
-        runs = runs if r is fitted else row_runs(r, args.elementwise)
+        runs = runs if r is fitted else row_runs(r, args.elementwise, base.backend)
         mfu, step = predicted_mfu(r, runs, cluster)
         peak = peak_bytes(runs)
         table.append({**r._asdict(), "predicted_mfu": mfu, "step_s": step, "peak_bytes": peak,

@@ -346,8 +346,10 @@ def test_a_peak_above_the_device_memory_is_marked_would_not_start(tmp_path):
 def test_every_shipped_rate_cites_its_source_and_the_nics_give_the_inter_node_share():
     for name in cluster_names():
         spec = json.loads((CLUSTERS / f"{name}.json").read_text())
-        rates = {k: v for k, v in spec.items() if k not in ("name", "comment", "calibration")}
+        notes = ("name", "comment", "calibration", "backend")
+        rates = {k: v for k, v in spec.items() if k not in notes}
         assert rates and all(len(v["source"]) > 20 for v in rates.values()), name
+        assert spec.get("backend", "cupy") == "cupy" or "backend torch" in spec["comment"], name
         assert "compute_efficiency" not in spec and "network_efficiency" not in spec
     selene, v100 = load_cluster_model("selene"), load_cluster_model("zeropp_v100")
     c = v100.cluster
@@ -478,6 +480,46 @@ def test_element_wise_work_on_a_gpu_is_kernel_calls_and_bytes_at_the_memory_band
     )
     assert not host_path.prices_elementwise
     assert simulate(events, [], host_path).step_s == pytest.approx(1.0)
+
+
+def test_flash_attention_runs_at_its_cited_efficiency_not_over_the_software_factor_by_hand():
+    """1,000 FLOP/s peak, software factor 0.5, attention_efficiency 0.25, 100 B/s of memory:
+    an attention kernel of 500 FLOPs and 10 B takes max(500 / 250, 10 / 100) = 2 s (by FLOPs),
+    one of 5 FLOPs and 1,000 B max(0.02, 10) = 10 s (by bytes); a product of 1,000 FLOPs 2 s.
+    Without the efficiency the kernels are products: 500 FLOPs over 1,000·0.5 FLOP/s, 1 s."""
+    model = ClusterModel(
+        CLUSTER, software_factor=0.5, device_memory_bandwidth=100.0, attention_efficiency=0.25
+    )
+    events = [("attention", {(500, 10): 2, (5, 1000): 1}), ("compute", {(1000, 0): 1})]
+    step = simulate(events, [], model, spans=True)
+    assert step.compute_s == pytest.approx(2 * 2.0 + 10.0 + 2.0)
+    assert [label for _, label, _, _ in step.spans] == ["attention", "matmul"]
+    assert simulate(events[:1], [], model.with_software_factor(1.0)).step_s == pytest.approx(14.0)
+    plain = ClusterModel(CLUSTER, software_factor=0.5, device_memory_bandwidth=100.0)
+    assert simulate([("attention", {(500, 10): 1})], [], plain).step_s == pytest.approx(1.0)
+    assert simulate([("attention", {(500, 10): 1})], [], plain).step_s == pytest.approx(
+        compute_seconds(plain, {(500, 10): 1})
+    )
+
+
+def test_a_cluster_file_for_pytorch_prices_kernels_and_refuses_a_bad_attention_efficiency(
+    tmp_path,
+):
+    path = tmp_path / "torch.json"
+    spec = {
+        "nodes": 1, "devices_per_node": 2, "intra_bandwidth": 1e10, "inter_bandwidth": 1e10,
+        "intra_latency": 1e-5, "inter_latency": 1e-5, "device_flops": 1e11,
+        "device_memory_bandwidth": 1e12, "kernel_launch_s": 1e-5, "backend": "torch",
+        "attention_efficiency": 0.3,
+    }  # fmt: skip
+    write_cluster(path, **spec)
+    model = load_cluster_model(path)
+    assert model.backend == "torch" and model.prices_kernels and model.attention_efficiency == 0.3
+    for bad in (0, 1.5, "fast"):
+        write_cluster(path, **{**spec, "attention_efficiency": bad})
+        refused = f"attention_efficiency must be in \\(0, 1\\], got {bad!r}"
+        with pytest.raises(ValueError, match=refused):
+            load_cluster_model(path)
 
 
 def test_adam_on_the_cupy_path_is_one_kernel_priced_from_selenes_cited_rates_by_hand():

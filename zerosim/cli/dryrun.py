@@ -78,9 +78,10 @@ def add_subcommand(sub: Any) -> None:
     )
     p.add_argument(
         "--backend",
-        choices=["numpy", "cupy"],
+        choices=["numpy", "cupy", "torch"],
         help="the array backend the run stands for, whose code path the shape-only arrays take "
-        "(memory, operations); default: the cluster's (a calibrated host: numpy), else cupy",
+        "(memory, operations; torch: CuPy's, with each layer's fused chain one kernel, as "
+        "PyTorch runs it); default: the cluster's (a calibrated host: numpy), else cupy",
     )
     p.add_argument(
         "--trace", metavar="FILE.json", help="the simulated step as a Chrome/Perfetto trace"

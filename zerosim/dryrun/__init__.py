@@ -43,12 +43,13 @@ def dry_run(
     report has the step's ``time``, and ``trace`` / ``plot`` write the simulated step as a
     Chrome trace / the memory over it; where the cluster gives its device memory,
     ``fits_device`` says whether every rank's peak fits (``time["fits_device"]`` false: a step
-    that would not start, its time only what it would take). ``backend`` ("numpy" or "cupy")
-    is the array backend the run stands for, whose code path the shape-only arrays follow
-    (memory, operations); None follows the cluster's ``backend`` (a host from ``zerosim
-    calibrate``: numpy; GPU clusters: cupy), else cupy. ``wall_s`` is the whole call's cost on
-    this machine (the ranks run, the report over every rank, the time model, the trace and
-    plot), ``ranks_wall_s`` the ranks' runs alone."""
+    that would not start, its time only what it would take). ``backend`` ("numpy", "cupy" or
+    "torch") is the array backend the run stands for, whose code path the shape-only arrays
+    follow (memory, operations; "torch": CuPy's, each fused chain of a layer one kernel,
+    ``meta.fusion``); None follows the cluster's ``backend`` (a host from ``zerosim
+    calibrate``: numpy; the published GPU clusters: cupy or torch), else cupy. ``wall_s`` is
+    the whole call's cost on this machine (the ranks run, the report over every rank, the time
+    model, the trace and plot), ``ranks_wall_s`` the ranks' runs alone."""
     start = perf_counter()
     if (trace or plot) and cluster is None:
         raise ValueError("trace and plot draw the simulated step: give a cluster too")

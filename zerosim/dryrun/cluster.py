@@ -34,13 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from zerosim.analysis.timing import CLUSTER_KEYS, Cluster
-from zerosim.meta.tracker import RATE_CLASSES
+from zerosim.meta.tracker import PREDICTED_BACKENDS, RATE_CLASSES
 
 # analysis.Cluster's keys as a file gives them: inter_bandwidth from the NICs or (a host) itself
 NIC_KEYS = ("nic_bandwidth", "nics_per_node")  # inter_bandwidth = nics · nic_bandwidth / devices
 MEMORY_KEY = "device_memory_bytes"
 FP32_KEY = "device_flops_fp32"  # the fp32 peak, where device_flops is the 16-bit one
-BACKEND_KEY = "backend"  # the array backend whose code path a dry run follows: numpy | cupy
+BACKEND_KEY = "backend"  # the code path a dry run follows: numpy | cupy | torch
+BACKENDS = PREDICTED_BACKENDS  # numpy | cupy | torch
+GPU_BACKENDS = ("cupy", "torch")
 # a host's rates (zerosim calibrate, docs/dryrun.md): bytes/s of element-wise work, seconds of
 # one array call's fixed cost, and whether communication overlaps compute (MPICH: it does not);
 # what a step spends besides array work: zerosim's own Python calls and fresh pages
@@ -66,9 +68,11 @@ HOST_SECONDS = (
     "one_rank_collective_s",
 )
 KERNEL_KEY = "kernel_launch_s"  # a GPU's fixed seconds a kernel call: element-wise work priced
+ATTENTION_KEY = "attention_efficiency"  # FlashAttention's own fraction of the peak, cited
 RATE_KEYS = (
     "device_memory_bandwidth",
     KERNEL_KEY,
+    ATTENTION_KEY,
     "intra_efficiency",
     "inter_efficiency",
     "bus_efficiency_by_size",
@@ -94,11 +98,12 @@ class ClusterModel:
     intra_efficiency: float = 1.0  # of the intra-node line rate, at large messages
     inter_efficiency: float = 1.0  # of the NICs' line rate, at large messages
     bus_efficiency_by_size: tuple[tuple[float, float], ...] = ()  # () : 1 at every size
-    backend: str = "cupy"  # a host (zerosim calibrate): "numpy"
+    backend: str = "cupy"  # a host (zerosim calibrate): "numpy"; PyTorch's kernels: "torch"
     memory_bandwidth: float | None = None  # HOST_KEYS: None leaves element-wise work unpriced
     op_overhead_s: float | None = None
     overlap: bool = True
     kernel_launch_s: float | None = None  # a GPU's fixed cost of one kernel call
+    attention_efficiency: float | None = None  # None: FlashAttention priced as products
     call_overhead_s: float | None = None  # HOST_KEYS: None leaves Python calls unpriced
     page_fault_s: float | None = None  # None leaves fresh pages unpriced
     hugepage_fault_s: float | None = None
@@ -119,9 +124,10 @@ class ClusterModel:
     @property
     def prices_kernels(self) -> bool:
         """Whether element-wise work is priced as a GPU's kernels (``kernel_launch_s`` a call,
-        the bytes at ``device_memory_bandwidth``): a file for the CuPy path that gives both."""
+        the bytes at ``device_memory_bandwidth``): a file for a GPU (CuPy's path or PyTorch's
+        kernels) that gives both."""
         return (
-            self.backend == "cupy"
+            self.backend in GPU_BACKENDS
             and self.kernel_launch_s is not None
             and self.device_memory_bandwidth is not None
         )
@@ -138,10 +144,12 @@ class ClusterModel:
             value = getattr(self, key)
             if value is not None and not _positive(value):
                 raise ValueError(f"{key} must be a positive number, got {value!r}")
-        if self.backend not in ("numpy", "cupy"):
-            raise ValueError(f"{BACKEND_KEY} must be 'numpy' or 'cupy', got {self.backend!r}")
-        for key in ("software_factor", "intra_efficiency", "inter_efficiency"):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"{BACKEND_KEY} must be one of {BACKENDS}, got {self.backend!r}")
+        for key in ("software_factor", "intra_efficiency", "inter_efficiency", ATTENTION_KEY):
             value = getattr(self, key)
+            if key == ATTENTION_KEY and value is None:
+                continue
             if not (_positive(value) and value <= 1):
                 raise ValueError(f"{key} must be in (0, 1], got {value!r}")
         points = self.matmul_by_intensity
@@ -358,6 +366,7 @@ def _model(values: dict[str, Any], name: str) -> ClusterModel:
         memory_bandwidth=values.get("memory_bandwidth"),
         overlap=bool(values.get("overlap", True)),
         kernel_launch_s=values.get(KERNEL_KEY),
+        attention_efficiency=values.get(ATTENTION_KEY),
         **{key: values.get(key) for key in HOST_SECONDS},
         matmul_by_intensity=tuple(tuple(p) for p in values.get("matmul_by_intensity", ())),
         **{

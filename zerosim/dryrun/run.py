@@ -129,7 +129,7 @@ class RankRun:
     fingerprint: list[tuple] = field(default_factory=list)  # rank 0 only: every rank's
     facts: dict[str, Any] = field(default_factory=dict)  # rank 0 only: engine_facts
     # the last step as the time model reads it (dryrun/timeline.py): ("compute", {(flops,
-    # bytes): products}),
+    # bytes): products}), ("attention", {(flops, bytes): kernels}),
     # ("issue", i), ("wait", i) and, when asked for, ("memory", live bytes)
     events: list[tuple[str, Any]] = field(default_factory=list)
     step_start_bytes: int = 0  # live bytes when the last step began (its peak rises from here)
@@ -169,8 +169,9 @@ def run_rank(
 ) -> RankRun:
     """Build, initialize and train virtual rank ``rank`` for ``steps`` optimizer steps, writing
     the last one's events (with every change of the live bytes when ``memory_events``), on the
-    code path of ``backend`` ("numpy" or "cupy", ``meta.Values.backend``), and with ``op_events``
-    the element-wise operations between collectives (a host's time model prices them)."""
+    code path of ``backend`` ("numpy", "cupy" or "torch", ``meta.Values.backend``), and with
+    ``op_events`` the element-wise operations between collectives (a host's time model prices
+    them)."""
     comm = world.comm(rank)
     with meta.tracking(overflow=overflow, fill=fill, backend=backend) as tracker:
         # a host's fresh pages: glibc's malloc replayed over every allocation of the run
@@ -306,14 +307,16 @@ def engine_facts(engine: Engine) -> dict[str, Any]:
 
 def _event_writer(events: list, tracker: meta.Tracker, memory: bool, ops: bool) -> Callable:
     """A tracker listener: each matrix product counted into the last compute event (a new one
-    after a collective event) as {(FLOPs, bytes): products}, with ``ops`` every other array
+    after a collective event) as {(FLOPs, bytes): products}, FlashAttention's into an
+    ("attention", {(FLOPs, bytes): kernels}) event the same way, with ``ops`` every other array
     operation added into this stretch's ("elementwise", (operations, bytes)) event, and with
     ``memory`` the live bytes after every allocation and free."""
 
     def write(kind: str, amount: int, category: str) -> None:
         if kind == "matmul":  # products counted by (FLOPs, bytes): a roofline prices each
-            if not events or events[-1][0] != "compute":
-                events.append(("compute", {}))
+            stretch = "attention" if category == "attention" else "compute"
+            if not events or events[-1][0] != stretch:
+                events.append((stretch, {}))
             products = events[-1][1]
             key = (amount, tracker.product_bytes)
             products[key] = products.get(key, 0) + 1
@@ -345,7 +348,7 @@ def _stretch_elementwise(events: list) -> int | None:
     """The index of the elementwise event of the stretch since the last collective event (the
     last event, or the one before a compute event), or None."""
     for i in (-1, -2):
-        if len(events) < -i or events[i][0] not in ("compute", "elementwise"):
+        if len(events) < -i or events[i][0] not in ("compute", "attention", "elementwise"):
             return None
         if events[i][0] == "elementwise":
             return i
@@ -376,8 +379,8 @@ def run_world(
     backend: str = "cupy",
     op_events: bool = False,
 ) -> tuple[list[tuple[list[int], RankRun]], float]:
-    """Run the representatives (or every rank) on the code path of ``backend`` ("numpy" or
-    "cupy"): [(member ranks, the run standing for them)] and the wall time in seconds."""
+    """Run the representatives (or every rank) on the code path of ``backend`` ("numpy",
+    "cupy" or "torch"): [(member ranks, the run standing for them)] and the wall time in seconds."""
     say = progress or (lambda _: None)
     cfg = _prepare_config(config, micro_batch)
     load_config(cfg, world_size)  # a bad config fails here, before any rank runs

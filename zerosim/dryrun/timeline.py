@@ -38,7 +38,10 @@ collectives running at once. ``reduce`` costs a broadcast, ``barrier`` a broadca
 **Matrix products by roofline.** A stretch of compute is {(FLOPs, bytes): products}; each
 product takes max(FLOPs / peak of the run's dtype, bytes / device_memory_bandwidth), and the
 stretch that sum over ``software_factor``, the one number no datasheet gives (the fraction of
-the roofline one software stack reaches), fitted on one named published row.
+the roofline one software stack reaches), fitted on one named published row. FlashAttention's
+fused kernels come as ("attention", {(FLOPs, bytes): kernels}): where the file cites the
+kernel's own efficiency (``attention_efficiency``, its authors' measured fraction of the peak)
+they run at that rate, not over the software factor; else they are priced as products.
 
 **A GPU's other work** (a file for CuPy's path with ``kernel_launch_s``): every other array
 operation between two collective events is a kernel, ("elementwise", (calls, bytes)) priced at
@@ -182,6 +185,23 @@ def compute_seconds(model: ClusterModel, products: Any) -> float:
     return seconds / model.software_factor
 
 
+def attention_seconds(model: ClusterModel, kernels: dict) -> float:
+    """Seconds of a stretch of FlashAttention kernels ({(FLOPs, bytes): kernels}): where the
+    cluster file cites the kernel's own efficiency (``attention_efficiency``, a fraction of the
+    dtype's peak measured by the kernel's authors), each takes the longer of its FLOPs at that
+    rate and its bytes at the memory bandwidth, not over the software factor, which is fitted
+    for the products and would count the kernel's own shortfall twice; else it is priced as
+    products (``compute_seconds``)."""
+    if model.attention_efficiency is None:
+        return compute_seconds(model, kernels)
+    rate = model.cluster.device_flops * model.attention_efficiency
+    bandwidth = model.device_memory_bandwidth
+    return sum(
+        count * max(flops / rate, nbytes / bandwidth if bandwidth else 0.0)
+        for (flops, nbytes), count in kernels.items()
+    )
+
+
 def elementwise_seconds(
     model: ClusterModel, operations: int, nbytes: int, sizes: dict | None = None
 ) -> float:
@@ -274,16 +294,17 @@ class StepTime:
 
 
 # the events the compute stream runs, one after another
-COMPUTE_KINDS = ("compute", "elementwise", "python", "faults")
+COMPUTE_KINDS = ("compute", "attention", "elementwise", "python", "faults")
 
 
 def simulate(
     events: list[tuple[str, Any]], calls: list[Any], model: ClusterModel, spans: bool = False
 ) -> StepTime:
     """Run one step's ``events`` (("compute", {(flops, bytes): products} or flops),
-    ("elementwise", (operations, bytes)), ("python", calls), ("faults", (pages, huge pages)),
-    ("issue", i), ("wait", i), ("memory", live bytes)) on
-    ``model``; ``calls[i]`` is the collective of index i (``VirtualComm.calls``)."""
+    ("attention", {(flops, bytes): kernels}), ("elementwise", (operations, bytes)),
+    ("python", calls), ("faults", (pages, huge pages)), ("issue", i), ("wait", i), ("memory",
+    live bytes)) on ``model``; ``calls[i]`` is the collective of index i
+    (``VirtualComm.calls``)."""
     now = compute = 0.0  # the compute stream's clock and busy time
     stream = _CommStream(spans)
     pending: dict[int, tuple[float, str]] = {}  # without overlap: issued, moved when waited
@@ -345,7 +366,7 @@ def host_breakdown(events: list[tuple[str, Any]], model: ClusterModel) -> dict[s
         elif kind == "faults":
             pages, huge = pages + value[0], huge + value[1]
     return {
-        "products_s": seconds["compute"],
+        "products_s": seconds["compute"] + seconds["attention"],
         "elementwise_s": seconds["elementwise"],
         "python_s": seconds["python"],
         "faults_s": seconds["faults"],
@@ -360,6 +381,10 @@ def _compute_stream_seconds(model: ClusterModel, kind: str, value: Any) -> float
         if model.matmul_by_intensity and isinstance(value, dict):
             return host_product_seconds(model, value)
         return compute_seconds(model, value)
+    if kind == "attention":
+        if model.matmul_by_intensity:
+            return host_product_seconds(model, value)
+        return attention_seconds(model, value)
     if kind == "elementwise":
         return elementwise_seconds(model, *value)
     return host_seconds(model, kind, value)

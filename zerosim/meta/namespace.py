@@ -339,9 +339,10 @@ class MetaNamespace:
         """One call of a fused GPU kernel whose matrix products and the work between them stay in
         on-chip memory (FlashAttention, ``nn/flash.py``): ``flops`` counted as matrix products,
         ``nbytes`` the device memory it reads and writes once (its roofline's bytes); it
-        allocates nothing (its caller allocates the outputs)."""
+        allocates nothing (its caller allocates the outputs). Counted as an "attention"
+        kernel, which a cluster that cites FlashAttention's own efficiency prices at it."""
         current().op("matmul")
-        current().matmul(flops, nbytes)
+        current().matmul(flops, nbytes, kernel="attention")
 
     def add_at(self, target: MetaArray, indices: Any, values: Any) -> None:
         """NumPy's ``np.add.at(target, indices, values)``: in place, nothing allocated."""

@@ -38,7 +38,11 @@ its own, within a few per cent of each member's.
 type (``backend.is_host_array``: NumPy's cache-sized optimizer blocks and numba kernels, a few
 layer shortcuts), a shape-only array takes the branch of the backend the dry run predicts,
 ``"numpy"`` (a CPU host) or ``"cupy"`` (a GPU), so its allocations and operations are that
-backend's.
+backend's. ``"torch"`` stands for PyTorch's CUDA kernels, as the published runs of
+``examples/published/`` ran: CuPy's branches, and each chain of a layer that is marked as one
+kernel (``fusion.fused``: a GEMM's casts and bias, LayerNorm, GELU, the softmax cross-entropy)
+counted as that one kernel, its inputs read and its outputs written once, instead of as the
+chain's NumPy-style calls.
 
 The rules of the dry run's data-dependent branches (``Values``) live here too: a shape-only
 array has no values, so what the engine reads from one is a documented default.
@@ -132,6 +136,8 @@ class Tracker:
         self.ops: dict[str, int] = {}  # array operations by kind (module docstring)
         self.op_bytes = 0  # the bytes they read and wrote
         self.op_class = "native"  # the rate class of the operation being notified
+        self.fused_depth = 0  # > 0 inside a chain counted as one kernel (``fusion.fused``)
+        self.in_kernel = False  # inside a fused chain that is a kernel (not an epilogue)
         # called as listener(kind, amount, category) for "alloc", "free" and "matmul" events,
         # and listener("op", bytes, operation kind) for each array operation
         self.listeners: list[Callable[[str, int, str], None]] = []
@@ -156,17 +162,27 @@ class Tracker:
         for listener in self.listeners:
             listener("free", nbytes, category)
 
-    def matmul(self, flops: int, nbytes: int = 0) -> None:
+    def matmul(self, flops: int, nbytes: int = 0, kernel: str = "") -> None:
         """Count one matrix product of ``flops`` that reads its operands and writes its result,
-        ``nbytes`` together (what a roofline prices it by: ``dryrun/timeline.py``)."""
+        ``nbytes`` together (what a roofline prices it by: ``dryrun/timeline.py``); ``kernel``
+        names a fused kernel whose products these are ("attention": FlashAttention's), which
+        a cluster may price at that kernel's own rate."""
         self.matmul_flops += flops
         self.product_bytes = nbytes
         for listener in self.listeners:
-            listener("matmul", flops, "")
+            listener("matmul", flops, kernel)
 
     def op(self, kind: str, nbytes: int = 0, rate: str = "native") -> None:
         """Count one array operation of ``kind`` that reads and writes ``nbytes``, of the rate
-        class ``rate`` (``rate_class``)."""
+        class ``rate`` (``rate_class``). Inside a chain counted as one kernel
+        (``fused_depth``) only a matrix product's launch counts: the chain's own kernel is
+        counted when it ends (``kernel_op``)."""
+        if self.fused_depth and kind != "matmul":
+            return
+        self.kernel_op(kind, nbytes, rate)
+
+    def kernel_op(self, kind: str, nbytes: int, rate: str = "native") -> None:
+        """Count one operation of ``kind``, inside a fused chain or not (``op``)."""
         self.ops[kind] = self.ops.get(kind, 0) + 1
         self.op_bytes += nbytes
         self.op_class = rate
@@ -243,8 +259,9 @@ class Values:
     host): the loss, Σg² and so the gradient norm, token ids' bounds. 0.0, the default, gives
     a norm of 0, so gradient clipping never scales (its collective still runs); a value above
     (gradient_clipping)² makes every step clip. Counts (``count_nonzero``) are of every element.
-    ``backend``: the array backend the run stands for, ``"numpy"`` or ``"cupy"`` (the default):
-    the branch a shape-only array takes where the code asks ``backend.is_host_array``.
+    ``backend``: the array backend the run stands for, ``"numpy"``, ``"cupy"`` (the default) or
+    ``"torch"`` (the module docstring): the branch a shape-only array takes where the code asks
+    ``backend.is_host_array``, and with ``"torch"`` each fused chain counted as one kernel.
     """
 
     overflow: bool = False
@@ -260,7 +277,7 @@ class Values:
 
 
 # the backends a dry run can stand for
-PREDICTED_BACKENDS = ("numpy", "cupy")
+PREDICTED_BACKENDS = ("numpy", "cupy", "torch")
 
 _local = threading.local()
 

@@ -1,7 +1,8 @@
 """Elementwise layers: ``ReLU``, ``Tanh``, ``GELU`` (exact or tanh form) and ``Dropout``.
 
 Each saves one array for backward: ReLU and Tanh their output (which the next layer
-usually saves anyway, so it costs no extra memory), GELU its input, Dropout its mask.
+usually saves anyway, so it costs no extra memory), GELU its input, Dropout its mask. Tanh's
+and GELU's passes are each one kernel in PyTorch (``meta.fusion``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerosim.backend import from_host, is_host_array, xp_of
+from zerosim.meta.fusion import fused
 from zerosim.nn.functional import downcast, gelu, gelu_backward, upcast
 from zerosim.nn.init import RngLike, as_generator
 from zerosim.nn.module import Module
@@ -41,6 +43,7 @@ class ReLU(Module):
 class Tanh(Module):
     """y = tanh(x);  dx = g · (1 − y²)."""
 
+    @fused("tanh")
     def forward(self, x: Any) -> Any:
         y = downcast(xp_of(x).tanh(upcast(x)), x.dtype)
         self.save_for_backward(y)
@@ -48,8 +51,7 @@ class Tanh(Module):
 
     def _backward(self, grad: Any) -> Any:
         (y,) = self.pop_saved()
-        yc = upcast(y)
-        return downcast(upcast(grad) * (1 - yc * yc), y.dtype)
+        return _tanh_backward(y, grad)
 
 
 class GELU(Module):
@@ -63,16 +65,28 @@ class GELU(Module):
             )
         self.approximate = approximate
 
+    @fused("gelu")
     def forward(self, x: Any) -> Any:
         self.save_for_backward(x)
         return downcast(gelu(x, self.approximate), x.dtype)
 
     def _backward(self, grad: Any) -> Any:
         (x,) = self.pop_saved()
-        return downcast(gelu_backward(x, grad, self.approximate), x.dtype)
+        return _gelu_backward(x, grad, self.approximate)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
+
+
+@fused("tanh_backward")
+def _tanh_backward(y: Any, grad: Any) -> Any:
+    yc = upcast(y)
+    return downcast(upcast(grad) * (1 - yc * yc), y.dtype)
+
+
+@fused("gelu_backward")
+def _gelu_backward(x: Any, grad: Any, approximate: str) -> Any:
+    return downcast(gelu_backward(x, grad, approximate), x.dtype)
 
 
 class Dropout(Module):

@@ -1,7 +1,9 @@
 """``Linear`` (y = x Wᵀ + b) and ``Embedding`` (a row lookup), with hand-written backward.
 
 16-bit models: the matmuls run on float32 copies and the result is rounded back to the
-parameter dtype (float32 accumulation, as tensor cores and torch's CPU kernels do).
+parameter dtype (float32 accumulation, as tensor cores and torch's CPU kernels do). On a GPU,
+cuBLAS reads and writes the 16-bit arrays itself and adds the bias in its epilogue: a dry run
+standing for PyTorch counts the casts and the bias add as the products' (``meta.fusion``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import add_at, np_dtype, resolve_dtype, xp_of
+from zerosim.meta.fusion import fused
 from zerosim.nn.functional import (
     compute_dtype,
     downcast,
@@ -54,6 +57,7 @@ class Linear(Module):
         bias_data = linear_default(rng, (self.out_features,), self.in_features, dtype)
         self.bias = Parameter(bias_data) if bias else None
 
+    @fused("linear", epilogue=True)
     def forward(self, x: Any) -> Any:
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise ValueError(
@@ -69,15 +73,25 @@ class Linear(Module):
 
     def _backward(self, grad: Any) -> Any:
         (x,) = self.pop_saved()
+        return self._gradients(grad, x)
+
+    @fused("linear_backward", epilogue=True)
+    def _gradients(self, grad: Any, x: Any) -> Any:
         g = reshape(upcast(grad), (-1, self.out_features))
         accumulate_grad(self.weight, g.T @ reshape(upcast(x), (-1, self.in_features)))
         if self.bias is not None:
-            accumulate_grad(self.bias, reduce("sum", g, axis=0))
+            accumulate_grad(self.bias, _bias_grad(g))
         dx = g @ upcast(self.weight.data)
         return downcast(reshape(dx, x.shape), x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"
+
+
+@fused("bias_grad")
+def _bias_grad(g: Any) -> Any:
+    """db = Σ_rows g: on a GPU a reduction kernel of its own, beside the backward's products."""
+    return reduce("sum", g, axis=0)
 
 
 class Embedding(Module):

@@ -3,7 +3,9 @@
 ``loss_fn(prediction, target)`` returns a 0-d array in float32 for 16-bit predictions
 (the reduction accumulates in float32), else in the prediction's dtype.
 ``loss_fn.backward(g)`` takes the gradient of the loss (the seed, e.g. a loss scale) and
-returns ``(d prediction, None)``: targets are data and get no gradient.
+returns ``(d prediction, None)``: targets are data and get no gradient. On a GPU each pass of
+the softmax cross-entropy is one kernel (``meta.fusion``: llm-foundry's runs used
+flash-attn's fused cross-entropy).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import np_dtype, xp_of
+from zerosim.meta.fusion import fused
 from zerosim.nn.functional import downcast, host_ints, reduce, upcast
 from zerosim.nn.module import Module
 
@@ -38,6 +41,7 @@ class CrossEntropyLoss(Module):
         self.ignore_index = int(ignore_index)
         self.reduction = _check_reduction(reduction)
 
+    @fused("cross_entropy")
     def forward(self, logits: Any, target: Any) -> Any:
         if logits.ndim != 2 or target.shape != logits.shape[:1]:
             raise ValueError(
@@ -82,20 +86,28 @@ class CrossEntropyLoss(Module):
 
     def _backward(self, grad: Any) -> tuple[Any, None]:
         probs, t, valid, denom, dtype = self.pop_saved()
-        xp = xp_of(probs)
-        d = probs  # reused in place: this entry is never read again
-        scale = xp.asarray(grad, dtype=d.dtype) / max(denom, 1)
-        if xp is np:
-            d[np.arange(d.shape[0]), t] -= 1
-            d *= (valid * scale)[:, None]
-        else:  # no fancy-index assignment in the standard: subtract the one-hot rows
-            classes = xp.arange(d.shape[1], dtype=t.dtype)
-            d -= xp.astype(t[:, None] == classes[None, :], d.dtype)
-            d *= (xp.astype(valid, d.dtype) * scale)[:, None]
-        return downcast(d, dtype), None
+        return _cross_entropy_backward(probs, t, valid, denom, dtype, grad), None
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}"
+
+
+@fused("cross_entropy_backward")
+def _cross_entropy_backward(
+    probs: Any, t: Any, valid: Any, denom: int, dtype: Any, grad: Any
+) -> Any:
+    """d z = (softmax(z) − onehot(t)) · g / #valid, in ``probs``' place, rounded to ``dtype``."""
+    xp = xp_of(probs)
+    d = probs  # reused in place: this entry is never read again
+    scale = xp.asarray(grad, dtype=d.dtype) / max(denom, 1)
+    if xp is np:
+        d[np.arange(d.shape[0]), t] -= 1
+        d *= (valid * scale)[:, None]
+    else:  # no fancy-index assignment in the standard: subtract the one-hot rows
+        classes = xp.arange(d.shape[1], dtype=t.dtype)
+        d -= xp.astype(t[:, None] == classes[None, :], d.dtype)
+        d *= (xp.astype(valid, d.dtype) * scale)[:, None]
+    return downcast(d, dtype)
 
 
 class MSELoss(Module):

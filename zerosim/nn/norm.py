@@ -8,6 +8,8 @@ with x̂ = (x − μ)·rstd, rstd = 1/√(σ² + ε), and m values per statistic
 
 RMSNorm (Zhang & Sennrich 2019) leaves the mean in: x̂ = x·rstd, rstd = 1/√(mean(x²) + ε), and
 its backward drops the mean(dx̂) term: dx = rstd · (dx̂ − x̂ · mean(dx̂ · x̂)).
+
+On a GPU PyTorch runs each pass of LayerNorm and RMSNorm as one kernel (``meta.fusion``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import resolve_dtype, xp_of
+from zerosim.meta.fusion import fused
 from zerosim.nn.functional import downcast, host_ints, reduce, reshape, rowdot, upcast
 from zerosim.nn.init import check_last_axis, check_positive_int
 from zerosim.nn.module import Module
@@ -51,6 +54,7 @@ class LayerNorm(Module):
         self.weight = Parameter(np.ones(self.normalized_shape, dt)) if affine else None
         self.bias = Parameter(np.zeros(self.normalized_shape, dt)) if affine and bias else None
 
+    @fused("layer_norm")
     def forward(self, x: Any) -> Any:
         check_last_axis("LayerNorm", x, self.normalized_shape)
         xp = xp_of(x)
@@ -70,7 +74,10 @@ class LayerNorm(Module):
         return downcast(y, x.dtype)
 
     def _backward(self, grad: Any) -> Any:
-        x, mean, rstd = self.pop_saved()
+        return self._gradients(grad, *self.pop_saved())
+
+    @fused("layer_norm_backward")
+    def _gradients(self, grad: Any, x: Any, mean: Any, rstd: Any) -> Any:
         xp = xp_of(grad)
         xhat = upcast(x) - mean  # recomputed from x, which is kept anyway (the caller's)
         xhat *= rstd
@@ -108,6 +115,7 @@ class RMSNorm(Module):
         self.eps = float(eps)
         self.weight = Parameter(np.ones(self.normalized_shape, resolve_dtype(dtype)))
 
+    @fused("rms_norm")
     def forward(self, x: Any) -> Any:
         check_last_axis("RMSNorm", x, self.normalized_shape)
         xp = xp_of(x)
@@ -122,7 +130,10 @@ class RMSNorm(Module):
         return downcast(y, x.dtype)
 
     def _backward(self, grad: Any) -> Any:
-        x, rstd = self.pop_saved()
+        return self._gradients(grad, *self.pop_saved())
+
+    @fused("rms_norm_backward")
+    def _gradients(self, grad: Any, x: Any, rstd: Any) -> Any:
         xhat = upcast(x) * rstd
         g = upcast(grad)
         g_rows = reshape(g, (-1, self.normalized_shape))

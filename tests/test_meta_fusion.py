@@ -1,0 +1,163 @@
+"""A layer's marked chain counts as the one kernel PyTorch runs for it, only where a dry run
+stands for PyTorch (``meta.fusion``, backend "torch"), and changes nothing else.
+
+Every expected count below is derived here from the shapes: a fused kernel reads each array
+argument once and writes each array result once; an epilogue adds nothing to the products it
+rides on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from zerosim import meta, nn
+from zerosim.backend import shape_only_init
+from zerosim.dryrun import dry_run
+from zerosim.meta.fusion import fused
+
+xp = meta.NAMESPACE
+ROWS, C = 24, 16  # a (ROWS, C) bf16 activation: 2 bytes an element
+N = ROWS * C
+
+
+@fused("axpy")
+def _axpy(x, y):
+    """Three calls on NumPy: a cast, a product, a sum."""
+    return x.astype(np.float32) * 2.0 + y
+
+
+@fused("outer", epilogue=True)
+def _outer(a, b):
+    c = a.astype(np.float32) @ b.astype(np.float32)  # two casts and a product
+    return c + 1.0, _inner(c)
+
+
+@fused("inner")
+def _inner(c):
+    return c * c
+
+
+@fused("absorbed")
+def _holds_a_kernel(x):
+    return _inner(x) + 1.0
+
+
+def _ops(backend, fn, *shapes, dtype=np.float32):
+    with meta.tracking(backend=backend) as tracker:
+        fn(*(xp.zeros(s, dtype) for s in shapes))
+    return tracker.ops, tracker.op_bytes, tracker.matmul_flops
+
+
+def test_a_fused_chain_is_one_kernel_of_its_inputs_and_outputs_under_torch_only():
+    ops, moved, _ = _ops("torch", _axpy, (ROWS, C), (ROWS, C))
+    assert ops == {"axpy": 1}
+    assert moved == 3 * N * 4  # x and y read, the result written, float32
+    ops, moved, _ = _ops("cupy", _axpy, (ROWS, C), (ROWS, C))
+    assert "axpy" not in ops and sum(ops.values()) == 3  # the cast, the product and the sum
+    assert moved > 3 * N * 4
+
+
+def test_an_epilogue_leaves_its_products_and_a_kernel_inside_it_counts():
+    ops, moved, flops = _ops("torch", _outer, (ROWS, C), (C, ROWS))
+    assert ops == {"matmul": 1, "inner": 1}
+    assert moved == 2 * ROWS * ROWS * 4  # inner: c read, c·c written
+    assert flops == 2 * ROWS * C * ROWS
+
+
+def test_a_kernel_inside_a_kernel_is_part_of_it():
+    ops, moved, _ = _ops("torch", _holds_a_kernel, (ROWS, C))
+    assert ops == {"absorbed": 1} and moved == 2 * N * 4
+
+
+def test_the_values_are_the_functions_own_on_numpy():
+    x, y = np.arange(6.0).reshape(2, 3), np.ones((2, 3))
+    np.testing.assert_array_equal(_axpy(x, y), x * 2.0 + y)
+    with meta.tracking(backend="torch"):  # a NumPy array in a torch dry run runs as it is
+        np.testing.assert_array_equal(_axpy(x, y), x * 2.0 + y)
+
+
+def _layer_ops(make, *shapes, backward=True, dtype="bfloat16"):
+    """Element-wise kernels of one forward and backward of a layer under torch, by kind."""
+    with meta.tracking(backend="torch") as tracker:
+        with shape_only_init():
+            layer = make()
+        args = [xp.zeros(s, dtype) for s in shapes]
+        out = layer(*args)
+        forward = dict(tracker.ops), tracker.op_bytes
+        if backward:
+            layer.backward(xp.zeros(out.shape, out.dtype))
+    backward_ops = {k: v - forward[0].get(k, 0) for k, v in tracker.ops.items()}
+    return forward, ({k: v for k, v in backward_ops.items() if v}, tracker.op_bytes - forward[1])
+
+
+def test_layer_norm_and_gelu_are_one_kernel_a_pass():
+    """LayerNorm forward reads x (2N bytes) and writes y (2N); the row mean and rstd it keeps
+    (2·ROWS·4 bytes) are not its result and are not counted; backward reads dy and x (2N each)
+    and the two statistics, writes dx (2N). GELU forward reads x, writes y; backward reads x
+    and dy, writes dx."""
+    (f_ops, f_bytes), (b_ops, b_bytes) = _layer_ops(lambda: nn.LayerNorm(C), (ROWS, C))
+    assert f_ops == {"layer_norm": 1} and f_bytes == 2 * N * 2
+    assert b_ops == {"layer_norm_backward": 1} and b_bytes == 3 * N * 2 + 2 * ROWS * 4
+    (f_ops, f_bytes), (b_ops, b_bytes) = _layer_ops(lambda: nn.GELU("tanh"), (ROWS, C))
+    assert f_ops == {"gelu": 1} and f_bytes == 2 * N * 2
+    assert b_ops == {"gelu_backward": 1} and b_bytes == 3 * N * 2
+
+
+def test_a_linear_is_its_products_and_a_bias_reduction():
+    """Forward: one product (its casts and bias add are the epilogue). Backward: the two
+    products and the bias gradient's reduction, which reads g in float32 (the cast g the
+    products read) and writes OUT float32 sums."""
+    out = 8
+    (f_ops, f_bytes), (b_ops, b_bytes) = _layer_ops(lambda: nn.Linear(C, out), (ROWS, C))
+    assert f_ops == {"matmul": 1} and f_bytes == 0
+    assert b_ops == {"matmul": 2, "bias_grad": 1} and b_bytes == ROWS * out * 4 + out * 4
+
+
+def test_the_cross_entropy_is_one_kernel_a_pass():
+    """Forward reads the bf16 logits (2 bytes each) and the int64 targets, writes the 0-d
+    float32 loss; backward reads the float32 probabilities it kept, the targets, the validity
+    mask (1 byte a row) and the 0-d seed, and writes the bf16 gradient."""
+    vocab = 32
+    with meta.tracking(backend="torch") as tracker:
+        loss_fn = nn.CrossEntropyLoss()
+        loss = loss_fn(xp.zeros((ROWS, vocab), "bfloat16"), xp.zeros((ROWS,), np.int64))
+        assert tracker.ops == {"cross_entropy": 1}
+        assert tracker.op_bytes == ROWS * vocab * 2 + ROWS * 8 + 4
+        before = tracker.op_bytes
+        loss_fn.backward(xp.zeros((), loss.dtype))
+    assert tracker.ops == {"cross_entropy": 1, "cross_entropy_backward": 1}
+    moved = tracker.op_bytes - before
+    assert moved == ROWS * vocab * 4 + ROWS * 8 + ROWS + 4 + ROWS * vocab * 2
+
+
+def test_a_torch_dry_run_changes_no_collective_and_no_byte_only_the_kernels():
+    """A bf16 GPT at stage 3 on 2 ranks: the same bytes sent and received, FLOPs and peaks on
+    both paths; under torch fewer than half the kernels, the products' launches the same."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3},
+    }
+    reports = {b: dry_run("gpt:2,32,64,16,2", 2, cfg, backend=b) for b in ("cupy", "torch")}
+    cupy, torch = reports["cupy"], reports["torch"]
+    same = ("bytes_sent", "bytes_received", "flops", "peak_bytes", "peak_bytes_by_category")
+    for key in same:
+        assert [r[key] for r in torch["ranks"]] == [r[key] for r in cupy["ranks"]], key
+    ops = {b: r["ranks"][0]["ops"] for b, r in reports.items()}
+    assert ops["torch"]["matmul"] == ops["cupy"]["matmul"]
+    assert sum(ops["torch"].values()) < sum(ops["cupy"].values()) / 2
+    assert {"layer_norm", "gelu_backward", "cross_entropy"} <= set(ops["torch"])
+
+
+@pytest.mark.parametrize("name", ["gelu", "layer_norm", "linear"])
+def test_no_backend_but_torch_counts_a_fused_kernel(name):
+    for backend in ("numpy", "cupy"):
+        with meta.tracking(backend=backend) as tracker:
+            with shape_only_init():
+                layer = {"gelu": nn.GELU, "layer_norm": lambda: nn.LayerNorm(C)}.get(
+                    name, lambda: nn.Linear(C, C)
+                )()
+            layer.backward(layer(xp.zeros((ROWS, C), "bfloat16")))
+        assert not any(k.startswith((name, "bias_grad")) for k in tracker.ops), backend
