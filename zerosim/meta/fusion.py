@@ -17,9 +17,10 @@ a marked chain that way:
 
 Everywhere else (NumPy, CuPy, array_api_strict, a dry run for a host or for zerosim's CuPy
 path) the function runs and counts as it always does: ``fused`` changes no value and no
-allocation, only what the time model is told a GPU launches. What the chain allocates is still
-counted (its temporaries too, where a fused kernel would keep them in registers: the peak is
-an upper bound there).
+allocation. Under ``"torch"`` it changes what the time model is told a GPU launches, and the
+peaks: the chain's temporaries, which a fused kernel keeps in registers, raise no peak; what
+is live when it returns (its results, what it saved for backward) does. Live bytes are
+unchanged.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def fused(name: str, *, epilogue: bool = False) -> Callable[[Callable], Callable
                 return fn(*args, **kwargs)
             tracker = current()
             inside_kernel = tracker.in_kernel
+            peaks = tracker.peak_total, dict(tracker.peak)
             tracker.fused_depth += 1
             tracker.in_kernel = inside_kernel or not epilogue
             try:
@@ -55,6 +57,7 @@ def fused(name: str, *, epilogue: bool = False) -> Callable[[Callable], Callable
             finally:
                 tracker.fused_depth -= 1
                 tracker.in_kernel = inside_kernel
+            _no_temporaries(tracker, *peaks)
             if not (epilogue or inside_kernel):
                 outputs = result if isinstance(result, tuple) else (result,)
                 moved = sum(a.nbytes for a in (*inputs, *outputs) if isinstance(a, MetaArray))
@@ -64,3 +67,11 @@ def fused(name: str, *, epilogue: bool = False) -> Callable[[Callable], Callable
         return call
 
     return mark
+
+
+def _no_temporaries(tracker: Any, peak_total: int, peak: dict[str, int]) -> None:
+    """The peaks as a fused kernel leaves them: it allocates its results and nothing else, so
+    the chain's temporaries, gone by its end, raise no peak (what is live at the end does)."""
+    tracker.peak_total = max(peak_total, tracker.live_total)
+    for category, before in peak.items():
+        tracker.peak[category] = max(before, tracker.live[category])
