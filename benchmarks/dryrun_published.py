@@ -25,10 +25,12 @@ prefetches in forward too.
 
 The clusters are ``zerosim/dryrun/clusters/mosaic_a100_80gb.json`` and ``…_40gb.json``: physical
 rates, each cited in the file (NVLink, the 1600 Gb/s of RoCE per node, nccl-tests' efficiencies,
-HBM bandwidth for the roofline and for element-wise work, a kernel call's fixed cost). Every array
-operation that is not a matrix product is priced as the kernel CuPy would launch for it (its
-bytes at the HBM's rate, plus the call; ``--no-elementwise`` leaves them unpriced), and
-FlashAttention as one fused kernel per pass (``zerosim/nn/flash.py``). The one fitted number per
+HBM bandwidth for the roofline and for element-wise work, a kernel call's fixed cost,
+FlashAttention's efficiency). Their ``backend`` is ``torch``: the runs were PyTorch's kernels, so
+each layer's element-wise chain is the one kernel PyTorch runs for it (``zerosim/meta/fusion.py``)
+priced by its bytes at the HBM's rate plus the call (``--no-elementwise`` leaves them unpriced),
+and FlashAttention is one fused kernel per pass (``zerosim/nn/flash.py``) at the cited
+``attention_efficiency``. The one fitted number per
 (cluster, software) is ``software_factor``, fitted on ONE row named before any prediction was
 looked at: the 7B model at sequence 2048 on 8 GPUs of each table (``FITTED``); 1 where even the
 roofline is slower than the published row.

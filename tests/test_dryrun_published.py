@@ -5,12 +5,15 @@ derived from the row's own columns, read here straight from the CSV, by the rule
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 
-from benchmarks.dryrun_published import SWEEP, config, description, model_flops_per_step
+from benchmarks.dryrun_published import CLUSTERS, SWEEP, config, description, model_flops_per_step
 from zerosim.config import load_config
+from zerosim.dryrun import load_cluster_model
 from zerosim.dryrun.published import read_sweep
+from zerosim.dryrun.timeline import CLUSTERS as CLUSTER_FILES
 
 ROWS = list(csv.DictReader(open(SWEEP, newline="")))
 SWEEP_ROWS = read_sweep(SWEEP)
@@ -55,3 +58,16 @@ def test_the_mfu_numerator_is_the_sources_formula():
     per_seq = 3 * 2 * n * s + 3 * layers * 2 * 2 * d * s * s
     assert raw["Model"] == "70b"
     assert model_flops_per_step(row) == per_seq * int(raw["GlobalBatchSize"])
+
+
+@pytest.mark.parametrize("table", sorted(CLUSTERS))
+def test_the_rows_run_on_pytorchs_kernels_with_flashattentions_cited_efficiency(table):
+    """The runs were PyTorch's kernels (README): backend torch; FlashAttention at the midpoint
+    of the 25-40% of the peak that FlashAttention-2's abstract gives, quoted in the file."""
+    name = CLUSTERS[table]
+    model = load_cluster_model(name)
+    assert model.backend == "torch" and model.prices_kernels
+    assert model.attention_efficiency == (0.25 + 0.40) / 2
+    source = json.loads((CLUSTER_FILES / f"{name}.json").read_text())["attention_efficiency"]
+    assert "reaching only 25-40% of the theoretical maximum FLOPs/s" in source["source"]
+    assert "arXiv 2307.08691" in source["source"]
