@@ -176,3 +176,27 @@ def test_no_backend_but_torch_counts_a_fused_kernel(name):
                 )()
             layer.backward(layer(xp.zeros((ROWS, C), "bfloat16")))
         assert not any(k.startswith((name, "bias_grad")) for k in tracker.ops), backend
+
+
+def test_softmax_and_the_zeropp_quantizers_are_one_kernel_each():
+    """softmax_ reads and writes its (ROWS, C) float32 scores in place: 2·N·4 bytes; its
+    backward reads the probabilities and the gradient and writes the gradient: 3·N·4. qwZ's
+    8-bit quantize of a (ROWS, C) bf16 row block with blocks of 8 reads x (2N) and writes N
+    int8 codes and ROWS·C/8 float32 scales; dequantize reads those and writes N float32."""
+    from zerosim.nn.functional import softmax_, softmax_backward_
+    from zerosim.zero.zeropp import dequantize, quantize
+
+    with meta.tracking(backend="torch") as tracker:
+        z = xp.zeros((ROWS, C), np.float32)
+        softmax_(z)
+        assert (tracker.ops, tracker.op_bytes) == ({"softmax": 1}, 2 * N * 4)
+        softmax_backward_(z, xp.zeros((ROWS, C), np.float32))
+        assert tracker.ops["softmax_backward"] == 1
+        assert tracker.op_bytes == 2 * N * 4 + 3 * N * 4
+    scales = ROWS * C // 8 * 4
+    with meta.tracking(backend="torch") as tracker:
+        codes, s = quantize(xp.zeros((ROWS, C), "bfloat16"), 8, 8)
+        assert (tracker.ops, tracker.op_bytes) == ({"quantize": 1}, 2 * N + N + scales)
+        dequantize(codes, s, C, 8, 8)
+    assert tracker.ops == {"quantize": 1, "dequantize": 1}
+    assert tracker.op_bytes == (2 * N + N + scales) + (N + scales + N * 4)

@@ -24,6 +24,7 @@ import numpy as np
 from numpy.polynomial import chebyshev
 
 from zerosim.backend import DTYPES, HALF_DTYPES, is_cupy, is_host_array, np_dtype, to_host, xp_of
+from zerosim.meta.fusion import fused
 
 _SQRT_2 = math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -280,9 +281,11 @@ def gelu_backward(x: Any, grad: Any, approximate: str = "none") -> Any:
 # --- softmax --------------------------------------------------------------------------
 
 
+@fused("softmax")
 def softmax_(z: Any, axis: int = -1) -> Any:
     """exp(z − max z) / Σ exp(z − max z) along ``axis``, computed in place in ``z``
-    (a float32/float64 array, overwritten and returned)."""
+    (a float32/float64 array, overwritten and returned). One kernel in PyTorch and Megatron
+    (``meta.fusion``), as its backward is."""
     xp = xp_of(z)
     z -= reduce("max", z, axis=axis, keepdims=True)
     xp.exp(z, out=z)
@@ -290,6 +293,7 @@ def softmax_(z: Any, axis: int = -1) -> Any:
     return z
 
 
+@fused("softmax_backward")
 def softmax_backward_(probs: Any, grad: Any) -> Any:
     """Jacobian-vector product of softmax over the last axis, p ⊙ (g − Σ p ⊙ g),
     computed in place in ``grad`` (overwritten and returned)."""

@@ -16,6 +16,8 @@ block x of at most B elements and q_max = 2^(bits−1) − 1 (127 for int8, 7 fo
 so |x − x̂| ≤ s / 2 = max|x| / (2 q_max) element by element (a block of zeros has s = 0 and comes
 back exact). int4 codes are packed two per byte (low nibble first, two's complement). A block
 holding inf or nan gets a nan scale, so an fp16 overflow still reaches the overflow check.
+DeepSpeed runs each quantize and dequantize as one CUDA kernel (``csrc/quantization/``); a dry
+run standing for PyTorch's kernels counts them so (``meta.fusion``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import array_module
+from zerosim.meta.fusion import fused
 
 WEIGHT_BITS = 8
 GRADIENT_BITS = 4
@@ -79,6 +82,7 @@ def _blocks(x: Any, block_size: int) -> Any:
     return xp.reshape(padded, (rows, nblocks, block_size))
 
 
+@fused("quantize")
 def quantize(x: Any, bits: int, block_size: int) -> tuple[Any, Any]:
     """Block-wise symmetric quantization of each row of ``x`` (1-D: one row).
 
@@ -104,6 +108,7 @@ def quantize(x: Any, bits: int, block_size: int) -> tuple[Any, Any]:
     return (pack_int4(codes) if bits == 4 else codes), scales
 
 
+@fused("dequantize")
 def dequantize(codes: Any, scales: Any, width: int, bits: int, block_size: int) -> Any:
     """float32 rows of ``width`` values from ``quantize``'s codes and scales."""
     q = unpack_int4(codes, width) if bits == 4 else codes[..., :width]
