@@ -84,22 +84,24 @@ def fit_factor(tflops: Callable[[ClusterModel], float], published: float, base) 
     return math.exp((lo + hi) / 2)
 
 
-def narayanan_runs(row) -> list:
-    """The dry run of one Table 2 row: its class representatives' runs."""
+def narayanan_runs(row, backend: str = "cupy") -> list:
+    """The dry run of one Table 2 row on ``backend``'s code path: its class representatives'
+    runs."""
     config = narayanan_config(row.micro_batch, row.batch // (row.gpus * row.micro_batch))
     start = time.perf_counter()
+    model = recipe(row.model)
     runs, _ = run_world(
-        recipe(row.model), row.gpus, config, recompute=True, steps=2, op_events=True
+        model, row.gpus, config, recompute=True, steps=2, op_events=True, backend=backend
     )
     print(f"  {row.model} on {row.gpus}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return runs
 
 
-def narayanan_cases() -> list[dict]:
+def narayanan_cases(backend: str = "cupy") -> list[dict]:
     """Table 2's rows as cases: the dry run of each and how to time it on a cluster."""
     cases = []
     for row in NARAYANAN_TABLE2:
-        runs = narayanan_runs(row)
+        runs = narayanan_runs(row, backend)
         cases.append(
             {
                 "row": f"{row.model} on {row.gpus} GPUs, micro-batch {row.micro_batch}",
@@ -113,8 +115,9 @@ def narayanan_cases() -> list[dict]:
     return cases
 
 
-def zeropp_cases() -> list[dict]:
-    """The ZeRO++ bars whose model has a published shape (the 18B), one case per bar."""
+def zeropp_cases(backend: str = "cupy") -> list[dict]:
+    """The ZeRO++ bars whose model has a published shape (the 18B), one case per bar, run on
+    ``backend``'s code path."""
     shapes, traces, cases = zeropp_shapes(), {}, []
     for figure, gbps, tokens, size, *published in ZEROPP_PUBLISHED:
         if size not in shapes:
@@ -126,7 +129,7 @@ def zeropp_cases() -> list[dict]:
             if key not in traces:
                 cfg = zeropp_config(tokens // shape.seq, scheme == "ZeRO++")
                 traces[key], wall = run_world(
-                    model, ZEROPP_GPUS, cfg, recompute=True, op_events=True
+                    model, ZEROPP_GPUS, cfg, recompute=True, op_events=True, backend=backend
                 )
                 print(f"  {size} {scheme}, {tokens} tokens: {wall:.0f} s", file=sys.stderr)
             cases.append(
@@ -148,10 +151,12 @@ def at_network(cluster: ClusterModel, gbps: float) -> ClusterModel:
     return replace(cluster, cluster=replace(cluster.cluster, inter_bandwidth=per_device))
 
 
-def run_source(source: str) -> tuple[float, list[dict]]:
-    """(the fitted factor, every row with its prediction) of one source."""
+def run_source(source: str, backend: str | None = None) -> tuple[float, list[dict]]:
+    """(the fitted factor, every row with its prediction) of one source, on ``backend``'s code
+    path (None: the cluster file's)."""
     base = load_cluster_model(SOURCES[source]).with_software_factor(1.0)
-    cases = narayanan_cases() if source == "narayanan2021" else zeropp_cases()
+    backend = backend or base.backend
+    cases = narayanan_cases(backend) if source == "narayanan2021" else zeropp_cases(backend)
     (fitted,) = [c for c in cases if c["fitted"]]
     factor = fit_factor(lambda c: fitted["time"](c)["tflops_per_device"], fitted["published"], base)
     cluster = base.with_software_factor(factor)
@@ -207,10 +212,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", choices=sorted(SOURCES), action="append")
     parser.add_argument("--write", action="store_true", help="store the fitted factors")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument(
+        "--backend",
+        choices=["cupy", "torch"],
+        help="the code path the rows run on (default: each cluster file's backend); torch: "
+        "each layer's fused chain one kernel, as PyTorch runs it (docs/dryrun.md)",
+    )
     args = parser.parse_args(argv)
+    if args.write and args.backend:
+        parser.error(
+            "--write stores a factor fitted on the cluster file's own backend: drop --backend"
+        )
     everything = []
     for source in args.source or sorted(SOURCES):
-        factor, rows = run_source(source)
+        factor, rows = run_source(source, args.backend)
         print_table(source, factor, rows)
         everything += [{**r, "software_factor": factor} for r in rows]
         if args.write:
