@@ -96,6 +96,19 @@ def test_the_software_factor_is_fitted_on_its_one_row_by_bisection():
     assert fit_factor(lambda c: 100 * c.software_factor, 150.0, base) == 1.0
 
 
+def test_a_factor_fitted_on_another_backend_is_not_written(capsys):
+    """``--write`` stores the factor in the cluster file, whose own backend it must be fitted
+    on: with ``--backend`` it is refused before anything runs, naming both options."""
+    from benchmarks.dryrun_papers import main as papers
+
+    with pytest.raises(SystemExit) as stop:
+        papers(["--write", "--backend", "torch"])
+    assert stop.value.code == 2
+    assert "--write stores a factor fitted on the cluster file's own backend" in (
+        capsys.readouterr().err
+    )
+
+
 def test_each_paper_source_names_exactly_one_fitted_row():
     from zerosim.dryrun.published import NARAYANAN_CSV, ZEROPP_CSV, read_rows
 
