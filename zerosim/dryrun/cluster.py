@@ -41,7 +41,6 @@ NIC_KEYS = ("nic_bandwidth", "nics_per_node")  # inter_bandwidth = nics · nic_b
 MEMORY_KEY = "device_memory_bytes"
 FP32_KEY = "device_flops_fp32"  # the fp32 peak, where device_flops is the 16-bit one
 BACKEND_KEY = "backend"  # the code path a dry run follows: numpy | cupy | torch
-BACKENDS = PREDICTED_BACKENDS  # numpy | cupy | torch
 GPU_BACKENDS = ("cupy", "torch")
 # a host's rates (zerosim calibrate, docs/dryrun.md): bytes/s of element-wise work, seconds of
 # one array call's fixed cost, and whether communication overlaps compute (MPICH: it does not);
@@ -144,8 +143,10 @@ class ClusterModel:
             value = getattr(self, key)
             if value is not None and not _positive(value):
                 raise ValueError(f"{key} must be a positive number, got {value!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"{BACKEND_KEY} must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend not in PREDICTED_BACKENDS:
+            raise ValueError(
+                f"{BACKEND_KEY} must be one of {PREDICTED_BACKENDS}, got {self.backend!r}"
+            )
         for key in ("software_factor", "intra_efficiency", "inter_efficiency", ATTENTION_KEY):
             value = getattr(self, key)
             if key == ATTENTION_KEY and value is None:

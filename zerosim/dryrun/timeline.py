@@ -177,12 +177,7 @@ def compute_seconds(model: ClusterModel, products: Any) -> float:
     peak = model.cluster.device_flops
     if not isinstance(products, dict):
         return products / (peak * model.software_factor)
-    bandwidth = model.device_memory_bandwidth
-    seconds = sum(
-        count * max(flops / peak, nbytes / bandwidth if bandwidth else 0.0)
-        for (flops, nbytes), count in products.items()
-    )
-    return seconds / model.software_factor
+    return _roofline_seconds(model, products, peak) / model.software_factor
 
 
 def attention_seconds(model: ClusterModel, kernels: dict) -> float:
@@ -194,11 +189,18 @@ def attention_seconds(model: ClusterModel, kernels: dict) -> float:
     products (``compute_seconds``)."""
     if model.attention_efficiency is None:
         return compute_seconds(model, kernels)
-    rate = model.cluster.device_flops * model.attention_efficiency
+    return _roofline_seconds(
+        model, kernels, model.cluster.device_flops * model.attention_efficiency
+    )
+
+
+def _roofline_seconds(model: ClusterModel, products: dict, rate: float) -> float:
+    """Σ count · max(FLOPs / ``rate``, bytes / device_memory_bandwidth) over {(FLOPs, bytes):
+    count}; without a memory bandwidth, the FLOPs alone."""
     bandwidth = model.device_memory_bandwidth
     return sum(
         count * max(flops / rate, nbytes / bandwidth if bandwidth else 0.0)
-        for (flops, nbytes), count in kernels.items()
+        for (flops, nbytes), count in products.items()
     )
 
 
@@ -377,14 +379,10 @@ def host_breakdown(events: list[tuple[str, Any]], model: ClusterModel) -> dict[s
 
 
 def _compute_stream_seconds(model: ClusterModel, kind: str, value: Any) -> float:
-    if kind == "compute":
-        if model.matmul_by_intensity and isinstance(value, dict):
+    if kind in ("compute", "attention"):
+        if model.matmul_by_intensity and isinstance(value, dict):  # a host: by intensity
             return host_product_seconds(model, value)
-        return compute_seconds(model, value)
-    if kind == "attention":
-        if model.matmul_by_intensity:
-            return host_product_seconds(model, value)
-        return attention_seconds(model, value)
+        return (compute_seconds if kind == "compute" else attention_seconds)(model, value)
     if kind == "elementwise":
         return elementwise_seconds(model, *value)
     return host_seconds(model, kind, value)

@@ -44,8 +44,10 @@ def fused(name: str, *, epilogue: bool = False) -> Callable[[Callable], Callable
     def mark(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
+            if values().backend != "torch":  # every run but a dry run standing for PyTorch
+                return fn(*args, **kwargs)
             inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, MetaArray)]
-            if not inputs or values().backend != "torch":
+            if not inputs:
                 return fn(*args, **kwargs)
             tracker = current()
             inside_kernel = tracker.in_kernel
