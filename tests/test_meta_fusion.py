@@ -178,6 +178,37 @@ def test_no_backend_but_torch_counts_a_fused_kernel(name):
         assert not any(k.startswith((name, "bias_grad")) for k in tracker.ops), backend
 
 
+def test_attention_scale_mask_and_softmax_are_one_kernel():
+    """Megatron's FusedScaleMaskSoftmax: the (ROWS, C) float32 scores scaled, masked by a
+    (ROWS, C) additive mask and normalised in one kernel, which reads the scores and the mask
+    and writes the scores: 3·N·4 bytes. Under cupy it is the calls one by one."""
+    from zerosim.nn.functional import scaled_masked_softmax_
+
+    with meta.tracking(backend="torch") as tracker:
+        scaled_masked_softmax_(
+            xp.zeros((ROWS, C), np.float32), 0.125, xp.zeros((ROWS, C), np.float32)
+        )
+    assert (tracker.ops, tracker.op_bytes) == ({"softmax": 1}, 3 * N * 4)
+    with meta.tracking(backend="cupy") as tracker:
+        scaled_masked_softmax_(
+            xp.zeros((ROWS, C), np.float32), 0.125, xp.zeros((ROWS, C), np.float32)
+        )
+    assert "softmax" not in tracker.ops and sum(tracker.ops.values()) > 3
+
+
+def test_scaled_masked_softmax_is_torchs_softmax_of_the_masked_scores():
+    torch = pytest.importorskip("torch")
+    from zerosim.nn.functional import scaled_masked_softmax_
+
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((3, 5, 5)).astype(np.float32)
+    mask = np.triu(np.full((5, 5), -np.inf, np.float32), k=1)
+    expected = torch.softmax(torch.from_numpy(z) * 0.25 + torch.from_numpy(mask), dim=-1)
+    np.testing.assert_allclose(
+        scaled_masked_softmax_(z.copy(), 0.25, mask), expected.numpy(), rtol=1e-6, atol=1e-7
+    )
+
+
 def test_softmax_and_the_zeropp_quantizers_are_one_kernel_each():
     """softmax_ reads and writes its (ROWS, C) float32 scores in place: 2·N·4 bytes; its
     backward reads the probabilities and the gradient and writes the gradient: 3·N·4. qwZ's

@@ -38,7 +38,7 @@ from zerosim.nn.functional import (
     downcast,
     permute,
     reshape,
-    softmax_,
+    scaled_masked_softmax_,
     softmax_backward_,
     upcast,
 )
@@ -114,11 +114,10 @@ class CausalSelfAttention(Module):
         for a, e in query_blocks(t):  # rows a:e of P; columns e: stay 0
             s = probs[:, :, a:e, :e]
             xp.matmul(q[:, :, a:e, ...], transposed(k[:, :, :e, ...]), out=s)
-            s *= 1.0 / math.sqrt(d)
-            s += mask[a:e, :e]
+            alibi = None
             if self.alibi_slopes is not None:
-                s += alibi_bias(self.alibi_slopes, range(a, e), e, like=s)
-            softmax_(s)
+                alibi = alibi_bias(self.alibi_slopes, range(a, e), e, like=s)
+            scaled_masked_softmax_(s, 1.0 / math.sqrt(d), mask[a:e, :e], alibi)
             probs[:, :, a:e, e:] = 0
         dropped = self.attn_dropout(probs)
         y = xp.empty((b, t, h, d), dtype=qkv.dtype)  # heads side by side, as c_proj reads

@@ -293,6 +293,20 @@ def softmax_(z: Any, axis: int = -1) -> Any:
     return z
 
 
+@fused("softmax")
+def scaled_masked_softmax_(z: Any, scale: float, mask: Any, bias: Any = None) -> Any:
+    """softmax(z·scale + mask [+ bias]) along the last axis, in place in ``z`` (overwritten and
+    returned): attention's scores scaled by 1/√d, masked (an additive −∞ mask) and normalised.
+    Megatron-LM runs the three as one kernel (``FusedScaleMaskSoftmax``), and so does a dry
+    run standing for PyTorch (``meta.fusion``); its reads include the mask block, which
+    Megatron's causal kernel computes instead of reading (1/(B·h) of the scores' bytes)."""
+    z *= scale
+    z += mask
+    if bias is not None:
+        z += bias
+    return softmax_(z)
+
+
 @fused("softmax_backward")
 def softmax_backward_(probs: Any, grad: Any) -> Any:
     """Jacobian-vector product of softmax over the last axis, p ⊙ (g − Σ p ⊙ g),

@@ -31,7 +31,7 @@ from zerosim.nn.functional import (
     permute,
     reduce,
     reshape,
-    softmax_,
+    scaled_masked_softmax_,
     softmax_backward_,
     upcast,
 )
@@ -105,13 +105,11 @@ class GroupedQueryAttention(Module):
         if self.positions == "rotary":
             q, k = self.rotary.rotate(q), self.rotary.rotate(k)
         scores = xp.matmul(q, k.mT)  # (B, h_kv, g, T, T)
-        scores *= 1.0 / math.sqrt(d)
-        scores += xp.triu(xp.full((t, t), -np.inf, dtype=scores.dtype), k=1)
+        alibi = None
         if self.alibi_slopes is not None:
-            scores += reshape(
-                alibi_bias(self.alibi_slopes, range(t), t, like=scores), (kv, g, t, t)
-            )
-        probs = softmax_(scores)
+            alibi = reshape(alibi_bias(self.alibi_slopes, range(t), t, like=scores), (kv, g, t, t))
+        mask = xp.triu(xp.full((t, t), -np.inf, dtype=scores.dtype), k=1)
+        probs = scaled_masked_softmax_(scores, 1.0 / math.sqrt(d), mask, alibi)
         y = xp.matmul(probs, v)  # (B, h_kv, g, T, d)
         self.save_for_backward(q, k, v, probs, x.dtype)
         y = reshape(permute(y, (0, 3, 1, 2, 4)), (b, t, self.n_embd))
