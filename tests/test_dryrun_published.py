@@ -71,3 +71,60 @@ def test_the_rows_run_on_pytorchs_kernels_with_flashattentions_cited_efficiency(
     source = json.loads((CLUSTER_FILES / f"{name}.json").read_text())["attention_efficiency"]
     assert "reaching only 25-40% of the theoretical maximum FLOPs/s" in source["source"]
     assert "arXiv 2307.08691" in source["source"]
+
+
+def entry(line: int, predicted_mfu: float, fitted: bool = False) -> dict:
+    """A table entry as ``predict_table`` writes it, for the sweep row at ``line``."""
+    row = next(r for r in SWEEP_ROWS if r.line == line)
+    return {**row._asdict(), "predicted_mfu": predicted_mfu, "step_s": 1.0, "oom": False,
+            "peak_bytes": 10**9, "fitted": fitted, "by_attention_efficiency": {}}  # fmt: skip
+
+
+def test_a_miss_is_given_its_cause_by_the_stated_rules():
+    """Line 209 (760M at 512 tokens, 45.07) has one neighbour of its model and sequence, the
+    40 GB table's line 287 at 53.47, 18.6% higher: they disagree. Line 208 (760M at 1,024,
+    47.76) has line 286 at 53.63, only 12.3% higher: no cause. A 125M row (d = 768) predicted
+    high is the small-d case; predicted low it is not."""
+    from benchmarks.dryrun_published import cause
+
+    assert cause(entry(209, 45.07 * 1.3), SWEEP_ROWS) == (
+        "neighbours disagree: same model and sequence published at 53.5-53.5"
+    )
+    assert cause(entry(208, 47.76 * 1.3), SWEEP_ROWS) == "over"
+    assert cause(entry(226, 42.56 * 1.3), SWEEP_ROWS).startswith("small d")
+    assert cause(entry(226, 42.56 * 0.7), SWEEP_ROWS) == "under"
+    assert cause(entry(226, 42.56 * 1.19), SWEEP_ROWS) == "within 20%"
+    assert cause(entry(184, 64.23, fitted=True), SWEEP_ROWS) == "fitted row"
+
+
+def test_report_summarises_tables_written_apart(tmp_path, capsys):
+    """Two tables written by --json, read back without a dry run: ratios 1.1 and 1.3 on one,
+    0.85 on the other, the fitted row left out: 2 of 3 within 20%, median |error| 15%; and at
+    an attention efficiency recorded for two rows, ratios 1.0 and 1.25: 1 of 2, median 12.5%."""
+    from benchmarks.dryrun_published import main
+
+    a = [entry(184, 64.23, fitted=True), entry(221, 48.85 * 1.1), entry(226, 42.56 * 1.3)]
+    b = [entry(252, 50.92, fitted=True), entry(303, 38.86 * 0.85)]
+    a[1]["by_attention_efficiency"] = {"0.4": 48.85}
+    a[2]["by_attention_efficiency"] = {"0.4": 42.56 * 1.25}
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    md = tmp_path / "t.md"
+    main(["--report", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--markdown", str(md)])
+    out = capsys.readouterr().out
+    assert "a100_80gb predicted rows: 1 of 2 within 20% (50.0%); median |error| 20.0%" in out
+    assert "all predicted rows: 2 of 3 within 20% (66.7%); median |error| 15.0%" in out
+    assert "attention_efficiency 0.4: 1 of 2 within 20% (50.0%); median |error| 12.5%" in out
+    rows = [line for line in md.read_text().splitlines() if line.startswith("| 80gb")]
+    assert len(rows) == 3 and rows[0].startswith("| 80gb | 184 | 7b | 2048 | 8 | 6 × 2 | no |")
+    assert rows[2].endswith("| 1.30 | 1.0 | no | small d: GEMMs below the 7B row's efficiency |")
+
+
+@pytest.mark.parametrize("bad", ["0", "1.5", "-0.2"])
+def test_an_attention_efficiency_outside_the_peak_is_refused(bad, capsys):
+    from benchmarks.dryrun_published import main
+
+    with pytest.raises(SystemExit):
+        main(["--attention-efficiency", bad, "--report", "unused.json"])
+    err = capsys.readouterr().err
+    assert f"--attention-efficiency: {float(bad)} is not a fraction of the peak in (0, 1]" in err
