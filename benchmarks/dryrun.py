@@ -175,7 +175,7 @@ def selene_rows() -> list[dict]:
     out = []
     for row in NARAYANAN_TABLE2:
         model, n, micro, batch, published, fitted = row
-        runs = narayanan_runs(row)
+        runs = narayanan_runs(row, cluster.backend)  # the file's code path: PyTorch's kernels
         t, _ = step_time(runs, n, cluster, recipe(model), recompute=True)
         out.append(
             {
@@ -250,8 +250,9 @@ def zeropp_rows() -> list[dict]:
                 if key not in traces:
                     cfg = zeropp_config(micro, scheme == "ZeRO++")
                     traces[key], wall = run_world(
-                        model, ZEROPP_GPUS, cfg, recompute=True, op_events=True
-                    )
+                        model, ZEROPP_GPUS, cfg, recompute=True, op_events=True,
+                        backend=base.backend,
+                    )  # fmt: skip
                     print(f"  {size} {scheme}, {tokens} tokens: {wall:.0f} s", file=sys.stderr)
                 t, _ = step_time(traces[key], ZEROPP_GPUS, cluster, model, recompute=True)
                 row |= {
