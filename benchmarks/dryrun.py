@@ -1,6 +1,7 @@
 """The dry run: its targets, and what its time model predicts for published runs.
 
     python -m benchmarks.dryrun [--ranks 1024 4096] [--model gpt3-175b] [--skip-predictions]
+                                [--skip-targets]
                                 [--json PATH]
 
 **Targets.** GPT-3 175B at stage 3 in bf16 on 1,024 and 4,096 virtual ranks of this machine. Each
@@ -297,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-predictions", action="store_true", help="the targets only (no published runs)"
     )
+    parser.add_argument(
+        "--skip-targets", action="store_true", help="the published runs only (no --ranks runs)"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--worker", type=int, metavar="N", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -304,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args.model, args.worker)))
         return 0
     rows = []
-    for n in args.ranks:
+    for n in [] if args.skip_targets else args.ranks:
         cmd = [sys.executable, "-m", "benchmarks.dryrun", "--model", args.model, "--worker", str(n)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
         report = json.loads(proc.stdout)
