@@ -252,7 +252,8 @@ NEIGHBOURS_APART = 0.15  # every neighbour published at least this much higher: 
 
 
 def cause(e: dict, sweep: list[SweepRow]) -> str:
-    """Why a row's prediction is outside 20%, by rules stated before they were applied:
+    """Why a row's prediction is outside 20%, by the rules docs/dryrun.md states (written after
+    the rows were seen: they name a cause, they do not make a row count as within):
     - *neighbours disagree*: rows of the same model and sequence (either table, any GPU count)
       exist and every one of them is published at least 15% above this row, so no model of the
       configuration follows both;
