@@ -175,10 +175,10 @@ def _closest(key: str) -> str:
     return f"did you mean {close[0]}? " if close else ""
 
 
-def _check_unknown(unknown: list[tuple[str, bool]], raw: dict) -> None:
+def _check_unknown(unknown: list[tuple[str, bool, str, Any]], raw: dict) -> None:
     """Warn once about unknown keys in open sections (DeepSpeed ignores them), then reject the
     first unknown key of a closed section (DeepSpeed's pydantic models forbid extra keys)."""
-    ignored = [path for path, closed in unknown if not closed]
+    ignored = [path for path, closed, _, _ in unknown if not closed]
     if ignored:
         warnings.warn(
             f"zerosim ignores {len(ignored)} unknown config key(s): "
@@ -187,11 +187,10 @@ def _check_unknown(unknown: list[tuple[str, bool]], raw: dict) -> None:
             UserWarning,
             stacklevel=3,
         )
-    for path, closed in unknown:
+    for path, closed, parent, name in unknown:
         if closed:
-            parent, _, name = path.rpartition(".")
             node: object = raw
-            for part in parent.split("."):
+            for part in parent.split(".") if parent else ():  # a key may have dots; sections not
                 node = node[part]  # type: ignore[index]
             value = node[name]  # type: ignore[index]
             cls = _section_class(parent)

@@ -361,10 +361,11 @@ def read_knobs(cls: type, raw: Mapping[str, Any], path: str) -> dict[str, Any]:
     return values
 
 
-def find_unknown_keys(cls: type, raw: Any, path: str) -> list[tuple[str, bool]]:
-    """(key path, closed) for each key in ``raw`` that ``cls`` (and its nested sections) does
-    not read; ``closed`` when the section forbids unknown keys (``CLOSED``: DeepSpeed's pydantic
-    models reject extra keys, so zerosim does too).
+def find_unknown_keys(cls: type, raw: Any, path: str) -> list[tuple[str, bool, str, Any]]:
+    """(key path, closed, section path, key) for each key in ``raw`` that ``cls`` (and its
+    nested sections) does not read; ``closed`` when the section forbids unknown keys
+    (``CLOSED``: DeepSpeed's pydantic models reject extra keys, so zerosim does too). The
+    section's path and the key as written come apart too: a key may itself contain dots.
 
     Tolerates values of the wrong type: this runs before validation, so that the warning
     about a misspelled key appears even when the config is then rejected.
@@ -373,7 +374,7 @@ def find_unknown_keys(cls: type, raw: Any, path: str) -> list[tuple[str, bool]]:
         return []
     keys = known_keys(cls)
     closed = getattr(cls, "CLOSED", False)
-    unknown = [(join(path, key), closed) for key in raw if key not in keys]
+    unknown = [(join(path, key), closed, path, key) for key in raw if key not in keys]
     for f in knob_fields(cls):
         nested = f.metadata["parser"].section
         if nested is None:
