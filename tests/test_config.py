@@ -485,8 +485,10 @@ def test_unknown_keys_produce_one_warning_listing_every_path():
         ({"bfloat16": {"enabled": True, "master": 1}}, "bfloat16.master"),
         # a key with dots of its own (found by the fuzz test below): still named, not a crash
         ({"bf16": {".": None}}, "bf16.."),
-        ({"zero_optimization": {"stage": 1, "offload_optimizer.device": "cpu"}},
-         "zero_optimization.offload_optimizer.device"),  # fmt: skip
+        (
+            {"zero_optimization": {"stage": 1, "offload_optimizer.device": "cpu"}},
+            "zero_optimization.offload_optimizer.device",
+        ),
     ],
 )
 def test_unknown_keys_in_deepspeeds_validated_sections_are_errors(config, path):
