@@ -316,6 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     for x in args.attention_efficiency or ():
         if not 0 < x <= 1:
             parser.error(f"--attention-efficiency: {x} is not a fraction of the peak in (0, 1]")
+    dry_run_options = {
+        "--table": args.table, "--max-gpus": args.max_gpus, "--limit": args.limit,
+        "--order": args.order != "file", "--json": args.json,
+        "--no-elementwise": not args.elementwise,
+        "--attention-efficiency": args.attention_efficiency,
+    }  # fmt: skip
+    given = [name for name, value in dry_run_options.items() if value]
+    if args.report and given:
+        parser.error(f"--report runs no dry run, so {', '.join(given)} would do nothing: drop it")
     sweep = read_sweep(SWEEP)
     table: list = []
     if args.report:

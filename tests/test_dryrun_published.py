@@ -125,6 +125,21 @@ def test_an_attention_efficiency_outside_the_peak_is_refused(bad, capsys):
     from benchmarks.dryrun_published import main
 
     with pytest.raises(SystemExit):
-        main(["--attention-efficiency", bad, "--report", "unused.json"])
+        main(["--attention-efficiency", bad, "--limit", "0"])  # refused before any dry run
     err = capsys.readouterr().err
     assert f"--attention-efficiency: {float(bad)} is not a fraction of the peak in (0, 1]" in err
+
+
+@pytest.mark.parametrize(
+    "given", [["--attention-efficiency", "0.3"], ["--table", "a100_80gb"], ["--limit", "3"]]
+)
+def test_report_refuses_the_options_of_a_dry_run(given, capsys):
+    """``--report`` only reads JSON: an option that would shape a dry run is refused, named,
+    instead of being ignored."""
+    from benchmarks.dryrun_published import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--report", "unused.json", *given])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--report runs no dry run, so {given[0]} would do nothing: drop it" in err
