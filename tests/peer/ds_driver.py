@@ -8,11 +8,15 @@ reported gradient norm, the loss scale and the skipped steps so far) and, on ran
 ``OUT/<case>.npz`` (the fp32 weights after the last step: ``safe_get_full_fp32_param`` under
 ZeRO, the module's parameters at stage 0).
 
-fp16: DeepSpeed's CPU accelerator says it has no fp16, but its engines run on CPU when the check
-is patched, so for fp16 cases this driver patches ``get_accelerator().is_fp16_supported`` to
-return True (only here, only for those cases, undone after each): fp16 training and the dynamic
-loss scaler are then compared end to end. (Left on, it would also switch DeepSpeed's Muon to fp16
-Newton-Schulz in the cases after it.)
+fp16: DeepSpeed's CPU accelerator says it has fp16 only where oneDNN has fp16 matrix products
+(``torch.ops.mkldnn._is_mkldnn_fp16_supported()``: true on CPUs with AMX-FP16, false on most
+others), and its engines run on CPU either way. So this driver pins
+``get_accelerator().is_fp16_supported`` for each case, undone after it: True for fp16 cases
+(fp16 training and the dynamic loss scaler are then compared end to end), False for every other
+one, whatever the CPU. The answer matters beyond fp16: DeepSpeed's Muon runs its Gram
+Newton-Schulz in fp16 where the accelerator says yes, else in fp32 (``ns_compute_dtype``), and
+zerosim's Muon runs it in fp32, DeepSpeed's choice without fp16 matrix products; unpinned, every
+Muon case differed by about 1e-4 in its losses on a CPU with AMX-FP16.
 
 One engine per process, as a user's program has: stage 3 replaces ``torch.nn.functional.linear``
 with its own (``zero3_linear_wrap``; DeepSpeed: "This will persist unless manually reset"),
@@ -57,8 +61,8 @@ def run_case(case: dict, out: Path) -> None:
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
-    if case["config"].get("fp16", {}).get("enabled"):
-        accelerator.is_fp16_supported = lambda: True  # patched: see the module docstring
+    fp16 = bool(case["config"].get("fp16", {}).get("enabled"))
+    accelerator.is_fp16_supported = lambda: fp16  # pinned whatever the CPU: module docstring
     try:
         _run_case(case, out)
     finally:  # only for that case: Muon's Newton-Schulz picks fp16 where the accelerator says so
