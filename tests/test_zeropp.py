@@ -1,6 +1,8 @@
 """ZeRO++ on stage 3: quantizers, the ledger's intra/inter-node split, measured bytes against
-``analysis.volume.zeropp_step_bytes``, hpZ's exactness, qgZ's error bound, and training."""
+``analysis.volume.zeropp_step_bytes`` (the paper's schedule), the gathers of DeepSpeed's schedule
+against a hand derivation from its source, hpZ's exactness, qgZ's error bound, and training."""
 
+import json
 import math
 
 import numpy as np
@@ -148,7 +150,16 @@ def gpt(dtype: str = "float32") -> GPT:
     return GPT(13, 8, 2, 2, 16, seed=3, dtype=dtype)
 
 
-def zeropp_config(extra: dict, half: bool, ranks_per_node, bucket: int, accumulation: int = 1):
+def zeropp_config(
+    extra: dict,
+    half: bool,
+    ranks_per_node,
+    bucket: int,
+    accumulation: int = 1,
+    schedule: str = "paper",
+):
+    """The config of the byte tests: the paper's schedule (per-parameter gathers, which
+    ``zeropp_step_bytes`` counts) unless ``schedule`` says DeepSpeed's."""
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": accumulation,
@@ -160,7 +171,7 @@ def zeropp_config(extra: dict, half: bool, ranks_per_node, bucket: int, accumula
             "reduce_bucket_size": bucket,
             **extra,
         },
-        "zerosim": {"ranks_per_node": ranks_per_node},
+        "zerosim": {"ranks_per_node": ranks_per_node, "schedule": schedule},
     }
     if half:
         cfg["bf16"] = {"enabled": True}
@@ -306,31 +317,76 @@ def test_hpz_secondary_partition_is_reported_and_sized_numel_over_g():
     assert "hpz_secondary_params" not in zs.LocalWorld(2).run(fn, 1)[0]
 
 
-def test_zeropp_gathers_each_parameter_in_its_own_call_under_either_schedule():
-    """With ZeRO++ on, stage 3 keeps the paper's per-parameter gathers whatever
-    ``zerosim.schedule`` says; DeepSpeed's schedule without it coalesces a module's gathers."""
+def mlp_gathers(comm, schedule, extra, steps=2):
+    """Each optimizer step's all-gathers, (phase, ranks, bytes this rank sent), of a 3-Linear MLP
+    under ZeRO++ on ``schedule`` (persistence off, reuse distance 0, one gradient bucket)."""
+    cfg = zeropp_config(extra, False, 2, 10**9, schedule=schedule)
+    engine, *_ = initialize(MLP([6, 9, 5, 4], seed=3), cfg, comm=comm)
+    x = np.random.default_rng(comm.rank).standard_normal((2, 6))
+    out = []
+    for _ in range(steps):  # the second step follows the recorded trace (DeepSpeed's)
+        comm.ledger.reset()
+        engine.backward(engine(x, np.array([0, 3])))
+        engine.step()
+        out.append(
+            [(r.phase, r.peers, r.bytes_sent) for r in comm.ledger.records if r.op == "all_gather"]
+        )
+    return out
 
-    def fn(comm, schedule, extra):
-        cfg = zeropp_config(extra, False, 2, 10**9)
-        cfg["zerosim"]["schedule"] = schedule
-        engine, *_ = initialize(MLP([6, 9, 5, 4], seed=3), cfg, comm=comm)
-        x = np.random.default_rng(comm.rank).standard_normal((2, 6))
-        for _ in range(2):  # the second micro-step follows the recorded trace
-            comm.ledger.reset()
-            engine.backward(engine(x, np.array([0, 3])))
-            engine.step()
-        gathers = [r for r in comm.ledger.records if r.op == "all_gather"]
-        return [(r.phase, r.peers) for r in gathers]
 
+# the MLP's Linear layers, (weight, bias) elements each, in forward order
+MLP_LAYERS = [(6 * 9, 9), (9 * 5, 5), (5 * 4, 4)]
+
+
+def test_zeropp_gathers_each_parameter_in_its_own_call_under_the_papers_schedule():
     params = 6  # three Linear layers, each a weight and a bias, each gathered on its own
-    hpz = {"zero_hpz_partition_size": 2}
-    for schedule in ("deepspeed", "paper"):
-        calls = zs.LocalWorld(4).run(fn, schedule, hpz)[0]
-        assert calls.count(("forward", 4)) == params  # every rank's chunks
-        assert calls.count(("backward", 2)) == params  # hpZ: the secondary chunks of the pair
-        assert len(calls) == 2 * params
-    coalesced = zs.LocalWorld(4).run(fn, "deepspeed", {})[0]
-    assert 0 < len(coalesced) < params
+    calls = zs.LocalWorld(4).run(mlp_gathers, "paper", {"zero_hpz_partition_size": 2})[0][1]
+    phases = [(phase, peers) for phase, peers, _ in calls]
+    assert phases.count(("forward", 4)) == params  # every rank's chunks
+    assert phases.count(("backward", 2)) == params  # hpZ: the secondary chunks of the pair
+    assert len(phases) == 2 * params
+
+
+def deepspeed_zeropp_gathers(n: int, g: int, qwz: bool, itemsize: int = 4) -> list[list[tuple]]:
+    """The all-gathers DeepSpeed 0.19.8 issues for the MLP, worked out by hand from
+    ``partition_parameters.py`` and ``partitioned_param_coordinator.py``, and the bytes one rank
+    sends in each: a Linear's weight and bias in ONE call, their chunks end to end, S = c_w + c_b
+    with c = ceil(numel / n); under qwZ the call is quantized once, S int8 codes + 4 bytes per
+    block of 256, in two all-gathers (codes, then scales) each rank sending (ranks − 1) times its
+    piece. Step 1 records the trace: each layer gathered in forward over the n ranks and in
+    backward (last layer first) from hpZ's secondary chunks, N·c/g each, over the g ranks of the
+    group (over the n ranks without hpZ). Step 2 follows it: the model itself is the trace's first
+    module (DeepSpeed hooks every module) and has no parameters of its own, so its fetch
+    prefetches all three layers in one call (the prefetch bucket, 5e7, holds them), and they are
+    kept for backward (the prefetch took their backward uses): nothing is gathered in backward.
+    hpZ's chunks are stale after step 1's update, so that call is over the n ranks."""
+
+    def calls(pieces: list[int], ranks: int, phase: str) -> list[tuple]:
+        size = sum(pieces)
+        if not qwz:
+            return [(phase, ranks, (ranks - 1) * size * itemsize)]
+        scales = 4 * -(-size // 256)  # one float32 per block of 256
+        return [(phase, ranks, (ranks - 1) * size), (phase, ranks, (ranks - 1) * scales)]
+
+    chunks = [[-(-m // n) for m in layer] for layer in MLP_LAYERS]
+    step1 = [c for layer in chunks for c in calls(layer, n, "forward")]
+    for layer in reversed(chunks):
+        if g > 1:
+            step1 += calls([c * n // g for c in layer], g, "backward")
+        else:
+            step1 += calls(layer, n, "backward")
+    step2 = calls([c for layer in chunks for c in layer], n, "forward")
+    return [step1, step2]
+
+
+@pytest.mark.parametrize("n, g", [(4, 2), (4, 1), (6, 3), (8, 2)])
+@pytest.mark.parametrize("qwz", [True, False], ids=["qwZ", "no-qwZ"])
+def test_zeropp_under_deepspeeds_schedule_coalesces_prefetches_and_quantizes_as_deepspeed(
+    n, g, qwz
+):
+    extra = {"zero_quantized_weights": qwz, "zero_hpz_partition_size": g}
+    for rank, got in enumerate(zs.LocalWorld(n).run(mlp_gathers, "deepspeed", extra)):
+        assert got == deepspeed_zeropp_gathers(n, g, qwz), (rank, got)
 
 
 # -- numerics -------------------------------------------------------------------------------------
@@ -453,7 +509,7 @@ cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params
                              "stage3_max_reuse_distance": 0, "reduce_bucket_size": 10**9,
                              "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
                              "zero_quantized_gradients": True},
-       "zerosim": {"ranks_per_node": 2}}
+       "zerosim": {"ranks_per_node": 2, "schedule": "paper"}}
 engine, *_ = initialize(zs.nn.GPT(13, 8, 2, 2, 16, seed=3), cfg, comm=comm)
 x = np.zeros((2, 8), dtype=np.int64)
 engine.backward(engine(x, x))
@@ -505,3 +561,102 @@ def test_quantization_block_size_reaches_qwz_and_sets_its_scales(block):
         return engine.strategy.quantization_block_size
 
     assert zs.LocalWorld(2).run(run) == [block, block]
+
+
+MPI_DEEPSPEED_SCRIPT = """
+import json, sys
+import numpy as np
+from zerosim.comm import MPIComm
+from zerosim.engine import initialize
+from zerosim.nn import MLP
+comm = MPIComm()
+g = int(sys.argv[1])
+cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                             "stage3_max_reuse_distance": 0, "reduce_bucket_size": 10**9,
+                             "zero_quantized_weights": True, "zero_hpz_partition_size": g,
+                             "zero_quantized_gradients": True},
+       "zerosim": {"ranks_per_node": g, "schedule": "deepspeed"}}
+engine, *_ = initialize(MLP([6, 9, 5, 4], seed=3), cfg, comm=comm)
+x = np.random.default_rng(comm.rank).standard_normal((2, 6))
+steps = []
+for _ in range(2):
+    comm.ledger.reset()
+    engine.backward(engine(x, np.array([0, 3])))
+    engine.step()
+    steps.append([(r.phase, r.peers, r.bytes_sent) for r in comm.ledger.records
+                  if r.op == "all_gather"])
+print("GATHERS", comm.rank, json.dumps(steps), flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n, g", [(4, 2), (3, 3)])
+def test_deepspeeds_zeropp_schedule_under_mpirun_issues_the_hand_derived_gathers(n, g):
+    """qwZ and hpZ (and qgZ) on, under a real mpirun: every rank's all-gathers of two steps are
+    ``deepspeed_zeropp_gathers``' (coalesced per module, quantized, hpZ's in backward, one
+    prefetch of the whole model once the trace is recorded)."""
+    proc = run_mpi(n, ["-c", MPI_DEEPSPEED_SCRIPT, str(g)], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split(maxsplit=2) for line in proc.stdout.splitlines() if line[:7] == "GATHERS"]
+    assert sorted(int(r[1]) for r in rows) == list(range(n))
+    want = deepspeed_zeropp_gathers(n, g, qwz=True)
+    for _, rank, steps in rows:
+        got = [[tuple(call) for call in step] for step in json.loads(steps)]
+        assert got == want, (rank, got)
+
+
+def seen_weights(comm, schedule, extra):
+    """The whole weights before the step, and what each Linear saw of them in forward and in
+    backward (its parameters' data when its hooks run, after the fetcher's gathers)."""
+    cfg = zeropp_config(extra, False, 2, 10**9, schedule=schedule)
+    model = MLP([6, 9, 5, 4], seed=3)
+    engine, *_ = initialize(model, cfg, comm=comm)
+    true = engine.full_state_dict()
+    seen = {"forward": {}, "backward": {}}
+    # hooks registered after the engine's: they run once the fetch is done
+    for name, module in model.named_modules():
+        if list(module._parameters):
+
+            def look(phase, name=name, module=module):
+                for key, p in module._parameters.items():
+                    seen[phase][f"{name}.{key}"] = np.array(p.data, dtype=np.float64)
+
+            module.register_forward_pre_hook(lambda m, args, f=look: f("forward"))
+            module.register_full_backward_pre_hook(lambda m, grad, f=look: f("backward"))
+    x = np.random.default_rng(comm.rank).standard_normal((2, 6))
+    engine.backward(engine(x, np.array([0, 3])))
+    return true, seen
+
+
+@pytest.mark.parametrize("schedule", ["deepspeed", "paper"])
+def test_qwz_gathers_every_weight_within_its_int8_step_and_backward_sees_the_forwards(schedule):
+    """What each Linear computes with under qwZ and hpZ. Forward: within s/2 of the true weight,
+    s = max|block| / 127 (a block of 256 over a rank's chunks end to end under DeepSpeed's
+    schedule, so at most the largest value of the layer's weight and bias), and not all exact.
+    Backward: hpZ's secondary chunks are cut from the dequantized forward gather, so under the
+    paper's schedule the backward sees exactly the forward's weights; under DeepSpeed's its
+    backward gather is quantized again (a quantized call of the secondary chunks), so within s/2
+    of the forward's, s from the forward's values."""
+    extra = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2}
+    for true, seen in zs.LocalWorld(4).run(seen_weights, schedule, extra):
+        forward, backward = seen["forward"], seen["backward"]
+        assert set(forward) == set(backward) == set(true)
+        errors = []
+        for name, got in forward.items():
+            layer = name.rsplit(".", 1)[0]
+            top = max(np.abs(true[f"{layer}.{k}"]).max() for k in ("weight", "bias"))
+            err = np.abs(got - true[name].astype(np.float64)).max()
+            assert err <= top / 254 * (1 + 1e-6), (name, err, top / 254)
+            errors.append(err)
+        assert max(errors) > 0  # a block's largest value comes back exact, not every value
+        for name, got in backward.items():
+            if schedule == "paper":
+                assert np.array_equal(got, forward[name]), name
+            else:
+                layer = name.rsplit(".", 1)[0]
+                top = max(np.abs(forward[f"{layer}.{k}"]).max() for k in ("weight", "bias"))
+                err = np.abs(got - forward[name]).max()
+                assert err <= top / 254 * (1 + 1e-6), (name, err, top / 254)
+        changed = [not np.array_equal(backward[k], forward[k]) for k in forward]
+        assert any(changed) == (schedule == "deepspeed"), changed

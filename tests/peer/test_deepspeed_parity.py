@@ -239,6 +239,12 @@ def cases() -> list[dict]:
         # Muon's whole-matrix gathers stay full-precision over the world (DeepSpeed's stage3.py).
         # qwZ has no peer case: DeepSpeed's quantizer op has no CPU implementation.
         dict(_case("s3_muon_hpz", 3, MUON, zero={"reduce_scatter": False}), hpz_is_world=True),
+        # hpZ with Adam, every parameter partitioned: after the first forward each gather is of
+        # the secondary chunks, coalesced per module as DeepSpeed's coordinator fetches
+        dict(
+            _case("s3_adam_hpz", 3, ADAM, zero={"stage3_param_persistence_threshold": 0}),
+            hpz_is_world=True,
+        ),
         # Muon in bf16: at stage 0 momentum and update in fp32 (FP16_UnfusedOptimizer's fp32
         # copies), at stages 1-3 in bf16, on both sides; 16 samples a rank, so the MLP's first
         # matrix has a full-rank gradient (Newton–Schulz blows rounding noise in a gradient's
@@ -356,21 +362,21 @@ def test_nan_and_inf_steps_are_skipped_as_deepspeed_skips_them(runs, name):
             assert zerosim_step(g, n) == deepspeed_step(w, stage), f"rank {r}, step {k}"
 
 
-# ZeRO++ runs the paper's stage-3 collectives under either schedule (docs/zeropp.md): not held
 COLLECTIVES_HELD = [
     c["name"]
     for c in cases()
-    if ("offload" in c["name"] or "muon" in c["name"]) and "hpz" not in c["name"]
+    if "offload" in c["name"] or "muon" in c["name"] or "hpz" in c["name"]
 ]
 
 
 @pytest.mark.parametrize("name", COLLECTIVES_HELD)
-def test_offload_and_muon_collectives_equal_deepspeeds(runs, name):
+def test_offload_muon_and_hpz_collectives_equal_deepspeeds(runs, name):
     """Each step's collectives on every rank, for the optimizer-offload cases (stage 3's norm is
     an fp32 message there; Muon's gathers of every rank's owned slices, the gradient alone in
     the first step at stages 1-2; at stages 1-2 the split matrices still all-reduced to their
-    owners in the backward pass) and for every Muon case here (bf16 ones included, which
-    test_deepspeed_collectives.py does not have)."""
+    owners in the backward pass), for every Muon case here (bf16 ones included, which
+    test_deepspeed_collectives.py does not have) and for ZeRO++'s hpZ under DeepSpeed's
+    schedule (its secondary chunks gathered coalesced, module by module, in the group)."""
     n, results = runs
     case = next(c for c in cases() if c["name"] == name)
     stage = case["config"]["zero_optimization"]["stage"]

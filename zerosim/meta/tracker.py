@@ -84,6 +84,7 @@ SITE_RULES: tuple[tuple[str, str, str], ...] = (
     ("zerosim.zero.stage3", "ShardGroup", "parameters"),
     ("zerosim.zero.stage3_deepspeed", "CoalescedFetcher.start_coalesced_gather", "gathered_params"),
     ("zerosim.zero.stage3_zeropp", "ZeroPPFetcher.start_gather", "gathered_params"),
+    ("zerosim.zero.stage3_zeropp", "ZeroPPCoalescedFetcher._start", "gathered_params"),
     ("zerosim.zero.stage3_zeropp", "SecondaryPartition", "parameters"),
     ("zerosim.zero.stage3_zeropp", "QuantizedGather", "gathered_params"),
     ("zerosim.zero.strategy", "FlatGroup", "parameters"),

@@ -6,7 +6,8 @@ a module needs it and releases it after. The paper's fetcher gathers each parame
 its own around every module (``stage3.GatherEach``, with ``coordinator.py`` deciding when);
 DeepSpeed 0.19.8's coalesces a module's gathers and prefetches along a recorded trace
 (``stage3_deepspeed.CoalescedFetcher``, with ``ds_coordinator.py``); ZeRO++'s quantizes the
-forward gather and keeps a secondary partition for backward (``stage3_zeropp.ZeroPPFetcher``).
+gathers and keeps a secondary partition for backward (``stage3_zeropp.ZeroPPFetcher`` on the
+paper's, ``ZeroPPCoalescedFetcher`` on DeepSpeed's).
 The stage class names its fetcher (``fetcher_cls``); ``registry.py`` picks the class.
 
 A new fetcher (PyTorch FSDP2's per-unit all-gather, say) subclasses ``ParamFetcher`` and

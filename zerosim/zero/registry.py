@@ -47,7 +47,7 @@ STRATEGIES: dict[tuple[int, str, str], type[Strategy]] = {
 }
 ZEROPP: dict[tuple[int, str], type[Strategy]] = {  # qwZ, hpZ or qgZ on
     (3, "paper"): Stage3ZeroPP,  # QuantizedBuckets, ZeroPPFetcher
-    (3, "deepspeed"): Stage3ZeroPPDeepSpeed,  # the same, DeepSpeed's norm
+    (3, "deepspeed"): Stage3ZeroPPDeepSpeed,  # QuantizedOpenBucket, ZeroPPCoalescedFetcher
 }
 
 

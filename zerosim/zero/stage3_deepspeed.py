@@ -96,6 +96,8 @@ class OpenBucket(GradReducer):
     order backward finishes the gradients (a Linear's weight before its bias), reduced when the
     next gradient would overflow it and at the end of backward."""
 
+    collective = staticmethod(reduce_rows)  # a bucket's collective (ZeRO++'s qgZ swaps it)
+
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         self.open_bucket: list[Parameter] = []  # parameters whose gradients it holds
@@ -140,7 +142,7 @@ class OpenBucket(GradReducer):
         buf, slots, width = pack_chunks(s, members, [p.grad for p in members])
         for p in members:
             p.grad = None
-        s.reduction.reduce(buf, ShardPieces(s.land, slots), partial(reduce_rows, s), width)
+        s.reduction.reduce(buf, ShardPieces(s.land, slots), partial(self.collective, s), width)
 
     def all_reduce_bucket(self, members: list[Parameter], numel: int) -> None:
         """``reduce_scatter: false`` with contiguous gradients (DeepSpeed's
@@ -199,7 +201,7 @@ class CoalescedFetcher(ParamFetcher):
             gather.handle.wait()
             gather.handle = None
         xp = xp_of(gather.buf)
-        rows = xp.reshape(gather.buf, (self.strategy.comm.size, gather.send.size))
+        rows = xp.reshape(gather.buf, (-1, gather.send.size))  # one row per rank of its group
         column = 0
         for p, chunk in zip(gather.params, gather.chunks, strict=True):
             full = xp.reshape(rows[:, column : column + chunk], (-1,))  # a copy unless alone

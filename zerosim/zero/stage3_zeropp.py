@@ -22,10 +22,14 @@ reduce-scatter), to 0.75M by changing those three collectives, each independentl
   dequantize and sum (``HierarchicalReducer``). DeepSpeed: ``stage3.py``, ``__avg_scatter_grads``
   → ``runtime/comm/coalesced_collectives.py``, ``all_to_all_quant_reduce``.
 
-Everything else is the paper's stage 3, whatever ``zerosim.schedule`` says: per-parameter
-gathers around each use (``coordinator.py``) and static gradient buckets (DeepSpeed's coordinator
-coalesces a module's gathers instead; docs/zeropp.md lists what differs). The quantizers are
-``zeropp.py``; the byte formulas ``zerosim.analysis.volume.zeropp_step_bytes``.
+Under the paper's schedule (``Stage3ZeroPP``) everything else is the paper's stage 3:
+per-parameter gathers around each use (``coordinator.py``) and static gradient buckets; the
+byte formulas are ``zerosim.analysis.volume.zeropp_step_bytes``. Under DeepSpeed's
+(``Stage3ZeroPPDeepSpeed``, the default) it is DeepSpeed's stage 3 (``stage3_deepspeed.py``):
+a module's gathers coalesced and prefetched by trace, each call quantized once under qwZ and
+taken from the secondary chunks wherever they are fresh (``ZeroPPCoalescedFetcher``), and the
+open gradient bucket reduced by qgZ (``QuantizedOpenBucket``). The quantizers are ``zeropp.py``;
+docs/zeropp.md lists what differs from DeepSpeed.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from zerosim.zero.ds_schedule import DeepSpeedNormGroups
 from zerosim.zero.offload import read_param_chunk
 from zerosim.zero.schedule import deepspeed_stage3_checks
 from zerosim.zero.stage3 import GatherEach, Stage3
+from zerosim.zero.stage3_deepspeed import CoalescedFetcher, CoalescedGather, OpenBucket
 from zerosim.zero.zeropp import (
     GRADIENT_BITS,
     GRADIENT_BLOCK_SIZE,
@@ -84,21 +89,31 @@ class QuantizedGather:
 class SecondaryPartition:
     """hpZ: this rank's secondary chunks (1/g of each gathered parameter) and their group.
 
-    Parameter i is zero-padded to g · chunk'_i, chunk'_i = ceil(numel_i / g); group rank j keeps
-    elements [j · chunk'_i, (j + 1) · chunk'_i). A chunk is *fresh* once it has been cut from a
+    Parameter i is zero-padded to g · chunk'_i, chunk'_i = ceil(numel_i / g) under the paper's
+    schedule and N · chunk_i / g under DeepSpeed's (its ``_partition_param_sec`` cuts the
+    primary partition's padded size); group rank j keeps elements [j · chunk'_i, (j + 1) ·
+    chunk'_i). A chunk is *fresh* once it has been cut from a
     full gather of the current parameters; the optimizer step makes every chunk stale, and the
     next forward all-gather (dequantized under qwZ, as in DeepSpeed) refreshes it. Persistent
     parameters are never gathered and get an empty chunk.
     """
 
     def __init__(
-        self, comm: Any, numels: list[int], gathered: list[bool], dtype: Any, xp: Any
+        self,
+        comm: Any,
+        numels: list[int],
+        gathered: list[bool],
+        dtype: Any,
+        xp: Any,
+        padded: list[int] | None = None,
     ) -> None:
+        """``padded``: each parameter's elements as the secondary chunks cut it, g · chunk'_i
+        (None: ceil(numel_i / g) a chunk; DeepSpeed cuts the primary's padding, N · chunk_i)."""
         self.comm: Any = comm  # the hpZ group of g ranks
         g = comm.size
+        padded = padded or [g * max(1, math.ceil(n / g)) for n in numels]
         self.chunks: list[int] = [  # each parameter's secondary chunk (0: never gathered)
-            max(1, math.ceil(n / g)) if keep else 0
-            for n, keep in zip(numels, gathered, strict=True)
+            m // g if keep else 0 for m, keep in zip(padded, gathered, strict=True)
         ]
         self.numels: list[int] = numels  # each parameter's elements
         # where each chunk starts in buffer
@@ -187,9 +202,29 @@ class HierarchicalReducer:
         return dequantize(got_codes, got_scales, width, self.bits, self.block)
 
 
-class QuantizedBuckets(RankMajorReduceScatter):
-    """The paper's rank-major buckets, each reduced under qgZ by the two-hop quantized
-    all-to-all instead of a reduce-scatter."""
+def secondary_partitions(
+    strategy: Any, deepspeed_cut: bool
+) -> tuple[Any, list[SecondaryPartition | None]]:
+    """hpZ's group (g = ``zero_hpz_partition_size`` consecutive ranks) and each shard group's
+    secondary chunks, cut as DeepSpeed cuts them when ``deepspeed_cut``; (None, [None, …])
+    when hpZ is off."""
+    s, size = strategy, strategy.zero.zero_hpz_partition_size
+    if size <= 1:
+        return None, [None] * len(s.groups)
+    comm = s.comm.split_by(lambda r: (r // size, r))
+    secondary: list[SecondaryPartition | None] = []
+    for g in s.groups:
+        numels = [p.numel for _, p in g.named_params]
+        gathered = [not s.is_persistent(p) for _, p in g.named_params]
+        padded = [s.comm.size * c for c in g.partition.chunks] if deepspeed_cut else None
+        secondary.append(SecondaryPartition(comm, numels, gathered, s.dtype, g.xp, padded))
+    return comm, secondary
+
+
+class QuantizedGradients:
+    """qgZ for a stage-3 reducer whose collective is ``collective(strategy, out, rows)`` on a
+    rank-major bucket: the two-hop quantized all-to-all when qgZ is on, else the reducer's own
+    (mixed in before the paper's buckets or DeepSpeed's open bucket)."""
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
@@ -206,11 +241,22 @@ class QuantizedBuckets(RankMajorReduceScatter):
 
     def collective(self, strategy: Any, out: Any, buf: Any) -> Any:
         """qgZ's collective of a rank-major bucket: the blocking two-hop quantized all-to-all
-        (``HierarchicalReducer``) when qgZ is on, else the paper's reduce-scatter."""
+        (``HierarchicalReducer``) when qgZ is on, else the reduce-scatter."""
         if self.qgz is None:
             return reduce_rows(strategy, out, buf)
         out[...] = array_module(out).astype(self.qgz.reduce(buf), out.dtype)
         return None
+
+
+class QuantizedBuckets(QuantizedGradients, RankMajorReduceScatter):
+    """The paper's rank-major buckets, each reduced under qgZ by the two-hop quantized
+    all-to-all instead of a reduce-scatter."""
+
+
+class QuantizedOpenBucket(QuantizedGradients, OpenBucket):
+    """DeepSpeed's open gradient bucket (sorted by parameter, each gradient padded to
+    N · chunk_i, rank-major), reduced under qgZ by the two-hop quantized all-to-all
+    (DeepSpeed's ``__avg_scatter_grads`` → ``all_to_all_quant_reduce``)."""
 
 
 class ZeroPPFetcher(GatherEach):
@@ -222,17 +268,9 @@ class ZeroPPFetcher(GatherEach):
         super().__init__(strategy)
         s = strategy
         self.in_backward: bool = False  # hpZ gathers secondary chunks in backward; qwZ only forward
-        size = s.zero.zero_hpz_partition_size
-        self.hpz_comm: Any = None  # hpZ: this rank's group of `size` consecutive ranks
-        self.secondary: list[SecondaryPartition | None] = [None] * len(s.groups)  # per group
-        if size > 1:
-            self.hpz_comm = s.comm.split_by(lambda r: (r // size, r))
-            for gi, g in enumerate(s.groups):
-                numels = [p.numel for _, p in g.named_params]
-                gathered = [not s.is_persistent(p) for _, p in g.named_params]
-                self.secondary[gi] = SecondaryPartition(
-                    self.hpz_comm, numels, gathered, s.dtype, g.xp
-                )
+        comm, secondary = secondary_partitions(s, deepspeed_cut=False)
+        self.hpz_comm: Any = comm  # hpZ: this rank's group of g consecutive ranks (or None)
+        self.secondary: list[SecondaryPartition | None] = secondary  # per shard group
 
     def start_gather(self, p: Parameter) -> Any:
         """Start gathering p: the primary chunks over every rank (int8 codes in forward under
@@ -289,6 +327,98 @@ class ZeroPPFetcher(GatherEach):
         return report
 
 
+class ZeroPPCoalescedFetcher(CoalescedFetcher):
+    """DeepSpeed's coalesced fetches (``ds_coordinator.py``) with ZeRO++'s gathers, as
+    DeepSpeed 0.19.8 runs them (``partition_parameters.py``, ``_all_gather_coalesced``):
+
+    * a parameter whose hpZ secondary chunk is fresh is gathered from it, within its hpZ group,
+      forward or backward (DeepSpeed uses ``ds_secondary_tensor`` whenever it is set); the
+      others from their primary chunks over every rank. A call mixing both is two gathers;
+    * under qwZ every coalesced gather, primary or secondary, is quantized: the chunks end to
+      end, quantized once, then two all-gathers, the int8 codes and the float32 scales;
+    * the secondary chunks are cut from each full gather and are stale after the step.
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        comm, secondary = secondary_partitions(strategy, deepspeed_cut=True)
+        self.hpz_comm: Any = comm  # hpZ: this rank's group of g consecutive ranks (or None)
+        self.secondary: list[SecondaryPartition | None] = secondary  # per shard group
+
+    def _fresh(self, p: Parameter) -> bool:
+        gi, i = self.strategy.where[id(p)]
+        return self.secondary[gi] is not None and self.secondary[gi].fresh[i]
+
+    def start_coalesced_gather(self, params: list[Parameter]) -> Any:
+        """Start the gathers of ``params``: one call of the fresh secondary chunks (hpZ), one of
+        the others' primary chunks; a ``CoalescedGathers`` of the one or two."""
+        fresh = [p for p in params if self._fresh(p)]
+        primary = [p for p in params if not self._fresh(p)]
+        parts = [self._start(fresh, True)] if fresh else []
+        if primary:
+            parts.append(self._start(primary, False))
+        return CoalescedGathers(params, parts)
+
+    def _start(self, params: list[Parameter], secondary: bool) -> CoalescedGather:
+        s = self.strategy
+        chunks = []
+        for p in params:
+            gi, i = s.where[id(p)]
+            if secondary:
+                chunks.append(self.secondary[gi].chunk(i))
+            else:
+                chunks.append(read_param_chunk(s, s.groups[gi], i))  # a file read under nvme
+        comm = self.hpz_comm if secondary else s.comm
+        xp = array_module(chunks[0])
+        send = chunks[0] if len(chunks) == 1 else xp.concat(chunks)
+        buf = xp.empty(send.size * comm.size, dtype=s.dtype)
+        if s.zero.zero_quantized_weights:
+            handle = QuantizedGather(
+                comm, buf, send, s.zero.overlap_comm, s.quantization_block_size
+            )
+            s.track_transient(handle.nbytes)
+        else:
+            handle = s.start_or_run(comm.iall_gather, comm.all_gather, buf, send)
+        return CoalescedGather(params, [c.size for c in chunks], send, buf, handle)
+
+    def finish_coalesced_gather(self, gathers: Any) -> None:
+        """Wait for each part, give its parameters their values; a full gather's parameters
+        give hpZ their secondary chunks."""
+        for gather in gathers.parts:
+            quantized = gather.handle if isinstance(gather.handle, QuantizedGather) else None
+            super().finish_coalesced_gather(gather)  # a QuantizedGather's wait dequantizes
+            if quantized is not None:
+                self.strategy.track_transient(-quantized.nbytes)
+            if gather.buf.size == gather.send.size * self.strategy.comm.size:  # full
+                for p in gather.params:
+                    gi, i = self.strategy.where[id(p)]
+                    secondary = self.secondary[gi]
+                    if secondary is not None and secondary.chunks[i] and not secondary.fresh[i]:
+                        secondary.store(i, flat(p.data))
+
+    def after_step(self) -> None:
+        """DeepSpeed's ``_post_step``, then hpZ's secondary chunks are stale."""
+        super().after_step()
+        for secondary in self.secondary:
+            if secondary is not None:
+                secondary.invalidate()
+
+    def memory(self) -> dict[str, int]:
+        report = super().memory()
+        if self.hpz_comm is not None:
+            report["hpz_secondary_params"] = sum(nbytes(s.buffer) for s in self.secondary)
+        return report
+
+
+class CoalescedGathers:
+    """The one or two gathers of one coalesced fetch under ZeRO++ (hpZ's secondary, the
+    primary), seen by the coordinator as one handle for all of ``params``."""
+
+    def __init__(self, params: list[Parameter], parts: list[CoalescedGather]) -> None:
+        self.params: list[Parameter] = params  # every parameter of the fetch
+        self.parts: list[CoalescedGather] = parts  # the gathers, each of some of them
+
+
 class Stage3ZeroPP(Stage3):
     """The paper's stage 3 with ZeRO++'s quantized and hierarchical collectives."""
 
@@ -303,7 +433,12 @@ class Stage3ZeroPP(Stage3):
 
 
 class Stage3ZeroPPDeepSpeed(DeepSpeedNormGroups, Stage3ZeroPP):
-    """ZeRO++ under DeepSpeed's schedule: the same gathers and reductions, and the gradient norm
-    all-reduced once per sub-group, as DeepSpeed's stage 3 does (``ds_schedule.py``)."""
+    """ZeRO++ under DeepSpeed's schedule: DeepSpeed's coalesced, prefetched gathers with qwZ and
+    hpZ (``ZeroPPCoalescedFetcher``), its open gradient bucket reduced by qgZ
+    (``QuantizedOpenBucket``), and the gradient norm all-reduced once per sub-group
+    (``ds_schedule.py``), as DeepSpeed 0.19.8's stage 3 does."""
 
     boundary_rule = staticmethod(deepspeed_stage3_checks)
+
+    reducer_cls = QuantizedOpenBucket  # DeepSpeed's open bucket; qgZ's all-to-all when on
+    fetcher_cls = ZeroPPCoalescedFetcher  # DeepSpeed's coalesced gathers; qwZ's and hpZ's
