@@ -202,29 +202,49 @@ class HierarchicalReducer:
         return dequantize(got_codes, got_scales, width, self.bits, self.block)
 
 
-def secondary_partitions(
-    strategy: Any, deepspeed_cut: bool
-) -> tuple[Any, list[SecondaryPartition | None]]:
-    """hpZ's group (g = ``zero_hpz_partition_size`` consecutive ranks) and each shard group's
-    secondary chunks, cut as DeepSpeed cuts them when ``deepspeed_cut``; (None, [None, …])
-    when hpZ is off."""
-    s, size = strategy, strategy.zero.zero_hpz_partition_size
-    if size <= 1:
-        return None, [None] * len(s.groups)
-    comm = s.comm.split_by(lambda r: (r // size, r))
-    secondary: list[SecondaryPartition | None] = []
-    for g in s.groups:
-        numels = [p.numel for _, p in g.named_params]
-        gathered = [not s.is_persistent(p) for _, p in g.named_params]
-        padded = [s.comm.size * c for c in g.partition.chunks] if deepspeed_cut else None
-        secondary.append(SecondaryPartition(comm, numels, gathered, s.dtype, g.xp, padded))
-    return comm, secondary
+class SecondaryChunks:
+    """hpZ's part of a stage-3 fetcher (mixed in before it): the group of g =
+    ``zero_hpz_partition_size`` consecutive ranks, each shard group's secondary chunks (cut as
+    DeepSpeed cuts them where ``deepspeed_cut``), stale after every step, and their bytes in
+    the memory report. Without hpZ the group is None and every entry of ``secondary`` too."""
+
+    deepspeed_cut = False  # the secondary chunks: ceil(numel_i / g), or DeepSpeed's N·c_i / g
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        s, size = strategy, strategy.zero.zero_hpz_partition_size
+        self.hpz_comm: Any = None  # hpZ: this rank's group of `size` consecutive ranks
+        self.secondary: list[SecondaryPartition | None] = [None] * len(s.groups)  # per group
+        if size <= 1:
+            return
+        self.hpz_comm = s.comm.split_by(lambda r: (r // size, r))
+        for gi, g in enumerate(s.groups):
+            numels = [p.numel for _, p in g.named_params]
+            gathered = [not s.is_persistent(p) for _, p in g.named_params]
+            padded = [s.comm.size * c for c in g.partition.chunks] if self.deepspeed_cut else None
+            self.secondary[gi] = SecondaryPartition(
+                self.hpz_comm, numels, gathered, s.dtype, g.xp, padded
+            )
+
+    def after_step(self) -> None:
+        """hpZ's secondary chunks are stale after the step, until the next full gather cuts
+        them again."""
+        super().after_step()
+        for secondary in self.secondary:
+            if secondary is not None:
+                secondary.invalidate()
+
+    def memory(self) -> dict[str, int]:
+        report = super().memory()
+        if self.hpz_comm is not None:
+            report["hpz_secondary_params"] = sum(nbytes(s.buffer) for s in self.secondary)
+        return report
 
 
 class QuantizedGradients:
     """qgZ for a stage-3 reducer whose collective is ``collective(strategy, out, rows)`` on a
-    rank-major bucket: the two-hop quantized all-to-all when qgZ is on, else the reducer's own
-    (mixed in before the paper's buckets or DeepSpeed's open bucket)."""
+    rank-major bucket: the two-hop quantized all-to-all when qgZ is on, else the reduce-scatter
+    (``reduce_rows``) both use (mixed in before the paper's buckets or DeepSpeed's open bucket)."""
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
@@ -259,18 +279,14 @@ class QuantizedOpenBucket(QuantizedGradients, OpenBucket):
     (DeepSpeed's ``__avg_scatter_grads`` → ``all_to_all_quant_reduce``)."""
 
 
-class ZeroPPFetcher(GatherEach):
+class ZeroPPFetcher(SecondaryChunks, GatherEach):
     """The paper's per-parameter gathers, with qwZ's int8 forward gather and hpZ's secondary
     chunks: after a full gather each rank keeps 1/g of the parameter, and in backward the
     parameter is gathered from those within the hpZ group of g ranks."""
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
-        s = strategy
         self.in_backward: bool = False  # hpZ gathers secondary chunks in backward; qwZ only forward
-        comm, secondary = secondary_partitions(s, deepspeed_cut=False)
-        self.hpz_comm: Any = comm  # hpZ: this rank's group of g consecutive ranks (or None)
-        self.secondary: list[SecondaryPartition | None] = secondary  # per shard group
 
     def start_gather(self, p: Parameter) -> Any:
         """Start gathering p: the primary chunks over every rank (int8 codes in forward under
@@ -313,21 +329,8 @@ class ZeroPPFetcher(GatherEach):
         super().end_micro_step()
         self.in_backward = False
 
-    def after_step(self) -> None:
-        """hpZ's secondary chunks are stale after the step, until the next forward gather cuts
-        them again."""
-        for secondary in self.secondary:
-            if secondary is not None:
-                secondary.invalidate()
 
-    def memory(self) -> dict[str, int]:
-        report = super().memory()
-        if self.hpz_comm is not None:
-            report["hpz_secondary_params"] = sum(nbytes(s.buffer) for s in self.secondary)
-        return report
-
-
-class ZeroPPCoalescedFetcher(CoalescedFetcher):
+class ZeroPPCoalescedFetcher(SecondaryChunks, CoalescedFetcher):
     """DeepSpeed's coalesced fetches (``ds_coordinator.py``) with ZeRO++'s gathers, as
     DeepSpeed 0.19.8 runs them (``partition_parameters.py``, ``_all_gather_coalesced``):
 
@@ -339,11 +342,7 @@ class ZeroPPCoalescedFetcher(CoalescedFetcher):
     * the secondary chunks are cut from each full gather and are stale after the step.
     """
 
-    def __init__(self, strategy: Any) -> None:
-        super().__init__(strategy)
-        comm, secondary = secondary_partitions(strategy, deepspeed_cut=True)
-        self.hpz_comm: Any = comm  # hpZ: this rank's group of g consecutive ranks (or None)
-        self.secondary: list[SecondaryPartition | None] = secondary  # per shard group
+    deepspeed_cut = True  # N·c_i / g, DeepSpeed's ``_partition_param_sec``
 
     def _fresh(self, p: Parameter) -> bool:
         gi, i = self.strategy.where[id(p)]
@@ -395,19 +394,6 @@ class ZeroPPCoalescedFetcher(CoalescedFetcher):
                     secondary = self.secondary[gi]
                     if secondary is not None and secondary.chunks[i] and not secondary.fresh[i]:
                         secondary.store(i, flat(p.data))
-
-    def after_step(self) -> None:
-        """DeepSpeed's ``_post_step``, then hpZ's secondary chunks are stale."""
-        super().after_step()
-        for secondary in self.secondary:
-            if secondary is not None:
-                secondary.invalidate()
-
-    def memory(self) -> dict[str, int]:
-        report = super().memory()
-        if self.hpz_comm is not None:
-            report["hpz_secondary_params"] = sum(nbytes(s.buffer) for s in self.secondary)
-        return report
 
 
 class CoalescedGathers:
