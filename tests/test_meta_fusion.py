@@ -231,3 +231,39 @@ def test_softmax_and_the_zeropp_quantizers_are_one_kernel_each():
         dequantize(codes, s, C, 8, 8)
     assert tracker.ops == {"quantize": 1, "dequantize": 1}
     assert tracker.op_bytes == (2 * N + N + scales) + (N + scales + N * 4)
+
+
+def test_qwz_dequantizes_into_the_gathered_buffer_and_qgz_is_deepspeeds_three_kernels():
+    """qwZ's wait is one kernel reading the N·C int8 codes and N·C/8 float32 scales and writing
+    the bf16 buffer (2·N·C), no float32 copy between. qgZ on 4 ranks in 2 nodes of 2, rows of
+    C elements, int4 in blocks of 8: ``swizzle_quant`` reads the (4, C) float32 bucket and
+    writes 4·C/2 codes and 4·C/8 scales; ``quantized_reduction`` reads the first hop's as many
+    and writes the node's 2 partial rows, C/2 codes and C/8 scales each; ``dequantize`` reads
+    the second hop's (as many) and writes 2·C float32; one sum of those (a reduction counts its
+    operand's bytes, ``meta.namespace``)."""
+    from zerosim.comm.virtual import VirtualWorld
+    from zerosim.zero.stage3_zeropp import HierarchicalReducer, dequantize_into
+
+    with meta.tracking(backend="torch") as tracker:
+        out = xp.zeros((ROWS * C,), "bfloat16")
+        dequantize_into(
+            out, xp.zeros((ROWS, C), np.int8), xp.zeros((ROWS, C // 8), "float32"), C, 8
+        )
+    assert tracker.ops == {"dequantize": 1}
+    assert tracker.op_bytes == N + N // 8 * 4 + 2 * N
+
+    world = VirtualWorld(4)
+    comm = world.comm(0)
+    comm.set_ranks_per_node(2)
+    reducer = HierarchicalReducer(comm, 4, 8)
+    with meta.tracking(backend="torch") as tracker:
+        reducer.reduce(xp.zeros((4, C), np.float32))
+    codes4, scales4 = 4 * C // 2, 4 * C // 8 * 4  # four rows of int4 codes and their scales
+    codes2, scales2 = 2 * C // 2, 2 * C // 8 * 4  # two rows
+    assert tracker.ops == {"swizzle_quant": 1, "quantized_reduction": 1, "dequantize": 1, "sum": 1}
+    assert tracker.op_bytes == (
+        (4 * C * 4 + codes4 + scales4)
+        + (codes4 + scales4 + codes2 + scales2)
+        + (codes2 + scales2 + 2 * C * 4)
+        + 2 * C * 4
+    )

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from zerosim.backend import array_module, flat, nbytes
+from zerosim.meta.fusion import fused
 from zerosim.nn import Parameter
 from zerosim.zero.buckets import RankMajorReduceScatter, reduce_rows
 from zerosim.zero.ds_schedule import DeepSpeedNormGroups
@@ -82,8 +83,17 @@ class QuantizedGather:
         for h in self.handles:
             if h is not None:
                 h.wait()
-        rows = dequantize(self.codes, self.scales, self.width, WEIGHT_BITS, self.block)
-        self.out[...] = array_module(rows).astype(flat(rows), self.out.dtype)
+        dequantize_into(self.out, self.codes, self.scales, self.width, self.block)
+
+
+@fused("dequantize")
+def dequantize_into(out: Any, codes: Any, scales: Any, width: int, block_size: int) -> None:
+    """qwZ's rows of int8 codes dequantized straight into ``out`` in its dtype: one kernel that
+    reads the codes and scales and writes ``out`` (DeepSpeed's ``dequantize`` writes the
+    gathered buffer in the model dtype). Returns nothing: ``out``, counted once as the argument
+    it writes through, is the result."""
+    rows = dequantize(codes, scales, width, WEIGHT_BITS, block_size)
+    out[...] = array_module(rows).astype(flat(rows), out.dtype)
 
 
 class SecondaryPartition:
@@ -181,25 +191,45 @@ class HierarchicalReducer:
         ]
 
     def reduce(self, rows: Any) -> Any:
-        """rows: (N, w), row q is what rank q owns; returns the float32 sum of this rank's row."""
-        xp, width = array_module(rows), rows.shape[1]
-        ordered = (
-            rows[self.order]
-            if xp is np
-            else xp.take(rows, xp.asarray(self.order, dtype=np.int64), axis=0)
-        )
-        codes, scales = quantize(ordered, self.bits, self.block)
-        parts = self._hop(self.intra, codes, scales, width)
-        partial = xp.sum(xp.reshape(parts, (self.local, self.nodes, width)), axis=0)
-        codes, scales = quantize(partial, self.bits, self.block)
-        return xp.sum(self._hop(self.inter, codes, scales, width), axis=0)
+        """rows: (N, w), row q is what rank q owns; returns the float32 sum of this rank's row.
+        Three kernels as DeepSpeed's ``all_to_all_quant_reduce`` runs them (``swizzle_quant``,
+        ``quantized_reduction``, ``dequantize``), each one ``fused`` kernel on PyTorch's path."""
+        width = rows.shape[1]
+        codes, scales = swizzle_quantize(rows, self.order, self.bits, self.block)
+        codes, scales = self._hop(self.intra, codes, scales)
+        codes, scales = quantized_reduction(codes, scales, width, self.bits, self.block, self.local)
+        codes, scales = self._hop(self.inter, codes, scales)
+        rows = dequantize(codes, scales, width, self.bits, self.block)
+        return array_module(rows).sum(rows, axis=0)
 
-    def _hop(self, comm: Any, codes: Any, scales: Any, width: int) -> Any:
+    def _hop(self, comm: Any, codes: Any, scales: Any) -> tuple[Any, Any]:
+        """One hop: the codes and the scales, each in an all-to-all over ``comm``."""
         xp = array_module(codes)
         got_codes, got_scales = xp.empty_like(codes), xp.empty_like(scales)
         comm.all_to_all(got_codes, codes)
         comm.all_to_all(got_scales, scales)
-        return dequantize(got_codes, got_scales, width, self.bits, self.block)
+        return got_codes, got_scales
+
+
+@fused("swizzle_quant")
+def swizzle_quantize(rows: Any, order: list[int], bits: int, block_size: int) -> tuple[Any, Any]:
+    """qgZ's first kernel: ``rows`` (N, w) reordered as the two hops deliver them, then
+    quantized (DeepSpeed's ``swizzle_quant``: the reorder and the quantization in one pass)."""
+    xp = array_module(rows)
+    ordered = rows[order] if xp is np else xp.take(rows, xp.asarray(order, dtype=np.int64), axis=0)
+    return quantize(ordered, bits, block_size)
+
+
+@fused("quantized_reduction")
+def quantized_reduction(
+    codes: Any, scales: Any, width: int, bits: int, block_size: int, parts: int
+) -> tuple[Any, Any]:
+    """qgZ's second kernel: the rows of ``parts`` senders dequantized, summed in float32 and
+    quantized again (DeepSpeed's ``quantized_reduction``, one pass): (parts · n, w) → (n, w)."""
+    rows = dequantize(codes, scales, width, bits, block_size)
+    xp = array_module(rows)
+    partial = xp.sum(xp.reshape(rows, (parts, -1, width)), axis=0)
+    return quantize(partial, bits, block_size)
 
 
 class SecondaryChunks:
