@@ -102,10 +102,10 @@ class SecondaryPartition:
     Parameter i is zero-padded to g · chunk'_i, chunk'_i = ceil(numel_i / g) under the paper's
     schedule and N · chunk_i / g under DeepSpeed's (its ``_partition_param_sec`` cuts the
     primary partition's padded size); group rank j keeps elements [j · chunk'_i, (j + 1) ·
-    chunk'_i). A chunk is *fresh* once it has been cut from a
-    full gather of the current parameters; the optimizer step makes every chunk stale, and the
-    next forward all-gather (dequantized under qwZ, as in DeepSpeed) refreshes it. Persistent
-    parameters are never gathered and get an empty chunk.
+    chunk'_i). A chunk is *fresh* once it has been cut from a full gather of the current
+    parameters; the optimizer step makes every chunk stale, and the next full all-gather
+    (dequantized under qwZ, as in DeepSpeed) refreshes it. Persistent parameters are never
+    gathered and get an empty chunk.
     """
 
     def __init__(
