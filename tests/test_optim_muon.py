@@ -40,11 +40,25 @@ SHAPES = [(12, 20), (20, 12), (16, 16), (37, 20)]
 
 @pytest.fixture(scope="module")
 def ds():
-    """DeepSpeed's Muon module (compiles on first use)."""
+    """DeepSpeed's Muon module (compiles on first use), with its accelerator pinned to no fp16
+    while this module runs: DeepSpeed's CPU accelerator says fp16 where oneDNN has fp16 matrix
+    products (a CPU with AMX-FP16), and its "gram" iteration then runs in fp16
+    (``ns_compute_dtype``); elsewhere, and in zerosim, in float32 (tests/peer/ds_driver.py pins
+    it the same way)."""
     pytest.importorskip("deepspeed", reason="DeepSpeed is the oracle here")
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.muon import original_muon
 
-    return original_muon
+    accelerator = get_accelerator()
+    before = vars(accelerator).get("is_fp16_supported")  # an instance attribute set earlier
+    accelerator.is_fp16_supported = lambda: False
+    try:
+        yield original_muon
+    finally:
+        if before is None:
+            del accelerator.is_fp16_supported
+        else:
+            accelerator.is_fp16_supported = before
 
 
 def _torch():
