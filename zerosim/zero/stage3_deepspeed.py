@@ -189,11 +189,22 @@ class CoalescedFetcher(ParamFetcher):
         for p in params:
             gi, i = s.where[id(p)]
             chunks.append(read_param_chunk(s, s.groups[gi], i))
+        return self.gather_chunks(params, chunks, s.comm)
+
+    def gather_chunks(
+        self, params: list[Parameter], chunks: list[Any], comm: Any
+    ) -> CoalescedGather:
+        """Start ONE all-gather over ``comm`` of ``chunks`` (one per parameter) end to end."""
+        s = self.strategy
         xp = xp_of(chunks[0])
         send = chunks[0] if len(chunks) == 1 else xp.concat(chunks)
-        buf = xp.empty(send.size * s.comm.size, dtype=s.dtype)
-        handle = s.start_or_run(s.comm.iall_gather, s.comm.all_gather, buf, send)
+        buf = xp.empty(send.size * comm.size, dtype=s.dtype)
+        handle = self.start_all_gather(comm, buf, send)
         return CoalescedGather(params, [c.size for c in chunks], send, buf, handle)
+
+    def start_all_gather(self, comm: Any, buf: Any, send: Any) -> Any:
+        """The all-gather of one call: started under ``overlap_comm``, else run (None)."""
+        return self.strategy.start_or_run(comm.iall_gather, comm.all_gather, buf, send)
 
     def finish_coalesced_gather(self, gather: CoalescedGather) -> None:
         """Wait for a coalesced gather and give each of its parameters its whole value."""

@@ -397,18 +397,16 @@ class ZeroPPCoalescedFetcher(SecondaryChunks, CoalescedFetcher):
                 chunks.append(self.secondary[gi].chunk(i))
             else:
                 chunks.append(read_param_chunk(s, s.groups[gi], i))  # a file read under nvme
-        comm = self.hpz_comm if secondary else s.comm
-        xp = array_module(chunks[0])
-        send = chunks[0] if len(chunks) == 1 else xp.concat(chunks)
-        buf = xp.empty(send.size * comm.size, dtype=s.dtype)
-        if s.zero.zero_quantized_weights:
-            handle = QuantizedGather(
-                comm, buf, send, s.zero.overlap_comm, s.quantization_block_size
-            )
-            s.track_transient(handle.nbytes)
-        else:
-            handle = s.start_or_run(comm.iall_gather, comm.all_gather, buf, send)
-        return CoalescedGather(params, [c.size for c in chunks], send, buf, handle)
+        return self.gather_chunks(params, chunks, self.hpz_comm if secondary else s.comm)
+
+    def start_all_gather(self, comm: Any, buf: Any, send: Any) -> Any:
+        """qwZ: the call quantized once and gathered as codes and scales; else DeepSpeed's."""
+        s = self.strategy
+        if not s.zero.zero_quantized_weights:
+            return super().start_all_gather(comm, buf, send)
+        handle = QuantizedGather(comm, buf, send, s.zero.overlap_comm, s.quantization_block_size)
+        s.track_transient(handle.nbytes)
+        return handle
 
     def finish_coalesced_gather(self, gathers: Any) -> None:
         """Wait for each part, give its parameters their values; a full gather's parameters
