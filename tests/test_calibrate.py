@@ -4,6 +4,7 @@ run, its rates positive and its measurements ordered as physics orders them."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import pytest
@@ -91,6 +92,35 @@ def test_every_collective_is_measured_at_every_size_and_products_span_sizes(host
     assert sizes[0] <= 8 and sizes[-1] >= 2**22 and all(t > 0 for *_, t in rows)
     products = sorted(a * b * c for a, b, c, _ in m["matmul"])
     assert products[-1] >= 8 * products[0] and all(rate > 0 for *_, rate in m["matmul"])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc and Linux's page faults")
+def test_a_fresh_page_is_measured_fresh_when_glibc_holds_a_freed_chunk_that_fits():
+    """glibc serves a request from a freed heap chunk that holds it, above the mmap threshold
+    too: np.empty then touches pages already resident and faults none. The measurement must
+    still count every page of its buffer and price each at microseconds."""
+    import resource
+
+    import numpy as np
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    nbytes = 16 << 20
+    mapped = np.ones((30 << 20) // 4, np.float32)
+    del mapped  # glibc's mmap threshold rises to this freed mapping's 30 MiB
+    held = [np.ones((10 << 20) // 4, np.float32) for _ in range(3)]  # now from the heap
+    guard = np.ones(1000)  # keeps the three off the heap's top once freed
+    del held  # one free 30 MiB chunk inside the heap
+    before = faults()
+    np.empty(nbytes // 4, np.float32).fill(1.0)
+    assert faults() - before < nbytes // 4096 // 10  # the trap: np.empty's pages were resident
+    measured = calibrate.measure_page_faults(0.05, nbytes)
+    assert measured["pages"] >= nbytes // 4096
+    assert 1e-8 < measured["page_fault_s"] < 1e-4
+    if measured["hugepage_fault_s"] is not None:  # zeroing 2 MiB: from about 20 µs
+        assert 1e-6 < measured["hugepage_fault_s"] < 5e-3
+    del guard
 
 
 def test_the_fit_recovers_alpha_and_bandwidth_of_the_ring_formula():
