@@ -182,10 +182,11 @@ def measure_page_faults(budget_s: float, nbytes: int = 64 << 20) -> dict[str, fl
     for them (``hugepage_fault_s``: 2 MiB pages, those the kernel gave as 4 KiB ones priced at
     ``page_fault_s``).
 
-    The mapping is made here, not by ``np.empty``: glibc serves a request from its heap's free
-    top whenever that top holds it, whatever the size, and after the products and element-wise
-    calls ``measure_compute`` times first the top held 64 MiB: ``np.empty`` then faulted no page
-    at all, and the seconds over so few faults were noise (0 to 1,900 µs "a page")."""
+    The mapping is made here, not by ``np.empty``: glibc serves a request of any size from a
+    freed heap chunk (or the heap's free top) that holds it, and after the products and
+    element-wise calls ``measure_compute`` times first, the heap held one of 64 MiB: ``np.empty``
+    then faulted no page at all, and the seconds over so few faults were noise (0 to 1,900 µs
+    "a page")."""
     import mmap  # noqa: PLC0415
     import resource  # noqa: PLC0415
 
