@@ -383,10 +383,9 @@ class ZeroPPCoalescedFetcher(SecondaryChunks, CoalescedFetcher):
         the others' primary chunks; a ``CoalescedGathers`` of the one or two."""
         fresh = [p for p in params if self._fresh(p)]
         primary = [p for p in params if not self._fresh(p)]
-        parts = [self._start(fresh, True)] if fresh else []
-        if primary:
-            parts.append(self._start(primary, False))
-        return CoalescedGathers(params, parts)
+        secondary = self._start(fresh, True) if fresh else None
+        full = self._start(primary, False) if primary else None
+        return CoalescedGathers(params, secondary, full)
 
     def _start(self, params: list[Parameter], secondary: bool) -> CoalescedGather:
         s = self.strategy
@@ -409,28 +408,40 @@ class ZeroPPCoalescedFetcher(SecondaryChunks, CoalescedFetcher):
         return handle
 
     def finish_coalesced_gather(self, gathers: Any) -> None:
-        """Wait for each part, give its parameters their values; a full gather's parameters
+        """Wait for each part, give its parameters their values; the full gather's parameters
         give hpZ their secondary chunks."""
-        for gather in gathers.parts:
+        for gather in gathers.parts():
             quantized = gather.handle if isinstance(gather.handle, QuantizedGather) else None
             super().finish_coalesced_gather(gather)  # a QuantizedGather's wait dequantizes
             if quantized is not None:
                 self.strategy.track_transient(-quantized.nbytes)
-            if gather.buf.size == gather.send.size * self.strategy.comm.size:  # full
-                for p in gather.params:
-                    gi, i = self.strategy.where[id(p)]
-                    secondary = self.secondary[gi]
-                    if secondary is not None and secondary.chunks[i] and not secondary.fresh[i]:
-                        secondary.store(i, flat(p.data))
+        if gathers.full is None:
+            return
+        for p in gathers.full.params:
+            gi, i = self.strategy.where[id(p)]
+            secondary = self.secondary[gi]
+            if secondary is not None and secondary.chunks[i] and not secondary.fresh[i]:
+                secondary.store(i, flat(p.data))
 
 
 class CoalescedGathers:
     """The one or two gathers of one coalesced fetch under ZeRO++ (hpZ's secondary, the
     primary), seen by the coordinator as one handle for all of ``params``."""
 
-    def __init__(self, params: list[Parameter], parts: list[CoalescedGather]) -> None:
+    def __init__(
+        self,
+        params: list[Parameter],
+        secondary: CoalescedGather | None,
+        full: CoalescedGather | None,
+    ) -> None:
         self.params: list[Parameter] = params  # every parameter of the fetch
-        self.parts: list[CoalescedGather] = parts  # the gathers, each of some of them
+        # the gather of the fresh secondary chunks, within the hpZ group
+        self.secondary: CoalescedGather | None = secondary
+        self.full: CoalescedGather | None = full  # the others' primary chunks, over every rank
+
+    def parts(self) -> list[CoalescedGather]:
+        """The gathers made, the secondary first (the order they were started in)."""
+        return [g for g in (self.secondary, self.full) if g is not None]
 
 
 class Stage3ZeroPP(Stage3):
