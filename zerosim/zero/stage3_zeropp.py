@@ -383,20 +383,15 @@ class ZeroPPCoalescedFetcher(SecondaryChunks, CoalescedFetcher):
         the others' primary chunks; a ``CoalescedGathers`` of the one or two."""
         fresh = [p for p in params if self._fresh(p)]
         primary = [p for p in params if not self._fresh(p)]
-        secondary = self._start(fresh, True) if fresh else None
-        full = self._start(primary, False) if primary else None
+        secondary = self._start_secondary(fresh) if fresh else None
+        full = super().start_coalesced_gather(primary) if primary else None
         return CoalescedGathers(params, secondary, full)
 
-    def _start(self, params: list[Parameter], secondary: bool) -> CoalescedGather:
-        s = self.strategy
-        chunks = []
-        for p in params:
-            gi, i = s.where[id(p)]
-            if secondary:
-                chunks.append(self.secondary[gi].chunk(i))
-            else:
-                chunks.append(read_param_chunk(s, s.groups[gi], i))  # a file read under nvme
-        return self.gather_chunks(params, chunks, self.hpz_comm if secondary else s.comm)
+    def _start_secondary(self, params: list[Parameter]) -> CoalescedGather:
+        """One call of ``params``' fresh secondary chunks within the hpZ group."""
+        where = self.strategy.where
+        chunks = [self.secondary[gi].chunk(i) for gi, i in (where[id(p)] for p in params)]
+        return self.gather_chunks(params, chunks, self.hpz_comm)
 
     def start_all_gather(self, comm: Any, buf: Any, send: Any) -> Any:
         """qwZ: the call quantized once and gathered as codes and scales; else DeepSpeed's."""
