@@ -99,18 +99,24 @@ def test_dry_run_ledger_and_memory_equal_the_mpirun_ones(n, tmp_path):
 
 
 def _dry_schedule(run) -> list[list]:
-    """The issues and waits the dry run's time model reads for ``run``'s last step."""
+    """The issues, waits and stream notes the dry run's time model reads for ``run``'s last
+    step."""
     calls = run.comm.calls
     return schedule_cases.schedule_of(
-        [(kind, calls[i].record) for kind, i in run.events if kind in ("issue", "wait")]
+        [
+            (kind, value if kind == "stream" else calls[value].record)
+            for kind, value in run.events
+            if kind in ("issue", "wait", "stream")
+        ]
     )
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_dry_run_schedule_equals_the_mpirun_one(n, tmp_path):
-    """Each representative's step, as the time model replays it (issues and waits in order),
-    equals the same rank's real step under mpirun: stages 2 and 3, both schedules, with
-    recomputation, with a binding ``stage3_max_live_parameters``, and without ``overlap_comm``."""
+    """Each representative's step, as the time model replays it (issues, waits and stream
+    notes in order), equals the same rank's real step under mpirun: stages 2 and 3, both
+    schedules, with recomputation, with a binding ``stage3_max_live_parameters``, without
+    ``overlap_comm``, and under qgZ (its buckets noted on DeepSpeed's reduction stream)."""
     model = recipe(schedule_cases.MODEL_SPEC)
 
     def dry_runs(case):
@@ -143,3 +149,19 @@ def test_dry_run_schedule_equals_the_mpirun_one(n, tmp_path):
     # the cap binds: without it DeepSpeed's coordinator prefetches, with it it cannot
     capped = schedule_cases.Case(3, "deepspeed", False, schedule_cases.BINDING_MAX_LIVE)
     assert real[0][capped.name] != real[0]["stage3-deepspeed"]
+    # under qgZ every all-to-all of a bucket sits inside a reduction-stream stretch, one
+    # stretch per bucket, and each backward ends by waiting for the stream
+    qgz = real[0][schedule_cases.Case(3, "deepspeed", qgz=True).name]
+    notes = [e[1] for e in qgz if e[0] == "stream"]
+    assert notes and notes.count("reduce") == notes.count("compute") > 0
+    assert (
+        notes.count("sync")
+        == schedule_cases.config(schedule_cases.cases()[0])["gradient_accumulation_steps"]
+    )
+    inside = False
+    for e in qgz:
+        if e[0] == "stream":
+            inside = e[1] == "reduce"
+        elif e[0] == "all_to_all":
+            assert inside, "an all-to-all outside a reduction-stream stretch"
+    assert all(e[0] != "stream" for e in real[0]["stage3-deepspeed"])

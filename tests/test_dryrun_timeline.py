@@ -54,7 +54,7 @@ def test_a_step_on_two_streams_by_hand():
     ]
     step = simulate(events, calls, ClusterModel(CLUSTER), spans=True)
     assert step.as_dict() == pytest.approx(
-        {"step_s": 3.4, "compute_s": 3.0, "comm_s": 1.9, "exposed_comm_s": 0.4}
+        {"step_s": 3.4, "compute_s": 3.0, "comm_s": 1.9, "exposed_comm_s": 0.4, "reduce_s": 0.0}
     )
     waiting = simulate([("issue", 0), ("wait", 0), ("compute", 1000)], calls, ClusterModel(CLUSTER))
     assert waiting.step_s == pytest.approx(2.5)  # compute waits for the gather
@@ -104,6 +104,72 @@ def test_two_buckets_one_overlap_by_hand(tmp_path):
     assert (step.compute_s, step.comm_s) == pytest.approx((6.0, 4.16))
     comm = [t for s, _, a, b in step.spans if s == "comm" for t in (a, b)]
     assert comm == pytest.approx([3.0, 5.0, 5.0, 7.0, 7.0, 7.16])
+
+
+def _ends(step, stream: str) -> list[float]:
+    """Start and end of each of ``stream``'s spans, in order, end to end."""
+    return [t for s, _, a, b in step.spans if s == stream for t in (a, b)]
+
+
+def test_qgz_buckets_on_deepspeeds_reduction_stream_by_hand():
+    """Two gradient buckets, each noted on DeepSpeed's reduction stream: a kernel and a blocking
+    all-reduce in the first, a blocking all-reduce in the second; the backward epilogue waits
+    for the stream. 1,000 FLOP/s; an all-reduce of S bytes on one node at 100 B/s takes
+    2·(1/2)·S/100 s.
+
+    compute  |0 c 1|1      c      3|3 c 3.5| wait |4 c 5|
+    reduce         |1 k 1.5|
+    comm                   |1.5 ar 2|      |3 ar 4|
+
+    the first stretch starts when compute has reached it (1); the second when compute has
+    (3), the stream being free since 2; ``sync`` holds compute from 3.5 until the stream ends
+    at 4. The same events with the notes removed run in series: 6.5 s."""
+    calls = [_call("all_reduce", 50, (0, 1), True), _call("all_reduce", 100, (0, 1), True)]
+    events = [
+        ("compute", 1000),
+        ("stream", "reduce"),
+        ("compute", 500),  # qgZ's kernel, on the reduction stream
+        ("issue", 0),
+        ("stream", "compute"),
+        ("compute", 2000),
+        ("stream", "reduce"),
+        ("issue", 1),
+        ("stream", "compute"),
+        ("compute", 500),
+        ("stream", "sync"),
+        ("compute", 1000),
+    ]
+    step = simulate(events, calls, ClusterModel(CLUSTER), spans=True)
+    assert step.as_dict() == pytest.approx(
+        {"step_s": 5.0, "compute_s": 4.5, "comm_s": 1.5, "exposed_comm_s": 0.5, "reduce_s": 0.5}
+    )
+    assert _ends(step, "compute") == pytest.approx([0, 1, 1, 3, 3, 3.5, 4, 5])
+    assert _ends(step, "reduce") == pytest.approx([1, 1.5])
+    assert _ends(step, "comm") == pytest.approx([1.5, 2, 3, 4])
+    assert {e["tid"] for e in chrome_trace(step)["traceEvents"] if e["ph"] == "X"} == {1, 2, 3}
+    serial = [e for e in events if e[0] != "stream"]
+    assert simulate(serial, calls, ClusterModel(CLUSTER)).step_s == pytest.approx(6.5)
+    # a host runs everything on its one thread: the notes change nothing there
+    host = ClusterModel(CLUSTER, overlap=False)
+    assert simulate(events, calls, host).as_dict() == simulate(serial, calls, host).as_dict()
+
+
+def test_the_host_waits_for_the_oldest_of_more_than_two_reduction_stretches_by_hand():
+    """DeepSpeed's ``max_param_reduce_events`` = 2: four stretches of one blocking 1 s
+    all-reduce each, noted 0.1 s of compute apart. They queue on the stream (0-1, 1-2, 2-3,
+    3-4); before the fourth, three are in flight and none done at 0.3, so the host waits for the
+    oldest (until 1) and the compute after it runs 1 → 1.1; ``sync`` then holds it until 4."""
+    calls = [_call("all_reduce", 100, (0, 1), True) for _ in range(4)]
+    events = []
+    for i in range(4):
+        events += [("stream", "reduce"), ("issue", i), ("stream", "compute"), ("compute", 100)]
+    events.append(("stream", "sync"))
+    step = simulate(events, calls, ClusterModel(CLUSTER), spans=True)
+    assert _ends(step, "compute") == pytest.approx([0, 0.1, 0.1, 0.2, 0.2, 0.3, 1.0, 1.1])
+    assert _ends(step, "comm") == pytest.approx([0, 1, 1, 2, 2, 3, 3, 4])
+    assert step.step_s == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="'reduce', 'compute' or 'sync'; got 'other'"):
+        simulate([("stream", "other")], [], ClusterModel(CLUSTER))
 
 
 def test_the_software_factor_scales_products_and_link_efficiency_the_link():
@@ -268,6 +334,42 @@ def test_a_dry_run_step_on_free_compute_is_its_collectives_back_to_back(tmp_path
     assert time["compute_s"] < 1e-15
     trace = chrome_trace(step)["traceEvents"]
     assert sum(1 for e in trace if e["ph"] == "X" and e["tid"] == 2) == len(records)
+
+
+def test_a_qgz_dry_run_runs_its_buckets_on_the_reduction_stream(tmp_path):
+    """ZeRO++'s qgZ under DeepSpeed's schedule on the shipped V100 cluster, 2 nodes × 2 ranks:
+    every all-to-all of the step lies inside a noted stretch, the stretches' kernels are priced
+    on the reduction stream (``reduce_s``), and the step is shorter than the same events run in
+    line (the notes removed), as a host runs them; the report names the reduction stream."""
+    cfg = {
+        **SMALL_CFG,
+        "zero_optimization": {
+            **SMALL_CFG["zero_optimization"],
+            "zero_quantized_gradients": True,
+            "zero_quantized_weights": True,
+        },
+        "zerosim": {"ranks_per_node": 2, "schedule": "deepspeed"},
+    }
+    report = dry_run("gpt:2,32,40,32,2", 4, cfg, cluster="zeropp_v100")
+    t = report["time"]
+    assert t["reduce_s"] > 0
+    assert "DeepSpeed's reduction stream's kernels" in format_report(report)
+    runs, _ = run_world(recipe("gpt:2,32,40,32,2"), 4, cfg, op_events=True)
+    model = load_cluster_model("zeropp_v100").resized(4)
+    for _, run in runs:
+        inside, all_to_alls = False, 0
+        for kind, value in run.events:
+            if kind == "stream":
+                inside = value == "reduce"
+            elif kind == "issue" and run.comm.calls[value].record.op == "all_to_all":
+                assert inside
+                all_to_alls += 1
+        assert all_to_alls > 0
+        noted = simulate(run.events, run.comm.calls, model)
+        in_line = simulate([e for e in run.events if e[0] != "stream"], run.comm.calls, model)
+        assert noted.reduce_s > 0 and in_line.reduce_s == 0
+        assert noted.compute_s < in_line.compute_s
+        assert noted.step_s < in_line.step_s
 
 
 def test_a_dry_run_step_on_a_free_network_is_its_flops_at_the_device_rate(tmp_path):

@@ -1,12 +1,15 @@
 """The configurations whose *schedule* the dry run is held to real mpirun runs on
 (tests/test_dryrun_mpi.py): stages 2 and 3 under both schedules, with and without activation
 recomputation, and stage 3 under DeepSpeed's schedule with a ``stage3_max_live_parameters`` below
-the largest module's parameters (DeepSpeed's coordinator then prefetches nothing).
+the largest module's parameters (DeepSpeed's coordinator then prefetches nothing), and stage 3
+under DeepSpeed's schedule with ZeRO++'s qgZ (and qwZ), whose bucket reductions the engine notes
+as running on DeepSpeed's reduction stream.
 
 A schedule is the ordered list of one optimizer step's collective issues and waits, as
 ``schedule_of`` writes it: an issue as [op, phase, group, dtype, elements, blocking], a wait as
 ["wait", k] for the step's k-th issue (["wait", "earlier", op, group, elements] for a call issued
-before the step). Shared by the mpirun worker (``schedule_worker.py``) and the test.
+before the step), a stream note as ["stream", name]. Shared by the mpirun worker
+(``schedule_worker.py``) and the test.
 """
 
 from __future__ import annotations
@@ -36,18 +39,21 @@ class Case:
     recompute: bool = False
     max_live: int | None = None
     overlap: bool = True  # overlap_comm: non-blocking reductions, waited later
+    qgz: bool = False  # ZeRO++'s quantized gradients (and weights)
 
     @property
     def name(self) -> str:
         name = f"stage{self.stage}-{self.schedule}" + ("-recompute" if self.recompute else "")
         name += "" if self.max_live is None else f"-max_live{self.max_live}"
+        name += "-qgz" if self.qgz else ""
         return name + ("" if self.overlap else "-no_overlap")
 
 
 def cases() -> list[Case]:
     """Both stages on both schedules; recomputation on both schedules at stage 3 (where it
     gathers the blocks again) and on DeepSpeed's at stage 2; the binding cap; the paper's stage 2
-    without ``overlap_comm``, whose blocking reduce-scatters complete inside the call (no wait)."""
+    without ``overlap_comm``, whose blocking reduce-scatters complete inside the call (no wait);
+    qgZ on DeepSpeed's schedule."""
     return [
         Case(2, "paper"),
         Case(2, "paper", overlap=False),
@@ -58,6 +64,7 @@ def cases() -> list[Case]:
         Case(3, "deepspeed"),
         Case(3, "deepspeed", recompute=True),
         Case(3, "deepspeed", max_live=BINDING_MAX_LIVE),
+        Case(3, "deepspeed", qgz=True),
     ]
 
 
@@ -67,6 +74,8 @@ def config(case: Case) -> dict:
         zero.update(stage3_param_persistence_threshold=10, stage3_prefetch_bucket_size=400)
     if case.max_live is not None:
         zero["stage3_max_live_parameters"] = case.max_live
+    if case.qgz:
+        zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
     return {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 2,
@@ -87,11 +96,14 @@ def batch(rank: int, micro_step: int) -> np.ndarray:
 
 
 def schedule_of(events: list[tuple[str, Any]]) -> list[list]:
-    """``[("issue", record) | ("wait", record), …]`` (``ledger.events``) as the lists compared."""
+    """``[("issue", record) | ("wait", record) | ("stream", name), …]`` (``ledger.events``) as
+    the lists compared."""
     issued: dict[int, int] = {}
     out: list[list] = []
     for kind, r in events:
-        if kind == "issue":
+        if kind == "stream":
+            out.append(["stream", r])
+        elif kind == "issue":
             issued[id(r)] = len(issued)
             out.append([r.op, r.phase, r.group, r.dtype, r.elements, r.blocking])
         elif id(r) in issued:

@@ -137,10 +137,16 @@ def format_report(report: dict[str, Any]) -> str:
         )
     elif "time" in r:
         t = r["time"]
+        reduction = (
+            f", DeepSpeed's reduction stream's kernels {t['reduce_s']:.3f} s"
+            if t["reduce_s"]
+            else ""
+        )
         lines.append(
             f"step {t['step_s']:.3f} s on {t['cluster']['name'] or 'the cluster'}: compute "
-            f"{t['compute_s']:.3f} s, communication {t['comm_s']:.3f} s of which exposed "
-            f"{t['exposed_comm_s']:.3f} s; {t['tflops_per_device']:.1f} model TFLOP/s per device"
+            f"{t['compute_s']:.3f} s{reduction}, communication {t['comm_s']:.3f} s of which "
+            f"exposed {t['exposed_comm_s']:.3f} s; {t['tflops_per_device']:.1f} model TFLOP/s "
+            "per device"
         )
     return "\n".join(lines)
 

@@ -113,6 +113,11 @@ class Communicator(ABC):
         """Context manager labelling the ledger records made inside it (forward, step…)."""
         return self.ledger.phase(name)
 
+    def note_stream(self, stream: str) -> None:
+        """Note in ``ledger.events`` (if kept) the GPU stream of what follows (``Ledger``)."""
+        if self.ledger.events is not None:
+            self.ledger.events.append(("stream", stream))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, size={self.size}, group={self.group!r})"
 

@@ -51,7 +51,10 @@ collective's path), so asking once per step costs the same after a thousand step
 groups appends ``("issue", record)`` once its record is written and every ``Handle.wait()`` that
 completes a non-blocking call appends ``("wait", record)``: the order in which the program issued
 and waited on its collectives, which the dry run's time model replays (tests hold the dry run's
-order to a real run's). Nothing else changes while it is on.
+order to a real run's), with ``("stream", name)`` where the engine notes where a GPU would run
+what follows (``Communicator.note_stream``): "reduce", on DeepSpeed's reduction stream;
+"compute", back on the compute stream; "sync", the host waiting for the reduction stream.
+Nothing else changes while it is on.
 
 **Flight recorder.** ``ledger.flight`` numbers every call as it starts and keeps the last K of
 them, whatever ``reset()`` clears: what the watchdog prints when a collective stalls
@@ -151,8 +154,9 @@ class Ledger:
         self.node: int | None = None  # this rank's node (None: unknown, one node for all)
         self.node_version = 0  # bumped when ``node`` is set, so sub-groups learn it again
         self.flight = FlightRecorder()  # the last K calls, numbered; survives ``reset()``
-        # when a list: ("issue", record) per call and ("wait", record) per completing wait
-        self.events: list[tuple[str, Record]] | None = None
+        # when a list: ("issue", record) per call, ("wait", record) per completing wait and
+        # ("stream", name) per stream note
+        self.events: list[tuple[str, Record | str]] | None = None
 
     @property
     def current_phase(self) -> str:

@@ -112,6 +112,11 @@ class VirtualComm(Communicator):
             events.append(("issue", len(self.calls)))
         self.calls.append(Call(record, self, int(root), counts, self.node_of is not None))
 
+    def note_stream(self, stream: str) -> None:
+        """The stream note in the world's events (``Communicator.note_stream``), when asked."""
+        if self.root._events is not None:
+            self.root._events.append(("stream", stream))
+
     def record_events(self, events: list | None) -> None:
         """Append this rank's ("issue", i) and ("wait", i) events, i its index in ``calls``, to
         ``events`` from now on, in every group of its world (None: stop)."""

@@ -17,6 +17,8 @@ from zerosim.report.plots import byte_unit
 GIB = 2**30
 INTERVALS = 200  # busy fractions drawn across the step: 5 pixels each at the plot's width
 STREAMS = (("compute", "compute", "C2"), ("comm", "communication", "C1"))
+# DeepSpeed's reduction stream, drawn when a step has one (qgZ: ``timeline.simulate``)
+REDUCTION_STREAM = ("reduce", "reduction", "C4")
 
 
 def busy_fractions(
@@ -97,14 +99,17 @@ def _draw_busy(ax, step: StepTime) -> None:
     end = step.step_s
     edges = [end * i / INTERVALS for i in range(INTERVALS + 1)]
     labels = []
-    for row, (stream, name, colour) in enumerate(STREAMS[::-1]):
+    streams = STREAMS
+    if any(s == REDUCTION_STREAM[0] for s, *_ in step.spans):
+        streams = (*STREAMS, REDUCTION_STREAM)
+    for row, (stream, name, colour) in enumerate(streams[::-1]):
         fractions = busy_fractions(step.spans, stream, end, INTERVALS)
         top = [row + 0.9 * f for f in fractions]
         ax.stairs(top, edges, baseline=row, fill=True, color=colour)
         seconds = sum(b - a for s, _, a, b in step.spans if s == stream)
         share = seconds / end if end else 0.0
         labels.append(f"{name}\n{seconds:.3g} s, {share:.0%} busy")
-    ax.set_yticks([0.45, 1.45], labels, fontsize="small")
-    ax.set_ylim(0, 2)
+    ax.set_yticks([row + 0.45 for row in range(len(streams))], labels, fontsize="small")
+    ax.set_ylim(0, len(streams))
     ax.set_xlim(0, end or 1)
     ax.set_xlabel("simulated time (s)")

@@ -53,6 +53,16 @@ collective goes on one communication stream, in issue order, starting when it is
 stream is free. A blocking collective holds compute until it ends; a wait holds compute until
 its collective ends. step = when both streams are done; exposed communication = step − compute.
 
+**DeepSpeed's reduction stream.** Where the engine notes that a GPU would run a stretch of work
+on DeepSpeed's reduction stream (stage 3 under qgZ with ``overlap_comm``: ("stream", "reduce")
+… ("stream", "compute"), ``Communicator.note_stream``), that stretch runs on a third stream, in
+order: it starts once the compute issued before it is done (DeepSpeed's ``wait_stream``) and the
+stream is free; its kernels take that stream's time, not compute's; its collectives go on the
+communication stream from there, a blocking one holding only that stream. Before a new stretch
+the host waits for the oldest one if more than two are in flight (``max_param_reduce_events``),
+and ("stream", "sync") holds compute until the stream is done (the backward epilogue's
+``synchronize``). The reduction stream's unhidden time counts as exposed.
+
 **A host** (a cluster file written by ``zerosim calibrate``, ``HOST_KEYS``): the trace also has
 ("elementwise", (operations, bytes)) events, every array operation between two collective
 events that is not a matrix product, priced at ``op_overhead_s`` a call plus the bytes at
@@ -73,7 +83,7 @@ cost of such a call.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -285,6 +295,7 @@ class StepTime:
     memory: list[tuple[float, int]] = field(default_factory=list)  # (time, live bytes)
     # (time, phase) where the phase of the issued collectives changes (forward, backward, step…)
     phases: list[tuple[float, str]] = field(default_factory=list)
+    reduce_s: float = 0.0  # the busy time of DeepSpeed's reduction stream's kernels (qgZ)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -292,6 +303,7 @@ class StepTime:
             "compute_s": self.compute_s,
             "comm_s": self.comm_s,
             "exposed_comm_s": self.exposed_comm_s,
+            "reduce_s": self.reduce_s,
         }
 
 
@@ -305,45 +317,59 @@ def simulate(
     """Run one step's ``events`` (("compute", {(flops, bytes): products} or flops),
     ("attention", {(flops, bytes): kernels}), ("elementwise", (operations, bytes)),
     ("python", calls), ("faults", (pages, huge pages)), ("issue", i), ("wait", i), ("memory",
-    live bytes)) on ``model``; ``calls[i]`` is the collective of index i
-    (``VirtualComm.calls``)."""
+    live bytes), ("stream", "reduce" | "compute" | "sync")) on ``model``; ``calls[i]`` is the
+    collective of index i (``VirtualComm.calls``)."""
     now = compute = 0.0  # the compute stream's clock and busy time
     stream = _CommStream(spans)
+    reduction = _ReductionStream()  # DeepSpeed's, where the engine notes it
     pending: dict[int, tuple[float, str]] = {}  # without overlap: issued, moved when waited
     memory: list[tuple[float, int]] = []
     phases: list[tuple[float, str]] = []
     for kind, value in events:
+        if kind == "stream":  # a host runs everything on its one thread, in order
+            now = reduction.note(value, now) if model.overlap else now
+            continue
+        # the stream this event runs on and its clock: the reduction stream inside its stretch
+        lane, at = ("reduce", reduction.clock) if reduction.open else ("compute", now)
         if kind in COMPUTE_KINDS:  # elementwise, python, faults: a host's rates, else free
             dt = _compute_stream_seconds(model, kind, value)
             if spans:
-                label = "matmul" if kind == "compute" else kind
-                stream.spans.append(("compute", label, now, now + dt))
-            now += dt
-            compute += dt
+                stream.spans.append((lane, "matmul" if kind == "compute" else kind, at, at + dt))
+            at += dt
+            if reduction.open:
+                reduction.busy += dt
+            else:
+                compute += dt
         elif kind == "issue":
             r = calls[value].record
             dt = group_seconds(model, r.op, r.size_bytes, calls[value].comm.members)
             label = f"{r.op} {r.phase} {r.group}"
             if spans and (not phases or phases[-1][1] != r.phase):
-                phases.append((now, r.phase))
+                phases.append((at, r.phase))
             blocking = r.blocking
             if model.overlap or blocking:
-                end = stream.run(value, dt, label, now)
-                now = end if blocking else now
+                end = stream.run(value, dt, label, at)
+                at = end if blocking else at
             else:  # no progress thread: it moves when it is waited
                 pending[value] = (dt, label)
         elif kind == "wait":
             for i in sorted(i for i in pending if i <= value):  # MPI progresses these in order
-                stream.run(i, *pending.pop(i), now)
-            now = max(now, stream.ends[value])
+                stream.run(i, *pending.pop(i), at)
+            at = max(at, stream.ends[value])
         elif kind == "memory":
-            memory.append((now, value))
+            memory.append((at, value))
+        if reduction.open:
+            reduction.clock = at
+        else:
+            now = at
     for i in sorted(pending):  # issued and never waited in this step: moved at its end
         stream.run(i, *pending.pop(i), now)
-    step = max(now, stream.free)
+    step = max(now, stream.free, reduction.free)
     if memory:
         memory.append((step, memory[-1][1]))  # held until the step ends
-    return StepTime(step, compute, stream.busy, step - compute, stream.spans, memory, phases)
+    return StepTime(
+        step, compute, stream.busy, step - compute, stream.spans, memory, phases, reduction.busy
+    )
 
 
 def host_product_seconds(model: ClusterModel, products: dict) -> float:
@@ -408,9 +434,43 @@ class _CommStream:
         return self.free
 
 
+class _ReductionStream:
+    """DeepSpeed's reduction stream (stage 3, ``reduce_and_partition_stream``): the stretches
+    of a step noted ("stream", "reduce") … ("stream", "compute"), run in order on it."""
+
+    MAX_EVENTS = 2  # DeepSpeed's max_param_reduce_events: more in flight, and the host waits
+
+    def __init__(self) -> None:
+        self.open = False  # inside a stretch: its events run on this stream
+        self.clock = 0.0  # this stream's clock, while a stretch is open
+        self.free = 0.0  # when its last stretch ends
+        self.busy = 0.0  # seconds of its kernels
+        self.ends: deque[float] = deque()  # when each stretch still in flight ends, oldest first
+
+    def note(self, name: str, now: float) -> float:
+        """Apply the note ``name`` at compute's clock ``now``; return compute's clock after it
+        (the host may wait)."""
+        if name == "reduce":  # __reduce_and_partition_ipg_grads
+            while self.ends and self.ends[0] <= now:  # the events already reached
+                self.ends.popleft()
+            if len(self.ends) > self.MAX_EVENTS:  # the host waits for the oldest
+                now = max(now, self.ends.popleft())
+            self.open, self.clock = True, max(now, self.free)  # wait_stream(compute)
+        elif name == "compute":  # the stretch ends; its event is recorded
+            self.open, self.free = False, self.clock
+            self.ends.append(self.clock)
+        elif name == "sync":  # the backward epilogue: the host waits for the stream
+            now = max(now, self.free)
+        else:
+            raise ValueError(f"a stream note is 'reduce', 'compute' or 'sync'; got {name!r}")
+        return now
+
+
 def chrome_trace(step: StepTime, name: str = "rank 0") -> dict[str, Any]:
     """The simulated step as a Chrome/Perfetto trace (one track per stream, µs)."""
     tracks = {"compute": 1, "comm": 2}
+    if any(stream == "reduce" for stream, *_ in step.spans):
+        tracks["reduce"] = 3
     out = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": name}},
         *(

@@ -132,12 +132,17 @@ class OpenBucket(GradReducer):
         members, self.open_bucket, self.open_numel = self.open_bucket, [], 0
         if not members:
             return
-        s, zero = self.strategy, self.strategy.zero
+        zero = self.strategy.zero
         numel = sum(p.numel for p in members)
         contiguous = zero.contiguous_gradients and numel <= zero.reduce_bucket_size
         if not zero.reduce_scatter and contiguous:
             self.all_reduce_bucket(members, numel)
             return
+        self.reduce_scatter_bucket(members)
+
+    def reduce_scatter_bucket(self, members: list[Parameter]) -> None:
+        """The bucket's gradients packed rank-major and reduced by ``collective``."""
+        s = self.strategy
         members.sort(key=lambda p: s.where[id(p)])  # DeepSpeed sorts a bucket by ds_id
         buf, slots, width = pack_chunks(s, members, [p.grad for p in members])
         for p in members:
