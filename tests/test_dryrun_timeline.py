@@ -155,15 +155,17 @@ def test_qgz_buckets_on_deepspeeds_reduction_stream_by_hand():
 
 
 def test_the_host_waits_for_the_oldest_of_more_than_two_reduction_stretches_by_hand():
-    """DeepSpeed's ``max_param_reduce_events`` = 2: four stretches of one blocking 1 s
-    all-reduce each, noted 0.1 s of compute apart. They queue on the stream (0-1, 1-2, 2-3,
-    3-4); before the fourth, three are in flight and none done at 0.3, so the host waits for the
-    oldest (until 1) and the compute after it runs 1 → 1.1; ``sync`` then holds it until 4."""
-    calls = [_call("all_reduce", 100, (0, 1), True) for _ in range(4)]
+    """DeepSpeed's ``max_param_reduce_events`` = 2: four stretches of one non-blocking 1 s
+    reduce-scatter each (as a bucket's without qgZ), noted 0.1 s of compute apart. Each holds
+    the reduction stream until it ends, as NCCL's kernel on that stream does, so they queue on
+    it (0-1, 1-2, 2-3, 3-4); before the fourth, three are in flight and none done at 0.3, so the
+    host waits for the oldest (until 1) and the compute after it runs 1 → 1.1; ``sync`` then
+    holds it until 4 and the waits after it are already done."""
+    calls = [_call("reduce_scatter", 200, (0, 1), False) for _ in range(4)]
     events = []
     for i in range(4):
         events += [("stream", "reduce"), ("issue", i), ("stream", "compute"), ("compute", 100)]
-    events.append(("stream", "sync"))
+    events += [("stream", "sync"), *(("wait", i) for i in range(4))]
     step = simulate(events, calls, ClusterModel(CLUSTER), spans=True)
     assert _ends(step, "compute") == pytest.approx([0, 0.1, 0.1, 0.2, 0.2, 0.3, 1.0, 1.1])
     assert _ends(step, "comm") == pytest.approx([0, 1, 1, 2, 2, 3, 3, 4])
@@ -336,35 +338,36 @@ def test_a_dry_run_step_on_free_compute_is_its_collectives_back_to_back(tmp_path
     assert sum(1 for e in trace if e["ph"] == "X" and e["tid"] == 2) == len(records)
 
 
-def test_a_qgz_dry_run_runs_its_buckets_on_the_reduction_stream(tmp_path):
-    """ZeRO++'s qgZ under DeepSpeed's schedule on the shipped V100 cluster, 2 nodes × 2 ranks:
-    every all-to-all of the step lies inside a noted stretch, the stretches' kernels are priced
-    on the reduction stream (``reduce_s``), and the step is shorter than the same events run in
-    line (the notes removed), as a host runs them; the report names the reduction stream."""
+@pytest.mark.parametrize("qgz", [False, True])
+def test_deepspeeds_stage3_dry_run_reduces_on_the_reduction_stream(qgz):
+    """DeepSpeed's stage 3 (with ZeRO++'s qgZ, or without) on the shipped V100 cluster, 2 nodes
+    × 2 ranks: every gradient reduction of the step (qgZ's all-to-alls, or the reduce-scatters)
+    lies inside a noted stretch, the stretches' kernels are priced on the reduction stream
+    (``reduce_s``), and the step is shorter than the same events run in line (the notes
+    removed), as a host runs them; the report names the reduction stream."""
+    zero = {**SMALL_CFG["zero_optimization"], "reduce_bucket_size": 500}
+    if qgz:
+        zero.update(zero_quantized_gradients=True, zero_quantized_weights=True)
     cfg = {
         **SMALL_CFG,
-        "zero_optimization": {
-            **SMALL_CFG["zero_optimization"],
-            "zero_quantized_gradients": True,
-            "zero_quantized_weights": True,
-        },
+        "zero_optimization": zero,
         "zerosim": {"ranks_per_node": 2, "schedule": "deepspeed"},
     }
     report = dry_run("gpt:2,32,40,32,2", 4, cfg, cluster="zeropp_v100")
-    t = report["time"]
-    assert t["reduce_s"] > 0
+    assert report["time"]["reduce_s"] > 0
     assert "DeepSpeed's reduction stream's kernels" in format_report(report)
     runs, _ = run_world(recipe("gpt:2,32,40,32,2"), 4, cfg, op_events=True)
     model = load_cluster_model("zeropp_v100").resized(4)
+    reduction = "all_to_all" if qgz else "reduce_scatter"
     for _, run in runs:
-        inside, all_to_alls = False, 0
+        inside, reductions = False, 0
         for kind, value in run.events:
             if kind == "stream":
                 inside = value == "reduce"
-            elif kind == "issue" and run.comm.calls[value].record.op == "all_to_all":
+            elif kind == "issue" and run.comm.calls[value].record.op == reduction:
                 assert inside
-                all_to_alls += 1
-        assert all_to_alls > 0
+                reductions += 1
+        assert reductions > 1
         noted = simulate(run.events, run.comm.calls, model)
         in_line = simulate([e for e in run.events if e[0] != "stream"], run.comm.calls, model)
         assert noted.reduce_s > 0 and in_line.reduce_s == 0

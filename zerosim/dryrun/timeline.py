@@ -54,14 +54,17 @@ stream is free. A blocking collective holds compute until it ends; a wait holds 
 its collective ends. step = when both streams are done; exposed communication = step − compute.
 
 **DeepSpeed's reduction stream.** Where the engine notes that a GPU would run a stretch of work
-on DeepSpeed's reduction stream (stage 3 under qgZ with ``overlap_comm``: ("stream", "reduce")
-… ("stream", "compute"), ``Communicator.note_stream``), that stretch runs on a third stream, in
-order: it starts once the compute issued before it is done (DeepSpeed's ``wait_stream``) and the
-stream is free; its kernels take that stream's time, not compute's; its collectives go on the
-communication stream from there, a blocking one holding only that stream. Before a new stretch
-the host waits for the oldest one if more than two are in flight (``max_param_reduce_events``),
-and ("stream", "sync") holds compute until the stream is done (the backward epilogue's
-``synchronize``). The reduction stream's unhidden time counts as exposed.
+on DeepSpeed's reduction stream (each gradient bucket's reduction at stage 3 under DeepSpeed's
+schedule with ``overlap_comm``: ("stream", "reduce") … ("stream", "compute"),
+``Communicator.note_stream``), that stretch runs on a third stream, in order: it starts once
+the compute issued before it is done (DeepSpeed's ``wait_stream``) and the stream is free; its
+kernels take that stream's time, not compute's; its collectives go on the communication stream
+from there, each holding the reduction stream until it ends, blocking or not (NCCL's kernel
+runs on the stream it is issued on); a wait inside a stretch holds that stream. Before a new
+stretch the host waits for the oldest one if more than two are in flight
+(``max_param_reduce_events``), and ("stream", "sync") holds compute until the stream is done
+(the backward epilogue's ``synchronize``). The reduction stream's unhidden time counts as
+exposed.
 
 **A host** (a cluster file written by ``zerosim calibrate``, ``HOST_KEYS``): the trace also has
 ("elementwise", (operations, bytes)) events, every array operation between two collective
@@ -349,7 +352,7 @@ def simulate(
             blocking = r.blocking
             if model.overlap or blocking:
                 end = stream.run(value, dt, label, at)
-                at = end if blocking else at
+                at = end if blocking or reduction.open else at
             else:  # no progress thread: it moves when it is waited
                 pending[value] = (dt, label)
         elif kind == "wait":

@@ -94,7 +94,15 @@ def deepspeed_grad_order(module: Any) -> tuple[str, ...]:
 class OpenBucket(GradReducer):
     """DeepSpeed's stage-3 reducer: one open gradient bucket for every group, filled in the
     order backward finishes the gradients (a Linear's weight before its bias), reduced when the
-    next gradient would overflow it and at the end of backward."""
+    next gradient would overflow it and at the end of backward.
+
+    On a GPU, with ``overlap_comm``, DeepSpeed runs all of a bucket's reduction on its
+    reduction stream (``stage3.py``, ``__reduce_and_partition_ipg_grads`` under
+    ``reduce_and_partition_stream``): the copy into the bucket, the collective (qgZ's kernels and
+    all-to-alls), the landing; the host waits for that stream when backward ends
+    (``independent_gradient_partition_epilogue``). Here every call still runs in order on the
+    one thread; the engine notes where that stream's work starts and ends
+    (``Communicator.note_stream``), which the dry run's time model reads."""
 
     collective = staticmethod(reduce_rows)  # a bucket's collective (ZeRO++'s qgZ swaps it)
 
@@ -120,34 +128,38 @@ class OpenBucket(GradReducer):
         self.open_numel += p.numel
 
     def after_backward(self, boundary: bool) -> None:
-        """DeepSpeed's backward epilogue: reduce the last bucket and wait for every one."""
+        """DeepSpeed's backward epilogue: reduce the last bucket and wait for every one (on a
+        GPU: for the reduction stream)."""
         self.tracker.reset()
         self.reduce()
+        if self.strategy.zero.overlap_comm:
+            self.strategy.comm.note_stream("sync")
         self.strategy.reduction.pending.complete()
 
     def reduce(self) -> None:
-        """Reduce the open bucket: one reduce-scatter of each parameter's gradient padded to
-        chunk_i·N and laid out rank-major (``reduce_scatter_coalesced``), Σ chunk_i·N elements;
-        or the all-reduce below."""
+        """Reduce the open bucket (on a GPU under ``overlap_comm``: on the reduction stream):
+        one reduce-scatter of each parameter's gradient padded to chunk_i·N and laid out
+        rank-major (``reduce_scatter_coalesced``), Σ chunk_i·N elements; or the all-reduce
+        below."""
         members, self.open_bucket, self.open_numel = self.open_bucket, [], 0
         if not members:
             return
-        zero = self.strategy.zero
+        s, zero = self.strategy, self.strategy.zero
+        if zero.overlap_comm:
+            s.comm.note_stream("reduce")
         numel = sum(p.numel for p in members)
         contiguous = zero.contiguous_gradients and numel <= zero.reduce_bucket_size
         if not zero.reduce_scatter and contiguous:
             self.all_reduce_bucket(members, numel)
-            return
-        self.reduce_scatter_bucket(members)
-
-    def reduce_scatter_bucket(self, members: list[Parameter]) -> None:
-        """The bucket's gradients packed rank-major and reduced by ``collective``."""
-        s = self.strategy
-        members.sort(key=lambda p: s.where[id(p)])  # DeepSpeed sorts a bucket by ds_id
-        buf, slots, width = pack_chunks(s, members, [p.grad for p in members])
-        for p in members:
-            p.grad = None
-        s.reduction.reduce(buf, ShardPieces(s.land, slots), partial(self.collective, s), width)
+        else:
+            members.sort(key=lambda p: s.where[id(p)])  # DeepSpeed sorts a bucket by ds_id
+            buf, slots, width = pack_chunks(s, members, [p.grad for p in members])
+            for p in members:
+                p.grad = None
+            reduce = partial(self.collective, s)
+            s.reduction.reduce(buf, ShardPieces(s.land, slots), reduce, width)
+        if zero.overlap_comm:
+            s.comm.note_stream("compute")
 
     def all_reduce_bucket(self, members: list[Parameter], numel: int) -> None:
         """``reduce_scatter: false`` with contiguous gradients (DeepSpeed's

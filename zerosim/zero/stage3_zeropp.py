@@ -306,33 +306,8 @@ class QuantizedBuckets(QuantizedGradients, RankMajorReduceScatter):
 class QuantizedOpenBucket(QuantizedGradients, OpenBucket):
     """DeepSpeed's open gradient bucket (sorted by parameter, each gradient padded to
     N · chunk_i, rank-major), reduced under qgZ by the two-hop quantized all-to-all
-    (DeepSpeed's ``__avg_scatter_grads`` → ``all_to_all_quant_reduce``).
-
-    On a GPU, with ``overlap_comm``, DeepSpeed runs all of a bucket's reduction on its
-    reduction stream (``stage3.py``, ``__reduce_and_partition_ipg_grads`` under
-    ``reduce_and_partition_stream``): the copy into the bucket, qgZ's kernels and all-to-alls,
-    the landing of this rank's chunk; and the host waits for that stream when backward ends
-    (``independent_gradient_partition_epilogue``). Here every call still runs in order on the
-    one thread; the engine notes where that stream starts and ends (``note_stream``), which the
-    dry run's time model reads."""
-
-    def on_reduction_stream(self) -> bool:
-        """Whether a GPU would run qgZ's reductions on DeepSpeed's reduction stream."""
-        return self.qgz is not None and self.strategy.zero.overlap_comm
-
-    def reduce_scatter_bucket(self, members: list[Parameter]) -> None:
-        if not self.on_reduction_stream():
-            super().reduce_scatter_bucket(members)
-            return
-        comm = self.strategy.comm
-        comm.note_stream("reduce")
-        super().reduce_scatter_bucket(members)
-        comm.note_stream("compute")
-
-    def after_backward(self, boundary: bool) -> None:
-        super().after_backward(boundary)
-        if self.on_reduction_stream():
-            self.strategy.comm.note_stream("sync")
+    (DeepSpeed's ``__avg_scatter_grads`` → ``all_to_all_quant_reduce``); on a GPU, on
+    DeepSpeed's reduction stream as every bucket of ``OpenBucket``."""
 
 
 class ZeroPPFetcher(SecondaryChunks, GatherEach):
