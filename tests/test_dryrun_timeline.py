@@ -129,6 +129,7 @@ def test_qgz_buckets_on_deepspeeds_reduction_stream_by_hand():
         ("compute", 1000),
         ("stream", "reduce"),
         ("compute", 500),  # qgZ's kernel, on the reduction stream
+        ("memory", 64),  # allocated by the host as it issues the stretch, at 1
         ("issue", 0),
         ("stream", "compute"),
         ("compute", 2000),
@@ -147,6 +148,7 @@ def test_qgz_buckets_on_deepspeeds_reduction_stream_by_hand():
     assert _ends(step, "reduce") == pytest.approx([1, 1.5])
     assert _ends(step, "comm") == pytest.approx([1.5, 2, 3, 4])
     assert {e["tid"] for e in chrome_trace(step)["traceEvents"] if e["ph"] == "X"} == {1, 2, 3}
+    assert step.memory == [(1.0, 64), (5.0, 64)]  # then held until the step ends
     serial = [e for e in events if e[0] != "stream"]
     assert simulate(serial, calls, ClusterModel(CLUSTER)).step_s == pytest.approx(6.5)
     # a host runs everything on its one thread: the notes change nothing there

@@ -64,7 +64,8 @@ runs on the stream it is issued on); a wait inside a stretch holds that stream. 
 stretch the host waits for the oldest one if more than two are in flight
 (``max_param_reduce_events``), and ("stream", "sync") holds compute until the stream is done
 (the backward epilogue's ``synchronize``). The reduction stream's unhidden time counts as
-exposed.
+exposed. Live bytes keep the host's clock, compute's, inside a stretch too: the host allocates
+as it issues.
 
 **A host** (a cluster file written by ``zerosim calibrate``, ``HOST_KEYS``): the trace also has
 ("elementwise", (operations, bytes)) events, every array operation between two collective
@@ -360,7 +361,7 @@ def simulate(
                 stream.run(i, *pending.pop(i), at)
             at = max(at, stream.ends[value])
         elif kind == "memory":
-            memory.append((at, value))
+            memory.append((now, value))  # the host allocates as it issues: compute's clock
         if reduction.open:
             reduction.clock = at
         else:
