@@ -137,16 +137,18 @@ def format_report(report: dict[str, Any]) -> str:
         )
     elif "time" in r:
         t = r["time"]
-        reduction = (
-            f", DeepSpeed's reduction stream's kernels {t['reduce_s']:.3f} s"
-            if t["reduce_s"]
-            else ""
-        )
+        # with a reduction stream, what the step waits beyond compute is its kernels' too
+        exposed = f"{t['exposed_comm_s']:.3f} s"
+        comm = f"communication {t['comm_s']:.3f} s of which exposed {exposed}"
+        if t["reduce_s"]:
+            comm = (
+                f"DeepSpeed's reduction stream's kernels {t['reduce_s']:.3f} s, communication "
+                f"{t['comm_s']:.3f} s, the two exposed beyond compute {exposed}"
+            )
         lines.append(
             f"step {t['step_s']:.3f} s on {t['cluster']['name'] or 'the cluster'}: compute "
-            f"{t['compute_s']:.3f} s{reduction}, communication {t['comm_s']:.3f} s of which "
-            f"exposed {t['exposed_comm_s']:.3f} s; {t['tflops_per_device']:.1f} model TFLOP/s "
-            "per device"
+            f"{t['compute_s']:.3f} s, {comm}; {t['tflops_per_device']:.1f} model TFLOP/s per "
+            "device"
         )
     return "\n".join(lines)
 
