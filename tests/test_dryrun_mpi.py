@@ -7,9 +7,9 @@ default) must give every rank the same ledger, record for record (op, phase, gro
 elements, bytes sent and received, order), and the same ``memory_report()``, to the byte.
 
 For N = 2 and 3, a second launch trains the cases of ``schedule_cases`` (stages 2 and 3, both
-schedules, recomputation, a binding ``stage3_max_live_parameters``) and records each rank's last
-step as the ordered collective issues and waits (``ledger.events``); the dry run's timeline events
-of each representative must be the same list.
+schedules, recomputation, a binding ``stage3_max_live_parameters``, qgZ) and records each rank's
+last step as the ordered collective issues, waits and stream notes (``ledger.events``); the dry
+run's timeline events of each representative must be the same list.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def test_dry_run_schedule_equals_the_mpirun_one(n, tmp_path):
     """Each representative's step, as the time model replays it (issues, waits and stream
     notes in order), equals the same rank's real step under mpirun: stages 2 and 3, both
     schedules, with recomputation, with a binding ``stage3_max_live_parameters``, without
-    ``overlap_comm``, and under qgZ (its buckets noted on DeepSpeed's reduction stream)."""
+    ``overlap_comm``, and under qgZ (stage 3's buckets on DeepSpeed's schedule noted on its
+    reduction stream, qgZ's too)."""
     model = recipe(schedule_cases.MODEL_SPEC)
 
     def dry_runs(case):

@@ -2,8 +2,9 @@
 (tests/test_dryrun_mpi.py): stages 2 and 3 under both schedules, with and without activation
 recomputation, and stage 3 under DeepSpeed's schedule with a ``stage3_max_live_parameters`` below
 the largest module's parameters (DeepSpeed's coordinator then prefetches nothing), and stage 3
-under DeepSpeed's schedule with ZeRO++'s qgZ (and qwZ), whose bucket reductions the engine notes
-as running on DeepSpeed's reduction stream.
+under DeepSpeed's schedule with ZeRO++'s qgZ (and qwZ). On DeepSpeed's stage 3 with
+``overlap_comm`` the engine notes each bucket's reduction as running on DeepSpeed's reduction
+stream.
 
 A schedule is the ordered list of one optimizer step's collective issues and waits, as
 ``schedule_of`` writes it: an issue as [op, phase, group, dtype, elements, blocking], a wait as

@@ -17,7 +17,7 @@ from zerosim.report.plots import byte_unit
 GIB = 2**30
 INTERVALS = 200  # busy fractions drawn across the step: 5 pixels each at the plot's width
 STREAMS = (("compute", "compute", "C2"), ("comm", "communication", "C1"))
-# DeepSpeed's reduction stream, drawn when a step has one (qgZ: ``timeline.simulate``)
+# DeepSpeed's reduction stream, drawn when a step has one (stage 3: ``timeline.simulate``)
 REDUCTION_STREAM = ("reduce", "reduction", "C4")
 
 

@@ -299,7 +299,7 @@ class StepTime:
     memory: list[tuple[float, int]] = field(default_factory=list)  # (time, live bytes)
     # (time, phase) where the phase of the issued collectives changes (forward, backward, step…)
     phases: list[tuple[float, str]] = field(default_factory=list)
-    reduce_s: float = 0.0  # the busy time of DeepSpeed's reduction stream's kernels (qgZ)
+    reduce_s: float = 0.0  # busy time of the kernels on DeepSpeed's reduction stream (stage 3)
 
     def as_dict(self) -> dict[str, float]:
         return {
