@@ -38,6 +38,11 @@ def _call(op, size, members, blocking):
     return SimpleNamespace(record=record, comm=SimpleNamespace(members=members))
 
 
+def _ends(step, stream: str) -> list[float]:
+    """Start and end of each of ``stream``'s spans, in order, end to end."""
+    return [t for s, _, a, b in step.spans if s == stream for t in (a, b)]
+
+
 def test_a_step_on_two_streams_by_hand():
     calls = [
         # one ring over 2 nodes × 2 ranks: NVLink hops (100 B/s) and the node crossing (the
@@ -102,13 +107,7 @@ def test_two_buckets_one_overlap_by_hand(tmp_path):
     }
     assert busy == pytest.approx({"compute": 6.0, "comm": 4.16})
     assert (step.compute_s, step.comm_s) == pytest.approx((6.0, 4.16))
-    comm = [t for s, _, a, b in step.spans if s == "comm" for t in (a, b)]
-    assert comm == pytest.approx([3.0, 5.0, 5.0, 7.0, 7.0, 7.16])
-
-
-def _ends(step, stream: str) -> list[float]:
-    """Start and end of each of ``stream``'s spans, in order, end to end."""
-    return [t for s, _, a, b in step.spans if s == stream for t in (a, b)]
+    assert _ends(step, "comm") == pytest.approx([3.0, 5.0, 5.0, 7.0, 7.0, 7.16])
 
 
 def test_qgz_buckets_on_deepspeeds_reduction_stream_by_hand():
