@@ -206,6 +206,7 @@ def run_row(model: str, n: int, stage: int, schedule: str, dtype: str, args, tmp
         "kind": "row", "model": model, "ranks": n, "stage": stage, "schedule": schedule,
         "dtype": dtype, **real, "predicted_s": dry["step_s"], "compute_s": dry["compute_s"],
         "comm_s": dry["comm_s"], "ratio": ratio, "load": load,
+        "cold_huge_pages": dry.get("host", {}).get("cold_huge_pages"),
         "target": TARGETS[(measured or dry["step_s"]) >= SLOW_STEP_S],
         "within": within(ratio, measured) if judged else None,
     }  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 from cluster_files import write_cluster
@@ -22,7 +23,7 @@ from zerosim.dryrun.host import (
     counted_code,
     mapped_pages,
 )
-from zerosim.dryrun.run import recipe, run_world
+from zerosim.dryrun.run import FreshPages, recipe, run_world
 from zerosim.dryrun.timeline import (
     ClusterModel,
     group_seconds,
@@ -119,6 +120,74 @@ def test_numpys_huge_page_advice_leaves_the_first_2_mib_and_the_tail_in_small_pa
     assert MMAP_THRESHOLD == 128 << 10
 
 
+def test_an_unmapped_buffer_gives_its_huge_pages_back_and_a_heap_chunk_none():
+    m = MallocModel(hugepages=True)
+    m.allocate(64 << 20, key=1)  # mapped: 31 huge pages (the test above)
+    m.allocate(1000, key=2)  # on the heap
+    assert m.free(1000, key=2) == 0
+    assert m.free(64 << 20, key=1) == 31
+    assert m.free(64 << 20, key=1) == 0  # not live any more: nothing to give back
+    m.allocate(64 << 20, key=3)
+    assert MallocModel(hugepages=False).free(64 << 20, key=3) == 0  # another model's buffer
+
+
+def test_the_trace_has_each_stretch_of_fresh_pages_and_of_huge_pages_given_back():
+    tracker = SimpleNamespace(storage=0)
+    pages = FreshPages(MallocModel(hugepages=True), tracker)
+    pages.events = []
+    for storage, kind, nbytes in [(1, "alloc", 64 << 20), (2, "alloc", 1000), (2, "free", 1000),
+                                  (1, "free", 64 << 20), (3, "alloc", 8 << 20),
+                                  (3, "free", 8 << 20)]:  # fmt: skip
+        tracker.storage = storage
+        pages.listen(kind, nbytes, "activations")
+    # 64 MiB: 513 small and 31 huge pages (mapped_pages), 1,000 bytes one heap page; freeing
+    # it gives nothing back, the 64 MiB mapping its 31 (64 MiB is over glibc's 32 MiB ceiling:
+    # the threshold stays, 8 MiB is mapped too); 8 MiB: 3 huge pages after the first 2 MiB,
+    # 513 small pages; each stretch of one kind is one event
+    assert pages.events == [("faults", (514, 31)), ("unmapped", 31), ("faults", (513, 3)),
+                            ("unmapped", 3)]  # fmt: skip
+
+
+def reclaiming_host(reclaim_after_s: float) -> ClusterModel:
+    """A host whose Python call takes 1 s, a warm 2 MiB fault 1 s and a cold one 10 s."""
+    return ClusterModel(
+        Cluster(1, 1, 1e9, 1e9, 1e-5, 1e-5, 1e11),
+        backend="numpy",
+        memory_bandwidth=4e9,
+        call_overhead_s=1.0,
+        page_fault_s=1e-6,
+        hugepage_fault_s=1.0,
+        cold_hugepage_fault_s=10.0,
+        reclaim_after_s=reclaim_after_s,
+        overlap=False,
+    )
+
+
+def test_huge_pages_given_back_longer_ago_than_the_machine_keeps_them_fault_cold_by_hand():
+    # A step: 1 s of Python, 3 huge pages unmapped at t = 1, 2 s, then 4 huge pages faulted.
+    events = [("python", 1), ("unmapped", 3), ("python", 2), ("faults", (0, 4))]
+    # First run, every page warm: the faults at t = 3 take 4 s, a step of 7 s, its pages given
+    # back at t = 1, which the next step sees at 1 - 7 = -6. Second run: at t = 3 the 3 pages
+    # given back at t = 1 are 2 s old (warm, < 5 s) and taken first; the 4th would come from
+    # the step before's, 3 - (-6) = 9 s old: cold. 3·1 + 10 = 13 s of faults, a step of 16 s;
+    # a third run sees the step before's pages at 1 - 16 = -15, still cold: settled.
+    step = simulate(events, [], reclaiming_host(5.0))
+    assert step.step_s == pytest.approx(16.0) and step.cold_huge_pages == 1
+    assert step.unmapped == [(1.0, 3)]
+    parts = host_breakdown(events, reclaiming_host(5.0), step.cold_huge_pages)
+    assert parts["faults_s"] == pytest.approx(13.0) and parts["cold_huge_pages"] == 1
+    # kept 10 s: the step before's pages are warm too
+    kept = simulate(events, [], reclaiming_host(10.0))
+    assert kept.step_s == pytest.approx(7.0) and kept.cold_huge_pages == 0
+    # faults before any page is given back in the step take the step before's: given back at
+    # t = 5 of a 7 s step (first run), so 2 s old at t = 0; kept 5 s: 3 warm and 1 cold, the
+    # step 3 + 10 + 3 = 16 s, and its pages again 2 s old (14 - 16); kept 1.5 s: all 4 cold,
+    # 40 + 3 = 43 s (41 - 43 = -2 again)
+    first = [("faults", (0, 4)), ("python", 1), ("unmapped", 3), ("python", 2)]
+    assert simulate(first, [], reclaiming_host(5.0)).step_s == pytest.approx(16.0)
+    assert simulate(first, [], reclaiming_host(1.5)).step_s == pytest.approx(43.0)
+
+
 def test_one_rank_gathers_and_reduce_scatters_are_copies_of_the_closed_form_bytes():
     """Stage 3 under the paper's schedule on one rank: a rank's shard is its whole parameter,
     so forward and backward gather nothing; the gradients' reduce-scatter and the updated
@@ -205,6 +274,8 @@ def test_python_calls_fresh_pages_products_and_one_rank_copies_priced_by_hand():
         ("call_overhead_s", -1, "call_overhead_s must be a positive number, got -1"),
         ("page_fault_s", "fast", "page_fault_s must be a positive number, got 'fast'"),
         ("hugepage_fault_s", 0, "hugepage_fault_s must be a positive number, got 0"),
+        ("cold_hugepage_fault_s", -1, "cold_hugepage_fault_s must be a positive number, got -1"),
+        ("reclaim_after_s", "soon", "reclaim_after_s must be a positive number, got 'soon'"),
         ("one_rank_collective_s", [], r"one_rank_collective_s must be a positive number, got \[\]"),
         ("matmul_by_intensity", [[10, 1e9], [5, 2e9]], "matmul_by_intensity must be"),
         ("matmul_by_intensity", [[10, -1]], r"got \(\(10, -1\),\)"),

@@ -16,7 +16,10 @@ step: operands too large for the cache where they would be, a fresh output for e
   ones and attention's batched ones (``batched``) too, as [FLOP per byte, FLOP/s].
 - **zerosim's own Python calls** (``call_overhead_s``), **a fresh page's first touch**
   (``page_fault_s``, ``hugepage_fault_s``): what a NumPy step spends besides its array calls
-  (``dryrun/host.py`` counts both in the dry run).
+  (``dryrun/host.py`` counts both in the dry run); on a machine that takes freed memory back (a
+  virtual machine's free page reporting), a huge page's touch after that
+  (``cold_hugepage_fault_s``) and how long a freed block stays (``reclaim_after_s``,
+  ``measure_reclaim``).
 - **collectives** (``collectives``, measured by ``measure_collectives`` on N ranks): zerosim's own
   ``MPIComm`` calls (argument checks, cross-rank check, ledger) over a grid of sizes, written as
   ``collectives_by_size``, from which the dry run prices a collective on the N ranks at its S;
@@ -425,10 +428,13 @@ def cluster_file(
         "call's fixed cost, intra_latency/intra_bandwidth the ring formula fitted to zerosim's "
         "MPIComm collectives; device_memory_bytes the RAM shared by the ranks; "
         "call_overhead_s one of zerosim's own Python calls, page_fault_s and hugepage_fault_s "
-        "the first touch of a fresh 4 KiB / 2 MiB page, matmul_by_intensity the products' rate "
-        "by FLOP per byte, elementwise_by_size one element-wise call's seconds by its bytes for "
-        "each rate class (NumPy's float32 loops, bfloat16's, the casts into and out of it), "
-        "collectives_by_size each of zerosim's collectives' seconds on all the ranks by S",
+        "the first touch of a fresh 4 KiB / 2 MiB page, cold_hugepage_fault_s and "
+        "reclaim_after_s (where the machine takes freed memory back) the first touch of a "
+        "2 MiB page it took back and how long a freed block stays, matmul_by_intensity the "
+        "products' rate by FLOP per byte, elementwise_by_size one element-wise call's seconds by "
+        "its bytes for each rate class (NumPy's float32 loops, bfloat16's, the casts into and "
+        "out of it), collectives_by_size each of zerosim's collectives' seconds on all the "
+        "ranks by S",
         "backend": "numpy",
         "nodes": 1,
         "devices_per_node": ranks,
@@ -456,6 +462,8 @@ HOST_RATES = (
     "call_overhead_s",
     "page_fault_s",
     "hugepage_fault_s",
+    "cold_hugepage_fault_s",
+    "reclaim_after_s",
     "one_rank_collective_s",
     "elementwise_by_size",
 )
@@ -527,16 +535,85 @@ def measure_probe(budget_s: float) -> float:
 
 def measure_host(budget_s: float, quick: bool = False) -> dict[str, Any]:
     """What a NumPy step spends besides its array calls and products, and the batched
-    products: the keys ``cluster_file`` takes as ``host``."""
+    products: the keys ``cluster_file`` takes as ``host``; ``quick`` leaves out the huge pages
+    the machine takes back (``measure_reclaim``, some 15 seconds of waiting)."""
     call_s, calls = measure_call_overhead(budget_s)
     faults = measure_page_faults(budget_s)
     batched = measure_batched_matmul(budget_s, ATTENTION_SHAPES[:2] if quick else None)
+    reclaim = {} if quick or faults["hugepage_fault_s"] is None else measure_reclaim()
     return {
         "call_overhead_s": call_s,
         "page_fault_s": faults["page_fault_s"],
         "hugepage_fault_s": faults["hugepage_fault_s"],
+        **reclaim_rates(faults["hugepage_fault_s"], reclaim),
         "batched": batched,
         "calls": {"calls_timed": calls, "seconds_a_call": call_s},
-        "faults": faults,
+        "faults": {**faults, **({"reclaim": reclaim} if reclaim else {})},
         "probe_s": measure_probe(budget_s),
+    }
+
+
+RECLAIM_IDLE_S = 3.0  # a freed block left this long is taken back where the machine does
+RECLAIM_AGES_S = (0.5, 1.0, 1.5, 2.0, 2.5)  # how long freed blocks are left before a touch
+RECLAIM_BYTES = 64 << 20
+COLD = 2.0  # a touch this many times slower a page than right after a free was taken back
+
+
+def _touch_huge(nbytes: int) -> float:
+    """Seconds of the first touch of a fresh private mapping of ``nbytes`` advised for huge
+    pages, one byte a 4 KiB page (the kernel zeroes each page it gives), over its 2 MiB pages;
+    the mapping is freed again."""
+    import mmap  # noqa: PLC0415
+
+    from zerosim.dryrun.host import HUGE_PAGE, PAGE  # noqa: PLC0415
+
+    with mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE) as mapping:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+        pages = np.frombuffer(mapping, np.uint8)
+        start = time.perf_counter()
+        pages[::PAGE] = 1
+        seconds = time.perf_counter() - start
+        del pages  # the mapping closes only once no array holds it
+    return seconds / (nbytes // HUGE_PAGE)
+
+
+def measure_reclaim(nbytes: int = RECLAIM_BYTES) -> dict[str, Any]:
+    """Whether this machine takes freed memory back, and when: a virtual machine with free page
+    reporting (``virtio_balloon``'s, Linux's ``mm/page_reporting.c``) hands free 2 MiB blocks
+    back to its host a while after they were freed, and the next fault on one pays the host's
+    faults too. A fresh mapping is touched right after one of the same size was freed (``warm``,
+    the kernel gives the blocks freed last first), and after the machine idled
+    ``RECLAIM_IDLE_S`` (``cold``, the mean of two); where that is ``COLD`` times slower, a touch
+    after each of ``RECLAIM_AGES_S`` tells when: ``reclaim_after_s`` is halfway between the last
+    age still warm and the first taken back (the worker that hands blocks back runs every few
+    seconds, so a freed block goes at any time in a window). Each value: seconds a 2 MiB page
+    of the touch, one byte a 4 KiB page."""
+    _touch_huge(nbytes)
+    warm = _touch_huge(nbytes)
+    cold = []
+    for _ in range(2):
+        time.sleep(RECLAIM_IDLE_S)
+        cold.append(_touch_huge(nbytes))
+    result: dict[str, Any] = {"warm_s": warm, "cold_s": statistics.mean(cold), "ages": []}
+    if result["cold_s"] < COLD * warm:
+        return result  # nothing taken back
+    for age in RECLAIM_AGES_S:
+        _touch_huge(nbytes)
+        time.sleep(age)
+        result["ages"].append([age, _touch_huge(nbytes)])
+    taken = [age for age, s in result["ages"] if s >= COLD * warm] or [RECLAIM_IDLE_S]
+    kept = [age for age, s in result["ages"] if s < COLD * warm and age < taken[0]] or [0.0]
+    result["reclaim_after_s"] = (kept[-1] + taken[0]) / 2
+    return result
+
+
+def reclaim_rates(hugepage_fault_s: float | None, reclaim: dict[str, Any]) -> dict[str, float]:
+    """The cluster file's ``cold_hugepage_fault_s`` (a warm huge page's fault plus what a block
+    taken back adds to its touch) and ``reclaim_after_s``, where ``measure_reclaim`` found the
+    machine takes blocks back; none otherwise."""
+    if hugepage_fault_s is None or "reclaim_after_s" not in reclaim:
+        return {}
+    return {
+        "cold_hugepage_fault_s": hugepage_fault_s + reclaim["cold_s"] - reclaim["warm_s"],
+        "reclaim_after_s": reclaim["reclaim_after_s"],
     }

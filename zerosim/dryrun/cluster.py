@@ -52,6 +52,8 @@ HOST_KEYS = (
     "call_overhead_s",  # one of zerosim's own Python calls (dryrun/host.py)
     "page_fault_s",  # the first touch of a fresh 4 KiB page
     "hugepage_fault_s",  # the first touch of a fresh 2 MiB huge page
+    "cold_hugepage_fault_s",  # … of one the machine had taken back (a VM's free page reporting)
+    "reclaim_after_s",  # how long a freed 2 MiB block stays with the machine before that
     "matmul_by_intensity",  # [[FLOP per byte, FLOP/s], …]: a product's rate by its intensity
     "one_rank_collective_s",  # a collective on a group of one rank: its fixed cost
     "elementwise_by_size",  # {rate class: [[bytes, seconds], …]}: one call's time by its size
@@ -64,6 +66,8 @@ HOST_SECONDS = (
     "call_overhead_s",
     "page_fault_s",
     "hugepage_fault_s",
+    "cold_hugepage_fault_s",
+    "reclaim_after_s",
     "one_rank_collective_s",
 )
 KERNEL_KEY = "kernel_launch_s"  # a GPU's fixed seconds a kernel call: element-wise work priced
@@ -106,6 +110,8 @@ class ClusterModel:
     call_overhead_s: float | None = None  # HOST_KEYS: None leaves Python calls unpriced
     page_fault_s: float | None = None  # None leaves fresh pages unpriced
     hugepage_fault_s: float | None = None
+    cold_hugepage_fault_s: float | None = None  # None: a huge page is never taken back
+    reclaim_after_s: float | None = None
     one_rank_collective_s: float | None = None  # None: a one-rank collective costs its copy
     matmul_by_intensity: tuple[tuple[float, float], ...] = ()  # (): every product at the peak
     # ((rate class, ((bytes, seconds), …)), …): a call's measured time by its bytes

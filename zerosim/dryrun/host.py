@@ -234,16 +234,19 @@ class MallocModel:
         self.faults[1] += huge
         return small, huge
 
-    def free(self, nbytes: int, key: int) -> None:
+    def free(self, nbytes: int, key: int) -> int:
+        """Give buffer ``key`` back; return the 2 MiB huge pages its unmapping gives back to
+        the kernel (a heap chunk and a mapping of 4 KiB pages give none)."""
         if key not in self.live:  # made before the model was watching: nothing to give back
-            return
+            return 0
         chunk = self.live.pop(key)
         if chunk is not None:
             self.heap.free(*chunk, 2 * self.threshold)
-            return
+            return 0
         chunk = mapped_chunk(nbytes)  # unmapped
         if self.threshold < chunk <= MMAP_THRESHOLD_MAX:
             self.threshold = chunk  # glibc's dynamic threshold: the freed chunk's size
+        return mapped_pages(nbytes, self.hugepages)[1]
 
 
 def numpy_hugepages() -> bool:

@@ -135,7 +135,7 @@ def step_time(
         },
     }
     if cluster.prices_elementwise:  # a host: what its compute stream spent the step on
-        time["host"] = host_breakdown(run.events, resized)
+        time["host"] = host_breakdown(run.events, resized, slowest.cold_huge_pages)
     return time, slowest
 
 

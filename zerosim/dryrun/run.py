@@ -175,7 +175,7 @@ def run_rank(
     comm = world.comm(rank)
     with meta.tracking(overflow=overflow, fill=fill, backend=backend) as tracker:
         # a host's fresh pages: glibc's malloc replayed over every allocation of the run
-        pages = _FreshPages(MallocModel(numpy_hugepages()), tracker) if op_events else None
+        pages = FreshPages(MallocModel(numpy_hugepages()), tracker) if op_events else None
         if pages is not None:
             tracker.listeners.append(pages.listen)
         with shape_only_init():
@@ -230,9 +230,10 @@ def _traced_step(
     return events
 
 
-class _FreshPages:
+class FreshPages:
     """A tracker listener replaying allocations through ``MallocModel``; while ``events`` is
-    set, each allocation's faults go into the trace as ("faults", (4 KiB, 2 MiB))."""
+    set, each allocation's faults go into the trace as ("faults", (4 KiB, 2 MiB)), and the
+    huge pages an unmapping gives back to the kernel as ("unmapped", 2 MiB pages)."""
 
     def __init__(self, malloc: MallocModel, tracker: meta.Tracker) -> None:
         self.malloc = malloc
@@ -241,15 +242,27 @@ class _FreshPages:
 
     def listen(self, kind: str, nbytes: int, category: str) -> None:
         if kind == "free":
-            self.malloc.free(nbytes, self.tracker.storage)
+            huge = self.malloc.free(nbytes, self.tracker.storage)
+            if huge:
+                self._write("unmapped", huge)
         elif kind == "alloc":
             small, huge = self.malloc.allocate(nbytes, self.tracker.storage)
-            if self.events is not None and (small or huge):
-                if self.events and self.events[-1][0] == "faults":
-                    s, h = self.events[-1][1]
-                    self.events[-1] = ("faults", (s + small, h + huge))
-                else:
-                    self.events.append(("faults", (small, huge)))
+            if small or huge:
+                self._write("faults", (small, huge))
+
+    def _write(self, kind: str, value: Any) -> None:
+        """Add ``value`` to the trace, to the event before it when that is of the same kind."""
+        if self.events is None:
+            return
+        if self.events and self.events[-1][0] == kind:
+            before = self.events[-1][1]
+            if kind == "faults":
+                value = (before[0] + value[0], before[1] + value[1])
+            else:
+                value += before
+            self.events[-1] = (kind, value)
+        else:
+            self.events.append((kind, value))
 
 
 def recompute_blocks(net: Module, name: str) -> None:

@@ -248,13 +248,16 @@ def kernel_seconds(model: ClusterModel, kernels: int, nbytes: int) -> float:
     return launches + nbytes / model.device_memory_bandwidth
 
 
-def host_seconds(model: ClusterModel, kind: str, value: Any) -> float:
+def host_seconds(model: ClusterModel, kind: str, value: Any, cold: int = 0) -> float:
     """Seconds of a host's work besides array operations (module docstring): ("python", calls)
-    or ("faults", (4 KiB pages, 2 MiB pages)); 0 where the cluster file does not price it."""
+    or ("faults", (4 KiB pages, 2 MiB pages)), ``cold`` of the 2 MiB pages at
+    ``cold_hugepage_fault_s``; 0 where the cluster file does not price it."""
     if kind == "python":
         return value * (model.call_overhead_s or 0.0)
     pages, huge = value
-    return pages * (model.page_fault_s or 0.0) + huge * (model.hugepage_fault_s or 0.0)
+    warm_s = model.hugepage_fault_s or 0.0
+    cold_s = model.cold_hugepage_fault_s or warm_s
+    return pages * (model.page_fault_s or 0.0) + (huge - cold) * warm_s + cold * cold_s
 
 
 # collectives that copy their input into a separate output on a group of one rank
@@ -300,6 +303,9 @@ class StepTime:
     # (time, phase) where the phase of the issued collectives changes (forward, backward, step…)
     phases: list[tuple[float, str]] = field(default_factory=list)
     reduce_s: float = 0.0  # busy time of the kernels on DeepSpeed's reduction stream (stage 3)
+    cold_huge_pages: int = 0  # fresh 2 MiB pages the machine had taken back (``_FreshMemory``)
+    # (time, 2 MiB pages) this step gave back to the kernel, for the step after it
+    unmapped: list[tuple[float, int]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -320,9 +326,37 @@ def simulate(
 ) -> StepTime:
     """Run one step's ``events`` (("compute", {(flops, bytes): products} or flops),
     ("attention", {(flops, bytes): kernels}), ("elementwise", (operations, bytes)),
-    ("python", calls), ("faults", (pages, huge pages)), ("issue", i), ("wait", i), ("memory",
-    live bytes), ("stream", "reduce" | "compute" | "sync")) on ``model``; ``calls[i]`` is the
-    collective of index i (``VirtualComm.calls``)."""
+    ("python", calls), ("faults", (pages, huge pages)), ("unmapped", huge pages), ("issue",
+    i), ("wait", i), ("memory", live bytes), ("stream", "reduce" | "compute" | "sync")) on
+    ``model``; ``calls[i]`` is the collective of index i (``VirtualComm.calls``).
+
+    On a host that takes freed memory back (``reclaim_after_s``), a step in a run of steps
+    faults again the huge pages the step before it gave back: the step is run once with every
+    huge page warm, then again with the pages the run before gave back one step earlier, until
+    its length settles (``_FreshMemory``)."""
+    step = _simulate(events, calls, model, spans, _FreshMemory(model, warm=True))
+    if not (model.reclaim_after_s and step.unmapped):
+        return step
+    for _ in range(SETTLE_PASSES):
+        before = [(t - step.step_s, pages) for t, pages in step.unmapped]
+        last, step = step, _simulate(events, calls, model, spans, _FreshMemory(model, before))
+        if abs(step.step_s - last.step_s) <= SETTLED * step.step_s:
+            break
+    return step
+
+
+SETTLE_PASSES = 4  # at most: each pass takes the last one's step length
+SETTLED = 0.01  # … and stops when the step changed by less than this
+
+
+def _simulate(
+    events: list[tuple[str, Any]],
+    calls: list[Any],
+    model: ClusterModel,
+    spans: bool,
+    fresh: _FreshMemory,
+) -> StepTime:
+    """``simulate``'s one run of the step, its fresh huge pages priced by ``fresh``."""
     now = compute = 0.0  # the compute stream's clock and busy time
     stream = _CommStream(spans)
     reduction = _ReductionStream()  # DeepSpeed's, where the engine notes it
@@ -335,8 +369,11 @@ def simulate(
             continue
         # the stream this event runs on and its clock: the reduction stream inside its stretch
         lane, at = ("reduce", reduction.clock) if reduction.open else ("compute", now)
-        if kind in COMPUTE_KINDS:  # elementwise, python, faults: a host's rates, else free
-            dt = _compute_stream_seconds(model, kind, value)
+        if kind == "unmapped":
+            fresh.give_back(value, at)
+        elif kind in COMPUTE_KINDS:  # elementwise, python, faults: a host's rates, else free
+            cold = fresh.cold(value[1], at) if kind == "faults" else 0
+            dt = _compute_stream_seconds(model, kind, value, cold)
             if spans:
                 stream.spans.append((lane, "matmul" if kind == "compute" else kind, at, at + dt))
             at += dt
@@ -350,10 +387,9 @@ def simulate(
             label = f"{r.op} {r.phase} {r.group}"
             if spans and (not phases or phases[-1][1] != r.phase):
                 phases.append((at, r.phase))
-            blocking = r.blocking
-            if model.overlap or blocking:
+            if model.overlap or r.blocking:
                 end = stream.run(value, dt, label, at)
-                at = end if blocking or reduction.open else at
+                at = end if r.blocking or reduction.open else at
             else:  # no progress thread: it moves when it is waited
                 pending[value] = (dt, label)
         elif kind == "wait":
@@ -362,18 +398,16 @@ def simulate(
             at = max(at, stream.ends[value])
         elif kind == "memory":
             memory.append((now, value))  # the host allocates as it issues: compute's clock
-        if reduction.open:
-            reduction.clock = at
-        else:
-            now = at
+        reduction.clock, now = (at, now) if reduction.open else (reduction.clock, at)
     for i in sorted(pending):  # issued and never waited in this step: moved at its end
         stream.run(i, *pending.pop(i), now)
     step = max(now, stream.free, reduction.free)
     if memory:
         memory.append((step, memory[-1][1]))  # held until the step ends
     return StepTime(
-        step, compute, stream.busy, step - compute, stream.spans, memory, phases, reduction.busy
-    )
+        step, compute, stream.busy, step - compute, stream.spans, memory, phases,
+        reduction.busy, fresh.cold_pages, fresh.unmapped,
+    )  # fmt: skip
 
 
 def host_product_seconds(model: ClusterModel, products: dict) -> float:
@@ -385,10 +419,17 @@ def host_product_seconds(model: ClusterModel, products: dict) -> float:
     )
 
 
-def host_breakdown(events: list[tuple[str, Any]], model: ClusterModel) -> dict[str, Any]:
+def host_breakdown(
+    events: list[tuple[str, Any]], model: ClusterModel, cold: int = 0
+) -> dict[str, Any]:
     """What a host's compute stream spends its step on, by kind: the seconds of the products,
-    element-wise operations, zerosim's own Python calls and fresh pages, and their counts."""
+    element-wise operations, zerosim's own Python calls and fresh pages (``cold`` of the huge
+    pages taken back by the machine: ``StepTime.cold_huge_pages``), and their counts."""
     seconds = dict.fromkeys(COMPUTE_KINDS, 0.0)
+    # the loop below prices every fault warm; the cold ones' extra, here
+    seconds["faults"] = host_seconds(model, "faults", (0, cold), cold) - host_seconds(
+        model, "faults", (0, cold)
+    )
     calls = pages = huge = 0
     for kind, value in events:
         if kind in seconds:
@@ -405,17 +446,59 @@ def host_breakdown(events: list[tuple[str, Any]], model: ClusterModel) -> dict[s
         "python_calls": calls,
         "fresh_pages": pages,
         "fresh_huge_pages": huge,
+        "cold_huge_pages": cold,
     }
 
 
-def _compute_stream_seconds(model: ClusterModel, kind: str, value: Any) -> float:
+def _compute_stream_seconds(model: ClusterModel, kind: str, value: Any, cold: int = 0) -> float:
+    """Seconds of one compute-stream event; ``cold``: of a ("faults", …) event's huge pages,
+    those the machine had taken back (``_FreshMemory``)."""
     if kind in ("compute", "attention"):
         if model.matmul_by_intensity and isinstance(value, dict):  # a host: by intensity
             return host_product_seconds(model, value)
         return (compute_seconds if kind == "compute" else attention_seconds)(model, value)
     if kind == "elementwise":
         return elementwise_seconds(model, *value)
-    return host_seconds(model, kind, value)
+    return host_seconds(model, kind, value, cold)
+
+
+class _FreshMemory:
+    """Which fresh 2 MiB pages of a step the machine had taken back (``reclaim_after_s``).
+
+    A virtual machine with free page reporting (``virtio_balloon``'s, Linux's
+    ``mm/page_reporting.c``) hands free 2 MiB blocks back to its host a while after they were
+    freed; the next fault on such a block pays the host's own faults too
+    (``cold_hugepage_fault_s``). The kernel gives a huge page from the blocks freed last first.
+    So a huge page a step faults is warm while a block given back (``give_back``: the
+    ("unmapped", pages) events, this step's and, at its start, the step before's) less than
+    ``reclaim_after_s`` ago is left, and cold after. ``warm``: every huge page warm (a machine
+    that takes nothing back, or the first of ``simulate``'s runs)."""
+
+    def __init__(self, model: ClusterModel, before: list | None = None, warm: bool = False):
+        self.after = None if warm else model.reclaim_after_s
+        self.free: list[list[float]] = [[t, pages] for t, pages in before or []]  # oldest first
+        self.unmapped: list[tuple[float, int]] = []  # this step's, for the step after it
+        self.cold_pages = 0
+
+    def give_back(self, pages: int, now: float) -> None:
+        self.free.append([now, pages])
+        self.unmapped.append((now, pages))
+
+    def cold(self, huge: int, now: float) -> int:
+        """Of ``huge`` fresh 2 MiB pages faulted at ``now``, those that are cold; the warm ones
+        take their blocks."""
+        if self.after is None:
+            return 0
+        while self.free and self.free[-1][0] > now:  # given back later in a run before
+            self.free.pop()
+        while huge and self.free and now - self.free[-1][0] < self.after:
+            taken = min(huge, self.free[-1][1])
+            huge -= taken
+            self.free[-1][1] -= taken
+            if not self.free[-1][1]:
+                self.free.pop()
+        self.cold_pages += huge
+        return huge
 
 
 class _CommStream:
