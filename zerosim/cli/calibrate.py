@@ -80,9 +80,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"call, collectives α {spec['intra_latency'] * 1e6:.1f} µs, "
             f"{spec['intra_bandwidth'] / 1e9:.2f} GB/s on {args.ranks} rank(s); "
             f"{spec['call_overhead_s'] * 1e9:.0f} ns a Python call, "
-            f"{spec['page_fault_s'] * 1e6:.2f} µs a fresh page"
+            f"{spec['page_fault_s'] * 1e6:.2f} µs a fresh page{_taken_back(spec)}"
         )
     return 0
+
+
+def _taken_back(spec: dict) -> str:
+    """What the summary line says of huge pages the machine takes back, where it does."""
+    if "reclaim_after_s" not in spec:
+        return ""
+    return (
+        f", {spec['cold_hugepage_fault_s'] * 1e3:.2f} ms a 2 MiB page taken back by the machine "
+        f"{spec['reclaim_after_s']:.2f} s after it was freed"
+    )
 
 
 def _mpirun() -> str:
