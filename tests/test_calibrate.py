@@ -125,36 +125,46 @@ def test_a_fresh_page_is_measured_fresh_when_glibc_holds_a_freed_chunk_that_fits
     del guard
 
 
+AGES = [0.5, 1.0, 1.5, 2.0, 2.5]
+
+
 @pytest.mark.parametrize(
-    ("touches", "expected"),
+    ("touches", "cold", "expected"),
     [
-        # right after a free 1 ms a page, after idling 10 ms: taken back; warm at 0.5 and 1.0 s
-        # of age, cold from 1.5 s: halfway, 1.25 s
-        ([1e-3, 1e-3, 9e-3, 11e-3, 1, 1e-3, 1, 1e-3, 1, 8e-3, 1, 9e-3, 1, 9e-3], 1.25),
-        # cold already at 0.5 s: halfway from 0
-        ([1e-3, 1e-3, 9e-3, 11e-3, 1, 5e-3, 1, 1e-3, 1, 8e-3, 1, 9e-3, 1, 9e-3], 0.25),
-        # warm at every age: halfway from the last age to the idle time, (2.5 + 3) / 2
-        ([1e-3, 1e-3, 9e-3, 11e-3] + [1, 1e-3] * 5, 2.75),
-        # idling changes nothing: the machine takes nothing back, no window measured
-        ([1e-3, 1e-3, 1.2e-3, 1.1e-3], None),
+        # right after a free 1 ms a page, after idling 9 and 11 ms: taken back (10 ms); warm at
+        # 0.5 and 1.0 s of age, cold from 1.5 s: halfway, 1.25 s
+        ([1e-3, 1e-3, 9e-3, 11e-3, 1, 1e-3, 1, 1e-3, 1, 8e-3, 1, 9e-3, 1, 9e-3], 10e-3, 1.25),
+        # the first idle warm, the next two cold; cold already at 0.5 s: halfway from 0
+        (
+            [1e-3, 1e-3, 1.1e-3, 9e-3, 11e-3, 1, 5e-3, 1, 1e-3, 1, 8e-3, 1, 9e-3, 1, 9e-3],
+            10e-3,
+            0.25,
+        ),  # fmt: skip
+        # one idle cold of four; warm at every age: halfway from the last age to the idle time
+        ([1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 7e-3] + [1, 1e-3] * 5, 7e-3, 2.75),
+        # idling changes nothing on four tries: the machine takes nothing back, no window
+        ([1e-3, 1e-3, 1.2e-3, 1.1e-3, 1e-3, 1.5e-3], None, None),
     ],
 )
-def test_the_window_after_which_freed_huge_pages_are_taken_back(monkeypatch, touches, expected):
+def test_the_window_after_which_freed_huge_pages_are_taken_back(
+    monkeypatch, touches, cold, expected
+):
     seconds = iter(touches)
     slept = []
     monkeypatch.setattr(calibrate, "_touch_huge", lambda nbytes: next(seconds))
     monkeypatch.setattr(calibrate.time, "sleep", slept.append)
     measured = calibrate.measure_reclaim()
     assert next(seconds, None) is None  # every touch the plan makes, and no more
-    assert measured["cold_s"] == pytest.approx((touches[2] + touches[3]) / 2)
+    assert measured.get("cold_s") == (None if cold is None else pytest.approx(cold))
     assert measured.get("reclaim_after_s") == expected
+    idles = len(measured["idle_s"])
+    assert slept == [3.0] * idles + (AGES if expected else [])
     rates = calibrate.reclaim_rates(2e-4, measured)
     if expected is None:
-        assert rates == {} and slept == [3.0, 3.0]
-    else:  # a warm huge page's fault plus what a block taken back adds: 10 ms - 1 ms
-        assert rates == {"cold_hugepage_fault_s": pytest.approx(2e-4 + 9e-3),
+        assert rates == {} and idles == 4
+    else:  # a warm huge page's fault plus what a block taken back adds: cold - 1 ms
+        assert rates == {"cold_hugepage_fault_s": pytest.approx(2e-4 + cold - 1e-3),
                          "reclaim_after_s": expected}  # fmt: skip
-        assert slept == [3.0, 3.0, 0.5, 1.0, 1.5, 2.0, 2.5]
 
 
 def test_the_fit_recovers_alpha_and_bandwidth_of_the_ring_formula():

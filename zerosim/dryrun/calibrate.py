@@ -554,6 +554,7 @@ def measure_host(budget_s: float, quick: bool = False) -> dict[str, Any]:
 
 
 RECLAIM_IDLE_S = 3.0  # a freed block left this long is taken back where the machine does
+RECLAIM_TRIES = 4  # touches after idling, at most: until two were taken back
 RECLAIM_AGES_S = (0.5, 1.0, 1.5, 2.0, 2.5)  # how long freed blocks are left before a touch
 RECLAIM_BYTES = 64 << 20
 COLD = 2.0  # a touch this many times slower a page than right after a free was taken back
@@ -583,20 +584,24 @@ def measure_reclaim(nbytes: int = RECLAIM_BYTES) -> dict[str, Any]:
     back to its host a while after they were freed, and the next fault on one pays the host's
     faults too. A fresh mapping is touched right after one of the same size was freed (``warm``,
     the kernel gives the blocks freed last first), and after the machine idled
-    ``RECLAIM_IDLE_S`` (``cold``, the mean of two); where that is ``COLD`` times slower, a touch
-    after each of ``RECLAIM_AGES_S`` tells when: ``reclaim_after_s`` is halfway between the last
-    age still warm and the first taken back (the worker that hands blocks back runs every few
-    seconds, so a freed block goes at any time in a window). Each value: seconds a 2 MiB page
-    of the touch, one byte a 4 KiB page."""
+    ``RECLAIM_IDLE_S``, up to ``RECLAIM_TRIES`` times until two touches were ``COLD`` times
+    slower (``cold``, their mean; the worker that hands blocks back runs every few seconds and
+    does not take every block on each pass: here the first idle of a process was often warm).
+    Where one was, a touch after each of ``RECLAIM_AGES_S`` tells when: ``reclaim_after_s`` is
+    halfway between the last age still warm and the first taken back (a freed block goes at any
+    time in a window). Each value: seconds a 2 MiB page of the touch, one byte a 4 KiB page."""
     _touch_huge(nbytes)
     warm = _touch_huge(nbytes)
-    cold = []
-    for _ in range(2):
+    cold: list[float] = []
+    idle: list[float] = []
+    while len(idle) < RECLAIM_TRIES and len(cold) < 2:
         time.sleep(RECLAIM_IDLE_S)
-        cold.append(_touch_huge(nbytes))
-    result: dict[str, Any] = {"warm_s": warm, "cold_s": statistics.mean(cold), "ages": []}
-    if result["cold_s"] < COLD * warm:
+        idle.append(_touch_huge(nbytes))
+        cold += [idle[-1]] if idle[-1] >= COLD * warm else []
+    result: dict[str, Any] = {"warm_s": warm, "idle_s": idle, "ages": []}
+    if not cold:
         return result  # nothing taken back
+    result["cold_s"] = statistics.mean(cold)
     for age in RECLAIM_AGES_S:
         _touch_huge(nbytes)
         time.sleep(age)

@@ -74,7 +74,10 @@ events that is not a matrix product, priced at ``op_overhead_s`` a call plus the
 collective moves only while it is waited: it starts at its wait, not at its issue. What the
 engine spends besides array work (``dryrun/host.py``): ("python", calls), zerosim's own Python
 calls, at ``call_overhead_s`` each, and ("faults", (pages, huge pages)), the first touch of fresh
-buffers, at ``page_fault_s`` per 4 KiB page and ``hugepage_fault_s`` per 2 MiB one. With
+buffers, at ``page_fault_s`` per 4 KiB page and ``hugepage_fault_s`` per 2 MiB one; on a
+machine that takes freed memory back (``reclaim_after_s``: a virtual machine's free page
+reporting), a 2 MiB page not served from the blocks given back (("unmapped", huge pages))
+less than that before costs ``cold_hugepage_fault_s`` (``_FreshMemory``). With
 ``matmul_by_intensity`` each product runs at the rate measured for its FLOP per byte (small
 products far below large ones) instead of the roofline. A gather or
 reduce-scatter on a group of one rank is the copy of its S bytes into the output that MPI (and
