@@ -492,7 +492,7 @@ class _FreshMemory:
         take their blocks."""
         if self.after is None:
             return 0
-        while self.free and self.free[-1][0] > now:  # given back later in a run before
+        while self.free and self.free[-1][0] > now:  # given back later, on another stream
             self.free.pop()
         while huge and self.free and now - self.free[-1][0] < self.after:
             taken = min(huge, self.free[-1][1])
