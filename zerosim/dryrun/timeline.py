@@ -429,13 +429,9 @@ def host_breakdown(
     element-wise operations, zerosim's own Python calls and fresh pages (``cold`` of the huge
     pages taken back by the machine: ``StepTime.cold_huge_pages``), and their counts."""
     seconds = dict.fromkeys(COMPUTE_KINDS, 0.0)
-    # the loop below prices every fault warm; the cold ones' extra, here
-    seconds["faults"] = host_seconds(model, "faults", (0, cold), cold) - host_seconds(
-        model, "faults", (0, cold)
-    )
     calls = pages = huge = 0
     for kind, value in events:
-        if kind in seconds:
+        if kind in seconds and kind != "faults":  # the faults: all at once, below
             seconds[kind] += _compute_stream_seconds(model, kind, value)
         if kind == "python":
             calls += value
@@ -445,7 +441,7 @@ def host_breakdown(
         "products_s": seconds["compute"] + seconds["attention"],
         "elementwise_s": seconds["elementwise"],
         "python_s": seconds["python"],
-        "faults_s": seconds["faults"],
+        "faults_s": host_seconds(model, "faults", (pages, huge), cold),
         "python_calls": calls,
         "fresh_pages": pages,
         "fresh_huge_pages": huge,
@@ -492,8 +488,6 @@ class _FreshMemory:
         take their blocks."""
         if self.after is None:
             return 0
-        while self.free and self.free[-1][0] > now:  # given back later, on another stream
-            self.free.pop()
         while huge and self.free and now - self.free[-1][0] < self.after:
             taken = min(huge, self.free[-1][1])
             huge -= taken
