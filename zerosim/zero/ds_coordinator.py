@@ -46,6 +46,8 @@ import warnings
 from collections import deque
 from typing import Any
 
+from array_api_compat import is_array_api_obj
+
 from zerosim.backend import np_dtype
 from zerosim.nn import Module, Parameter
 
@@ -284,4 +286,4 @@ def _arrays(args: Any) -> list[Any]:
         return [a for x in args for a in _arrays(x)]
     if isinstance(args, dict):
         return [a for x in args.values() for a in _arrays(x)]
-    return [args] if hasattr(args, "dtype") and hasattr(args, "shape") else []
+    return [args] if is_array_api_obj(args) else []

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+from array_api_compat import is_array_api_obj
 
 from zerosim.backend import contiguous, flat, move_like, nbytes, np_dtype, resolve_dtype, xp_of
 from zerosim.comm import Communicator, default_comm
@@ -32,7 +33,7 @@ from zerosim.zero.partition import chunk_numel
 
 def _ndim(value: Any) -> int:
     """Axes of an array of any namespace, or of a Python scalar or sequence."""
-    return value.ndim if hasattr(value, "ndim") else np.ndim(value)
+    return value.ndim if is_array_api_obj(value) else np.ndim(value)
 
 
 class ParamChunk:
