@@ -9,8 +9,10 @@ up, each as ``{"value": …, "source": "address: quoted line"}``:
 - the inter-node network: ``nic_bandwidth`` (bytes/s of one NIC) and ``nics_per_node``, so that
   the ``devices_per_node`` devices of a node share ``nics_per_node`` NICs, and ``inter_latency``;
 - the device: ``device_flops`` (16-bit tensor-core peak), ``device_flops_fp32``,
-  ``device_memory_bytes`` and ``device_memory_bandwidth`` (the roofline's bytes/s, and the rate
-  of element-wise work), and ``kernel_launch_s``, the fixed seconds of one kernel call: with it a
+  ``device_memory_bytes`` and ``device_memory_bandwidth`` (the datasheet's bytes/s) with
+  ``memory_efficiency``, the fraction of it a streaming kernel reaches (a measured STREAM-like
+  rate over the datasheet's): their product is the roofline's bytes/s and the rate of
+  element-wise work; and ``kernel_launch_s``, the fixed seconds of one kernel call: with it a
   GPU cluster prices every array operation that is not a matrix product (element-wise work, the
   optimizer step) as the kernels CuPy launches;
 - the collective algorithm (``collective_algorithm``: NCCL's ``ring``) and what it reaches of
@@ -74,6 +76,7 @@ KERNEL_KEY = "kernel_launch_s"  # a GPU's fixed seconds a kernel call: element-w
 ATTENTION_KEY = "attention_efficiency"  # FlashAttention's own fraction of the peak, cited
 RATE_KEYS = (
     "device_memory_bandwidth",
+    "memory_efficiency",
     KERNEL_KEY,
     ATTENTION_KEY,
     "intra_efficiency",
@@ -98,6 +101,7 @@ class ClusterModel:
     device_memory_bytes: float | None = None
     device_flops_fp32: float | None = None  # None: fp32 products at device_flops too
     device_memory_bandwidth: float | None = None  # None: products priced by FLOPs alone
+    memory_efficiency: float = 1.0  # of device_memory_bandwidth, a streaming kernel's
     intra_efficiency: float = 1.0  # of the intra-node line rate, at large messages
     inter_efficiency: float = 1.0  # of the NICs' line rate, at large messages
     bus_efficiency_by_size: tuple[tuple[float, float], ...] = ()  # () : 1 at every size
@@ -153,7 +157,8 @@ class ClusterModel:
             raise ValueError(
                 f"{BACKEND_KEY} must be one of {PREDICTED_BACKENDS}, got {self.backend!r}"
             )
-        for key in ("software_factor", "intra_efficiency", "inter_efficiency", ATTENTION_KEY):
+        fractions = ("software_factor", "intra_efficiency", "inter_efficiency")
+        for key in (*fractions, "memory_efficiency", ATTENTION_KEY):
             value = getattr(self, key)
             if key == ATTENTION_KEY and value is None:
                 continue
@@ -177,6 +182,14 @@ class ClusterModel:
                 "bus_efficiency_by_size must be [[bytes, fraction], …] with increasing "
                 f"positive sizes and fractions in (0, 1], got {self.bus_efficiency_by_size!r}"
             )
+
+    @property
+    def achievable_memory_bandwidth(self) -> float | None:
+        """The device memory's bytes/s a kernel reaches: the datasheet's rate at
+        ``memory_efficiency``; None where the file gives no rate."""
+        if self.device_memory_bandwidth is None:
+            return None
+        return self.device_memory_bandwidth * self.memory_efficiency
 
     def size_efficiency(self, size_bytes: float) -> float:
         """The fraction of the large-message bus bandwidth a collective of ``size_bytes`` reaches:
@@ -366,6 +379,7 @@ def _model(values: dict[str, Any], name: str) -> ClusterModel:
         device_memory_bytes=values.get(MEMORY_KEY),
         device_flops_fp32=values.get(FP32_KEY),
         device_memory_bandwidth=values.get("device_memory_bandwidth"),
+        memory_efficiency=values.get("memory_efficiency", 1.0),
         intra_efficiency=values.get("intra_efficiency", 1.0),
         inter_efficiency=values.get("inter_efficiency", 1.0),
         bus_efficiency_by_size=tuple(tuple(p) for p in values.get("bus_efficiency_by_size", ())),

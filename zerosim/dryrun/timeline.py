@@ -36,7 +36,8 @@ size, except as far as the measured e(S) shows them; contention between differen
 collectives running at once. ``reduce`` costs a broadcast, ``barrier`` a broadcast of nothing.
 
 **Matrix products by roofline.** A stretch of compute is {(FLOPs, bytes): products}; each
-product takes max(FLOPs / peak of the run's dtype, bytes / device_memory_bandwidth), and the
+product takes max(FLOPs / peak of the run's dtype, bytes / the achievable memory bandwidth:
+``device_memory_bandwidth`` · ``memory_efficiency``), and the
 stretch that sum over ``software_factor``, the one number no datasheet gives (the fraction of
 the roofline one software stack reaches), fitted on one named published row. FlashAttention's
 fused kernels come as ("attention", {(FLOPs, bytes): kernels}): where the file cites the
@@ -45,7 +46,8 @@ they run at that rate, not over the software factor; else they are priced as pro
 
 **A GPU's other work** (a file for CuPy's path with ``kernel_launch_s``): every other array
 operation between two collective events is a kernel, ("elementwise", (calls, bytes)) priced at
-``kernel_launch_s`` a call plus its bytes at ``device_memory_bandwidth`` (``kernel_seconds``).
+``kernel_launch_s`` a call plus its bytes at the achievable memory bandwidth
+(``kernel_seconds``).
 The calls include each matrix product's own launch (no bytes: those are the roofline's).
 
 **The step.** Two streams, as a GPU has: compute runs the trace's compute in order; every
@@ -212,9 +214,9 @@ def attention_seconds(model: ClusterModel, kernels: dict) -> float:
 
 
 def _roofline_seconds(model: ClusterModel, products: dict, rate: float) -> float:
-    """Σ count · max(FLOPs / ``rate``, bytes / device_memory_bandwidth) over {(FLOPs, bytes):
-    count}; without a memory bandwidth, the FLOPs alone."""
-    bandwidth = model.device_memory_bandwidth
+    """Σ count · max(FLOPs / ``rate``, bytes / the achievable memory bandwidth) over {(FLOPs,
+    bytes): count}; without a memory bandwidth, the FLOPs alone."""
+    bandwidth = model.achievable_memory_bandwidth
     return sum(
         count * max(flops / rate, nbytes / bandwidth if bandwidth else 0.0)
         for (flops, nbytes), count in products.items()
@@ -242,13 +244,13 @@ def elementwise_seconds(
 
 def kernel_seconds(model: ClusterModel, kernels: int, nbytes: int) -> float:
     """Seconds of ``kernels`` GPU kernel calls that read and write ``nbytes`` in all:
-    kernels · ``kernel_launch_s`` + nbytes / ``device_memory_bandwidth``. Element-wise work is
-    memory-bound (a few FLOPs an element against an A100's 2 TB/s), so its bytes at the HBM's
-    rate are its time; the fixed cost of a call is what a kernel of a few elements still takes.
-    Both at the file's cited rates, not over the software factor, which is the matrix
-    products' alone."""
+    kernels · ``kernel_launch_s`` + nbytes / (``device_memory_bandwidth`` ·
+    ``memory_efficiency``). Element-wise work is memory-bound (a few FLOPs an element against an
+    A100's 2 TB/s), so its bytes at the rate a streaming kernel reaches of the HBM's are its
+    time; the fixed cost of a call is what a kernel of a few elements still takes. Both at the
+    file's cited rates, not over the software factor, which is the matrix products' alone."""
     launches = kernels * model.kernel_launch_s
-    return launches + nbytes / model.device_memory_bandwidth
+    return launches + nbytes / model.achievable_memory_bandwidth
 
 
 def host_seconds(model: ClusterModel, kind: str, value: Any, cold: int = 0) -> float:
