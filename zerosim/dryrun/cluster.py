@@ -157,8 +157,8 @@ class ClusterModel:
             raise ValueError(
                 f"{BACKEND_KEY} must be one of {PREDICTED_BACKENDS}, got {self.backend!r}"
             )
-        fractions = ("software_factor", "intra_efficiency", "inter_efficiency")
-        for key in (*fractions, "memory_efficiency", ATTENTION_KEY):
+        fractions = ("software_factor", "intra_efficiency", "inter_efficiency", "memory_efficiency")
+        for key in (*fractions, ATTENTION_KEY):
             value = getattr(self, key)
             if key == ATTENTION_KEY and value is None:
                 continue
