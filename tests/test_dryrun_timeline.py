@@ -627,6 +627,11 @@ def test_a_cluster_file_for_pytorch_prices_kernels_and_refuses_a_bad_efficiency(
             refused = f"{key} must be in \\(0, 1\\], got {bad!r}"
             with pytest.raises(ValueError, match=refused):
                 load_cluster_model(path)
+    # a fraction of nothing would be accepted and never used
+    alone = {k: v for k, v in spec.items() if k != "device_memory_bandwidth"}
+    write_cluster(path, **alone, memory_efficiency=0.9)
+    with pytest.raises(ValueError, match="memory_efficiency is a fraction of device_memory_ban"):
+        load_cluster_model(path)
 
 
 def test_adam_on_the_cupy_path_is_one_kernel_priced_from_selenes_cited_rates_by_hand():

@@ -369,6 +369,11 @@ def _model(values: dict[str, Any], name: str) -> ClusterModel:
     missing = [k for k in CLUSTER_KEYS if k not in values]
     if missing:
         raise ValueError(f"missing keys {missing} (inter_bandwidth: or {list(NIC_KEYS)})")
+    if "memory_efficiency" in values and "device_memory_bandwidth" not in values:
+        raise ValueError(
+            "memory_efficiency is a fraction of device_memory_bandwidth, which the file does "
+            "not give: give both, or neither"
+        )
     algorithm = values.get("collective_algorithm", "ring")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"collective_algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
