@@ -7,9 +7,10 @@ default) must give every rank the same ledger, record for record (op, phase, gro
 elements, bytes sent and received, order), and the same ``memory_report()``, to the byte.
 
 For N = 2 and 3, a second launch trains the cases of ``schedule_cases`` (stages 2 and 3, both
-schedules, recomputation, a binding ``stage3_max_live_parameters``, qgZ) and records each rank's
-last step as the ordered collective issues, waits and stream notes (``ledger.events``); the dry
-run's timeline events of each representative must be the same list.
+schedules, DeepSpeed's stage 1, recomputation, a binding ``stage3_max_live_parameters``, qgZ)
+and records each rank's last step as the ordered collective issues, waits and stream notes
+(``ledger.events``); the dry run's timeline events of each representative must be the same
+list.
 """
 
 from __future__ import annotations
@@ -115,9 +116,9 @@ def _dry_schedule(run) -> list[list]:
 def test_dry_run_schedule_equals_the_mpirun_one(n, tmp_path):
     """Each representative's step, as the time model replays it (issues, waits and stream
     notes in order), equals the same rank's real step under mpirun: stages 2 and 3, both
-    schedules, with recomputation, with a binding ``stage3_max_live_parameters``, without
-    ``overlap_comm``, and under qgZ (stage 3's buckets on DeepSpeed's schedule noted on its
-    reduction stream, qgZ's too)."""
+    schedules, and DeepSpeed's stage 1, with recomputation, with a binding
+    ``stage3_max_live_parameters``, without ``overlap_comm``, and under qgZ (DeepSpeed's buckets
+    noted on its reduction stream at every stage, qgZ's too)."""
     model = recipe(schedule_cases.MODEL_SPEC)
 
     def dry_runs(case):
@@ -150,23 +151,26 @@ def test_dry_run_schedule_equals_the_mpirun_one(n, tmp_path):
     # the cap binds: without it DeepSpeed's coordinator prefetches, with it it cannot
     capped = schedule_cases.Case(3, "deepspeed", False, schedule_cases.BINDING_MAX_LIVE)
     assert real[0][capped.name] != real[0]["stage3-deepspeed"]
-    # on DeepSpeed's stage 3 with overlap_comm every gradient reduction (a reduce-scatter, or
-    # qgZ's all-to-alls) sits inside a reduction-stream stretch, one per bucket, and each
-    # backward ends by waiting for the stream; elsewhere nothing is noted
+    # on DeepSpeed's schedule with overlap_comm every gradient reduction (stage 3's
+    # reduce-scatters or qgZ's all-to-alls, stage 2's all-reduces) sits inside a
+    # reduction-stream stretch, one per bucket ("reduce" at stage 3, "reduce_in_turn" at stage
+    # 2), and each backward ends by waiting for the stream; elsewhere nothing is noted
     accumulation = schedule_cases.config(schedule_cases.cases()[0])["gradient_accumulation_steps"]
     for case in schedule_cases.cases():
         events = real[0][case.name]
         notes = [e[1] for e in events if e[0] == "stream"]
-        if case.stage != 3 or case.schedule != "deepspeed" or not case.overlap:
+        if case.schedule != "deepspeed" or not case.overlap:
             assert not notes, case.name
             continue
-        assert notes.count("reduce") == notes.count("compute") > 0, case.name
-        assert notes.count("sync") == accumulation, case.name
+        opening = "reduce" if case.stage == 3 else "reduce_in_turn"
+        assert notes.count(opening) == notes.count("compute") > 0, case.name
+        # stage 1 reduces in the boundary's backward only
+        assert notes.count("sync") == (1 if case.stage == 1 else accumulation), case.name
         inside, reductions = False, 0
         for e in events:
             if e[0] == "stream":
-                inside = e[1] == "reduce"
-            elif e[0] in ("reduce_scatter", "all_to_all") and e[1] == "backward":
+                inside = e[1] == opening
+            elif e[0] in ("reduce_scatter", "all_to_all", "all_reduce") and e[1] == "backward":
                 assert inside, f"{case.name}: a gradient {e[0]} outside a reduction stretch"
                 reductions += 1
         assert reductions > 0, case.name

@@ -171,8 +171,34 @@ def test_the_host_waits_for_the_oldest_of_more_than_two_reduction_stretches_by_h
     assert _ends(step, "compute") == pytest.approx([0, 0.1, 0.1, 0.2, 0.2, 0.3, 1.0, 1.1])
     assert _ends(step, "comm") == pytest.approx([0, 1, 1, 2, 2, 3, 3, 4])
     assert step.step_s == pytest.approx(4.0)
-    with pytest.raises(ValueError, match="'reduce', 'compute' or 'sync'; got 'other'"):
+    with pytest.raises(ValueError, match="'reduce_in_turn', 'compute' or 'sync'; got 'other'"):
         simulate([("stream", "other")], [], ClusterModel(CLUSTER))
+
+
+@pytest.mark.parametrize("note, step_s", [("reduce_in_turn", 1.6), ("reduce", 1.2)])
+def test_stage12_buckets_wait_for_the_reduction_stream_in_turn_by_hand(note, step_s):
+    """Two IPG buckets of one non-blocking 0.5 s all-reduce each (50 B on one node at 100 B/s),
+    0.1 s of compute before each and 1 s after the second, then the backward epilogue's sync.
+
+    Stages 1 and 2 ("reduce_in_turn", DeepSpeed's ``average_tensor``): before the second bucket
+    the compute stream waits for the reduction stream, whose all-reduce holds it until 0.6::
+
+        compute |0 c .1|.1 c .2| wait |.6    c    1.6|
+        comm           |.1  ar   .6|.6 ar 1.1|
+
+    step 1.6, of it 0.4 s waited. Stage 3's note ("reduce") lets compute run on (0.2 → 1.2)
+    and sync waits for the second all-reduce, which ends at 1.1: step 1.2."""
+    calls = [_call("all_reduce", 50, (0, 1), False) for _ in range(2)]
+    events = [("compute", 100)]
+    events += [("stream", note), ("issue", 0), ("stream", "compute"), ("compute", 100)]
+    events += [("stream", note), ("issue", 1), ("stream", "compute"), ("compute", 1000)]
+    events += [("stream", "sync"), ("wait", 0), ("wait", 1)]
+    step = simulate(events, calls, ClusterModel(CLUSTER), spans=True)
+    assert step.step_s == pytest.approx(step_s)
+    assert step.compute_s == pytest.approx(1.2)
+    assert _ends(step, "comm") == pytest.approx([0.1, 0.6, 0.6, 1.1])
+    waited = [0.6, 1.6] if note == "reduce_in_turn" else [0.2, 1.2]
+    assert _ends(step, "compute") == pytest.approx([0, 0.1, 0.1, 0.2, *waited])
 
 
 def test_the_software_factor_scales_products_and_link_efficiency_the_link():

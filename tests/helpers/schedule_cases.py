@@ -54,8 +54,10 @@ def cases() -> list[Case]:
     """Both stages on both schedules; recomputation on both schedules at stage 3 (where it
     gathers the blocks again) and on DeepSpeed's at stage 2; the binding cap; the paper's stage 2
     without ``overlap_comm``, whose blocking reduce-scatters complete inside the call (no wait);
-    qgZ on DeepSpeed's schedule."""
+    qgZ on DeepSpeed's schedule; DeepSpeed's stage 1 (its IPG buckets reduced at the boundary,
+    in the order backward finishes the gradients)."""
     return [
+        Case(1, "deepspeed"),
         Case(2, "paper"),
         Case(2, "paper", overlap=False),
         Case(2, "deepspeed"),

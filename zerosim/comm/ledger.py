@@ -52,7 +52,8 @@ groups appends ``("issue", record)`` once its record is written and every ``Hand
 completes a non-blocking call appends ``("wait", record)``: the order in which the program issued
 and waited on its collectives, which the dry run's time model replays (tests hold the dry run's
 order to a real run's), with ``("stream", name)`` where the engine notes where a GPU would run
-what follows (``Communicator.note_stream``): "reduce", on DeepSpeed's reduction stream;
+what follows (``Communicator.note_stream``): "reduce", on DeepSpeed's reduction stream (stage
+3); "reduce_in_turn", on it once the compute stream has waited for it (stages 1 and 2);
 "compute", back on the compute stream; "sync", the host waiting for the reduction stream.
 Nothing else changes while it is on.
 

@@ -65,7 +65,11 @@ from there, each holding the reduction stream until it ends, blocking or not (NC
 runs on the stream it is issued on); a wait inside a stretch holds that stream. Before a new
 stretch the host waits for the oldest one if more than two are in flight
 (``max_param_reduce_events``), and ("stream", "sync") holds compute until the stream is done
-(the backward epilogue's ``synchronize``). The reduction stream's unhidden time counts as
+(the backward epilogue's ``synchronize``). Stages 1 and 2 under DeepSpeed's schedule with
+``overlap_comm`` note each IPG bucket's reduction ("stream", "reduce_in_turn") … ("stream",
+"compute"): the same stretch, but before it the compute stream waits for the reduction stream
+to be done (``stage_1_and_2.py``, ``average_tensor``: ``current_stream().wait_stream(stream)``),
+so one bucket's reduction is in flight at a time. The reduction stream's unhidden time counts as
 exposed. Live bytes keep the host's clock, compute's, inside a stretch too: the host allocates
 as it issues.
 
@@ -332,8 +336,8 @@ def simulate(
     """Run one step's ``events`` (("compute", {(flops, bytes): products} or flops),
     ("attention", {(flops, bytes): kernels}), ("elementwise", (operations, bytes)),
     ("python", calls), ("faults", (pages, huge pages)), ("unmapped", huge pages), ("issue",
-    i), ("wait", i), ("memory", live bytes), ("stream", "reduce" | "compute" | "sync")) on
-    ``model``; ``calls[i]`` is the collective of index i (``VirtualComm.calls``).
+    i), ("wait", i), ("memory", live bytes), ("stream", "reduce" | "reduce_in_turn" | "compute"
+    | "sync")) on ``model``; ``calls[i]`` is the collective of index i (``VirtualComm.calls``).
 
     On a host that takes freed memory back (``reclaim_after_s``), a step in a run of steps
     faults again the huge pages the step before it gave back: the step is run once with every
@@ -521,8 +525,9 @@ class _CommStream:
 
 
 class _ReductionStream:
-    """DeepSpeed's reduction stream (stage 3, ``reduce_and_partition_stream``): the stretches
-    of a step noted ("stream", "reduce") … ("stream", "compute"), run in order on it."""
+    """DeepSpeed's reduction stream (stage 3's ``reduce_and_partition_stream``, stages 1 and 2's
+    ``reduction_stream``): the stretches of a step noted ("stream", "reduce" or
+    "reduce_in_turn") … ("stream", "compute"), run in order on it."""
 
     MAX_EVENTS = 2  # DeepSpeed's max_param_reduce_events: more in flight, and the host waits
 
@@ -542,13 +547,19 @@ class _ReductionStream:
             if len(self.ends) > self.MAX_EVENTS:  # the host waits for the oldest
                 now = max(now, self.ends.popleft())
             self.open, self.clock = True, max(now, self.free)  # wait_stream(compute)
+        elif name == "reduce_in_turn":  # stages 1 and 2's average_tensor: compute waits for
+            now = max(now, self.free)  # the stream (current_stream().wait_stream), then the
+            self.ends.clear()  # stream for compute: one bucket in flight
+            self.open, self.clock = True, now
         elif name == "compute":  # the stretch ends; its event is recorded
             self.open, self.free = False, self.clock
             self.ends.append(self.clock)
         elif name == "sync":  # the backward epilogue: the host waits for the stream
             now = max(now, self.free)
         else:
-            raise ValueError(f"a stream note is 'reduce', 'compute' or 'sync'; got {name!r}")
+            raise ValueError(
+                f"a stream note is 'reduce', 'reduce_in_turn', 'compute' or 'sync'; got {name!r}"
+            )
         return now
 
 

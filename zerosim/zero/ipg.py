@@ -229,7 +229,14 @@ class IpgBuckets:
         self.numel += numel
 
     def reduce(self) -> None:
-        """Reduce the bucket being filled (nothing when empty)."""
+        """Reduce the bucket being filled (nothing when empty).
+
+        On a GPU, with ``overlap_comm``, DeepSpeed copies each gradient into the bucket on the
+        compute stream and reduces the bucket on its reduction stream (``average_tensor``: that
+        stream waits for the compute stream, and the compute stream first waits for that stream,
+        so one bucket's reduction is in flight at a time). Here every call runs in order on the
+        one thread; the engine notes where that stream's work starts and ends
+        (``Communicator.note_stream``), which the dry run's time model reads."""
         if not self.entries:
             return
         plan = plan_bucket(self.entries, self.partition_sizes, self.limit, **self.switches)
@@ -241,9 +248,14 @@ class IpgBuckets:
             assign(bucket[at : at + g.size], g)
             at += g.size
         self.entries, self.grads, self.numel = [], [], 0
+        stream = s.zero.overlap_comm  # on a GPU: on DeepSpeed's reduction stream
+        if stream:
+            self.comm.note_stream("reduce_in_turn")
         for i, r in enumerate(plan):
             last = i == len(plan) - 1
             self._start_reduction(r, bucket, last)
+        if stream:
+            self.comm.note_stream("compute")
 
     def _start_reduction(self, r: Reduction, bucket: Any, last: bool) -> None:
         """Start one collective of a bucket (the strategy's reduce sequence: each message is
@@ -275,8 +287,11 @@ class IpgBuckets:
         return s.start_or_run(comm.ireduce, comm.reduce, message, r.root)
 
     def finish(self) -> None:
-        """End of backward: reduce the last bucket and wait for every collective."""
+        """End of backward: reduce the last bucket and wait for every collective (on a GPU:
+        ``independent_gradient_partition_epilogue`` synchronizes the device)."""
         self.reduce()
+        if self.strategy.zero.overlap_comm:
+            self.comm.note_stream("sync")
         self.strategy.reduction.pending.complete()
 
 
