@@ -171,23 +171,33 @@ def run_source(source: str, backend: str | None = None) -> tuple[float, list[dic
                 "published_tflops": case["published"],
                 "predicted_tflops": t["tflops_per_device"],
                 "step_s": t["step_s"],
+                "comm_s": t["comm_s"],
                 "exposed_comm_s": t["exposed_comm_s"],
                 "fits_device": t["fits_device"],
                 "peak_gib": t["peak_bytes"] / 2**30,
             }
         )
+    for r in rows:
+        r["published_step_s"] = published_step(r)
     return factor, rows
+
+
+def published_step(row: dict) -> float:
+    """The step a row's published figure implies: the same model FLOPs at the published rate."""
+    return row["step_s"] * row["predicted_tflops"] / row["published_tflops"]
 
 
 def print_table(source: str, factor: float, rows: list[dict]) -> None:
     fitted = next(r["row"] for r in rows if r["fitted"])
     print(f"\n{source}: software_factor {factor:.4f} for ({SOURCES[source]}, {SOFTWARE[source]}), "
           f"fitted on {fitted}")  # fmt: skip
-    print(f"{'row':<62} {'kind':>9} {'step s':>8} {'predicted':>9} {'published':>9} {'ratio':>6}")
+    print(f"{'row':<62} {'kind':>9} {'step s':>8} {'comm s':>7} {'published step s':>16} "
+          f"{'predicted':>9} {'published':>9} {'ratio':>6}")  # fmt: skip
     for r in rows:
         kind = "fitted" if r["fitted"] else "predicted"
         oom = "" if r["fits_device"] else f"  OOM: peak {r['peak_gib']:.1f} GiB, would not start"
-        print(f"{r['row']:<62} {kind:>9} {r['step_s']:>8.2f} {r['predicted_tflops']:>9.1f} "
+        print(f"{r['row']:<62} {kind:>9} {r['step_s']:>8.2f} {r['comm_s']:>7.2f} "
+              f"{published_step(r):>16.2f} {r['predicted_tflops']:>9.1f} "
               f"{r['published_tflops']:>9.0f} {r['predicted_tflops'] / r['published_tflops']:>6.2f}"
               f"{oom}")  # fmt: skip
 

@@ -128,3 +128,19 @@ def test_a_row_whose_step_would_not_start_prints_oom_and_no_step_time(capsys):
     assert "OOM: peak 81.7 GiB > device 80 GiB (would take 408.90 s)" in oom
     assert "86.2" not in oom and "0.625" not in oom  # no throughput, no ratio
     assert "| 86.2 | 0.625 | 408.90 | 165.80 |" in ran
+
+
+def test_a_paper_row_prints_the_step_its_published_figure_implies(capsys):
+    """The same model FLOPs at the published rate: a row predicted at twice the published
+    TFLOP/s took half the published step (10 s predicted, 20 s published)."""
+    from benchmarks.dryrun_papers import print_table
+
+    row = {
+        "row": "174.6B on 768 GPUs", "fitted": True, "published_tflops": 88.0,
+        "predicted_tflops": 176.0, "step_s": 10.0, "comm_s": 3.0,
+        "exposed_comm_s": 1.0, "fits_device": True, "peak_gib": 40.0,
+    }  # fmt: skip
+    print_table("narayanan2021", 0.5, [row])
+    header, line = capsys.readouterr().out.splitlines()[-2:]
+    assert "published step s" in header
+    assert line.split()[-6:] == ["10.00", "3.00", "20.00", "176.0", "88", "2.00"]
