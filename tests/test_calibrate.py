@@ -189,6 +189,25 @@ def test_measure_reclaims_real_touches_time_a_huge_page_and_free_their_mapping(m
     assert grown < 8 << 20, grown
 
 
+def test_the_reclaim_benchmark_times_both_page_kinds_by_age(capsys, tmp_path):
+    """``benchmarks/page_reclaim.py`` at one short age: a row per page kind and age (the warm
+    touch, then 10 ms), asleep and busy, each a first touch of a fresh page, more than nothing
+    and far below a second; a bad argument is refused, naming it."""
+    from benchmarks import page_reclaim
+
+    out = tmp_path / "rows.json"
+    assert page_reclaim.main(["--ages", "0.01", "--repeats", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["page"], r["age_s"]) for r in rows] == [
+        ("4 KiB", 0.0), ("4 KiB", 0.01), ("2 MiB", 0.0), ("2 MiB", 0.01)
+    ]  # fmt: skip
+    assert all(0 < r[k] < 1e6 for r in rows for k in ("asleep_us", "busy_us")), rows
+    assert len(capsys.readouterr().out.splitlines()) == 1 + len(rows)
+    with pytest.raises(SystemExit):
+        page_reclaim.main(["--repeats", "0"])
+    assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
 def test_the_fit_recovers_alpha_and_bandwidth_of_the_ring_formula():
     alpha, bandwidth, p = 7e-6, 3e9, 2
     rows = [

@@ -560,22 +560,27 @@ RECLAIM_BYTES = 64 << 20
 COLD = 2.0  # a touch this many times slower a page than right after a free was taken back
 
 
-def _touch_huge(nbytes: int) -> float:
+def touch_fresh(nbytes: int, huge: bool) -> float:
     """Seconds of the first touch of a fresh private mapping of ``nbytes`` advised for huge
-    pages, one byte a 4 KiB page (the kernel zeroes each page it gives), over its 2 MiB pages;
-    the mapping is freed again."""
+    pages (``huge``) or against them, one byte a 4 KiB page (the kernel zeroes each page it
+    gives), over its pages of that kind (2 MiB or 4 KiB); the mapping is freed again."""
     import mmap  # noqa: PLC0415
 
     from zerosim.dryrun.host import HUGE_PAGE, PAGE  # noqa: PLC0415
 
     with mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE) as mapping:
-        mapping.madvise(mmap.MADV_HUGEPAGE)
+        mapping.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
         pages = np.frombuffer(mapping, np.uint8)
         start = time.perf_counter()
         pages[::PAGE] = 1
         seconds = time.perf_counter() - start
         del pages  # the mapping closes only once no array holds it
-    return seconds / (nbytes // HUGE_PAGE)
+    return seconds / (nbytes // (HUGE_PAGE if huge else PAGE))
+
+
+def _touch_huge(nbytes: int) -> float:
+    """``touch_fresh`` of a mapping advised for huge pages: seconds a 2 MiB page."""
+    return touch_fresh(nbytes, huge=True)
 
 
 def measure_reclaim(nbytes: int = RECLAIM_BYTES) -> dict[str, Any]:
