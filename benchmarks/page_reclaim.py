@@ -10,7 +10,8 @@ advised against huge pages, 64 MiB advised for them: ``calibrate.touch_fresh``) 
 after one of the same size was freed ("warm"), and again after the process left it free for each
 age, once asleep (``time.sleep``) and once busy (spinning on a small array), so that the memory's
 age and the CPU's idling can be told apart. Prints µs a page, the median of ``--repeats``. Where
-nothing is taken back every age costs the warm touch. About a minute at the default ages.
+nothing is taken back every age costs the warm touch. About a minute at the default ages; Linux
+only (it advises pages with ``madvise``).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ run, its rates positive and its measurements ordered as physics orders them."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import sys
 import time
@@ -189,6 +190,7 @@ def test_measure_reclaims_real_touches_time_a_huge_page_and_free_their_mapping(m
     assert grown < 8 << 20, grown
 
 
+@pytest.mark.skipif(not hasattr(mmap, "MADV_NOHUGEPAGE"), reason="advises Linux's huge pages")
 def test_the_reclaim_benchmark_times_both_page_kinds_by_age(capsys, tmp_path):
     """``benchmarks/page_reclaim.py`` at one short age: a row per page kind and age (the warm
     touch, then 10 ms), asleep and busy, each a first touch of a fresh page, more than nothing
