@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for name, value in (("--repeats", args.repeats), *(("--ages", a) for a in args.ages)):
         if value < (1 if name == "--repeats" else 0):
-            parser.error(f"{name} must be {'at least 1' if name == '--repeats' else '≥ 0'}")
+            allowed = "at least 1" if name == "--repeats" else "0 or more seconds"
+            parser.error(f"{name} must be {allowed}; got {value}")
     rows = measure(args.ages, args.repeats)
     print(f"{'page':>6} {'left free s':>11} {'asleep µs':>10} {'busy µs':>10}")
     for r in rows:

@@ -207,7 +207,10 @@ def test_the_reclaim_benchmark_times_both_page_kinds_by_age(capsys, tmp_path):
     assert len(capsys.readouterr().out.splitlines()) == 1 + len(rows)
     with pytest.raises(SystemExit):
         page_reclaim.main(["--repeats", "0"])
-    assert "--repeats must be at least 1" in capsys.readouterr().err
+    assert "--repeats must be at least 1; got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        page_reclaim.main(["--ages", "0.1", "-1"])
+    assert "--ages must be 0 or more seconds; got -1.0" in capsys.readouterr().err
 
 
 def test_the_fit_recovers_alpha_and_bandwidth_of_the_ring_formula():
