@@ -323,6 +323,43 @@ def test_an_overlapped_bucket_hides_behind_the_rest_of_backward_by_hand(tmp_path
     assert t["step_s"] == pytest.approx(compute + exposed, rel=1e-9)
 
 
+def test_deepspeeds_stage2_buckets_on_its_reduction_stream_by_hand(tmp_path):
+    """Stage 2 on DeepSpeed's schedule with ``overlap_comm``, the same cluster and bucket size
+    as above: IPG buckets, each reduced when the next gradient would take it past Ψ/2 = 15,040
+    elements, in the order backward finishes the gradients (a Linear's bias before its weight).
+    lm_head 2,048, ln_f 64 and block 1 12,704 make 14,816; block 0's MLP c_proj bias makes
+    14,848, and its weight (4,096) would pass the limit, so the first bucket goes then, with
+    block 0's c_fc, attention and c_attn still to run backward (0.5 ms and more), under which
+    its all-reduce (20 µs + 59,392 B / 10⁹ B/s = 79 µs) hides. The second holds the rest of
+    block 0 (12,672) and wpe (512), 13,184, and goes when wte's 2,048 arrive, at the end of
+    backward; the third, wte's, in the epilogue. The second and third all-reduces run back to
+    back with no backward left to hide them (each on DeepSpeed's reduction stream once the
+    compute stream has waited for it), the epilogue's sync waits for the third; then the
+    norm's all-reduce of one float and the all-gather of the updated parameters, blocking."""
+    cluster = _gpu(
+        tmp_path / "overlap.json", devices_per_node=2, intra_bandwidth=1e9, intra_latency=1e-5,
+        device_flops=1e9,
+    )  # fmt: skip
+    config = _config(stage=2, schedule="deepspeed")
+    config["zero_optimization"].update(overlap_comm=True, reduce_bucket_size=PSI // 2)
+    report = dry_run(MODEL, 2, config, cluster=cluster)
+
+    def ring(op, size):  # one node of 2: a pass round the ring is 1 hop of 10 µs
+        return _ring_seconds(op, size, 1e9, 1e-5, p=2)
+
+    block = 12 * H * H + 13 * H
+    first = V * H + 2 * H + block + H
+    second = (block - H) + S * H
+    assert (first, second, PSI - first - second) == (14_848, 13_184, V * H)
+    hidden = ring("all_reduce", first * 4)
+    exposed = ring("all_reduce", second * 4) + ring("all_reduce", V * H * 4)
+    exposed += ring("all_reduce", 4) + ring("all_gather", PSI * 4)
+    t = report["time"]
+    assert t["compute_s"] == pytest.approx(_matmul_flops() / 1e9, rel=1e-9)
+    assert t["comm_s"] == pytest.approx(hidden + exposed, rel=1e-9)
+    assert t["exposed_comm_s"] == pytest.approx(exposed, rel=1e-9)
+
+
 def test_each_collective_reaches_the_bus_efficiency_of_its_own_size_by_hand(tmp_path):
     """Stage 3 on one node of 4 ranks, NVLink 10⁹ B/s, no latency, with a bus efficiency of 1/4
     up to 1 kB rising to 1 at 100 kB (linear in log size): each collective runs at the
