@@ -658,6 +658,8 @@ def test_a_cluster_file_for_pytorch_prices_kernels_and_refuses_a_bad_efficiency(
     write_cluster(path, **alone, memory_efficiency=0.9)
     with pytest.raises(ValueError, match="memory_efficiency is a fraction of device_memory_ban"):
         load_cluster_model(path)
+    with pytest.raises(ValueError, match="memory_efficiency is a fraction of device_memory_ban"):
+        ClusterModel(CLUSTER, memory_efficiency=0.9)  # built in code, not read from a file
 
 
 def test_adam_on_the_cupy_path_is_one_kernel_priced_from_selenes_cited_rates_by_hand():

@@ -101,7 +101,8 @@ class ClusterModel:
     device_memory_bytes: float | None = None
     device_flops_fp32: float | None = None  # None: fp32 products at device_flops too
     device_memory_bandwidth: float | None = None  # None: products priced by FLOPs alone
-    memory_efficiency: float = 1.0  # of device_memory_bandwidth, a streaming kernel's
+    # of device_memory_bandwidth, a streaming kernel's; None: not given (all of it)
+    memory_efficiency: float | None = None
     intra_efficiency: float = 1.0  # of the intra-node line rate, at large messages
     inter_efficiency: float = 1.0  # of the NICs' line rate, at large messages
     bus_efficiency_by_size: tuple[tuple[float, float], ...] = ()  # () : 1 at every size
@@ -153,14 +154,19 @@ class ClusterModel:
             value = getattr(self, key)
             if value is not None and not _positive(value):
                 raise ValueError(f"{key} must be a positive number, got {value!r}")
+        if self.memory_efficiency is not None and self.device_memory_bandwidth is None:
+            raise ValueError(
+                "memory_efficiency is a fraction of device_memory_bandwidth, which the file does "
+                "not give: give both, or neither"
+            )
         if self.backend not in PREDICTED_BACKENDS:
             raise ValueError(
                 f"{BACKEND_KEY} must be one of {PREDICTED_BACKENDS}, got {self.backend!r}"
             )
-        fractions = ("software_factor", "intra_efficiency", "inter_efficiency", "memory_efficiency")
-        for key in (*fractions, ATTENTION_KEY):
+        fractions = ("software_factor", "intra_efficiency", "inter_efficiency")
+        for key in (*fractions, "memory_efficiency", ATTENTION_KEY):
             value = getattr(self, key)
-            if key == ATTENTION_KEY and value is None:
+            if key in ("memory_efficiency", ATTENTION_KEY) and value is None:
                 continue
             if not (_positive(value) and value <= 1):
                 raise ValueError(f"{key} must be in (0, 1], got {value!r}")
@@ -189,7 +195,8 @@ class ClusterModel:
         ``memory_efficiency``; None where the file gives no rate."""
         if self.device_memory_bandwidth is None:
             return None
-        return self.device_memory_bandwidth * self.memory_efficiency
+        fraction = 1.0 if self.memory_efficiency is None else self.memory_efficiency
+        return self.device_memory_bandwidth * fraction
 
     def size_efficiency(self, size_bytes: float) -> float:
         """The fraction of the large-message bus bandwidth a collective of ``size_bytes`` reaches:
@@ -369,11 +376,6 @@ def _model(values: dict[str, Any], name: str) -> ClusterModel:
     missing = [k for k in CLUSTER_KEYS if k not in values]
     if missing:
         raise ValueError(f"missing keys {missing} (inter_bandwidth: or {list(NIC_KEYS)})")
-    if "memory_efficiency" in values and "device_memory_bandwidth" not in values:
-        raise ValueError(
-            "memory_efficiency is a fraction of device_memory_bandwidth, which the file does "
-            "not give: give both, or neither"
-        )
     algorithm = values.get("collective_algorithm", "ring")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"collective_algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -384,7 +386,7 @@ def _model(values: dict[str, Any], name: str) -> ClusterModel:
         device_memory_bytes=values.get(MEMORY_KEY),
         device_flops_fp32=values.get(FP32_KEY),
         device_memory_bandwidth=values.get("device_memory_bandwidth"),
-        memory_efficiency=values.get("memory_efficiency", 1.0),
+        memory_efficiency=values.get("memory_efficiency"),
         intra_efficiency=values.get("intra_efficiency", 1.0),
         inter_efficiency=values.get("inter_efficiency", 1.0),
         bus_efficiency_by_size=tuple(tuple(p) for p in values.get("bus_efficiency_by_size", ())),
