@@ -326,7 +326,9 @@ def test_an_overlapped_bucket_hides_behind_the_rest_of_backward_by_hand(tmp_path
 def test_deepspeeds_stage2_buckets_on_its_reduction_stream_by_hand(tmp_path):
     """Stage 2 on DeepSpeed's schedule with ``overlap_comm``, the same cluster and bucket size
     as above: IPG buckets, each reduced when the next gradient would take it past Ψ/2 = 15,040
-    elements, in the order backward finishes the gradients (a Linear's bias before its weight).
+    elements, in the order backward finishes the gradients (a Linear's bias before its weight,
+    as DeepSpeed's hooks finish them: tests/peer/test_deepspeed_collectives.py holds stage 2's
+    bucket sizes to DeepSpeed's comms log).
     lm_head 2,048, ln_f 64 and block 1 12,704 make 14,816; block 0's MLP c_proj bias makes
     14,848, and its weight (4,096) would pass the limit, so the first bucket goes then, with
     block 0's c_fc, attention and c_attn still to run backward (0.5 ms and more), under which

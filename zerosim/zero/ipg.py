@@ -248,13 +248,13 @@ class IpgBuckets:
             assign(bucket[at : at + g.size], g)
             at += g.size
         self.entries, self.grads, self.numel = [], [], 0
-        stream = s.zero.overlap_comm  # on a GPU: on DeepSpeed's reduction stream
-        if stream:
+        on_stream = s.zero.overlap_comm  # on a GPU: on DeepSpeed's reduction stream
+        if on_stream:
             self.comm.note_stream("reduce_in_turn")
         for i, r in enumerate(plan):
             last = i == len(plan) - 1
             self._start_reduction(r, bucket, last)
-        if stream:
+        if on_stream:
             self.comm.note_stream("compute")
 
     def _start_reduction(self, r: Reduction, bucket: Any, last: bool) -> None:
