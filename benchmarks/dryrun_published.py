@@ -19,7 +19,10 @@ bf16 gathers, fp32 reduce-scatters; PURE: bf16 both), FULL_SHARD as ``reshard_af
 true (SHARD_GRAD_OP would be false: ZeRO-2's parameters kept from forward to backward; the tables
 have none), parameters re-gathered and gradients reduce-scattered every micro-batch (Composer
 calls no ``no_sync`` on an FSDP model, ``composer/trainer/dist_strategy.py``,
-``ddp_sync_context``), the row's micro-batch, accumulation and checkpointing. Where zerosim's
+``ddp_sync_context``), the row's micro-batch, accumulation and checkpointing, llm-foundry's loss
+(flash-attn's fused cross-entropy, which keeps the logits for backward) and Composer's train
+metrics, cross-entropy and perplexity, updated from the logits after every micro-batch's
+backward (``TRAIN_METRICS``; ``zerosim/nn/metrics.py`` cites the code). Where zerosim's
 FSDP2 differs from Composer's FSDP1: FSDP1 flattens each unit into one ``FlatParameter`` cut in
 N equal pieces (zerosim cuts each parameter along dim 0, as FSDP2 does: a little more padding),
 and FSDP1 prefetches the next unit's gather in backward only (``BACKWARD_PRE``) while FSDP2
@@ -72,7 +75,7 @@ from zerosim.dryrun import load_cluster_model, run_world  # noqa: E402
 from zerosim.dryrun.published import SweepRow, read_sweep  # noqa: E402
 from zerosim.dryrun.report import step_time  # noqa: E402
 from zerosim.dryrun.run import ModelRecipe  # noqa: E402
-from zerosim.nn import PRESETS, ModelDescription, Transformer  # noqa: E402
+from zerosim.nn import PRESETS, CrossEntropyLoss, ModelDescription, Transformer  # noqa: E402
 
 SWEEP = ROOT / "examples/published/llm_foundry/a100.csv"
 PEAK = 312e12  # the tables' GPU_AVAILABLE_FLOPS for an A100 in bf16
@@ -87,14 +90,30 @@ def description(row: SweepRow) -> ModelDescription:
     return PRESETS[row.model].with_(seq=row.seq, attention="flash")
 
 
+# What Composer's trainer updates after every micro-batch's backward for llm-foundry's MPT
+# (``ComposerMPTCausalLM``'s ``train_metrics``; zerosim.nn.metrics)
+TRAIN_METRICS = ("LanguageCrossEntropy", "LanguagePerplexity")
+
+
+def model(desc: ModelDescription) -> Transformer:
+    """The row's model with llm-foundry's loss, flash-attn's fused cross-entropy (``loss_fn:
+    fused_crossentropy``): it keeps the logits for backward, not float32 probabilities."""
+    net = Transformer(desc)
+    net.loss_fn = CrossEntropyLoss(ignore_index=-1, recompute_softmax=True)
+    return net
+
+
 def model_recipe(row: SweepRow) -> ModelRecipe:
+    """The row's model and micro-batch, trained as Composer trains it: its train metrics
+    updated from the logits after every micro-batch's backward."""
     desc = description(row)
     xp = meta.NAMESPACE
 
     def batch(b: int) -> tuple:
         return xp.zeros((b, row.seq), np.int64), xp.zeros((b, row.seq), np.int64)
 
-    return ModelRecipe(f"{row.model}@{row.seq}", lambda: Transformer(desc), batch, desc=desc)
+    name = f"{row.model}@{row.seq}"
+    return ModelRecipe(name, lambda: model(desc), batch, desc=desc, metrics=TRAIN_METRICS)
 
 
 # Composer's fsdp_config.mixed_precision → MixedPrecisionPolicy (README.md): the gather's dtype

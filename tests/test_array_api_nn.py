@@ -140,6 +140,11 @@ def cross_entropy_case() -> tuple[nn.Module, np.ndarray, np.ndarray]:
     return nn.CrossEntropyLoss(), rng().standard_normal((6, 5)), targets
 
 
+def recomputing_cross_entropy_case() -> tuple[nn.Module, np.ndarray, np.ndarray]:
+    _, logits, targets = cross_entropy_case()
+    return nn.CrossEntropyLoss(recompute_softmax=True), logits, targets
+
+
 def mse_case() -> tuple[nn.Module, np.ndarray, np.ndarray]:
     return (
         nn.MSELoss(reduction="sum"),
@@ -148,7 +153,11 @@ def mse_case() -> tuple[nn.Module, np.ndarray, np.ndarray]:
     )
 
 
-@pytest.mark.parametrize("make", [cross_entropy_case, mse_case], ids=["cross_entropy", "mse"])
+@pytest.mark.parametrize(
+    "make",
+    [cross_entropy_case, recomputing_cross_entropy_case, mse_case],
+    ids=["cross_entropy", "cross_entropy_recomputed", "mse"],
+)
 def test_loss_and_its_gradient_on_device1_equal_the_numpy_run(make: Callable[..., Any]) -> None:
     loss_fn, prediction, target = make()
     loss0 = loss_fn(prediction, target)

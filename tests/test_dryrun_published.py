@@ -9,7 +9,15 @@ import json
 
 import pytest
 
-from benchmarks.dryrun_published import CLUSTERS, SWEEP, config, description, model_flops_per_step
+from benchmarks.dryrun_published import (
+    CLUSTERS,
+    SWEEP,
+    config,
+    description,
+    model_flops_per_step,
+    model_recipe,
+)
+from zerosim.backend import shape_only_init
 from zerosim.config import load_config
 from zerosim.dryrun import load_cluster_model
 from zerosim.dryrun.published import read_sweep
@@ -47,6 +55,18 @@ def test_a_rows_config_follows_its_columns(i):
     desc = description(row)
     assert desc.seq == int(raw["SeqLen (T)"]) and desc.attention == "flash"
     assert desc.num_parameters() == int(raw["NumParams"])  # the preset at the row's sequence
+
+
+def test_a_row_trains_as_composer_does_with_its_metrics_and_flash_attns_loss():
+    """README: Composer updates ``ComposerMPTCausalLM``'s train metrics, LanguageCrossEntropy
+    and LanguagePerplexity, after every micro-batch's backward; the loss is flash-attn's fused
+    cross-entropy, which keeps the logits for backward (``recompute_softmax``)."""
+    row = next(r for r in SWEEP_ROWS if r.model == "mpt-125m")
+    recipe = model_recipe(row)
+    assert recipe.metrics == ("LanguageCrossEntropy", "LanguagePerplexity")
+    with shape_only_init():
+        net = recipe.build()
+    assert net.loss_fn.recompute_softmax and net.loss_fn.ignore_index == -1
 
 
 def test_the_mfu_numerator_is_the_sources_formula():

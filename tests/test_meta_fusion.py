@@ -144,6 +144,27 @@ def test_the_cross_entropy_is_one_kernel_a_pass():
     assert moved == ROWS * vocab * 4 + ROWS * 8 + ROWS + 4 + ROWS * vocab * 2
 
 
+def test_the_recomputing_cross_entropy_keeps_the_logits_and_reads_them_in_backward():
+    """flash-attn's cross-entropy (``recompute_softmax``) keeps no float32 probabilities
+    (4 bytes a logit) but each row's float32 log-sum-exp (4 bytes a row), the logits being
+    alive anyway; its backward reads the bf16 logits, the log-sum-exp, the targets, the mask
+    and the seed, and writes the bf16 gradient."""
+    vocab, kept = 32, {}
+    for recompute in (False, True):
+        with meta.tracking(backend="torch") as tracker:
+            logits = xp.zeros((ROWS, vocab), "bfloat16")
+            loss_fn = nn.CrossEntropyLoss(recompute_softmax=recompute)
+            before = tracker.live_total
+            loss = loss_fn(logits, xp.zeros((ROWS,), np.int64))
+            kept[recompute] = tracker.live_total - before
+            moved = tracker.op_bytes
+            loss_fn.backward(xp.zeros((), loss.dtype))
+            moved = tracker.op_bytes - moved
+    assert kept[False] - kept[True] == ROWS * vocab * 4 - ROWS * 4
+    assert tracker.ops == {"cross_entropy": 1, "cross_entropy_backward": 1}
+    assert moved == ROWS * vocab * 2 + ROWS * 4 + ROWS * 8 + ROWS + 4 + ROWS * vocab * 2
+
+
 def test_a_torch_dry_run_changes_no_collective_and_no_byte_only_the_kernels():
     """A bf16 GPT at stage 3 on 2 ranks: the same bytes sent and received and FLOPs on both
     paths; under torch fewer than half the kernels, the products' launches the same, and a

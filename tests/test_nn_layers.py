@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import zerosim.nn as nn
+from zerosim.backend import resolve_dtype
 from zerosim.nn.functional import erfc
 from zerosim.nn.gradcheck import gradcheck, relative_error
 
@@ -166,6 +167,7 @@ def test_cross_entropy_backward_matches_finite_differences(n):
     targets = np.arange(n) % 4
     targets[-1] = -100 if n > 1 else targets[-1]  # an ignored row when there are several
     assert_gradcheck(nn.CrossEntropyLoss(), rand(n, 4) * 3, targets)
+    assert_gradcheck(nn.CrossEntropyLoss(recompute_softmax=True), rand(n, 4) * 3, targets)
 
 
 def test_mse_and_sequential_backward_match_finite_differences():
@@ -249,6 +251,26 @@ def test_cross_entropy_with_ignore_index_matches_torch():
     assert abs(float(loss) - tloss.item()) < 1e-14
     assert relative_error(dlogits, lt.grad.numpy()) < 1e-14
     assert dtargets is None
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_cross_entropy_recomputing_the_softmax_matches_torch_and_leaves_the_logits(dtype):
+    """flash-attn's way (``recompute_softmax``): the logits and log-sum-exp kept, softmax
+    recomputed in backward; the loss and gradient are torch's, the logits untouched (a trainer
+    still reads them). bf16 logits: torch's float32 arithmetic on their values, d rounded."""
+    logits = (rand(6, 5) * 4).astype(resolve_dtype(dtype))
+    targets = np.array([0, 4, -1, 2, -1, 3])
+    kept = logits.copy()
+    loss_fn = nn.CrossEntropyLoss(ignore_index=-1, recompute_softmax=True)
+    loss = loss_fn(logits, targets)
+    dlogits, _ = loss_fn.backward(np.array(2.0))
+    lt = torch.tensor(logits.astype(np.float64), requires_grad=True)
+    tloss = F.cross_entropy(lt, torch.tensor(targets), ignore_index=-1)
+    (2 * tloss).backward()
+    assert float(loss) == pytest.approx(tloss.item(), rel=1e-14 if dtype == "float64" else 1e-6)
+    tolerance = 1e-14 if dtype == "float64" else 2**-7  # d rounded to bf16
+    assert relative_error(dlogits.astype(np.float64), lt.grad.numpy()) < tolerance
+    assert dlogits.dtype == logits.dtype and np.array_equal(logits, kept)
 
 
 def test_cross_entropy_with_every_target_ignored_is_nan_like_torch_with_zero_gradient():

@@ -35,8 +35,9 @@ from zerosim.config import load_config, read_config_file
 from zerosim.config.values import as_mapping
 from zerosim.dryrun.host import MallocModel, PythonCalls, numpy_hugepages
 from zerosim.engine import Engine, initialize
-from zerosim.nn import GPT, MLP, Module, Transformer, checkpoint
+from zerosim.nn import GPT, MLP, Module, Transformer, checkpoint, no_grad
 from zerosim.nn.description import ModelDescription
+from zerosim.nn.metrics import METRICS
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,16 @@ class ModelRecipe:
     batch: Callable[[int], tuple[Any, Any]]  # micro-batch size → (x, y), shape-only
     gpt: Any = None  # the GPTShape, for GPT models
     desc: ModelDescription | None = None  # the transformer's description (a GPT's too)
+    # the trainer's metrics (``zerosim.nn.metrics.METRICS`` names), updated from the logits
+    # after every micro-batch's backward, as Composer's trainer updates its train metrics
+    metrics: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.metrics if name not in METRICS]
+        if unknown:
+            raise ValueError(
+                f"ModelRecipe metrics {unknown} are not metrics; allowed: {sorted(METRICS)}"
+            )
 
 
 def recipe(spec: Any, name: str | None = None) -> ModelRecipe:
@@ -182,16 +193,18 @@ def run_rank(
             net = model.build()
         if recompute:
             recompute_blocks(net, model.name)
+        metrics = [METRICS[name]() for name in model.metrics]
+        net.keep_output = bool(metrics)
         engine, *_ = initialize(net, config, comm=comm)
         init_peak = tracker.peak_total
         x, y = model.batch(engine.config.train_micro_batch_size_per_gpu)
         for _ in range(steps - 1):
-            _train_step(engine, x, y)
+            _train_step(engine, x, y, metrics)
         tracker.reset_peaks()  # the last step is the one measured and written as events
         step_start = tracker.live_total
         flops_before = tracker.matmul_flops
         last_step = engine.global_steps
-        events = _traced_step(engine, (x, y), tracker, pages, memory_events, op_events)
+        events = _traced_step(engine, (x, y, metrics), tracker, pages, memory_events, op_events)
         result = RankRun(
             rank,
             comm,
@@ -213,8 +226,9 @@ def run_rank(
 def _traced_step(
     engine: Engine, batch: tuple, tracker: meta.Tracker, pages: Any, memory: bool, ops: bool
 ) -> list[tuple[str, Any]]:
-    """Run the last step, writing its events (``RankRun.events``); with ``ops`` (a host's time
-    model) also its array operations, zerosim's own Python calls and its fresh pages."""
+    """Run the last step of ``batch`` (x, y and the metrics), writing its events
+    (``RankRun.events``); with ``ops`` (a host's time model) also its array operations,
+    zerosim's own Python calls and its fresh pages."""
     tracker.ops.clear()  # the operations of the last step
     tracker.op_bytes = 0
     events: list[tuple[str, Any]] = []
@@ -274,11 +288,18 @@ def recompute_blocks(net: Module, name: str) -> None:
         blocks[i] = checkpoint(block)
 
 
-def _train_step(engine: Engine, x: Any, y: Any) -> None:
-    """One optimizer step: ``gradient_accumulation_steps`` micro-batches of (x, y)."""
+def _train_step(engine: Engine, x: Any, y: Any, metrics: list) -> None:
+    """One optimizer step: ``gradient_accumulation_steps`` micro-batches of (x, y), each
+    ``metrics`` updated from the micro-batch's logits after its backward (Composer's order)."""
     for _ in range(engine.config.gradient_accumulation_steps):
         loss = engine(x, y)
         engine.backward(loss)
+        if metrics:
+            net = engine.module
+            with no_grad():
+                for metric in metrics:
+                    metric.update(net.output, y)
+            net.output = None  # the trainer lets go of the logits
         engine.step()
 
 

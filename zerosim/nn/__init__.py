@@ -15,6 +15,7 @@ from zerosim.nn.grad_mode import enable_grad, is_grad_enabled, no_grad
 from zerosim.nn.grad_ready import GradReadyTracker
 from zerosim.nn.linear import Embedding, Linear
 from zerosim.nn.loss import CrossEntropyLoss, MSELoss
+from zerosim.nn.metrics import LanguageCrossEntropy, LanguagePerplexity
 from zerosim.nn.models import GPT, MLP, LossModel, Transformer
 from zerosim.nn.module import LoadResult, Module, RemovableHandle, StateDictError
 from zerosim.nn.norm import BatchNorm1d, LayerNorm, RMSNorm
@@ -48,6 +49,8 @@ __all__ = [
     "Dropout",
     "Embedding",
     "FeedForward",
+    "LanguageCrossEntropy",
+    "LanguagePerplexity",
     "LayerNorm",
     "Linear",
     "LoadResult",

@@ -34,12 +34,20 @@ class CrossEntropyLoss(Module):
     logits z are (N, C), targets t are (N,) integers; rows with t_i == ignore_index
     count neither in the sum nor in #valid. d z_i = (softmax(z_i) − onehot(t_i)) · g / #valid.
     When every target is ignored the mean is NaN, as in torch, and the gradient is zero.
+
+    Forward keeps the softmax probabilities in float32 for backward. With
+    ``recompute_softmax`` it keeps the logits and each row's log-sum-exp instead and backward
+    recomputes softmax(z) = exp(z − lse): flash-attn's fused cross-entropy (``xentropy``, which
+    llm-foundry's runs used), whose memory is the logits' own, in their dtype.
     """
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean") -> None:
+    def __init__(
+        self, ignore_index: int = -100, reduction: str = "mean", recompute_softmax: bool = False
+    ) -> None:
         super().__init__()
         self.ignore_index = int(ignore_index)
         self.reduction = _check_reduction(reduction)
+        self.recompute_softmax = bool(recompute_softmax)
 
     @fused("cross_entropy")
     def forward(self, logits: Any, target: Any) -> Any:
@@ -78,18 +86,35 @@ class CrossEntropyLoss(Module):
             z_target = xp.take_along_axis(z, t[:, None], axis=1)[:, 0]
             total = reduce("sum", (lse - z_target) * xp.astype(valid, z.dtype))
         denom = count if self.reduction == "mean" else 1
-        e /= s  # softmax probabilities, kept for backward
-        self.save_for_backward(e, t, valid, denom, logits.dtype)
+        if self.recompute_softmax:
+            self.save_for_backward(logits, lse, t, valid, denom, logits.dtype)
+        else:
+            e /= s  # softmax probabilities, kept for backward
+            self.save_for_backward(e, t, valid, denom, logits.dtype)
         if denom == 0:
             return xp.asarray(float("nan"), dtype=z.dtype)
         return total / denom
 
     def _backward(self, grad: Any) -> tuple[Any, None]:
+        if self.recompute_softmax:
+            return _cross_entropy_backward_recomputed(*self.pop_saved(), grad), None
         probs, t, valid, denom, dtype = self.pop_saved()
         return _cross_entropy_backward(probs, t, valid, denom, dtype, grad), None
 
     def extra_repr(self) -> str:
-        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}"
+        recompute = ", recompute_softmax=True" if self.recompute_softmax else ""
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}{recompute}"
+
+
+@fused("cross_entropy_backward")
+def _cross_entropy_backward_recomputed(
+    logits: Any, lse: Any, t: Any, valid: Any, denom: int, dtype: Any, grad: Any
+) -> Any:
+    """The backward from the logits and log-sum-exp: softmax(z) = exp(z − lse) in a new array
+    (the logits stay as they were: a trainer may still read them), then as from the kept
+    probabilities; one kernel on a GPU, reading the logits and writing their gradient."""
+    probs = xp_of(logits).exp(upcast(logits) - lse[:, None])
+    return _cross_entropy_backward(probs, t, valid, denom, dtype, grad)
 
 
 @fused("cross_entropy_backward")

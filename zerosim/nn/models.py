@@ -43,7 +43,14 @@ class LossModel(Module):
 
     Subclasses define ``_output(x)``, ``_output_backward(grad)`` and, when the loss needs
     other shapes than the output, ``_loss_args(output, target)``.
+
+    With ``keep_output`` set, ``model(x, y)`` also keeps the output in ``output`` until the
+    caller sets it to None: what a trainer that updates metrics from the logits after backward
+    holds (Composer's ``state.outputs``; ``zerosim.nn.metrics``).
     """
+
+    keep_output = False
+    output: Any = None
 
     def _output(self, x: Any) -> Any:
         raise NotImplementedError
@@ -61,6 +68,8 @@ class LossModel(Module):
             return output
         prediction, target = self._loss_args(output, y)
         loss = self.loss_fn(prediction, target)
+        if self.keep_output:
+            self.output = output
         self.save_for_backward(True, output.shape, loss.dtype, xp_of(loss))
         return loss
 
