@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,6 +46,7 @@ from zerosim.dryrun.published import (  # noqa: E402
     ZEROPP_GPUS,
     ZEROPP_GPUS_PER_NODE,
     ZEROPP_PUBLISHED,
+    fit_software_factor,
     zeropp_config,
     zeropp_shapes,
 )
@@ -69,19 +68,6 @@ def narayanan_config(micro: int, accumulation: int) -> dict:
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
     }
-
-
-def fit_factor(tflops: Callable[[ClusterModel], float], published: float, base) -> float:
-    """The software factor at which ``tflops`` (predicted TFLOP/s per GPU, growing with the
-    factor) equals ``published``; 1 if even the roofline falls short of it."""
-    if tflops(base.with_software_factor(1.0)) <= published:
-        return 1.0
-    lo, hi = math.log(1e-3), 0.0
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        below = tflops(base.with_software_factor(math.exp(mid))) < published
-        lo, hi = (mid, hi) if below else (lo, mid)
-    return math.exp((lo + hi) / 2)
 
 
 def narayanan_runs(row, backend: str = "cupy") -> list:
@@ -158,7 +144,9 @@ def run_source(source: str, backend: str | None = None) -> tuple[float, list[dic
     backend = backend or base.backend
     cases = narayanan_cases(backend) if source == "narayanan2021" else zeropp_cases(backend)
     (fitted,) = [c for c in cases if c["fitted"]]
-    factor = fit_factor(lambda c: fitted["time"](c)["tflops_per_device"], fitted["published"], base)
+    factor = fit_software_factor(
+        lambda c: fitted["time"](c)["tflops_per_device"], fitted["published"], base
+    )
     cluster = base.with_software_factor(factor)
     rows = []
     for case in cases:

@@ -11,18 +11,19 @@ llm-foundry's sweep.
 Source: MosaicML llm-foundry's MPT throughput tables on A100s (PyTorch FSDP under Composer),
 kept cell for cell in ``examples/published/llm_foundry/a100.csv`` with their address, FLOP
 convention and configuration (``examples/published/llm_foundry/README.md``). Each row is dry-run
-as Composer ran it (``description`` and ``config``, held to the README's rules by
-tests/test_dryrun_published.py): the MPT preset at the row's sequence (learned positions, so the
-parameter count is the row's ``NumParams``) with FlashAttention, under zerosim's FSDP2 schedule
-with one unit per block and the root, fp32 shards and Adam, the row's mixed precision (DEFAULT:
-bf16 gathers, fp32 reduce-scatters; PURE: bf16 both), FULL_SHARD as ``reshard_after_forward``
+as Composer ran it (``llm_foundry_recipe`` and ``llm_foundry_config`` of
+``zerosim.dryrun.published``, held to the README's rules by tests/test_dryrun_published.py):
+the MPT preset at the row's sequence (learned positions, so the parameter count is the row's
+``NumParams``) with FlashAttention, under zerosim's FSDP2 schedule with one unit per block and
+the root, fp32 shards and Adam, the row's mixed precision (DEFAULT: bf16 gathers, fp32
+reduce-scatters; PURE: bf16 both), FULL_SHARD as ``reshard_after_forward``
 true (SHARD_GRAD_OP would be false: ZeRO-2's parameters kept from forward to backward; the tables
 have none), parameters re-gathered and gradients reduce-scattered every micro-batch (Composer
 calls no ``no_sync`` on an FSDP model, ``composer/trainer/dist_strategy.py``,
 ``ddp_sync_context``), the row's micro-batch, accumulation and checkpointing, llm-foundry's loss
 (flash-attn's fused cross-entropy, which keeps the logits for backward) and Composer's train
 metrics, cross-entropy and perplexity, updated from the logits after every micro-batch's
-backward (``TRAIN_METRICS``; ``zerosim/nn/metrics.py`` cites the code). Where zerosim's
+backward (``COMPOSER_TRAIN_METRICS``; ``zerosim/nn/metrics.py`` cites the code). Where zerosim's
 FSDP2 differs from Composer's FSDP1: FSDP1 flattens each unit into one ``FlatParameter`` cut in
 N equal pieces (zerosim cuts each parameter along dim 0, as FSDP2 does: a little more padding),
 and FSDP1 prefetches the next unit's gather in backward only (``BACKWARD_PRE``) while FSDP2
@@ -64,91 +65,25 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.dryrun_papers import fit_factor  # noqa: E402
-from zerosim import meta  # noqa: E402
 from zerosim.dryrun import load_cluster_model, run_world  # noqa: E402
-from zerosim.dryrun.published import SweepRow, read_sweep  # noqa: E402
+from zerosim.dryrun.published import (  # noqa: E402
+    A100_PEAK,
+    LLM_FOUNDRY_CSV,
+    SweepRow,
+    fit_software_factor,
+    llm_foundry_config,
+    llm_foundry_model_flops,
+    llm_foundry_recipe,
+    read_sweep,
+)
 from zerosim.dryrun.report import step_time  # noqa: E402
-from zerosim.dryrun.run import ModelRecipe  # noqa: E402
-from zerosim.nn import PRESETS, CrossEntropyLoss, ModelDescription, Transformer  # noqa: E402
+from zerosim.nn import PRESETS  # noqa: E402
 
-SWEEP = ROOT / "examples/published/llm_foundry/a100.csv"
-PEAK = 312e12  # the tables' GPU_AVAILABLE_FLOPS for an A100 in bf16
 CLUSTERS = {"a100_80gb": "mosaic_a100_80gb", "a100_40gb": "mosaic_a100_40gb"}
 FITTED = {"a100_80gb": ("mpt-7b", 2048, 8), "a100_40gb": ("mpt-7b", 2048, 8)}  # model, seq, GPUs
-
-
-def description(row: SweepRow) -> ModelDescription:
-    """The row's model: the MPT preset at the row's sequence (learned positions, so its
-    parameter count is the row's ``NumParams``) with FlashAttention (the runs' ``attn_impl:
-    triton``, FlashAttention's Triton port: README.md there)."""
-    return PRESETS[row.model].with_(seq=row.seq, attention="flash")
-
-
-# What Composer's trainer updates after every micro-batch's backward for llm-foundry's MPT
-# (``ComposerMPTCausalLM``'s ``train_metrics``; zerosim.nn.metrics)
-TRAIN_METRICS = ("LanguageCrossEntropy", "LanguagePerplexity")
-
-
-def model(desc: ModelDescription) -> Transformer:
-    """The row's model with llm-foundry's loss, flash-attn's fused cross-entropy (``loss_fn:
-    fused_crossentropy``): it keeps the logits for backward, not float32 probabilities."""
-    net = Transformer(desc)
-    net.loss_fn = CrossEntropyLoss(ignore_index=-1, recompute_softmax=True)
-    return net
-
-
-def model_recipe(row: SweepRow) -> ModelRecipe:
-    """The row's model and micro-batch, trained as Composer trains it: its train metrics
-    updated from the logits after every micro-batch's backward."""
-    desc = description(row)
-    xp = meta.NAMESPACE
-
-    def batch(b: int) -> tuple:
-        return xp.zeros((b, row.seq), np.int64), xp.zeros((b, row.seq), np.int64)
-
-    name = f"{row.model}@{row.seq}"
-    return ModelRecipe(name, lambda: model(desc), batch, desc=desc, metrics=TRAIN_METRICS)
-
-
-# Composer's fsdp_config.mixed_precision → MixedPrecisionPolicy (README.md): the gather's dtype
-# and the reduce-scatter's
-MIXED_PRECISION = {"DEFAULT": ("bfloat16", "float32"), "PURE": ("bfloat16", "bfloat16")}
-# FSDP's sharding strategy → reshard_after_forward: FULL_SHARD frees a block's parameters after
-# its forward and gathers them again in backward (ZeRO-3); SHARD_GRAD_OP keeps them gathered from
-# forward to backward (ZeRO-2's parameters, whole during the pass)
-RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
-
-
-def config(row: SweepRow) -> dict:
-    """The row's run under zerosim's FSDP2 schedule as Composer's FSDP1 runs it: one unit per
-    block (and the root), parameters re-gathered for every micro-batch (resharded after
-    backward) and gradients reduce-scattered after every micro-batch (Composer does not call
-    ``no_sync`` on an FSDP model), fp32 shards and Adam, the row's mixed precision and sharding
-    strategy."""
-    param_dtype, reduce_dtype = MIXED_PRECISION[row.mixed_precision]
-    return {
-        "train_micro_batch_size_per_gpu": row.micro_batch,
-        "gradient_accumulation_steps": row.grad_accum,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
-        "zero_optimization": {"stage": 3},
-        "zerosim": {
-            "schedule": "fsdp2",
-            "fsdp2": {
-                "param_dtype": param_dtype,
-                "reduce_dtype": reduce_dtype,
-                "reshard_after_forward": RESHARD_AFTER_FORWARD[row.sharding],
-                "reshard_after_backward": True,
-                "reduce_every_micro_batch": True,
-            },
-        },
-        "steps_per_print": 10**9,
-    }
 
 
 def row_runs(row: SweepRow, elementwise: bool = True, backend: str = "torch") -> list:
@@ -156,7 +91,7 @@ def row_runs(row: SweepRow, elementwise: bool = True, backend: str = "torch") ->
     its class representatives' runs (the time on stderr), with the element-wise operations
     recorded for the cluster to price unless ``elementwise`` is false."""
     start = time.perf_counter()
-    recipe, cfg = model_recipe(row), config(row)
+    recipe, cfg = llm_foundry_recipe(row), llm_foundry_config(row)
     runs, _ = run_world(
         recipe, row.gpus, cfg, recompute=row.recompute, op_events=elementwise, backend=backend
     )
@@ -165,17 +100,10 @@ def row_runs(row: SweepRow, elementwise: bool = True, backend: str = "torch") ->
     return runs
 
 
-def model_flops_per_step(row: SweepRow) -> float:
-    """The source's MFU numerator for one optimizer step: (6·N + 12·L·d·s) per token."""
-    desc = PRESETS[row.model]
-    per_token = 6 * row.num_params + 12 * desc.layers * desc.hidden * row.seq
-    return per_token * row.global_batch * row.seq
-
-
 def predicted_mfu(row: SweepRow, runs: list, cluster) -> tuple[float, float]:
     """(MFU in per cent, step seconds) of ``row`` on ``cluster``."""
     t, _ = step_time(runs, row.gpus, cluster, None, recompute=row.recompute)
-    return 100 * model_flops_per_step(row) / t["step_s"] / (row.gpus * PEAK), t["step_s"]
+    return 100 * llm_foundry_model_flops(row) / t["step_s"] / (row.gpus * A100_PEAK), t["step_s"]
 
 
 def peak_bytes(runs: list) -> int:
@@ -184,7 +112,7 @@ def peak_bytes(runs: list) -> int:
 
 def fit_software(row: SweepRow, runs: list, base) -> float:
     """The software factor at which ``row``'s predicted MFU equals its published one."""
-    return fit_factor(lambda c: predicted_mfu(row, runs, c)[0], row.mfu, base)
+    return fit_software_factor(lambda c: predicted_mfu(row, runs, c)[0], row.mfu, base)
 
 
 def row_cost(row: SweepRow) -> int:
@@ -344,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     given = [name for name, value in dry_run_options.items() if value]
     if args.report and given:
         parser.error(f"--report runs no dry run, so {', '.join(given)} would do nothing: drop it")
-    sweep = read_sweep(SWEEP)
+    sweep = read_sweep(LLM_FOUNDRY_CSV)
     table: list = []
     if args.report:
         for path in args.report:

@@ -87,8 +87,8 @@ def test_the_shipped_bf16_dryrun_config_is_the_benchmarks():
 def test_the_software_factor_is_fitted_on_its_one_row_by_bisection():
     """A prediction that grows with the factor, here 100·f TFLOP/s: the fit finds f = 0.44 for a
     published 44; a row the roofline itself falls short of keeps the factor at 1."""
-    from benchmarks.dryrun_papers import fit_factor
     from zerosim.dryrun import load_cluster_model
+    from zerosim.dryrun.published import fit_software_factor as fit_factor
 
     base = load_cluster_model("selene")
     factor = fit_factor(lambda c: 100 * c.software_factor, 44.0, base)

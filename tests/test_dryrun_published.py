@@ -1,5 +1,6 @@
-"""llm-foundry's sweep driver (``benchmarks/dryrun_published.py``): each row's model and config
-derived from the row's own columns, read here straight from the CSV, by the rules of
+"""llm-foundry's sweep (``zerosim.dryrun.published``'s ``llm_foundry_*`` and its driver
+``benchmarks/dryrun_published.py``): each row's model and config derived from the row's own
+columns, read here straight from the CSV, by the rules of
 ``examples/published/llm_foundry/README.md``."""
 
 from __future__ import annotations
@@ -9,17 +10,15 @@ import json
 
 import pytest
 
-from benchmarks.dryrun_published import (
-    CLUSTERS,
-    SWEEP,
-    config,
-    description,
-    model_flops_per_step,
-    model_recipe,
-)
+from benchmarks.dryrun_published import CLUSTERS
 from zerosim.backend import shape_only_init
 from zerosim.config import load_config
 from zerosim.dryrun import load_cluster_model
+from zerosim.dryrun.published import LLM_FOUNDRY_CSV as SWEEP
+from zerosim.dryrun.published import llm_foundry_config as config
+from zerosim.dryrun.published import llm_foundry_description as description
+from zerosim.dryrun.published import llm_foundry_model_flops as model_flops_per_step
+from zerosim.dryrun.published import llm_foundry_recipe as model_recipe
 from zerosim.dryrun.published import read_sweep
 from zerosim.dryrun.timeline import CLUSTERS as CLUSTER_FILES
 

@@ -16,20 +16,33 @@ per GPU as printed on the bars of the ZeRO++ blog's Figures 6-8; one named row f
 **MosaicML llm-foundry**, ``scripts/train/benchmarking/README.md``: MPT models 125M-70B trained
 with PyTorch FSDP on 8-128 A100s (80 GB and 40 GB, 1600 Gb/s RoCE between nodes), 139 rows kept
 cell for cell in ``examples/published/llm_foundry/a100.csv`` with their source and FLOP
-convention beside them (``read_sweep``).
+convention beside them (``read_sweep``); ``llm_foundry_recipe`` and ``llm_foundry_config`` run
+a row as Composer ran it (the README's rules, Composer's train metrics included).
+
+``fit_software_factor`` fits a source's one factor on its named row.
 """
 
 from __future__ import annotations
 
 import csv
+import math
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
+from zerosim import meta
 from zerosim.analysis.presets import GPTShape
+from zerosim.dryrun.run import ModelRecipe
+from zerosim.dryrun.timeline import ClusterModel
+from zerosim.nn import PRESETS, CrossEntropyLoss, ModelDescription, Transformer
 
 PUBLISHED = Path(__file__).resolve().parents[2] / "examples" / "published"
 NARAYANAN_CSV = PUBLISHED / "narayanan2021" / "table2_zero3.csv"
 ZEROPP_CSV = PUBLISHED / "zeropp" / "figures.csv"
+LLM_FOUNDRY_CSV = PUBLISHED / "llm_foundry" / "a100.csv"
 
 
 class TableRow(NamedTuple):
@@ -162,3 +175,96 @@ def read_sweep(path: str | Path) -> list[SweepRow]:
             )
             for r in csv.DictReader(f)
         ]
+
+
+def fit_software_factor(
+    throughput: Callable[[ClusterModel], float], published: float, base: ClusterModel
+) -> float:
+    """The software factor at which ``throughput`` (a predicted rate: TFLOP/s or MFU, growing
+    with the factor) equals ``published``, by bisection on its logarithm; 1 if even the
+    roofline falls short of it. The one fitted number per (cluster, software): docs/dryrun.md."""
+    if throughput(base.with_software_factor(1.0)) <= published:
+        return 1.0
+    lo, hi = math.log(1e-3), 0.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        below = throughput(base.with_software_factor(math.exp(mid))) < published
+        lo, hi = (mid, hi) if below else (lo, mid)
+    return math.exp((lo + hi) / 2)
+
+
+# --- llm-foundry: a row run as Composer ran it (the README's rules) ---------------------------
+
+A100_PEAK = 312e12  # the tables' GPU_AVAILABLE_FLOPS for an A100 in bf16
+# What Composer's trainer updates after every micro-batch's backward for llm-foundry's MPT
+# (``ComposerMPTCausalLM``'s ``train_metrics``; zerosim.nn.metrics)
+COMPOSER_TRAIN_METRICS = ("LanguageCrossEntropy", "LanguagePerplexity")
+# Composer's fsdp_config.mixed_precision → (param_dtype, reduce_dtype): the gather's dtype and
+# the reduce-scatter's
+MIXED_PRECISION = {"DEFAULT": ("bfloat16", "float32"), "PURE": ("bfloat16", "bfloat16")}
+# FSDP's sharding strategy → reshard_after_forward: FULL_SHARD frees a block's parameters after
+# its forward and gathers them again in backward (ZeRO-3); SHARD_GRAD_OP keeps them gathered from
+# forward to backward (ZeRO-2's parameters, whole during the pass)
+RESHARD_AFTER_FORWARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+
+
+def llm_foundry_description(row: SweepRow) -> ModelDescription:
+    """The row's model: the MPT preset at the row's sequence (learned positions, so its
+    parameter count is the row's ``NumParams``) with FlashAttention (the runs' ``attn_impl:
+    triton``, FlashAttention's Triton port: the README)."""
+    return PRESETS[row.model].with_(seq=row.seq, attention="flash")
+
+
+def llm_foundry_model(desc: ModelDescription) -> Transformer:
+    """The model with llm-foundry's loss, flash-attn's fused cross-entropy (``loss_fn:
+    fused_crossentropy``): it keeps the logits for backward, not float32 probabilities."""
+    net = Transformer(desc)
+    net.loss_fn = CrossEntropyLoss(ignore_index=-1, recompute_softmax=True)
+    return net
+
+
+def llm_foundry_recipe(row: SweepRow) -> ModelRecipe:
+    """The row's model and micro-batch, trained as Composer trains it: its train metrics
+    updated from the logits after every micro-batch's backward."""
+    desc = llm_foundry_description(row)
+    xp = meta.NAMESPACE
+
+    def batch(b: int) -> tuple:
+        return xp.zeros((b, row.seq), np.int64), xp.zeros((b, row.seq), np.int64)
+
+    build = partial(llm_foundry_model, desc)
+    name = f"{row.model}@{row.seq}"
+    return ModelRecipe(name, build, batch, desc=desc, metrics=COMPOSER_TRAIN_METRICS)
+
+
+def llm_foundry_config(row: SweepRow) -> dict[str, Any]:
+    """The row's run under zerosim's FSDP2 schedule as Composer's FSDP1 runs it: one unit per
+    block (and the root), parameters re-gathered for every micro-batch (resharded after
+    backward) and gradients reduce-scattered after every micro-batch (Composer does not call
+    ``no_sync`` on an FSDP model), fp32 shards and Adam, the row's mixed precision and sharding
+    strategy."""
+    param_dtype, reduce_dtype = MIXED_PRECISION[row.mixed_precision]
+    return {
+        "train_micro_batch_size_per_gpu": row.micro_batch,
+        "gradient_accumulation_steps": row.grad_accum,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 3},
+        "zerosim": {
+            "schedule": "fsdp2",
+            "fsdp2": {
+                "param_dtype": param_dtype,
+                "reduce_dtype": reduce_dtype,
+                "reshard_after_forward": RESHARD_AFTER_FORWARD[row.sharding],
+                "reshard_after_backward": True,
+                "reduce_every_micro_batch": True,
+            },
+        },
+        "steps_per_print": 10**9,
+    }
+
+
+def llm_foundry_model_flops(row: SweepRow) -> float:
+    """The source's MFU numerator for one optimizer step: (6·N + 12·L·d·s) per token."""
+    desc = PRESETS[row.model]
+    per_token = 6 * row.num_params + 12 * desc.layers * desc.hidden * row.seq
+    return per_token * row.global_batch * row.seq
