@@ -69,6 +69,9 @@ def test_the_metric_of_a_models_kept_logits_is_its_loss():
         metric.update(net.output, x)
     assert net.output.shape == (2, 8, net.vocab_size)
     assert float(metric.compute()) == pytest.approx(float(loss), rel=1e-6)
+    first = net.output
+    net(x, x)
+    assert net.output is not first  # the next forward's logits replace them
 
 
 def test_a_model_keeps_no_output_unless_asked():
@@ -132,7 +135,8 @@ def test_a_dry_runs_metrics_are_two_kernels_a_micro_batch_and_no_collective():
     """A bf16 MPT at stage 3 on 2 ranks, 3 micro-batches of 2 × 64 tokens over a vocabulary of
     128: with Composer's two metrics each micro-batch adds a cast and a log-softmax per metric,
     at least 28 bytes a logit in all (2 + 4 and 4 + 4 per metric), the same collectives and
-    FLOPs, and a peak higher by the kept bf16 logits (2 bytes each) and a few scalars."""
+    FLOPs, and a peak higher by the kept bf16 logits (2 bytes each) and a few scalars; the step
+    starts with the last step's logits still held (Composer's ``state.outputs``)."""
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 3,
@@ -158,3 +162,5 @@ def test_a_dry_runs_metrics_are_two_kernels_a_micro_batch_and_no_collective():
     ]
     raised = measured.tracker["peak_bytes"] - plain.tracker["peak_bytes"]
     assert logits * 2 <= raised < logits * 2 + 1024
+    held = measured.step_start_bytes - plain.step_start_bytes
+    assert logits * 2 <= held < logits * 2 + 1024

@@ -290,16 +290,16 @@ def recompute_blocks(net: Module, name: str) -> None:
 
 def _train_step(engine: Engine, x: Any, y: Any, metrics: list) -> None:
     """One optimizer step: ``gradient_accumulation_steps`` micro-batches of (x, y), each
-    ``metrics`` updated from the micro-batch's logits after its backward (Composer's order)."""
+    ``metrics`` updated from the micro-batch's logits after its backward (Composer's order).
+    The model keeps those logits until its next forward has made new ones, as Composer's
+    ``state.outputs`` holds them until ``state.outputs = model(batch)`` replaces them."""
     for _ in range(engine.config.gradient_accumulation_steps):
         loss = engine(x, y)
         engine.backward(loss)
         if metrics:
-            net = engine.module
             with no_grad():
                 for metric in metrics:
-                    metric.update(net.output, y)
-            net.output = None  # the trainer lets go of the logits
+                    metric.update(engine.module.output, y)
         engine.step()
 
 

@@ -44,9 +44,9 @@ class LossModel(Module):
     Subclasses define ``_output(x)``, ``_output_backward(grad)`` and, when the loss needs
     other shapes than the output, ``_loss_args(output, target)``.
 
-    With ``keep_output`` set, ``model(x, y)`` also keeps the output in ``output`` until the
-    caller sets it to None: what a trainer that updates metrics from the logits after backward
-    holds (Composer's ``state.outputs``; ``zerosim.nn.metrics``).
+    With ``keep_output`` set, ``model(x, y)`` also keeps the output in ``output`` until its next
+    forward replaces it (or the caller sets it to None): what a trainer that updates metrics
+    from the logits after backward holds (Composer's ``state.outputs``; ``zerosim.nn.metrics``).
     """
 
     keep_output = False
