@@ -307,6 +307,15 @@ def scaled_masked_softmax_(z: Any, scale: float, mask: Any, bias: Any = None) ->
     return softmax_(z)
 
 
+@fused("log_softmax")
+def log_softmax(z: Any, axis: int = -1) -> Any:
+    """z − max z − log Σ exp(z − max z) along ``axis``, into a new array (``z`` is left as it
+    was): torch's ``log_softmax``, one kernel on a GPU (``meta.fusion``)."""
+    xp = xp_of(z)
+    shifted = z - reduce("max", z, axis=axis, keepdims=True)
+    return shifted - xp.log(reduce("sum", xp.exp(shifted), axis=axis, keepdims=True))
+
+
 @fused("softmax_backward")
 def softmax_backward_(probs: Any, grad: Any) -> Any:
     """Jacobian-vector product of softmax over the last axis, p ⊙ (g − Σ p ⊙ g),

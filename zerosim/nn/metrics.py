@@ -30,16 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerosim.backend import np_dtype, xp_of
-from zerosim.meta.fusion import fused
-from zerosim.nn.functional import reduce, reshape, upcast
-
-
-@fused("log_softmax")
-def log_softmax(z: Any) -> Any:
-    """log softmax(z) along the last axis: z − max − log Σ exp(z − max), one kernel on a GPU."""
-    xp = xp_of(z)
-    shifted = z - reduce("max", z, axis=-1, keepdims=True)
-    return shifted - xp.log(reduce("sum", xp.exp(shifted), axis=-1, keepdims=True))
+from zerosim.nn.functional import log_softmax, reduce, reshape, upcast
 
 
 class LanguageCrossEntropy:
