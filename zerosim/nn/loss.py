@@ -113,7 +113,8 @@ def _cross_entropy_backward_recomputed(
     """The backward from the logits and log-sum-exp: softmax(z) = exp(z − lse) in a new array
     (the logits stay as they were: a trainer may still read them), then as from the kept
     probabilities; one kernel on a GPU, reading the logits and writing their gradient."""
-    probs = xp_of(logits).exp(upcast(logits) - lse[:, None])
+    probs = upcast(logits) - lse[:, None]  # a new array: the logits are not written
+    xp_of(probs).exp(probs, out=probs)
     return _cross_entropy_backward(probs, t, valid, denom, dtype, grad)
 
 
