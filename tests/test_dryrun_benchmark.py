@@ -88,12 +88,12 @@ def test_the_software_factor_is_fitted_on_its_one_row_by_bisection():
     """A prediction that grows with the factor, here 100·f TFLOP/s: the fit finds f = 0.44 for a
     published 44; a row the roofline itself falls short of keeps the factor at 1."""
     from zerosim.dryrun import load_cluster_model
-    from zerosim.dryrun.published import fit_software_factor as fit_factor
+    from zerosim.dryrun.published import fit_software_factor
 
     base = load_cluster_model("selene")
-    factor = fit_factor(lambda c: 100 * c.software_factor, 44.0, base)
+    factor = fit_software_factor(lambda c: 100 * c.software_factor, 44.0, base)
     assert factor == pytest.approx(0.44, rel=1e-9)
-    assert fit_factor(lambda c: 100 * c.software_factor, 150.0, base) == 1.0
+    assert fit_software_factor(lambda c: 100 * c.software_factor, 150.0, base) == 1.0
 
 
 def test_a_factor_fitted_on_another_backend_is_not_written(capsys):

@@ -156,8 +156,8 @@ class ClusterModel:
                 raise ValueError(f"{key} must be a positive number, got {value!r}")
         if self.memory_efficiency is not None and self.device_memory_bandwidth is None:
             raise ValueError(
-                "memory_efficiency is a fraction of device_memory_bandwidth, which the file does "
-                "not give: give both, or neither"
+                f"memory_efficiency is a fraction of device_memory_bandwidth, which is not given "
+                f"(memory_efficiency={self.memory_efficiency!r}): give both, or neither"
             )
         if self.backend not in PREDICTED_BACKENDS:
             raise ValueError(
