@@ -2,6 +2,7 @@
 
     python -m benchmarks.dryrun_host [--quick] [--steps 10] [--host HOST.json] [--json PATH]
         [--shapes K] [--ranks 1 2] [--stages 0 3] [--schedules paper] [--dtypes fp32]
+        [--models gpt:1,64,8192,128,4 ...] [--metrics LanguageCrossEntropy ...]
     python -m benchmarks.dryrun_host --faults     # the allocator model against ru_minflt
 
 ``zerosim calibrate --ranks N`` measures this host (microbenchmarks only, run on N ranks at
@@ -30,6 +31,10 @@ before each row: judge it on a quiet machine.
 the minor page faults the kernel counted (``ru_minflt``) beside the fresh pages the dry run's
 allocator model (``zerosim/dryrun/host.py``) counted for the same step, and zerosim's own
 Python calls counted the same way in both.
+
+**--models** replaces the grid's shapes by the given ``--model`` specs; **--metrics** runs
+Composer's train metrics in every row, in the real run (``zerosim train --metrics``) and in the
+dry run (``zerosim dryrun --metrics``) alike.
 """
 
 from __future__ import annotations
@@ -110,10 +115,17 @@ def kept_steps(report: dict, probe_s: float | None = None) -> tuple[list[float],
     return kept, off_cpu, off_speed
 
 
-def measure(model: str, ranks: int, cfg: Path, steps: int, probe_s: float | None) -> dict:
+def _metrics(metrics: list[str] | None) -> list[str]:
+    """The ``--metrics`` option for both commands (none when there are no metrics)."""
+    return ["--metrics", *metrics] if metrics else []
+
+
+def measure(
+    model: str, ranks: int, cfg: Path, steps: int, probe_s: float | None, metrics=None
+) -> dict:
     launch = [str(MPIRUN), "-n", str(ranks), sys.executable, "-m", "zerosim", "train"]
     out = _run([*launch, "--model", model, "--config", str(cfg), "--steps", str(steps), "--json",
-                "--probe"])  # fmt: skip
+                "--probe", *_metrics(metrics)])  # fmt: skip
     report = json.loads(out.strip().splitlines()[-1])
     kept, dropped, off_speed = kept_steps(report, probe_s)
     return {
@@ -126,9 +138,10 @@ def measure(model: str, ranks: int, cfg: Path, steps: int, probe_s: float | None
     }
 
 
-def predict(model: str, ranks: int, cfg: Path, host: Path) -> dict:
+def predict(model: str, ranks: int, cfg: Path, host: Path, metrics=None) -> dict:
     out = _run([sys.executable, "-m", "zerosim", "dryrun", "--model", model, "--ranks",
-                str(ranks), "--config", str(cfg), "--cluster", str(host), "--json"])  # fmt: skip
+                str(ranks), "--config", str(cfg), "--cluster", str(host), "--json",
+                *_metrics(metrics)])  # fmt: skip
     return json.loads(out)["time"]
 
 
@@ -139,20 +152,21 @@ def within(ratio: float, measured_s: float) -> bool:
 
 
 def grid(
-    quick: bool, shapes: int, only: dict | None = None
+    quick: bool, shapes: int, only: dict | None = None, models: list[str] | None = None
 ) -> list[tuple[str, int, int, str, str]]:
     """(model, N, stage, schedule, dtype) rows: every combination, or with ``quick`` eight that
     cover each stage, schedule, dtype and N once or more on the two smallest shapes; ``only``
-    keeps the rows whose N, stage, schedule or dtype is among those it names."""
-    rows = _rows(quick, shapes)
+    keeps the rows whose N, stage, schedule or dtype is among those it names; ``models``
+    replaces the shapes."""
+    rows = _rows(quick, shapes, models)
     for position, name in enumerate(("ranks", "stages", "schedules", "dtypes"), start=1):
         if only and only.get(name):
             rows = [row for row in rows if row[position] in only[name]]
     return rows
 
 
-def _rows(quick: bool, shapes: int) -> list[tuple[str, int, int, str, str]]:
-    if quick:
+def _rows(quick: bool, shapes: int, models=None) -> list[tuple[str, int, int, str, str]]:
+    if quick and not models:
         small, medium = SHAPES[0][0], SHAPES[1][0]
         return [
             (small, 1, 0, "paper", "fp32"),
@@ -166,7 +180,7 @@ def _rows(quick: bool, shapes: int) -> list[tuple[str, int, int, str, str]]:
         ]
     return [
         (model, n, stage, schedule, dtype)
-        for model, _ in SHAPES[:shapes]
+        for model in models or [spec for spec, _ in SHAPES[:shapes]]
         for n in (*JUDGED_RANKS, *REPORTED_RANKS)
         for stage in STAGES
         for schedule in SCHEDULES
@@ -197,15 +211,15 @@ def run_row(model: str, n: int, stage: int, schedule: str, dtype: str, args, tmp
     cfg = tmp / f"stage{stage}_{schedule}_{dtype}.json"
     cfg.write_text(json.dumps(config(stage, schedule, dtype)))
     load = os.getloadavg()[0]
-    real = measure(model, n, cfg, args.steps, probe(host))
-    dry = predict(model, n, cfg, host)
+    real = measure(model, n, cfg, args.steps, probe(host), args.metrics)
+    dry = predict(model, n, cfg, host, args.metrics)
     measured = real["measured_s"]
     ratio = None if measured is None else dry["step_s"] / measured
     judged = n in JUDGED_RANKS and ratio is not None
     return {
         "kind": "row", "model": model, "ranks": n, "stage": stage, "schedule": schedule,
-        "dtype": dtype, **real, "predicted_s": dry["step_s"], "compute_s": dry["compute_s"],
-        "comm_s": dry["comm_s"], "ratio": ratio, "load": load,
+        "dtype": dtype, "metrics": args.metrics or [], **real, "predicted_s": dry["step_s"],
+        "compute_s": dry["compute_s"], "comm_s": dry["comm_s"], "ratio": ratio, "load": load,
         "cold_huge_pages": dry.get("host", {}).get("cold_huge_pages"),
         "target": TARGETS[(measured or dry["step_s"]) >= SLOW_STEP_S],
         "within": within(ratio, measured) if judged else None,
@@ -217,7 +231,7 @@ def probe(host: Path) -> float | None:
     return json.loads(host.read_text()).get("measurements", {}).get("probe_s")
 
 
-def settle(rows: list[dict], before: Path, tmp: Path) -> None:
+def settle(rows: list[dict], before: Path, tmp: Path, metrics=None) -> None:
     """Calibrate again after a group of rows (one model at one N) and predict each of its rows
     from that calibration too: this machine's speed drifts over minutes (the same
     microbenchmarks have moved by half in half an hour), so a row whose two predictions differ
@@ -229,7 +243,7 @@ def settle(rows: list[dict], before: Path, tmp: Path) -> None:
     calibrate(after, last["ranks"])
     for r in group:
         cfg = tmp / f"stage{r['stage']}_{r['schedule']}_{r['dtype']}.json"
-        r["predicted_after_s"] = predict(r["model"], r["ranks"], cfg, after)["step_s"]
+        r["predicted_after_s"] = predict(r["model"], r["ranks"], cfg, after, metrics)["step_s"]
         r["drift"] = r["predicted_after_s"] / r["predicted_s"] - 1
         if r["within"] is not None and abs(r["drift"]) > SETTLED:
             r["within"], r["unsettled"] = None, True
@@ -316,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", type=int, nargs="+", help="only these stages")
     p.add_argument("--schedules", nargs="+", choices=SCHEDULES, help="only these schedules")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, help="only these dtypes")
+    p.add_argument("--models", nargs="+", metavar="SPEC", help="these --model specs, not SHAPES")
+    p.add_argument(
+        "--metrics", nargs="+", metavar="NAME", help="train metrics in every row (both commands)"
+    )
     p.add_argument("--counts-worker", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.counts_worker:
@@ -329,18 +347,18 @@ def main(argv: list[str] | None = None) -> int:
     print("|" + "---|" * HEADER.count(" | ") + "---|")
     rows, hosts = [], {}
     only = {k: getattr(args, k) for k in ("ranks", "stages", "schedules", "dtypes")}
-    for row in grid(args.quick, args.shapes, only):
+    for row in grid(args.quick, args.shapes, only, args.models):
         model, n = row[:2]
         if (model, n) not in hosts:  # calibrated right before each model's rows at each N
             if rows and not args.host:
-                settle(rows, hosts[rows[-1]["model"], rows[-1]["ranks"]], tmp)
+                settle(rows, hosts[rows[-1]["model"], rows[-1]["ranks"]], tmp, args.metrics)
             hosts[model, n] = Path(args.host) if args.host else tmp / f"host-{len(hosts)}.json"
             if not args.host:
                 calibrate(hosts[model, n], n)
         rows.append(run_row(*row, args, tmp, hosts[model, n]))
         print(row_line(rows[-1]), flush=True)
     if rows and not args.host:
-        settle(rows, hosts[rows[-1]["model"], rows[-1]["ranks"]], tmp)
+        settle(rows, hosts[rows[-1]["model"], rows[-1]["ranks"]], tmp, args.metrics)
     print(f"\n{summary(rows)}")
     if args.json:  # the rows, then each calibration as a row of its own
         host_rows = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 
 import pytest
@@ -53,6 +54,79 @@ def test_train_json_with_two_steps_or_fewer_has_no_step_time():
     assert data["step_s"] is None and data["steps_timed"] == 0 and data["steps"] == 2
     assert data["step_cpu_s"] is None
     assert data["step_probe_s"] == [None, None]  # not asked for: no probe run
+
+
+# Each rank trains the model named by its argument with both metrics and prints its own last
+# loss beside the metrics
+METRICS_WORKER = """
+import argparse, json, sys
+from zerosim.cli.train import train
+from zerosim.comm import MPIComm
+args = argparse.Namespace(
+    config=None, model=sys.argv[1], steps=3, seed=0, quiet=True, json=True, block_size=16,
+    n_layer=1, n_head=2, n_embd=32, metrics=["LanguageCrossEntropy", "LanguagePerplexity"],
+)
+result = train(MPIComm(), args)
+print(json.dumps({"loss": result["losses"][-1], **result["metrics"]}), flush=True)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_train_metrics_under_mpirun_are_every_ranks_mean_loss(ranks):
+    """``--metrics`` under mpirun: every rank's micro-batch counts 4 × 16 targets (none
+    ignored) and the loss is their mean cross-entropy of the same fp32 logits, so Composer's
+    cross-entropy over every rank is the mean of the ranks' losses, on every rank alike, and
+    perplexity its exponential. Without the sync each rank would print its own loss."""
+    proc = run_mpi(ranks, ["-c", METRICS_WORKER, TINY], 240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert len(rows) == ranks
+    mean = statistics.fmean(r["loss"] for r in rows)
+    for r in rows:
+        assert r["LanguageCrossEntropy"] == pytest.approx(mean, rel=1e-6)
+        assert r["LanguagePerplexity"] == pytest.approx(math.exp(mean), rel=1e-5)
+    if ranks > 1:  # the ranks' batches differ, so their own losses do
+        assert len({r["loss"] for r in rows}) == ranks
+
+
+@pytest.mark.mpi
+def test_train_json_prints_the_last_steps_metrics():
+    data = _train_json(3, "--metrics", "LanguagePerplexity", "LanguageCrossEntropy")
+    metrics = data["metrics"]
+    assert sorted(metrics) == ["LanguageCrossEntropy", "LanguagePerplexity"]
+    assert metrics["LanguagePerplexity"] == pytest.approx(
+        math.exp(metrics["LanguageCrossEntropy"]), rel=1e-5
+    )
+    assert _train_json(3)["metrics"] == {}  # none asked for: none run
+
+
+@pytest.mark.parametrize(
+    "names", [["LanguagePerplexity"], ["LanguageCrossEntropy", "LanguagePerplexity"]]
+)
+def test_dryrun_metrics_sync_sends_one_value_per_state_around_the_ring(names, tmp_path, capsys):
+    """``zerosim dryrun --metrics``: after the step each metric's two states (a float32 sum and
+    an int64 count) are all-gathered, a ring of N ranks sending N - 1 values of each: (N - 1) ·
+    (4 + 8) bytes a metric, in the ``metrics`` phase on every rank."""
+    cfg = tmp_path / "cfg.json"
+    adam = {"type": "Adam", "params": {"lr": 1e-3}}
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    cfg.write_text(json.dumps({**config, "optimizer": adam}))
+    n = 3
+    assert main(["dryrun", "--model", TINY, "--ranks", str(n), "--config", str(cfg), "--json",
+                 "--metrics", *names]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    for entry in report["ranks"]:
+        assert entry["bytes_sent"]["metrics"] == len(names) * (n - 1) * (4 + 8)
+
+
+def test_train_refuses_an_unknown_metric_naming_the_allowed(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--model", TINY, "--metrics", "Accuracy"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --metrics: invalid choice: 'Accuracy'" in err
+    assert "LanguageCrossEntropy" in err and "LanguagePerplexity" in err
 
 
 def _params(model) -> int:

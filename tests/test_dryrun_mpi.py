@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import dryrun_cases
 import pytest
@@ -117,13 +118,14 @@ def test_dry_run_schedule_equals_the_mpirun_one(n, tmp_path):
     """Each representative's step, as the time model replays it (issues, waits and stream
     notes in order), equals the same rank's real step under mpirun: stages 2 and 3, both
     schedules, and DeepSpeed's stage 1, with recomputation, with a binding
-    ``stage3_max_live_parameters``, without ``overlap_comm``, and under qgZ (DeepSpeed's buckets
-    noted on its reduction stream at every stage, qgZ's too)."""
+    ``stage3_max_live_parameters``, without ``overlap_comm``, under qgZ (DeepSpeed's buckets
+    noted on its reduction stream at every stage, qgZ's too), and with Composer's train
+    metrics (a barrier and an all-gather per metric and state after the step)."""
     model = recipe(schedule_cases.MODEL_SPEC)
 
     def dry_runs(case):
         return run_world(
-            model,
+            replace(model, metrics=schedule_cases.METRICS if case.metrics else ()),
             n,
             schedule_cases.config(case),
             micro_batch=schedule_cases.MICRO_BATCH,
@@ -148,6 +150,10 @@ def test_dry_run_schedule_equals_the_mpirun_one(n, tmp_path):
                     f"dry {got[first : first + 2]} real {want[first : first + 2]}"
                 )
     assert not mismatches, "\n".join(mismatches[:20])
+    # the metrics' sync closes the step: per metric and state a barrier and an all-gather
+    synced = [e for e in real[0]["stage3-deepspeed-metrics"] if e[1:2] == ["metrics"]]
+    assert [e[0] for e in synced] == ["barrier", "all_gather"] * 4
+    assert [e[3:5] for e in synced[1::2]] == [["float32", n], ["int64", n]] * 2
     # the cap binds: without it DeepSpeed's coordinator prefetches, with it it cannot
     capped = schedule_cases.Case(3, "deepspeed", False, schedule_cases.BINDING_MAX_LIVE)
     assert real[0][capped.name] != real[0]["stage3-deepspeed"]

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from zerosim import meta, nn
+from zerosim.comm import LocalWorld
 from zerosim.dryrun.run import recipe, run_world
 from zerosim.nn.metrics import METRICS
 
@@ -54,6 +55,48 @@ def test_cross_entropy_and_perplexity_over_micro_batches_match_torch():
     assert float(ce.compute()) == pytest.approx(total / counted, rel=1e-6)
     assert float(ppl.compute()) == pytest.approx(math.exp(total / counted), rel=1e-6)
     assert ce.compute().dtype == np.float32  # the sum's dtype, as torchmetrics' state
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_computed_over_ranks_it_is_the_metric_of_every_ranks_targets(ranks):
+    """``compute(comm)``: torch's cross-entropy summed over every rank's micro-batches and
+    divided by every rank's counted targets (not the mean of the ranks' means: the ranks count
+    different numbers of targets here); each rank's own sums stay its own."""
+    batches = [
+        [logits_and_targets((2, 5 + r), 13), logits_and_targets((1, 3), 13)] for r in range(ranks)
+    ]
+
+    def rank(comm):
+        ce, ppl = nn.LanguageCrossEntropy(), nn.LanguagePerplexity()
+        for z, t in batches[comm.rank]:
+            ce.update(z, t)
+            ppl.update(z, t)
+        own = float(ce.compute())
+        return float(ce.compute(comm)), float(ppl.compute(comm)), own, float(ce.compute())
+
+    total = sum(torch_sum(z, t) for b in batches for z, t in b)
+    counted = sum(int((t != -100).sum()) for b in batches for _, t in b)
+    for r, (ce, ppl, own, after) in enumerate(LocalWorld(ranks).run(rank)):
+        assert ce == pytest.approx(total / counted, rel=1e-6)
+        assert ppl == pytest.approx(math.exp(total / counted), rel=1e-6)
+        mine = sum(torch_sum(z, t) for z, t in batches[r])
+        assert (
+            own
+            == after
+            == pytest.approx(mine / sum(int((t != -100).sum()) for _, t in batches[r]), rel=1e-6)
+        )
+
+
+def test_reset_forgets_every_update():
+    metric = nn.LanguageCrossEntropy()
+    z, t = logits_and_targets((2, 4), 7)
+    metric.update(z, t)
+    metric.reset()
+    assert math.isnan(metric.compute())
+    metric.update(z, t)
+    assert float(metric.compute()) == pytest.approx(
+        torch_sum(z, t) / int((t != -100).sum()), rel=1e-6
+    )
 
 
 def test_the_metric_of_a_models_kept_logits_is_its_loss():
@@ -131,12 +174,14 @@ def test_on_a_gpu_an_update_is_torchs_cast_and_log_softmax_kernels():
     assert sum(rest) < rows * vocab  # the targets' entries and the sums: a row's worth each
 
 
-def test_a_dry_runs_metrics_are_two_kernels_a_micro_batch_and_no_collective():
+def test_a_dry_runs_metrics_are_two_kernels_a_micro_batch_and_their_sync():
     """A bf16 MPT at stage 3 on 2 ranks, 3 micro-batches of 2 × 64 tokens over a vocabulary of
     128: with Composer's two metrics each micro-batch adds a cast and a log-softmax per metric,
-    at least 28 bytes a logit in all (2 + 4 and 4 + 4 per metric), the same collectives and
-    FLOPs, and a peak higher by the kept bf16 logits (2 bytes each) and a few scalars; the step
-    starts with the last step's logits still held (Composer's ``state.outputs``)."""
+    at least 28 bytes a logit in all (2 + 4 and 4 + 4 per metric), the same FLOPs and the same
+    collectives but the metrics' sync after each step (torchmetrics: per metric and state, a
+    barrier and an all-gather of one value: 4 of each a step, two float32 and two int64
+    gathers), and a peak higher by the kept bf16 logits (2 bytes each) and a few scalars; the
+    step starts with the last step's logits still held (Composer's ``state.outputs``)."""
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 3,
@@ -157,8 +202,16 @@ def test_a_dry_runs_metrics_are_two_kernels_a_micro_batch_and_no_collective():
     assert 3 * logits * 28 <= added < 3 * logits * 29
     assert measured.step_flops == plain.step_flops
     calls = [{k: v for k, v in c.items() if k not in TIMES} for c in measured.comm.ledger.summary()]
-    assert calls == [
+    assert [c for c in calls if c["phase"] != "metrics"] == [
         {k: v for k, v in c.items() if k not in TIMES} for c in plain.comm.ledger.summary()
+    ]
+    steps = measured.last_step + 1  # ledger steps from 0
+    synced = sorted((c["op"], c["dtype"], c["calls"], c["elements"]) for c in calls
+                    if c["phase"] == "metrics")  # fmt: skip
+    assert synced == [
+        ("all_gather", "float32", 2 * steps, 2 * 2 * steps),
+        ("all_gather", "int64", 2 * steps, 2 * 2 * steps),
+        ("barrier", "uint8", 4 * steps, 0),
     ]
     raised = measured.tracker["peak_bytes"] - plain.tracker["peak_bytes"]
     assert logits * 2 <= raised < logits * 2 + 1024

@@ -41,12 +41,14 @@ class Case:
     max_live: int | None = None
     overlap: bool = True  # overlap_comm: non-blocking reductions, waited later
     qgz: bool = False  # ZeRO++'s quantized gradients (and weights)
+    metrics: bool = False  # Composer's train metrics, synced over the ranks after the step
 
     @property
     def name(self) -> str:
         name = f"stage{self.stage}-{self.schedule}" + ("-recompute" if self.recompute else "")
         name += "" if self.max_live is None else f"-max_live{self.max_live}"
         name += "-qgz" if self.qgz else ""
+        name += "-metrics" if self.metrics else ""
         return name + ("" if self.overlap else "-no_overlap")
 
 
@@ -55,7 +57,8 @@ def cases() -> list[Case]:
     gathers the blocks again) and on DeepSpeed's at stage 2; the binding cap; the paper's stage 2
     without ``overlap_comm``, whose blocking reduce-scatters complete inside the call (no wait);
     qgZ on DeepSpeed's schedule; DeepSpeed's stage 1 (its IPG buckets reduced at the boundary,
-    in the order backward finishes the gradients)."""
+    in the order backward finishes the gradients); Composer's two train metrics (their sync's
+    barriers and all-gathers after the step)."""
     return [
         Case(1, "deepspeed"),
         Case(2, "paper"),
@@ -68,7 +71,11 @@ def cases() -> list[Case]:
         Case(3, "deepspeed", recompute=True),
         Case(3, "deepspeed", max_live=BINDING_MAX_LIVE),
         Case(3, "deepspeed", qgz=True),
+        Case(3, "deepspeed", metrics=True),
     ]
+
+
+METRICS = ("LanguageCrossEntropy", "LanguagePerplexity")  # as the dry run's recipe names them
 
 
 def config(case: Case) -> dict:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from zerosim.cli.arguments import int_at_least, refuse
 from zerosim.errors import ConfigError
+from zerosim.nn.metrics import METRICS
 
 GIB = 2**30
 
@@ -82,6 +84,15 @@ def add_subcommand(sub: Any) -> None:
         help="the array backend the run stands for, whose code path the shape-only arrays take "
         "(memory, operations; torch: CuPy's, with each layer's fused chain one kernel, as "
         "PyTorch runs it); default: the cluster's (a calibrated host: numpy), else cupy",
+    )
+    p.add_argument(
+        "--metrics",
+        nargs="+",
+        choices=sorted(METRICS),
+        default=(),
+        metavar="NAME",
+        help="train metrics, run as zerosim train --metrics runs them: "
+        + ", ".join(sorted(METRICS)),
     )
     p.add_argument(
         "--trace", metavar="FILE.json", help="the simulated step as a Chrome/Perfetto trace"
@@ -154,15 +165,18 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def cmd_dryrun(args: argparse.Namespace) -> int:
-    from zerosim.dryrun import dry_run
+    from zerosim.dryrun import dry_run, recipe
 
     def progress(message: str) -> None:
         sys.stderr.write(f"zerosim dryrun: {message}\n")  # one write: lines never splice
         sys.stderr.flush()
 
     try:
+        model = recipe(args.model)  # with the trainer's metrics, as zerosim train runs them
+        if args.metrics:
+            model = replace(model, metrics=tuple(dict.fromkeys((*model.metrics, *args.metrics))))
         report = dry_run(
-            args.model,
+            model,
             args.ranks,
             args.config,
             micro_batch=args.micro_batch,

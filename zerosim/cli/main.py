@@ -19,6 +19,7 @@ from zerosim.cli.arguments import int_at_least, refuse
 from zerosim.comm import Communicator, LocalWorld, world_size_from_env
 from zerosim.comm.record import busbw_factor
 from zerosim.errors import ConfigError
+from zerosim.nn.metrics import METRICS
 
 
 def _collective_demo(comm: Communicator, elements: int) -> tuple[str, list[str]]:
@@ -224,6 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--ds-summary",
         action="store_true",
         help="also print rank 0's collectives as DeepSpeed's comms logger log_summary() does",
+    )
+    train.add_argument(
+        "--metrics",
+        nargs="+",
+        choices=sorted(METRICS),
+        metavar="NAME",
+        help="train metrics as Composer's trainer keeps them (updated from each micro-batch's "
+        "logits after backward, computed over every rank after each step): "
+        + ", ".join(sorted(METRICS)),
     )
     train.add_argument("--plot", metavar="FILE.png", help="draw the loss curve into FILE.png")
     train.add_argument("--save", metavar="DIR", help="save a checkpoint in DIR at the end")

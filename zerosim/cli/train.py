@@ -28,6 +28,9 @@ from zerosim.analysis.volume import stage3_backward_gathers
 from zerosim.checkpoint import load_checkpoint, save_checkpoint
 from zerosim.comm import Communicator, LocalComm
 from zerosim.engine import initialize
+from zerosim.engine.engine import to_device
+from zerosim.nn import no_grad
+from zerosim.nn.metrics import METRICS, step_metrics
 from zerosim.report import workloads
 from zerosim.report.compare import fsdp2_formula
 from zerosim.zero.fetcher import coordinator_kind
@@ -124,7 +127,11 @@ def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
             desc=f"stage {engine.strategy.stage}, {comm.size} ranks",
         )
     probe = getattr(args, "probe", False)
-    losses, last_step, clocks = _train_steps(comm, engine, loader, args.steps, bar, probe)
+    metrics = [METRICS[name]() for name in getattr(args, "metrics", None) or ()]
+    engine.module.keep_output = bool(metrics)  # the logits, for the metrics after backward
+    losses, last_step, clocks, computed = _train_steps(
+        comm, engine, loader, args.steps, bar, probe, metrics
+    )
     if bar is not None:
         bar.close()
     if getattr(args, "save", None):
@@ -137,20 +144,31 @@ def train(comm: Communicator, args: argparse.Namespace) -> dict[str, Any]:
         "ds_summary": getattr(args, "ds_summary", False),
         "clocks": clocks,
         "model": args.model,
+        "metrics": computed,
     }
 
 
 def _train_steps(
-    comm: Communicator, engine: Any, loader: Any, steps: int, bar: Any, probe: bool = False
-) -> tuple[list[float], dict[str, int], np.ndarray]:
-    """Train until optimizer step ``steps``: the losses, the bytes of the last step by phase, and
+    comm: Communicator,
+    engine: Any,
+    loader: Any,
+    steps: int,
+    bar: Any,
+    probe: bool = False,
+    metrics: list | None = None,
+) -> tuple[list[float], dict[str, int], np.ndarray, dict[str, float]]:
+    """Train until optimizer step ``steps``: the losses, the bytes of the last step by phase,
     each optimizer step's (wall, CPU, probe) seconds on this rank, from its first forward to the
-    end of its ``engine.step()`` (the loader's batches and this loop's bookkeeping left out);
-    with ``probe``, ``calibrate.speed_probe()`` run right after the step's clock stops (else
-    NaN): how fast this machine ran then."""
+    end of its ``engine.step()`` and its metrics (the loader's batches and this loop's
+    bookkeeping left out), and the last step's ``metrics``. With ``probe``,
+    ``calibrate.speed_probe()`` runs right after the step's clock stops (else NaN): how fast
+    this machine ran then. The metrics run as Composer's trainer runs its train metrics (and
+    the dry run its recipe's): reset when a step begins, updated from each micro-batch's logits
+    after its backward, computed over every rank when the step is done."""
     from zerosim.dryrun.calibrate import speed_probe
 
-    losses, last_step, clocks = [], {}, []
+    metrics = metrics or []
+    losses, last_step, clocks, computed = [], {}, [], {}
     t0 = time.perf_counter()
     batches = iter(loader)
     start = None
@@ -162,11 +180,20 @@ def _train_steps(
             continue
         if start is None:  # the first micro-batch of an optimizer step
             start = (time.perf_counter(), time.process_time())
+            for metric in metrics:
+                metric.reset()
         comm.ledger.step = engine.global_steps
+        if metrics:  # the batch crosses to the device once, for the model and the metrics
+            x, y = to_device(x, engine.backend), to_device(y, engine.backend)
         loss = engine(x, y)
         engine.backward(loss)
+        with no_grad():
+            for metric in metrics:
+                metric.update(engine.module.output, y)
         engine.step()
         if engine.micro_steps % engine.gradient_accumulation_steps == 0:
+            values = step_metrics(metrics, comm)
+            computed = {name: float(v) for name, v in values.items()}
             wall, cpu = time.perf_counter() - start[0], time.process_time() - start[1]
             clocks.append((wall, cpu, speed_probe() if probe else np.nan))
             start = None
@@ -180,7 +207,7 @@ def _train_steps(
                     step_ms=f"{(time.perf_counter() - t0) * 1e3 / len(losses):.0f}",
                 )
                 bar.update(1)
-    return losses, last_step, np.array(clocks, dtype=np.float64).reshape(-1, 3)
+    return losses, last_step, np.array(clocks, dtype=np.float64).reshape(-1, 3), computed
 
 
 # The steps left out of ``step_s``: the first builds the optimizer state and the buckets, the
@@ -314,6 +341,9 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
         comm.ledger.table(),
         "",
     ]
+    if result.get("metrics"):
+        shown = ", ".join(f"{name} {value:.4f}" for name, value in result["metrics"].items())
+        lines += [f"train metrics of the last step, over every rank's targets: {shown}", ""]
     if result.get("ds_summary"):
         lines += [
             "rank 0's collectives as DeepSpeed's comms logger prints them (log_summary(); message "
@@ -382,6 +412,7 @@ def report_data(comm: Communicator, result: dict[str, Any]) -> dict[str, Any]:
         "padded_numel": strategy.padded_numel,
         "persistent_numel": persistent,
         "losses": losses,
+        "metrics": result.get("metrics", {}),
         "bytes": {
             "phases": list(PHASES),
             "measured": measured.tolist(),

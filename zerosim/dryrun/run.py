@@ -37,7 +37,7 @@ from zerosim.dryrun.host import MallocModel, PythonCalls, numpy_hugepages
 from zerosim.engine import Engine, initialize
 from zerosim.nn import GPT, MLP, Module, Transformer, checkpoint, no_grad
 from zerosim.nn.description import ModelDescription
-from zerosim.nn.metrics import METRICS
+from zerosim.nn.metrics import METRICS, step_metrics
 
 
 @dataclass(frozen=True)
@@ -290,9 +290,13 @@ def recompute_blocks(net: Module, name: str) -> None:
 
 def _train_step(engine: Engine, x: Any, y: Any, metrics: list) -> None:
     """One optimizer step: ``gradient_accumulation_steps`` micro-batches of (x, y), each
-    ``metrics`` updated from the micro-batch's logits after its backward (Composer's order).
-    The model keeps those logits until its next forward has made new ones, as Composer's
-    ``state.outputs`` holds them until ``state.outputs = model(batch)`` replaces them."""
+    ``metrics`` updated from the micro-batch's logits after its backward (Composer's order),
+    reset before the first and computed over every rank after the step (``zerosim train
+    --metrics`` runs the same). The model keeps those logits until its next forward has made
+    new ones, as Composer's ``state.outputs`` holds them until ``state.outputs =
+    model(batch)`` replaces them."""
+    for metric in metrics:
+        metric.reset()
     for _ in range(engine.config.gradient_accumulation_steps):
         loss = engine(x, y)
         engine.backward(loss)
@@ -301,6 +305,7 @@ def _train_step(engine: Engine, x: Any, y: Any, metrics: list) -> None:
                 for metric in metrics:
                     metric.update(engine.module.output, y)
         engine.step()
+    step_metrics(metrics, engine.comm)
 
 
 def compute_dtype(cfg: Any) -> str:

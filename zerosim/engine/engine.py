@@ -54,7 +54,7 @@ def _to_float16(x: Any) -> Any:
     return xp_of(x).astype(x, np.float16)
 
 
-def _to_device(batch: Any, backend: Backend) -> Any:
+def to_device(batch: Any, backend: Backend) -> Any:
     """A host batch crosses to the backend's device (``backend.from_host``, counted); one
     already there stays."""
     if batch is None or backend.name == "numpy" or xp_of(batch) is backend.xp:
@@ -126,7 +126,7 @@ class Engine:
     def __call__(self, x: Any, y: Any = None) -> Any:
         """Forward this rank's micro-batch; with targets, returns the loss (mean over it)."""
         self.guard.check_forward(x, y)
-        x, y = _to_device(x, self.backend), _to_device(y, self.backend)
+        x, y = to_device(x, self.backend), to_device(y, self.backend)
         if self.config.fp16.auto_cast:  # DeepSpeed casts floating-point inputs to float16
             x, y = _to_float16(x), _to_float16(y)
         with self._phase("forward"), self._fp16_quiet():

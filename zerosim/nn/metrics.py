@@ -6,6 +6,8 @@ backward, from the logits that micro-batch's forward returned, without gradient.
     with no_grad():
         metric.update(model.output, y)      # model.keep_output = True keeps the logits
     metric.compute()                        # mean cross-entropy over the targets counted
+    metric.compute(comm)                    # ... over every rank's targets (torchmetrics' sync)
+    metric.reset()                          # Composer: at the start of every batch
 
 Why a ZeRO library has them: they are part of what a published run's GPUs did. MosaicML's
 llm-foundry trains MPT with ``train_metrics = [LanguageCrossEntropy(), LanguagePerplexity()]``
@@ -67,20 +69,49 @@ class LanguageCrossEntropy:
         else:
             self.sum_loss, self.total_items = self.sum_loss + losses, self.total_items + count
 
-    def compute(self) -> Any:
-        """The mean, in the sum's dtype (float32); NaN before any target was counted."""
+    def reset(self) -> None:
+        """Forget every update (Composer resets its train metrics at the start of each batch)."""
+        self.sum_loss = self.total_items = None
+
+    def compute(self, comm: Any = None) -> Any:
+        """The mean, in the sum's dtype (float32); NaN before any target was counted.
+
+        With ``comm`` (every rank of it calls this alike, after an update): the mean over every
+        rank's targets, each state summed over the ranks as torchmetrics 0.11 syncs a 0-d state
+        with ``dist_reduce_fx='sum'`` (``gather_all_tensors``: a barrier, then an all-gather of
+        the one value, then the sum), in the order Composer adds them (``sum_loss``,
+        ``total_items``). This rank's own sums stay as they were (torchmetrics unsyncs them)."""
         if self.sum_loss is None:
             return float("nan")
         xp = xp_of(self.sum_loss)
-        return self.sum_loss / xp.astype(self.total_items, self.sum_loss.dtype)
+        sum_loss, total_items = self.sum_loss, self.total_items
+        if comm is not None:
+            sum_loss, total_items = (_sum_over_ranks(comm, s) for s in (sum_loss, total_items))
+        return sum_loss / xp.astype(total_items, sum_loss.dtype)
 
 
 class LanguagePerplexity(LanguageCrossEntropy):
     """Composer's ``LanguagePerplexity``: the same update; ``compute`` is exp(mean)."""
 
-    def compute(self) -> Any:
-        mean = super().compute()
+    def compute(self, comm: Any = None) -> Any:
+        mean = super().compute(comm)
         return mean if self.sum_loss is None else xp_of(mean).exp(mean)
+
+
+def _sum_over_ranks(comm: Any, state: Any) -> Any:
+    """torchmetrics' sync of a 0-d state: a barrier, every rank's value gathered, summed."""
+    xp = xp_of(state)
+    every = xp.empty((comm.size,), dtype=state.dtype)
+    with comm.phase("metrics"):
+        comm.barrier()
+        comm.all_gather(every, reshape(state, (1,)))
+    return reduce("sum", every)
+
+
+def step_metrics(metrics: list, comm: Any) -> dict[str, Any]:
+    """What Composer logs at the end of a batch: each metric computed over every rank of
+    ``comm`` (``Trainer._compute_and_log_metrics``), by its class name."""
+    return {type(m).__name__: m.compute(comm) for m in metrics}
 
 
 # The metrics a trainer may name, by Composer's class names
