@@ -120,6 +120,23 @@ def test_numpys_huge_page_advice_leaves_the_first_2_mib_and_the_tail_in_small_pa
     assert MMAP_THRESHOLD == 128 << 10
 
 
+def test_a_heap_trim_gives_back_the_huge_pages_of_the_regions_above_the_new_break():
+    """Three 6 MiB buffers on the heap (threshold 8 MiB, so the trim threshold is 16 MiB), at
+    chunks 0, 6 MiB + 16 and 12 MiB + 32 (requests of 6 MiB + 16 bytes): each buffer's advised
+    range, from its first page boundary to its last, holds two whole 2 MiB regions, {1, 2},
+    {4, 5} and {7, 8}, faulted as huge pages. Freeing them from the top down, the last free
+    leaves about 18 MiB free above a top at 0: the break falls to 128 KiB and every region
+    above it (1 … 8) is given back, the six huge ones as huge pages."""
+    m = MallocModel(hugepages=True)
+    m.threshold = 8 << 20
+    faulted = [m.allocate(6 << 20, key=k)[1] for k in range(3)]
+    assert faulted == [2, 2, 2] and m.heap_huge == {1, 2, 4, 5, 7, 8}
+    assert [m.free(6 << 20, key=k) for k in (2, 1)] == [0, 0]  # below the trim threshold
+    assert m.free(6 << 20, key=0) == 6
+    assert m.heap.resident == 128 << 10 and not m.heap_huge
+    assert m.allocate(6 << 20, key=3)[1] == 2  # the heap grows again: fresh huge pages
+
+
 def test_an_unmapped_buffer_gives_its_huge_pages_back_and_a_heap_chunk_none():
     m = MallocModel(hugepages=True)
     m.allocate(64 << 20, key=1)  # mapped: 31 huge pages (the test above)
@@ -295,9 +312,10 @@ def test_malformed_host_keys_are_refused_naming_key_and_value(tmp_path, key, val
 def test_numpys_advice_on_the_heap_makes_whole_fresh_2_mib_regions_huge_pages():
     # a 6 MiB buffer whose data starts at byte 16 of a heap taken as 2 MiB-aligned: the advice
     # covers bytes 4,096 … 6 MiB, holding the regions 2-4 MiB and 4-6 MiB
-    assert advised_regions(16, 6 << 20, touched=0, resident=(6 << 20) + 4096) == 2
+    assert advised_regions(16, 6 << 20, touched=0, resident=(6 << 20) + 4096) == range(1, 3)
     # with the first 3 MiB touched before, only the region 4-6 MiB is touched whole now
-    assert advised_regions(16, 6 << 20, touched=3 << 20, resident=(6 << 20) + 4096) == 1
+    assert advised_regions(16, 6 << 20, touched=3 << 20, resident=(6 << 20) + 4096) == range(2, 3)
+    assert len(advised_regions(16, 1 << 20, touched=0, resident=2 << 20)) == 0  # none whole
     m = MallocModel(hugepages=True)
     m.threshold = 32 << 20  # as after a freed mapping of 32 MiB: a 6 MiB buffer on the heap
     small, huge = m.allocate(6 << 20, key=1)

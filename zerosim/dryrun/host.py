@@ -27,7 +27,9 @@ zeroes each one. NumPy takes its buffers from glibc's malloc, which serves a req
   so only a heap that grows touches new ones; when the free top exceeds the trim threshold
   (twice the mmap threshold) the break moves down to 128 KiB above it (``M_TOP_PAD``), and the
   next growth touches those pages again. A step's activations grow the heap and are freed at
-  its end, so every step touches them afresh (``strace`` of a real step shows the same brk);
+  its end, so every step touches them afresh (``strace`` of a real step shows the same brk); a
+  trim gives the kernel back the huge pages of the 2 MiB regions wholly above the new break,
+  as an unmapping does;
 - at or above the threshold with a fresh ``mmap``, unmapped again when freed: every such
   buffer faults all its pages. The threshold starts at 128 KiB and rises to the size of any
   mapped chunk freed above it, up to 32 MiB (glibc's dynamic ``M_MMAP_THRESHOLD``,
@@ -134,15 +136,15 @@ def mapped_pages(nbytes: int, hugepages: bool) -> tuple[int, int]:
     return pages - huge * (HUGE_PAGE // PAGE), huge
 
 
-def advised_regions(data: int, nbytes: int, touched: int, resident: int) -> int:
-    """The 2 MiB regions of the heap (its start taken as 2 MiB-aligned) inside NumPy's advised
-    range of a buffer at ``data`` (from its first page boundary to its last) that lie wholly
-    in the pages first touched now, from ``touched`` to ``resident``: one fault each. A region
-    part-touched before keeps its 4 KiB pages."""
+def advised_regions(data: int, nbytes: int, touched: int, resident: int) -> range:
+    """The 2 MiB regions of the heap (its start taken as 2 MiB-aligned; region i spans bytes
+    i · 2 MiB … (i + 1) · 2 MiB) inside NumPy's advised range of a buffer at ``data`` (from its
+    first page boundary to its last) that lie wholly in the pages first touched now, from
+    ``touched`` to ``resident``: one fault each. A region part-touched before keeps its 4 KiB
+    pages."""
     start = max(-(-data // PAGE) * PAGE, touched)
     end = min((data + nbytes) // PAGE * PAGE, resident)
-    first, last = -(-start // HUGE_PAGE), end // HUGE_PAGE
-    return max(0, last - first)
+    return range(-(-start // HUGE_PAGE), max(-(-start // HUGE_PAGE), end // HUGE_PAGE))
 
 
 class Heap:
@@ -179,7 +181,9 @@ class Heap:
         self.resident += pages * PAGE
         return address, size, pages
 
-    def free(self, address: int, size: int, trim_threshold: int) -> None:
+    def free(self, address: int, size: int, trim_threshold: int) -> int:
+        """Give the chunk back; return where the break was if this free trimmed the heap
+        (``resident`` is then the new break), else 0."""
         if address + size in self.free_at:  # merge with the free chunk after it
             size += self._unlink(address + size)
         if address in self.free_ending:  # and the one before it
@@ -189,9 +193,12 @@ class Heap:
         if address + size == self.top:
             self.top = address
             if size >= TRIM_CHECK_BYTES and self.resident - self.top >= trim_threshold:
+                trimmed_from = self.resident
                 self.resident = min(self.resident, -(-(self.top + TOP_PAD) // PAGE) * PAGE)
+                return trimmed_from
         else:
             self._link(address, size)
+        return 0
 
     def _link(self, address: int, size: int) -> None:
         bisect.insort(self.free_chunks, (size, address))
@@ -215,6 +222,7 @@ class MallocModel:
         self.threshold = MMAP_THRESHOLD
         self.heap = Heap()
         self.live: dict[int, tuple[int, int] | None] = {}  # key → heap (address, size) or None
+        self.heap_huge: set[int] = set()  # the heap's 2 MiB regions faulted as huge pages
         self.faults = [0, 0]  # (4 KiB, 2 MiB) faults so far
 
     def allocate(self, nbytes: int, key: int) -> tuple[int, int]:
@@ -227,7 +235,11 @@ class MallocModel:
             address, size, small = self.heap.allocate(request)
             chunk, huge = (address, size), 0
             if self.hugepages and nbytes >= HUGEPAGE_MIN_BYTES and small:
-                huge = advised_regions(address + CHUNK_HEADER, nbytes, before, self.heap.resident)
+                regions = advised_regions(
+                    address + CHUNK_HEADER, nbytes, before, self.heap.resident
+                )
+                self.heap_huge.update(regions)
+                huge = len(regions)
                 small -= huge * (HUGE_PAGE // PAGE)
         self.live[key] = chunk
         self.faults[0] += small
@@ -235,14 +247,20 @@ class MallocModel:
         return small, huge
 
     def free(self, nbytes: int, key: int) -> int:
-        """Give buffer ``key`` back; return the 2 MiB huge pages its unmapping gives back to
-        the kernel (a heap chunk and a mapping of 4 KiB pages give none)."""
+        """Give buffer ``key`` back; return the 2 MiB huge pages this gives back to the kernel:
+        a mapping's (none if of 4 KiB pages), or, where freeing a heap chunk trims the heap,
+        the huge pages of the regions wholly above the new break."""
         if key not in self.live:  # made before the model was watching: nothing to give back
             return 0
         chunk = self.live.pop(key)
         if chunk is not None:
-            self.heap.free(*chunk, 2 * self.threshold)
-            return 0
+            trimmed_from = self.heap.free(*chunk, 2 * self.threshold)
+            if not trimmed_from:
+                return 0
+            above = range(-(-self.heap.resident // HUGE_PAGE), trimmed_from // HUGE_PAGE)
+            given = self.heap_huge.intersection(above)
+            self.heap_huge -= given
+            return len(given)
         chunk = mapped_chunk(nbytes)  # unmapped
         if self.threshold < chunk <= MMAP_THRESHOLD_MAX:
             self.threshold = chunk  # glibc's dynamic threshold: the freed chunk's size
