@@ -494,3 +494,29 @@ def test_a_dry_runs_stretches_count_each_call_by_rate_class_and_size():
         classes[dtype] = {rate for v in stretches for rate, _ in v[2]}
     assert classes["fp32"] == {"native"}
     assert {"bf16", "to_bf16", "from_bf16"} <= classes["bf16"]
+
+
+@pytest.mark.parametrize("backend, steps", [("numpy", 3), ("cupy", 2)])
+def test_a_dry_run_on_a_host_runs_to_the_first_step_zerosim_train_times(
+    backend, steps, tmp_path, monkeypatch
+):
+    """``zerosim train``'s ``step_s`` leaves out its first two steps, so a dry run standing for
+    NumPy on a calibrated host reports the third by default; on a GPU's path the second."""
+    from zerosim import dryrun
+    from zerosim.cli.train import WARMUP_STEPS
+
+    assert dryrun.HOST_STEPS == WARMUP_STEPS + 1
+    spec = {
+        "nodes": 1, "devices_per_node": 1, "intra_bandwidth": 1e10, "inter_bandwidth": 1e10,
+        "intra_latency": 1e-5, "inter_latency": 1e-5, "device_flops": 1e11, "backend": backend,
+    }  # fmt: skip
+    host = write_cluster(tmp_path / "host.json", **spec)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {}}}
+    ran, run_world = [], dryrun.run_world
+    monkeypatch.setattr(
+        dryrun, "run_world", lambda *a, **k: ran.append(k["steps"]) or run_world(*a, **k)
+    )
+    dryrun.dry_run("gpt:1,16,80,8,2", 1, cfg, cluster=host)
+    dryrun.dry_run("gpt:1,16,80,8,2", 1, cfg, cluster=host, steps=1)
+    dryrun.dry_run("gpt:1,16,80,8,2", 1, cfg)  # no cluster: 2
+    assert ran == [steps, 1, 2]

@@ -18,6 +18,11 @@ from zerosim.dryrun.run import ModelRecipe, RankRun, recipe, records_of, run_wor
 from zerosim.dryrun.timeline import ClusterModel, chrome_trace, load_cluster_model
 from zerosim.nn.description import ModelDescription
 
+# The steps a dry run on a calibrated host runs: zerosim train's step_s leaves out its first two
+# (``WARMUP_STEPS``), so the third is the first step it times. A step's allocations settle by
+# then (glibc's mmap threshold rises as mappings are freed, over the first steps).
+HOST_STEPS = 3
+
 
 def dry_run(
     model: str | ModelDescription | ModelRecipe,
@@ -27,7 +32,7 @@ def dry_run(
     micro_batch: int | None = None,
     recompute: bool = False,
     all_ranks: bool = False,
-    steps: int = 2,
+    steps: int | None = None,
     overflow: bool = False,
     fill: float = 0.0,
     cluster: str | Path | ClusterModel | None = None,
@@ -37,27 +42,27 @@ def dry_run(
     backend: str | None = None,
 ) -> dict[str, Any]:
     """Run ``model`` (a name or description ``recipe`` knows, or a recipe) on ``world_size``
-    virtual ranks with ``config`` (a DeepSpeed JSON config, dict or path; its
-    ``zerosim.backend`` becomes "meta") for ``steps`` optimizer steps; return the report of the
-    last one (docs/dryrun.md). With ``cluster`` (a cluster JSON or a ``ClusterModel``) the
-    report has the step's ``time``, and ``trace`` / ``plot`` write the simulated step as a
-    Chrome trace / the memory over it; where the cluster gives its device memory,
-    ``fits_device`` says whether every rank's peak fits (``time["fits_device"]`` false: a step
-    that would not start, its time only what it would take). ``backend`` ("numpy", "cupy" or
+    virtual ranks with ``config`` (a DeepSpeed JSON config, dict or path; its ``zerosim.backend``
+    becomes "meta") for ``steps`` optimizer steps (None: ``HOST_STEPS`` on a host's NumPy path,
+    else 2); return the report of the last one (docs/dryrun.md). With ``cluster`` (a cluster
+    JSON or a ``ClusterModel``) the report has the step's ``time``, and ``trace`` / ``plot``
+    write the simulated step as a Chrome trace / the memory over it; where the cluster gives
+    its device memory, ``fits_device`` says whether every rank's peak fits (false: a step that
+    would not start, its time only what it would take). ``backend`` ("numpy", "cupy" or
     "torch") is the array backend the run stands for, whose code path the shape-only arrays
     follow (memory, operations; "torch": CuPy's, each fused chain of a layer one kernel,
-    ``meta.fusion``); None follows the cluster's ``backend`` (a host from ``zerosim
-    calibrate``: numpy; the published GPU clusters: cupy or torch), else cupy. ``wall_s`` is
-    the whole call's cost on this machine (the ranks run, the report over every rank, the time
-    model, the trace and plot), ``ranks_wall_s`` the ranks' runs alone."""
+    ``meta.fusion``); None follows the cluster's (a host from ``zerosim calibrate``: numpy;
+    the published GPU clusters: cupy or torch), else cupy. ``wall_s`` is the whole call's
+    cost here, ``ranks_wall_s`` the ranks' runs alone."""
     start = perf_counter()
     if (trace or plot) and cluster is None:
         raise ValueError("trace and plot draw the simulated step: give a cluster too")
     if isinstance(cluster, str | Path):
         cluster = load_cluster_model(cluster)
-    _check_positive_ints(world_size=world_size, steps=steps)
     if backend is None:
         backend = "cupy" if cluster is None else cluster.backend
+    steps = _steps(steps, host=cluster is not None and backend == "numpy")
+    _check_positive_ints(world_size=world_size, steps=steps)
     model = model if isinstance(model, ModelRecipe) else recipe(model)
     runs, ranks_wall = run_world(
         model,
@@ -103,6 +108,11 @@ def _with_time(
     if plot is not None:
         plot_step_memory(step, plot, title, cluster.device_memory_bytes)
     return report
+
+
+def _steps(steps: int | None, host: bool) -> int:
+    """``steps``, or when None ``HOST_STEPS`` on a host's NumPy path, else 2."""
+    return (HOST_STEPS if host else 2) if steps is None else steps
 
 
 def _check_positive_ints(**values: Any) -> None:
